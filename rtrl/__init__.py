@@ -1,0 +1,3 @@
+"""rtrl: shared infrastructure (settings, local services, Kafka and ClickHouse access, CLI)."""
+
+__version__ = "0.1.0"

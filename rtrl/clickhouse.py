@@ -1,0 +1,230 @@
+"""ClickHouse access by DSN: embedded chdb (``chdb:///dir``, the real engine in-process) or a server.
+
+- :func:`connect` opens a client with bounded waits and errors that name the address and setting.
+- :func:`migrate` applies ``schemas/migrations/*.sql`` once each, recorded in ``schema_migrations``.
+- :func:`verify` checks every table against the columns derived from schemas.records.
+- :func:`insert` / :func:`select` move records as Arrow.
+
+chdb holds one data folder per process; many threads in that process may share the client.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import clickhouse_connect
+import pyarrow as pa
+
+from rtrl.errors import ConfigError, SchemaMismatch, ServiceUnavailable
+from schemas.records import Checkpoint, DeadLetter, EventBase, MicroBatch, Reward, Rollout
+from schemas.types import columns, from_arrow, to_arrow
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "schemas" / "migrations"
+
+#: table name -> record class stored in it
+TABLES: dict[str, type] = {
+    "events": EventBase,
+    "rollouts": Rollout,
+    "rewards": Reward,
+    "batches": MicroBatch,
+    "checkpoints": Checkpoint,
+    "dead_letters": DeadLetter,
+}
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def redact(dsn: str) -> str:
+    """The DSN without its password, for error messages."""
+    parts = urlsplit(dsn)
+    if parts.password:
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+        return urlunsplit(parts._replace(netloc=netloc))
+    return dsn
+
+
+def _prepare_chdb_dir(dsn: str) -> None:
+    path = dsn[len("chdb://"):]
+    if path in ("", "memory", ":memory:"):
+        return
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".rtrl-write-probe"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(
+            f"ClickHouse data folder {folder} is not writable ({e.strerror or e}); "
+            "fix: set clickhouse.dsn (RTRL_CLICKHOUSE__DSN) to chdb:///a/writable/folder, or data_dir to a writable folder"
+        ) from None
+
+
+def connect(dsn: str, timeout_s: float = 10.0) -> Any:
+    """A clickhouse-connect client for ``dsn``; fails within about ``timeout_s`` with a clear error."""
+    if dsn.startswith("chdb://"):
+        _prepare_chdb_dir(dsn)
+        try:
+            client = clickhouse_connect.get_client(dsn=dsn)
+            client.command("SELECT 1")
+            return client
+        except Exception as e:  # chdb raises ProgrammingError / RuntimeError variants
+            text = str(e)
+            if "already initialized with path" in text:
+                raise ConfigError(
+                    f"this process already opened another chdb folder ({text.split('path')[-2:]}); "
+                    "one process can hold one embedded ClickHouse folder: use one clickhouse.dsn per process"
+                ) from None
+            raise ServiceUnavailable(f"embedded ClickHouse at {dsn} could not be opened: {text}") from None
+    if dsn.startswith(("http://", "https://")):
+        try:
+            client = clickhouse_connect.get_client(
+                dsn=dsn, connect_timeout=timeout_s, send_receive_timeout=max(timeout_s, 30.0)
+            )
+            client.command("SELECT 1")
+            return client
+        except Exception as e:
+            raise ServiceUnavailable(
+                f"ClickHouse server at {redact(dsn)} did not answer within {timeout_s:g}s ({type(e).__name__}); "
+                "fix: start it or point clickhouse.dsn (RTRL_CLICKHOUSE__DSN) at a reachable server"
+            ) from None
+    raise ConfigError(f"clickhouse.dsn {dsn!r} must start with chdb:// or http(s)://")
+
+
+def _check_name(database: str) -> str:
+    if not _NAME.match(database):
+        raise ConfigError(f"clickhouse.database {database!r} must be a plain identifier (letters, digits, _)")
+    return database
+
+
+# ---------------------------------------------------------------- migrations
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    sql: str
+
+    @property
+    def checksum(self) -> str:
+        return hashlib.sha256(self.sql.encode()).hexdigest()
+
+    def statements(self, database: str) -> list[str]:
+        body = "\n".join(line for line in self.sql.splitlines() if not line.lstrip().startswith("--"))
+        return [s.strip().replace("{db}", database) for s in body.split(";") if s.strip()]
+
+
+def migrations(folder: Path = MIGRATIONS_DIR) -> list[Migration]:
+    """The migrations shipped in schemas/migrations, in version order."""
+    out = []
+    for f in sorted(folder.glob("*.sql")):
+        head = f.name.split("_", 1)[0]
+        if not head.isdigit():
+            raise SchemaMismatch(f"migration file {f.name} must start with a number, e.g. 0002_add_x.sql")
+        out.append(Migration(int(head), f.name, f.read_text()))
+    versions = [m.version for m in out]
+    if len(set(versions)) != len(versions):
+        raise SchemaMismatch(f"two migrations share a version in {folder}: {versions}")
+    return out
+
+
+def migrate(client: Any, database: str, folder: Path = MIGRATIONS_DIR) -> list[int]:
+    """Apply pending migrations once each; return the versions applied now (idempotent)."""
+    db = _check_name(database)
+    client.command(f"CREATE DATABASE IF NOT EXISTS {db}")
+    client.command(
+        f"CREATE TABLE IF NOT EXISTS {db}.schema_migrations "
+        "(version UInt32, name String, checksum String, applied_at DateTime64(3, 'UTC')) "
+        "ENGINE = ReplacingMergeTree ORDER BY version"
+    )
+    applied = {
+        int(v): (n, c)
+        for v, n, c in client.query(f"SELECT version, name, checksum FROM {db}.schema_migrations FINAL").result_rows
+    }
+    done = []
+    for m in migrations(folder):
+        if m.version in applied:
+            if applied[m.version][1] != m.checksum:
+                raise SchemaMismatch(
+                    f"migration {m.name} was changed after it was applied to database {db}; "
+                    "fix: restore it and put the change in a new migration file"
+                )
+            continue
+        for stmt in m.statements(db):
+            client.command(stmt)
+        client.command(
+            f"INSERT INTO {db}.schema_migrations VALUES ({m.version}, '{m.name}', '{m.checksum}', now64(3))"
+        )
+        done.append(m.version)
+    return done
+
+
+def live_columns(client: Any, database: str, table: str) -> list[tuple[str, str]]:
+    """(name, ClickHouse type) of a table as the engine reports it, in order."""
+    rows = client.query(
+        "SELECT name, type FROM system.columns WHERE database = {db:String} AND table = {t:String} ORDER BY position",
+        parameters={"db": database, "t": table},
+    ).result_rows
+    return [(n, t) for n, t in rows]
+
+
+def verify(client: Any, database: str) -> None:
+    """Raise SchemaMismatch naming every table/column that differs from schemas.records."""
+    problems = []
+    for table, cls in TABLES.items():
+        live = dict(live_columns(client, database, table))
+        if not live:
+            problems.append(f"table {database}.{table} does not exist")
+            continue
+        expected = {c.name: c.clickhouse for c in columns(cls)}
+        for name, typ in expected.items():
+            if name not in live:
+                problems.append(f"{database}.{table}.{name} is missing (code expects {typ})")
+            elif live[name] != typ:
+                problems.append(f"{database}.{table}.{name} is {live[name]} but code expects {typ}")
+        for name in live.keys() - expected.keys():
+            problems.append(f"{database}.{table}.{name} exists in ClickHouse but not in schemas/records.py")
+    if problems:
+        raise SchemaMismatch(
+            "ClickHouse schema differs from schemas/: "
+            + "; ".join(problems)
+            + ". Fix: run `rtrl migrate`, or add a migration in schemas/migrations that makes them agree"
+        )
+
+
+def setup(dsn: str, database: str, timeout_s: float = 10.0) -> Any:
+    """Connect, migrate and verify: what every job does before touching ClickHouse."""
+    client = connect(dsn, timeout_s)
+    migrate(client, database)
+    verify(client, database)
+    return client
+
+
+# ---------------------------------------------------------------- records in and out
+
+
+def insert(client: Any, database: str, table: str, records: list) -> int:
+    """Insert records as one Arrow batch; returns the row count."""
+    if not records:
+        return 0
+    data = to_arrow(records, TABLES[table])
+    client.insert_arrow(f"{_check_name(database)}.{table}", data)
+    return data.num_rows
+
+
+def insert_table(client: Any, database: str, table: str, data: pa.Table) -> int:
+    """Insert an Arrow table already in the table's derived schema."""
+    client.insert_arrow(f"{_check_name(database)}.{table}", data)
+    return data.num_rows
+
+
+def select(client: Any, database: str, table: str, where: str = "", final: bool = True) -> list:
+    """Read records back from a table (``FINAL`` collapses replaced rows)."""
+    sql = f"SELECT * FROM {_check_name(database)}.{table}{' FINAL' if final else ''} {where}"
+    return from_arrow(client.query_arrow(sql), TABLES[table])

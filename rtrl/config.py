@@ -1,0 +1,246 @@
+"""One typed configuration for every rtrl job.
+
+Sources, later ones winning: built-in defaults, a TOML file (``--config`` or ``RTRL_CONFIG``),
+then environment variables ``RTRL_<SECTION>__<KEY>`` (e.g. ``RTRL_KAFKA__BOOTSTRAP``).
+Unknown keys and bad values raise :class:`ConfigError` naming the setting, where it came
+from, and how to fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from rtrl.errors import ConfigError
+
+ENV_PREFIX = "RTRL_"
+ENV_CONFIG_FILE = "RTRL_CONFIG"
+
+
+def _setting(default: Any, help: str, check: Callable[[Any], str | None] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "check": check})
+
+
+def _positive(v: Any) -> str | None:
+    return None if v > 0 else "must be > 0"
+
+
+def _non_negative(v: Any) -> str | None:
+    return None if v >= 0 else "must be >= 0"
+
+
+def _probability(v: Any) -> str | None:
+    return None if 0.0 <= v <= 1.0 else "must be a probability between 0 and 1"
+
+
+def _dsn(v: str) -> str | None:
+    if v == "" or v.startswith(("chdb://", "http://", "https://")):
+        return None
+    return "must be empty (embedded chdb under data_dir), chdb:///abs/path, chdb://memory or http(s)://host:port"
+
+
+def _bootstrap(v: str) -> str | None:
+    if v == "":
+        return None
+    for part in v.split(","):
+        host, _, port = part.strip().rpartition(":")
+        if not host or not port.isdigit():
+            return f"must be host:port[,host:port...]; {part.strip()!r} is not"
+    return None
+
+
+def _prefix(v: str) -> str | None:
+    ok = all(c.isalnum() or c in "._-" for c in v)
+    return None if ok and v else "may only contain letters, digits, '.', '_' and '-'"
+
+
+@dataclass
+class KafkaSettings:
+    bootstrap: str = _setting(
+        "", "host:port list of the Kafka brokers; empty = start a local noida-db broker", _bootstrap
+    )
+    topic_prefix: str = _setting("rtrl.", "prefix of every topic name (rtrl.events, ...)", _prefix)
+    partitions: int = _setting(4, "partitions of the keyed data topics when rtrl creates them", _positive)
+    timeout_s: float = _setting(10.0, "seconds to wait for the broker before reporting it unreachable", _positive)
+
+
+@dataclass
+class ClickHouseSettings:
+    dsn: str = _setting("", "ClickHouse DSN; empty = embedded chdb:///<data_dir>/clickhouse", _dsn)
+    database: str = _setting("rtrl", "database holding rtrl's tables", _prefix)
+    timeout_s: float = _setting(10.0, "seconds to wait for a ClickHouse server before reporting it unreachable", _positive)
+
+
+@dataclass
+class SdkSettings:
+    salt: str = _setting(
+        "rtrl-local-dev-salt", "secret salt for hashing user ids; set your own in production", lambda v: None if len(v) >= 8 else "must be at least 8 characters"
+    )
+    queue_size: int = _setting(100_000, "events the SDK buffers before it drops (and counts) new ones", _positive)
+    linger_ms: int = _setting(5, "producer linger: how long to wait to fill a batch", _non_negative)
+    delivery_timeout_s: float = _setting(300.0, "how long the producer retries an event before reporting it failed", _positive)
+    max_event_bytes: int = _setting(64 * 1024, "largest encoded event accepted anywhere in rtrl", _positive)
+
+
+@dataclass
+class SimulatorSettings:
+    seed: int = _setting(0, "random seed; the same seed gives the same events")
+    trajectories: int = _setting(2000, "trajectories to simulate in one run", _positive)
+    orgs: int = _setting(6, "simulated organisations", _positive)
+    users_per_org: int = _setting(20, "simulated users in each organisation", _positive)
+    rate: float = _setting(0.0, "events per second sent through the SDK; 0 = as fast as possible", _non_negative)
+    start_ms: int = _setting(0, "event time of the first trajectory (ms since epoch); 0 = now", _non_negative)
+    duplicate_rate: float = _setting(0.01, "fraction of events the client sends twice", _probability)
+    reorder_rate: float = _setting(0.02, "fraction of events delivered after their successor", _probability)
+    late_check_rate: float = _setting(0.05, "fraction of persistence checks that arrive hours late", _probability)
+
+
+@dataclass
+class Settings:
+    data_dir: str = _setting(".rtrl", "folder for local state: broker data, embedded ClickHouse, reports")
+    kafka: KafkaSettings = field(default_factory=KafkaSettings)
+    clickhouse: ClickHouseSettings = field(default_factory=ClickHouseSettings)
+    sdk: SdkSettings = field(default_factory=SdkSettings)
+    simulator: SimulatorSettings = field(default_factory=SimulatorSettings)
+
+    @property
+    def data_path(self) -> Path:
+        return Path(self.data_dir).expanduser().resolve()
+
+    @property
+    def clickhouse_dsn(self) -> str:
+        return self.clickhouse.dsn or f"chdb://{self.data_path / 'clickhouse'}"
+
+    def topic(self, name: str) -> str:
+        """Full topic name for a logical name such as ``events``."""
+        return f"{self.kafka.topic_prefix}{name}"
+
+
+def _section_classes() -> dict[str, type]:
+    return {f.name: type(getattr(Settings(), f.name)) for f in dataclasses.fields(Settings) if f.name != "data_dir"}
+
+
+def _coerce(name: str, raw: Any, typ: type, source: str) -> Any:
+    """Convert ``raw`` (TOML value or environment string) to ``typ`` or raise a ConfigError."""
+    try:
+        if typ is bool:
+            if isinstance(raw, bool):
+                return raw
+            if isinstance(raw, str) and raw.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                return raw.lower() in ("1", "true", "yes", "on")
+            raise ValueError
+        if typ is int:
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise ValueError
+            return int(raw)
+        if typ is float:
+            if isinstance(raw, bool):
+                raise ValueError
+            return float(raw)
+        if typ is str:
+            if not isinstance(raw, (str, int, float)) or isinstance(raw, bool):
+                raise ValueError
+            return str(raw)
+    except (TypeError, ValueError):
+        pass
+    else:
+        raise AssertionError(f"unsupported setting type {typ}")
+    raise ConfigError(
+        f"setting {name} = {raw!r} (from {source}) is not a valid {typ.__name__}; "
+        f"fix: give {name} a {typ.__name__} value"
+    )
+
+
+def _unknown(name: str, choices: list[str], source: str) -> ConfigError:
+    close = difflib.get_close_matches(name, choices, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return ConfigError(
+        f"unknown setting {name!r} (from {source}); {hint}known settings: {', '.join(sorted(choices))}"
+    )
+
+
+def _all_names() -> list[str]:
+    names = ["data_dir"]
+    for sec, cls in _section_classes().items():
+        names += [f"{sec}.{f.name}" for f in dataclasses.fields(cls)]
+    return names
+
+
+def _apply(settings: Settings, name: str, raw: Any, source: str) -> None:
+    if name == "data_dir":
+        settings.data_dir = _coerce(name, raw, str, source)
+        return
+    sec, _, key = name.partition(".")
+    classes = _section_classes()
+    if sec not in classes or key not in {f.name for f in dataclasses.fields(classes[sec])}:
+        raise _unknown(name, _all_names(), source)
+    target = getattr(settings, sec)
+    f = next(f for f in dataclasses.fields(target) if f.name == key)
+    typ = {"int": int, "float": float, "str": str, "bool": bool}[f.type] if isinstance(f.type, str) else f.type
+    setattr(target, key, _coerce(name, raw, typ, source))
+
+
+def _flatten(doc: Mapping[str, Any], source: str) -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    classes = _section_classes()
+    for key, value in doc.items():
+        if isinstance(value, dict):
+            if key not in classes:
+                raise _unknown(key, list(classes), source)
+            out += [(f"{key}.{k}", v) for k, v in value.items()]
+        else:
+            out.append((key, value))
+    return out
+
+
+def validate(settings: Settings) -> Settings:
+    """Run every setting's check; raise ConfigError naming the first bad one."""
+    for sec, cls in _section_classes().items():
+        obj = getattr(settings, sec)
+        for f in dataclasses.fields(cls):
+            check = f.metadata.get("check")
+            problem = check(getattr(obj, f.name)) if check else None
+            if problem:
+                env = f"{ENV_PREFIX}{sec.upper()}__{f.name.upper()}"
+                raise ConfigError(
+                    f"setting {sec}.{f.name} = {getattr(obj, f.name)!r} {problem}; "
+                    f"fix it in the config file under [{sec}] or with {env} ({f.metadata['help']})"
+                )
+    return settings
+
+
+def load_settings(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> Settings:
+    """Defaults, then the TOML file, then ``RTRL_*`` environment variables; validated."""
+    env = os.environ if env is None else env
+    settings = Settings()
+    path = path or env.get(ENV_CONFIG_FILE) or None
+    if path is not None:
+        p = Path(path)
+        try:
+            doc = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {p} does not exist; fix: pass an existing file or unset {ENV_CONFIG_FILE}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+        for name, value in _flatten(doc, f"file {p}"):
+            _apply(settings, name, value, f"file {p}")
+    for var, value in env.items():
+        if not var.startswith(ENV_PREFIX) or var == ENV_CONFIG_FILE:
+            continue
+        name = var[len(ENV_PREFIX):].lower().replace("__", ".")
+        _apply(settings, name, value, f"environment variable {var}")
+    return validate(settings)
+
+
+def describe() -> list[tuple[str, Any, str]]:
+    """(name, default, help) for every setting; used by ``rtrl config --help-settings`` and docs."""
+    rows: list[tuple[str, Any, str]] = [("data_dir", Settings().data_dir, "folder for local state")]
+    for sec, cls in _section_classes().items():
+        for f in dataclasses.fields(cls):
+            rows.append((f"{sec}.{f.name}", f.default, f.metadata["help"]))
+    return rows

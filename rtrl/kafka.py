@@ -1,0 +1,81 @@
+"""Kafka access: bounded reachability checks, idempotent topic creation, client configs.
+
+Every call that talks to the broker has a deadline, so an unreachable broker is reported with its
+address within ``kafka.timeout_s`` instead of hanging (Bytewax's KafkaSource lists partitions
+with no deadline; flows call :func:`check_broker` before building one).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
+
+from rtrl.errors import ServiceUnavailable
+from schemas.topics import TOPICS, TopicSpec
+
+log = logging.getLogger("rtrl.kafka")
+
+
+def base_config(bootstrap: str) -> dict[str, Any]:
+    """librdkafka settings every rtrl client shares (its logs go to Python logging, not stderr)."""
+    return {"bootstrap.servers": bootstrap, "logger": log}
+
+
+def producer_config(bootstrap: str, **overrides: Any) -> dict[str, Any]:
+    """Idempotent producer: retries never duplicate or reorder within a partition."""
+    cfg = base_config(bootstrap) | {"enable.idempotence": True, "acks": "all", "linger.ms": 5}
+    return cfg | overrides
+
+
+def check_broker(bootstrap: str, timeout_s: float = 10.0) -> Any:
+    """Cluster metadata, or ServiceUnavailable naming the address after ``timeout_s``."""
+    if not bootstrap:
+        raise ServiceUnavailable("no Kafka broker configured; fix: set kafka.bootstrap (RTRL_KAFKA__BOOTSTRAP)")
+    admin = AdminClient(base_config(bootstrap) | {"socket.connection.setup.timeout.ms": max(1000, int(timeout_s * 1000))})
+    try:
+        return admin.list_topics(timeout=timeout_s)
+    except KafkaException as e:
+        raise ServiceUnavailable(
+            f"Kafka broker at {bootstrap} did not answer within {timeout_s:g}s ({e.args[0].str() if e.args else e}); "
+            "fix: start it (`rtrl broker up`) or set kafka.bootstrap (RTRL_KAFKA__BOOTSTRAP)"
+        ) from None
+
+
+def ensure_topics(
+    bootstrap: str, prefix: str, default_partitions: int, specs: tuple[TopicSpec, ...] = TOPICS, timeout_s: float = 10.0
+) -> list[str]:
+    """Create missing topics with their partitions and retention; return the names created now."""
+    meta = check_broker(bootstrap, timeout_s)
+    admin = AdminClient(base_config(bootstrap))
+    wanted = [
+        NewTopic(prefix + s.name, s.partitions or default_partitions, 1, config=s.configs())
+        for s in specs
+        if prefix + s.name not in meta.topics
+    ]
+    created = []
+    if wanted:
+        for name, fut in admin.create_topics(wanted, request_timeout=timeout_s).items():
+            try:
+                fut.result(timeout=timeout_s)
+                created.append(name)
+            except KafkaException as e:
+                if e.args[0].name() != "TOPIC_ALREADY_EXISTS":  # lost a race with another creator: fine
+                    raise ServiceUnavailable(f"could not create topic {name} on {bootstrap}: {e}") from None
+    return created
+
+
+def describe_topic(bootstrap: str, topic: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    """Partitions and retention settings of a topic, as the broker reports them."""
+    meta = check_broker(bootstrap, timeout_s)
+    if topic not in meta.topics:
+        raise ServiceUnavailable(f"topic {topic} does not exist on {bootstrap}")
+    admin = AdminClient(base_config(bootstrap))
+    fut = admin.describe_configs([ConfigResource("topic", topic)])[ConfigResource("topic", topic)]
+    cfg = fut.result(timeout=timeout_s)
+    return {
+        "partitions": len(meta.topics[topic].partitions),
+        **{k: cfg[k].value for k in ("retention.ms", "cleanup.policy") if k in cfg},
+    }

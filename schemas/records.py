@@ -1,0 +1,261 @@
+"""The records that flow through rtrl: the single source of truth.
+
+Arrow schemas, ClickHouse columns and the Kafka codecs are derived from these classes
+(schemas.types, schemas.codec); tests check the ClickHouse migrations against them.
+Every record that flows toward training carries ``policy_version``.
+
+Events are a tagged union on ``type``: each event type is a struct with the shared envelope
+fields of :class:`EventBase` followed by its own typed payload fields. On the wire an event is
+one flat JSON object; in Arrow/ClickHouse the payload fields of all types are Nullable columns.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+import msgspec
+from msgspec import Meta
+
+from schemas.fields import Kind, Float32, Id, Int32, Label, Millis, UInt8, UInt32, UInt64, UserHash, doc
+
+_STRICT = dict(kw_only=True, frozen=True, forbid_unknown_fields=True)
+
+Sentiment = Literal["dissatisfied", "neutral", "satisfied"]
+EndStatus = Literal["completed", "abandoned", "error"]
+CloseReason = Literal["ended", "deadline", "late"]
+CheckpointStatus = Literal["candidate", "promoted", "rejected", "rolled_back"]
+
+
+# ---------------------------------------------------------------- events (topic rtrl.events)
+
+
+class EventBase(msgspec.Struct, tag_field="type", **_STRICT):
+    """Envelope shared by every event type; the subclass's tag is the ``type`` field."""
+
+    event_id: Annotated[Id, doc("Globally unique id of this event; duplicates of it are dropped (dedup key).")]
+    trajectory_id: Annotated[Id, doc("Trajectory (one agent task for one user) this event belongs to; the Kafka key.")]
+    ts: Annotated[Millis, doc("Event time: when it happened at the client, ms since the Unix epoch (UTC).")]
+    org_id: Annotated[Label, doc("Organisation of the user; cohort key for baselines and monitors.")]
+    user_hash: Annotated[UserHash, doc("Salted HMAC-SHA256 of the user id (32 hex chars); never a raw id.")]
+    policy_version: Annotated[int, Meta(ge=0), doc("Version of the policy checkpoint that served this trajectory.")]
+    arm: Annotated[Label, doc("A/B arm the trajectory was served under (e.g. control, candidate).")]
+
+
+class TrajectoryStarted(EventBase, tag="trajectory_started"):
+    """The user gave the agent a task."""
+
+    task_kind: Annotated[Label, doc("Kind of task (bugfix, feature, refactor, ...); cohort key with org_id.")]
+
+
+class ToolCall(EventBase, tag="tool_call"):
+    """The agent called a tool; broken calls are negative signal, never discarded."""
+
+    tool: Annotated[Label, doc("Name of the tool the agent called.")]
+    valid: Annotated[bool, doc("False when the call was malformed or failed to execute.")]
+    error: Annotated[Optional[Annotated[str, Meta(max_length=2048)]], doc("Error text for a broken call; null when valid.")] = None
+
+
+class EditProposed(EventBase, tag="edit_proposed"):
+    """The agent proposed an edit to the user's code."""
+
+    edit_id: Annotated[Id, doc("Id of the edit; later accept/reject/persist events refer to it.")]
+    lines: Annotated[UInt32, doc("Lines changed by the edit.")]
+
+
+class EditAccepted(EventBase, tag="edit_accepted"):
+    """The user accepted a proposed edit; a persistence check will follow."""
+
+    edit_id: Annotated[Id, doc("Id of the accepted edit.")]
+
+
+class EditRejected(EventBase, tag="edit_rejected"):
+    """The user rejected a proposed edit."""
+
+    edit_id: Annotated[Id, doc("Id of the rejected edit.")]
+
+
+class EditPersisted(EventBase, tag="edit_persisted"):
+    """A later check of how much of an accepted edit survives in the user's codebase."""
+
+    edit_id: Annotated[Id, doc("Id of the checked edit.")]
+    fraction: Annotated[float, Meta(ge=0.0, le=1.0), doc("Fraction of the edit's lines still present, 0..1.")]
+    checked_after_s: Annotated[float, Meta(ge=0.0), doc("Seconds between acceptance and the check.")]
+
+
+class Followup(EventBase, tag="followup"):
+    """The user wrote a follow-up message, classified by sentiment."""
+
+    sentiment: Annotated[Sentiment, doc("dissatisfied, neutral or satisfied.")]
+    question_needed: Annotated[
+        Optional[bool],
+        doc("When the follow-up answers a clarifying question: whether the question was needed (false = unneeded)."),
+    ] = None
+
+
+class ClarifyingQuestion(EventBase, tag="clarifying_question"):
+    """The agent asked the user a question instead of acting."""
+
+
+class Latency(EventBase, tag="latency"):
+    """Latency of the agent's response."""
+
+    ttft_ms: Annotated[float, Meta(ge=0.0), doc("Time to first token, ms.")]
+    total_ms: Annotated[float, Meta(ge=0.0), doc("Time to the complete response, ms.")]
+
+
+class TrajectoryEnded(EventBase, tag="trajectory_ended"):
+    """The task ended; the reward window closes once pending persistence checks arrive."""
+
+    status: Annotated[EndStatus, doc("completed, abandoned or error.")]
+
+
+EVENT_TYPES: tuple[type[EventBase], ...] = (
+    TrajectoryStarted,
+    ToolCall,
+    EditProposed,
+    EditAccepted,
+    EditRejected,
+    EditPersisted,
+    Followup,
+    ClarifyingQuestion,
+    Latency,
+    TrajectoryEnded,
+)
+Event = Union[
+    TrajectoryStarted,
+    ToolCall,
+    EditProposed,
+    EditAccepted,
+    EditRejected,
+    EditPersisted,
+    Followup,
+    ClarifyingQuestion,
+    Latency,
+    TrajectoryEnded,
+]
+EVENT_BY_TYPE: dict[str, type[EventBase]] = {c.__struct_config__.tag: c for c in EVENT_TYPES}
+
+
+def event_type(event: EventBase) -> str:
+    """The ``type`` tag of an event."""
+    return event.__struct_config__.tag
+
+
+# ---------------------------------------------------------------- rollouts (topic rtrl.rollouts)
+
+
+class Rollout(msgspec.Struct, **_STRICT):
+    """One sampled completion with what the trainer needs to learn from it."""
+
+    trajectory_id: Annotated[Id, doc("Trajectory this completion served; joins with its reward.")]
+    policy_version: Annotated[int, Meta(ge=0), doc("Policy version that sampled the completion.")]
+    group_id: Annotated[Id, doc("Samples of the same prompt share a group (group-relative advantages).")]
+    org_id: Annotated[Label, doc("Organisation; cohort key for the running baseline.")]
+    task_kind: Annotated[Label, doc("Kind of task; cohort key with org_id.")]
+    prompt_ids: Annotated[list[Int32], doc("Prompt token ids.")]
+    completion_ids: Annotated[list[Int32], doc("Completion token ids sampled by the policy.")]
+    behaviour_logprobs: Annotated[list[Float32], doc("Log-prob of each completion token under the sampling policy.")]
+    loss_mask: Annotated[list[UInt8], doc("1 for completion tokens that are trained on, 0 otherwise (e.g. tool output).")]
+    created_at: Annotated[Millis, doc("When the completion was sampled, ms since epoch.")]
+
+    def __post_init__(self) -> None:
+        n = len(self.completion_ids)
+        if len(self.behaviour_logprobs) != n or len(self.loss_mask) != n:
+            raise ValueError(
+                f"behaviour_logprobs ({len(self.behaviour_logprobs)}) and loss_mask ({len(self.loss_mask)}) "
+                f"must have one entry per completion token ({n})"
+            )
+
+
+# ---------------------------------------------------------------- rewards (table + topic rtrl.rewards)
+
+
+class Reward(msgspec.Struct, **_STRICT):
+    """The reward of one trajectory under one reward version; revisions replace earlier ones."""
+
+    trajectory_id: Annotated[Id, doc("Trajectory the reward is for.")]
+    policy_version: Annotated[int, Meta(ge=0), doc("Policy version that served the trajectory.")]
+    reward_version: Annotated[Label, doc("Version of the reward function that computed it.")]
+    revision: Annotated[UInt32, doc("0 for the first emission; +1 for each re-emission caused by late events.")]
+    reward: Annotated[float, doc("Scalar reward.")]
+    components: Annotated[dict[Label, float], doc("Named parts of the reward that sum to it.")]
+    flags: Annotated[list[Label], doc("Behaviour flags, e.g. invalid_tool_call, deferred_edit.")]
+    close_reason: Annotated[CloseReason, doc("ended (ended and checks arrived), deadline, or late (re-emitted).")]
+    org_id: Annotated[Label, doc("Organisation of the trajectory.")]
+    arm: Annotated[Label, doc("A/B arm of the trajectory.")]
+    task_kind: Annotated[Label, doc("Kind of task.")]
+    n_events: Annotated[UInt32, doc("Distinct events seen for the trajectory.")]
+    event_counts: Annotated[dict[Label, UInt32], doc("Distinct events by type.")]
+    first_event_ts: Annotated[Millis, doc("Event time of the earliest event.")]
+    last_event_ts: Annotated[Millis, doc("Event time of the latest event.")]
+    emitted_at: Annotated[Millis, doc("Wall-clock time the reward was computed.")]
+
+
+# ---------------------------------------------------------------- micro-batches (topic rtrl.batches, Arrow IPC)
+
+
+class MicroBatch(msgspec.Struct, **_STRICT):
+    """Packed, fixed-shape training input: ``rows`` sequences of ``seq_len`` tokens each."""
+
+    batch_id: Annotated[Id, doc("Unique id; the trainer never trains on the same batch_id twice.")]
+    created_at: Annotated[Millis, doc("When the batch was packed, ms since epoch.")]
+    seq_len: Annotated[int, Meta(ge=1, le=2**31 - 1), Kind("int32"), doc("Tokens per packed row.")]
+    token_ids: Annotated[list[list[Int32]], doc("Packed token ids, rows x seq_len (padding after the last sample).")]
+    loss_mask: Annotated[list[list[UInt8]], doc("1 where the token is trained on, rows x seq_len.")]
+    advantages: Annotated[list[list[Float32]], doc("Per-token advantage, rows x seq_len.")]
+    behaviour_logprobs: Annotated[list[list[Float32]], doc("Per-token behaviour log-prob, rows x seq_len.")]
+    segment_ids: Annotated[list[list[Int32]], doc("Index into sample_ids for each token, -1 for padding.")]
+    sample_ids: Annotated[list[Id], doc("Trajectory id of each packed sample.")]
+    policy_versions: Annotated[list[int], doc("Policy version of each packed sample (same order as sample_ids).")]
+
+    def __post_init__(self) -> None:
+        rows = len(self.token_ids)
+        for name in ("loss_mask", "advantages", "behaviour_logprobs", "segment_ids"):
+            col = getattr(self, name)
+            if len(col) != rows or any(len(r) != self.seq_len for r in col):
+                raise ValueError(f"{name} must be {rows} rows x {self.seq_len} tokens like token_ids")
+        if any(len(r) != self.seq_len for r in self.token_ids):
+            raise ValueError(f"every token_ids row must hold seq_len={self.seq_len} tokens")
+        if len(self.policy_versions) != len(self.sample_ids):
+            raise ValueError("policy_versions must have one entry per sample_ids entry")
+        n = len(self.sample_ids)
+        if any(not -1 <= s < n for r in self.segment_ids for s in r):
+            raise ValueError(f"segment_ids must be -1 (padding) or an index below {n}")
+
+
+# ---------------------------------------------------------------- checkpoints (table + topic rtrl.deployments)
+
+
+class Checkpoint(msgspec.Struct, **_STRICT):
+    """A trained policy version and what the eval gate decided about it."""
+
+    version: Annotated[UInt64, doc("Policy version number; each checkpoint gets the next one.")]
+    parent: Annotated[Optional[UInt64], doc("Version it was trained from; null for the initial policy.")]
+    created_at: Annotated[Millis, doc("When this status was recorded, ms since epoch.")]
+    steps: Annotated[UInt64, doc("Optimizer steps taken since the parent.")]
+    samples: Annotated[UInt64, doc("Samples trained on since the parent.")]
+    tokens: Annotated[UInt64, doc("Tokens trained on since the parent.")]
+    eval_results: Annotated[dict[Label, float], doc("Eval suite and behaviour metrics by name.")]
+    status: Annotated[CheckpointStatus, doc("candidate, promoted, rejected or rolled_back.")]
+    reason: Annotated[Annotated[str, Meta(max_length=4096)], doc("Why the gate promoted, rejected or rolled it back.")]
+    kafka_offsets: Annotated[dict[Label, int], doc("Next offset to consume per 'topic/partition' at this checkpoint.")]
+    path: Annotated[Annotated[str, Meta(max_length=4096)], doc("Where the checkpoint's files are stored.")]
+
+
+# ---------------------------------------------------------------- dead letters (topic rtrl.dead_letters)
+
+
+class DeadLetter(msgspec.Struct, **_STRICT):
+    """Input that failed validation, kept with the reason instead of being dropped."""
+
+    source: Annotated[Label, doc("Topic (or component) the input came from.")]
+    partition: Annotated[Int32, doc("Source partition, -1 when not from Kafka.")]
+    offset: Annotated[int, doc("Source offset, -1 when not from Kafka.")]
+    key: Annotated[Optional[str], doc("Kafka key of the input, if any (decoded leniently).")]
+    field: Annotated[str, doc("Path of the offending field ($ for the whole input).")]
+    reason: Annotated[str, doc("Why the input was rejected.")]
+    payload: Annotated[str, doc("The input as received (decoded leniently, truncated to 4 KiB).")]
+    at: Annotated[Millis, doc("When it was dead-lettered, ms since epoch.")]
+
+
+RECORDS: tuple[type, ...] = (EventBase, Rollout, Reward, MicroBatch, Checkpoint, DeadLetter)

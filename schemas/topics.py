@@ -1,0 +1,34 @@
+"""Kafka topics of rtrl: names, keys, partitions and retention (created idempotently by rtrl.kafka)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DAY_MS = 24 * 3600 * 1000
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    """One topic. ``partitions=None`` means the ``kafka.partitions`` setting."""
+
+    name: str
+    record: str
+    key: str
+    retention_ms: int
+    partitions: int | None = None
+    cleanup_policy: str = "delete"
+    encoding: str = "json"
+
+    def configs(self) -> dict[str, str]:
+        return {"retention.ms": str(self.retention_ms), "cleanup.policy": self.cleanup_policy}
+
+
+TOPICS: tuple[TopicSpec, ...] = (
+    TopicSpec("events", "Event", "trajectory_id", 7 * DAY_MS),
+    TopicSpec("rollouts", "Rollout", "trajectory_id", 7 * DAY_MS),
+    TopicSpec("rewards", "Reward", "trajectory_id", 30 * DAY_MS),
+    TopicSpec("batches", "MicroBatch", "batch_id", 1 * DAY_MS, encoding="arrow-ipc"),
+    # One partition: promotions and rollbacks must be read in order.
+    TopicSpec("deployments", "Checkpoint", "version", -1, partitions=1),
+    TopicSpec("dead_letters", "DeadLetter", "source", 30 * DAY_MS, partitions=1),
+)
