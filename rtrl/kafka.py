@@ -79,3 +79,41 @@ def describe_topic(bootstrap: str, topic: str, timeout_s: float = 10.0) -> dict[
         "partitions": len(meta.topics[topic].partitions),
         **{k: cfg[k].value for k in ("retention.ms", "cleanup.policy") if k in cfg},
     }
+
+
+def read_topic(bootstrap: str, topic: str, timeout_s: float = 30.0, batch: int = 1000):
+    """Yield every message currently in ``topic`` (all partitions, from the start to the high watermark).
+
+    Uses partition assignment, not a consumer group, so nothing is committed; for audits, tests and
+    the interim loader. Raises ServiceUnavailable when the end is not reached within ``timeout_s``.
+    """
+    import time
+
+    from confluent_kafka import Consumer, TopicPartition
+
+    meta = check_broker(bootstrap, timeout_s)
+    if topic not in meta.topics:
+        raise ServiceUnavailable(f"topic {topic} does not exist on {bootstrap}")
+    consumer = Consumer(
+        base_config(bootstrap) | {"group.id": "rtrl-reader", "enable.auto.commit": False, "auto.offset.reset": "earliest"}
+    )
+    try:
+        ends = {}
+        for p in meta.topics[topic].partitions:
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout_s)
+            if high > low:
+                ends[p] = high
+        consumer.assign([TopicPartition(topic, p, 0) for p in ends])
+        deadline = time.monotonic() + timeout_s
+        while ends:
+            if time.monotonic() > deadline:
+                raise ServiceUnavailable(f"reading {topic} on {bootstrap} did not reach the end within {timeout_s:g}s")
+            for msg in consumer.consume(batch, 0.2):
+                if msg.error():
+                    continue
+                p = msg.partition()
+                if p in ends and msg.offset() >= ends[p] - 1:
+                    del ends[p]
+                yield msg
+    finally:
+        consumer.close()

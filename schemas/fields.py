@@ -32,8 +32,11 @@ UInt8 = Annotated[int, Meta(ge=0, le=255), Kind("uint8")]
 UInt32 = Annotated[int, Meta(ge=0, le=2**32 - 1), Kind("uint32")]
 UInt64 = Annotated[int, Meta(ge=0, le=2**63 - 1), Kind("uint64")]
 Float32 = Annotated[float, Kind("float32")]
-# Event time in milliseconds since the Unix epoch (UTC); DateTime64(3, 'UTC') in ClickHouse.
-Millis = Annotated[int, Meta(ge=0, le=253402300799999), Kind("millis")]
+Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+# Versions and counters that must fit ClickHouse Int64.
+Version = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+# Milliseconds since the Unix epoch (UTC); DateTime64(3, 'UTC') in ClickHouse, which ends in 2299.
+Millis = Annotated[int, Meta(ge=0, le=10413791999999), Kind("millis")]
 # Short identifiers repeated across many rows (org, arm, tool, version names).
 Label = Annotated[str, Meta(min_length=1, max_length=128), Kind("lowcard")]
 # Opaque ids (trajectory, event, edit); bounded so hostile input cannot bloat state.

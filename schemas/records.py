@@ -16,7 +16,7 @@ from typing import Annotated, Literal, Optional, Union
 import msgspec
 from msgspec import Meta
 
-from schemas.fields import Kind, Float32, Id, Int32, Label, Millis, UInt8, UInt32, UInt64, UserHash, doc
+from schemas.fields import Float32, Id, Int32, Int64, Kind, Label, Millis, UInt8, UInt32, UInt64, UserHash, Version, doc
 
 _STRICT = dict(kw_only=True, frozen=True, forbid_unknown_fields=True)
 
@@ -37,7 +37,7 @@ class EventBase(msgspec.Struct, tag_field="type", **_STRICT):
     ts: Annotated[Millis, doc("Event time: when it happened at the client, ms since the Unix epoch (UTC).")]
     org_id: Annotated[Label, doc("Organisation of the user; cohort key for baselines and monitors.")]
     user_hash: Annotated[UserHash, doc("Salted HMAC-SHA256 of the user id (32 hex chars); never a raw id.")]
-    policy_version: Annotated[int, Meta(ge=0), doc("Version of the policy checkpoint that served this trajectory.")]
+    policy_version: Annotated[Version, doc("Version of the policy checkpoint that served this trajectory.")]
     arm: Annotated[Label, doc("A/B arm the trajectory was served under (e.g. control, candidate).")]
 
 
@@ -148,7 +148,7 @@ class Rollout(msgspec.Struct, **_STRICT):
     """One sampled completion with what the trainer needs to learn from it."""
 
     trajectory_id: Annotated[Id, doc("Trajectory this completion served; joins with its reward.")]
-    policy_version: Annotated[int, Meta(ge=0), doc("Policy version that sampled the completion.")]
+    policy_version: Annotated[Version, doc("Policy version that sampled the completion.")]
     group_id: Annotated[Id, doc("Samples of the same prompt share a group (group-relative advantages).")]
     org_id: Annotated[Label, doc("Organisation; cohort key for the running baseline.")]
     task_kind: Annotated[Label, doc("Kind of task; cohort key with org_id.")]
@@ -174,7 +174,7 @@ class Reward(msgspec.Struct, **_STRICT):
     """The reward of one trajectory under one reward version; revisions replace earlier ones."""
 
     trajectory_id: Annotated[Id, doc("Trajectory the reward is for.")]
-    policy_version: Annotated[int, Meta(ge=0), doc("Policy version that served the trajectory.")]
+    policy_version: Annotated[Version, doc("Policy version that served the trajectory.")]
     reward_version: Annotated[Label, doc("Version of the reward function that computed it.")]
     revision: Annotated[UInt32, doc("0 for the first emission; +1 for each re-emission caused by late events.")]
     reward: Annotated[float, doc("Scalar reward.")]
@@ -206,7 +206,7 @@ class MicroBatch(msgspec.Struct, **_STRICT):
     behaviour_logprobs: Annotated[list[list[Float32]], doc("Per-token behaviour log-prob, rows x seq_len.")]
     segment_ids: Annotated[list[list[Int32]], doc("Index into sample_ids for each token, -1 for padding.")]
     sample_ids: Annotated[list[Id], doc("Trajectory id of each packed sample.")]
-    policy_versions: Annotated[list[int], doc("Policy version of each packed sample (same order as sample_ids).")]
+    policy_versions: Annotated[list[Version], doc("Policy version of each packed sample (same order as sample_ids).")]
 
     def __post_init__(self) -> None:
         rows = len(self.token_ids)
@@ -229,8 +229,8 @@ class MicroBatch(msgspec.Struct, **_STRICT):
 class Checkpoint(msgspec.Struct, **_STRICT):
     """A trained policy version and what the eval gate decided about it."""
 
-    version: Annotated[UInt64, doc("Policy version number; each checkpoint gets the next one.")]
-    parent: Annotated[Optional[UInt64], doc("Version it was trained from; null for the initial policy.")]
+    version: Annotated[Version, doc("Policy version number; each checkpoint gets the next one.")]
+    parent: Annotated[Optional[Version], doc("Version it was trained from; null for the initial policy.")]
     created_at: Annotated[Millis, doc("When this status was recorded, ms since epoch.")]
     steps: Annotated[UInt64, doc("Optimizer steps taken since the parent.")]
     samples: Annotated[UInt64, doc("Samples trained on since the parent.")]
@@ -238,7 +238,7 @@ class Checkpoint(msgspec.Struct, **_STRICT):
     eval_results: Annotated[dict[Label, float], doc("Eval suite and behaviour metrics by name.")]
     status: Annotated[CheckpointStatus, doc("candidate, promoted, rejected or rolled_back.")]
     reason: Annotated[Annotated[str, Meta(max_length=4096)], doc("Why the gate promoted, rejected or rolled it back.")]
-    kafka_offsets: Annotated[dict[Label, int], doc("Next offset to consume per 'topic/partition' at this checkpoint.")]
+    kafka_offsets: Annotated[dict[Label, Int64], doc("Next offset to consume per 'topic/partition' at this checkpoint.")]
     path: Annotated[Annotated[str, Meta(max_length=4096)], doc("Where the checkpoint's files are stored.")]
 
 
@@ -250,7 +250,7 @@ class DeadLetter(msgspec.Struct, **_STRICT):
 
     source: Annotated[Label, doc("Topic (or component) the input came from.")]
     partition: Annotated[Int32, doc("Source partition, -1 when not from Kafka.")]
-    offset: Annotated[int, doc("Source offset, -1 when not from Kafka.")]
+    offset: Annotated[Int64, doc("Source offset, -1 when not from Kafka.")]
     key: Annotated[Optional[str], doc("Kafka key of the input, if any (decoded leniently).")]
     field: Annotated[str, doc("Path of the offending field ($ for the whole input).")]
     reason: Annotated[str, doc("Why the input was rejected.")]

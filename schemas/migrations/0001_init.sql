@@ -91,8 +91,8 @@ ORDER BY batch_id;
 -- Checkpoint lifecycle; the latest status of a version wins.
 CREATE TABLE IF NOT EXISTS {db}.checkpoints
 (
-    version UInt64,
-    parent Nullable(UInt64),
+    version Int64,
+    parent Nullable(Int64),
     created_at DateTime64(3, 'UTC'),
     steps UInt64,
     samples UInt64,

@@ -1,0 +1,302 @@
+"""The SDK: validate, hash user ids, buffer in a bounded queue, produce idempotently, flush on close.
+
+Guarantees to the caller:
+
+- ``record()`` never blocks: it validates, encodes and appends to a bounded in-memory queue.
+  When the queue is full the event is dropped, counted in ``stats().dropped`` and logged
+  (rate-limited) — never silently.
+- One background thread owns the confluent-kafka producer (idempotent, ``acks=all``), keyed by
+  ``trajectory_id`` so a trajectory's events stay ordered on one partition. While the broker is
+  down, events wait in the producer and are retried until ``delivery_timeout_s``.
+- ``close()`` drains the queue and flushes; what could not be delivered is reported in the stats.
+- Invalid events raise :class:`InvalidEvent` (a programming error in the caller), naming the field.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from confluent_kafka import Producer
+
+from client.hashing import hash_user
+from rtrl.kafka import producer_config
+from schemas.codec import DEFAULT_MAX_BYTES, Invalid, event_codec
+from schemas.records import (
+    ClarifyingQuestion,
+    EditAccepted,
+    EditPersisted,
+    EditProposed,
+    EditRejected,
+    EventBase,
+    Followup,
+    Latency,
+    ToolCall,
+    TrajectoryEnded,
+    TrajectoryStarted,
+)
+
+log = logging.getLogger("rtrl.client")
+
+
+class InvalidEvent(Invalid):
+    """An event the SDK refused to send; ``field`` and ``reason`` say what is wrong."""
+
+
+@dataclass(frozen=True)
+class ClientStats:
+    """Counters of one client. ``accepted = delivered + failed + pending`` once callbacks ran."""
+
+    accepted: int
+    delivered: int
+    failed: int
+    dropped: int
+    invalid: int
+    pending: int
+    last_error: str | None
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class RtrlClient:
+    """Thread-safe event recorder for one process. Use as a context manager or call ``close()``."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        *,
+        salt: str,
+        topic: str = "rtrl.events",
+        queue_size: int = 100_000,
+        linger_ms: int = 5,
+        delivery_timeout_s: float = 300.0,
+        max_event_bytes: int = DEFAULT_MAX_BYTES,
+        producer_overrides: dict[str, Any] | None = None,
+    ):
+        if len(salt) < 8:
+            raise ValueError("salt must be at least 8 characters (setting sdk.salt)")
+        self.topic = topic
+        self.salt = salt
+        self.queue_size = queue_size
+        self._codec = event_codec(max_event_bytes)
+        self._queue: collections.deque[tuple[bytes, bytes]] = collections.deque()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._closing = False
+        self._accepted = self._delivered = self._failed = self._dropped = self._invalid = 0
+        self._in_producer = 0
+        self._last_error: str | None = None
+        self._last_drop_log = 0.0
+        cfg = producer_config(
+            bootstrap,
+            **{
+                "linger.ms": linger_ms,
+                "message.timeout.ms": int(delivery_timeout_s * 1000),
+                "error_cb": self._on_error,
+            },
+        )
+        self._producer = Producer(cfg | (producer_overrides or {}))
+        self._thread = threading.Thread(target=self._run, name="rtrl-client-producer", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_settings(cls, settings: Any, bootstrap: str | None = None) -> "RtrlClient":
+        """A client configured from :class:`rtrl.config.Settings` (``sdk`` and ``kafka`` sections)."""
+        s = settings.sdk
+        return cls(
+            bootstrap or settings.kafka.bootstrap,
+            salt=s.salt,
+            topic=settings.topic("events"),
+            queue_size=s.queue_size,
+            linger_ms=s.linger_ms,
+            delivery_timeout_s=s.delivery_timeout_s,
+            max_event_bytes=s.max_event_bytes,
+        )
+
+    # ------------------------------------------------------------ recording
+
+    def hash_user(self, user_id: str) -> str:
+        return hash_user(user_id, self.salt)
+
+    def start_trajectory(
+        self,
+        *,
+        org_id: str,
+        user_id: str,
+        task_kind: str,
+        policy_version: int,
+        arm: str = "control",
+        trajectory_id: str | None = None,
+        ts: int | None = None,
+    ) -> "Trajectory":
+        """Record ``trajectory_started`` and return a handle for the trajectory's other events."""
+        traj = Trajectory(self, trajectory_id or uuid.uuid4().hex, org_id, self.hash_user(user_id), policy_version, arm)
+        traj._emit(TrajectoryStarted, ts, task_kind=task_kind)
+        return traj
+
+    def record(self, event: EventBase) -> bool:
+        """Validate and enqueue one event. False when it was dropped because the queue is full."""
+        try:
+            data = self._codec.encode(event)
+            self._codec.decode(data)
+        except Invalid as e:
+            self._invalid += 1
+            raise InvalidEvent(e.field, e.reason) from None
+        if self._closing:
+            raise RuntimeError("RtrlClient is closed")
+        with self._lock:
+            if len(self._queue) >= self.queue_size:
+                self._dropped += 1
+                now = time.monotonic()
+                if now - self._last_drop_log > 10.0:
+                    self._last_drop_log = now
+                    log.warning("rtrl client queue full (%d events): dropped %d so far", self.queue_size, self._dropped)
+                return False
+            self._queue.append((event.trajectory_id.encode(), data))
+            self._accepted += 1
+        if not self._wake.is_set():
+            self._wake.set()
+        return True
+
+    # ------------------------------------------------------------ background producer
+
+    def _on_error(self, err: Any) -> None:
+        self._last_error = str(err)
+
+    def _on_delivery(self, err: Any, _msg: Any) -> None:
+        self._in_producer -= 1
+        if err is None:
+            self._delivered += 1
+        else:
+            self._failed += 1
+            self._last_error = str(err)
+
+    def _run(self) -> None:
+        producer = self._producer
+        while True:
+            self._wake.wait(0.05)
+            self._wake.clear()
+            while self._queue:
+                key, value = self._queue[0]
+                try:
+                    producer.produce(self.topic, value=value, key=key, on_delivery=self._on_delivery)
+                except BufferError:  # producer's own queue is full (e.g. broker down): wait, retry
+                    producer.poll(0.05)
+                    continue
+                self._queue.popleft()
+                self._in_producer += 1
+                producer.poll(0)
+            producer.poll(0)
+            if self._closing and not self._queue:
+                return
+
+    # ------------------------------------------------------------ lifecycle
+
+    def stats(self) -> ClientStats:
+        return ClientStats(
+            accepted=self._accepted,
+            delivered=self._delivered,
+            failed=self._failed,
+            dropped=self._dropped,
+            invalid=self._invalid,
+            pending=len(self._queue) + self._in_producer,
+            last_error=self._last_error,
+        )
+
+    def flush(self, timeout_s: float = 30.0) -> int:
+        """Wait until everything accepted so far is delivered or failed; return what is still pending."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue and time.monotonic() < deadline:
+            self._wake.set()
+            time.sleep(0.01)
+        while self._in_producer > 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the worker thread polls delivery callbacks
+        return self.stats().pending
+
+    def close(self, timeout_s: float = 30.0) -> ClientStats:
+        """Drain, flush and stop; returns the final stats (logs an error if anything is undelivered)."""
+        if not self._closing:
+            self.flush(timeout_s)
+            self._closing = True
+            self._wake.set()
+            self._thread.join(timeout=max(1.0, timeout_s))
+            self._producer.flush(0.5)
+        stats = self.stats()
+        if stats.pending or stats.failed or stats.dropped:
+            log.error(
+                "rtrl client closed with %d pending, %d failed, %d dropped events (last error: %s)",
+                stats.pending, stats.failed, stats.dropped, stats.last_error,
+            )
+        return stats
+
+    def __enter__(self) -> "RtrlClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class Trajectory:
+    """Handle for one trajectory; each method records one event (``ts`` defaults to now)."""
+
+    def __init__(self, client: RtrlClient, trajectory_id: str, org_id: str, user_hash: str, policy_version: int, arm: str):
+        self.client = client
+        self.trajectory_id = trajectory_id
+        self.org_id = org_id
+        self.user_hash = user_hash
+        self.policy_version = policy_version
+        self.arm = arm
+
+    def _emit(self, cls: type[EventBase], ts: int | None, **payload: Any) -> bool:
+        event = cls(
+            event_id=uuid.uuid4().hex,
+            trajectory_id=self.trajectory_id,
+            ts=_now_ms() if ts is None else ts,
+            org_id=self.org_id,
+            user_hash=self.user_hash,
+            policy_version=self.policy_version,
+            arm=self.arm,
+            **payload,
+        )
+        return self.client.record(event)
+
+    def tool_call(self, tool: str, valid: bool, error: str | None = None, ts: int | None = None) -> bool:
+        return self._emit(ToolCall, ts, tool=tool, valid=valid, error=error)
+
+    def edit_proposed(self, lines: int, edit_id: str | None = None, ts: int | None = None) -> str:
+        edit_id = edit_id or uuid.uuid4().hex
+        self._emit(EditProposed, ts, edit_id=edit_id, lines=lines)
+        return edit_id
+
+    def edit_accepted(self, edit_id: str, ts: int | None = None) -> bool:
+        return self._emit(EditAccepted, ts, edit_id=edit_id)
+
+    def edit_rejected(self, edit_id: str, ts: int | None = None) -> bool:
+        return self._emit(EditRejected, ts, edit_id=edit_id)
+
+    def edit_persisted(self, edit_id: str, fraction: float, checked_after_s: float, ts: int | None = None) -> bool:
+        return self._emit(EditPersisted, ts, edit_id=edit_id, fraction=fraction, checked_after_s=checked_after_s)
+
+    def followup(
+        self,
+        sentiment: Literal["dissatisfied", "neutral", "satisfied"],
+        question_needed: bool | None = None,
+        ts: int | None = None,
+    ) -> bool:
+        return self._emit(Followup, ts, sentiment=sentiment, question_needed=question_needed)
+
+    def clarifying_question(self, ts: int | None = None) -> bool:
+        return self._emit(ClarifyingQuestion, ts)
+
+    def latency(self, ttft_ms: float, total_ms: float, ts: int | None = None) -> bool:
+        return self._emit(Latency, ts, ttft_ms=ttft_ms, total_ms=total_ms)
+
+    def end(self, status: Literal["completed", "abandoned", "error"] = "completed", ts: int | None = None) -> bool:
+        return self._emit(TrajectoryEnded, ts, status=status)

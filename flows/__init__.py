@@ -1,0 +1,1 @@
+"""Bytewax dataflows of rtrl (reward flow, batch flow) and their Kafka wiring."""

@@ -1,0 +1,46 @@
+"""Shared fixtures: one real Kafka-protocol broker (noida-db) and one real ClickHouse engine per session.
+
+Each test gets its own topic prefix (so its own topics) and its own ClickHouse database.
+Set RTRL_TEST_CLICKHOUSE_DSN=http://... to run the ClickHouse tests against a server instead of chdb.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from rtrl.broker import LocalBroker
+from rtrl.clickhouse import connect, migrate
+from rtrl.kafka import ensure_topics
+
+
+@pytest.fixture(scope="session")
+def broker(tmp_path_factory):
+    b = LocalBroker(tmp_path_factory.mktemp("broker"))
+    b.up()
+    yield b
+    b.down()
+
+
+@pytest.fixture
+def topic_prefix(broker) -> str:
+    """A fresh prefix; ``ensure_topics`` under it creates this test's own topics."""
+    prefix = f"test{uuid.uuid4().hex[:10]}."
+    ensure_topics(broker.bootstrap, prefix, 2)
+    return prefix
+
+
+@pytest.fixture(scope="session")
+def ch_client(tmp_path_factory):
+    dsn = os.environ.get("RTRL_TEST_CLICKHOUSE_DSN") or f"chdb://{tmp_path_factory.mktemp('clickhouse')}"
+    return connect(dsn)
+
+
+@pytest.fixture
+def ch_db(ch_client) -> str:
+    db = f"test_{uuid.uuid4().hex[:10]}"
+    migrate(ch_client, db)
+    yield db
+    ch_client.command(f"DROP DATABASE IF EXISTS {db}")
