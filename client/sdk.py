@@ -183,16 +183,19 @@ class RtrlClient:
         while True:
             self._wake.wait(0.05)
             self._wake.clear()
-            while self._queue:
-                key, value = self._queue[0]
+            queue, produce, n = self._queue, producer.produce, 0
+            while queue:
+                key, value = queue[0]
                 try:
-                    producer.produce(self.topic, value=value, key=key, on_delivery=self._on_delivery)
+                    produce(self.topic, value=value, key=key, on_delivery=self._on_delivery)
                 except BufferError:  # producer's own queue is full (e.g. broker down): wait, retry
                     producer.poll(0.05)
                     continue
-                self._queue.popleft()
+                queue.popleft()
                 self._in_producer += 1
-                producer.poll(0)
+                n += 1
+                if n % 1000 == 0:  # serve delivery callbacks without paying for a poll per event
+                    producer.poll(0)
             producer.poll(0)
             if self._closing and not self._queue:
                 return

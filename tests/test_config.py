@@ -72,3 +72,15 @@ def test_every_setting_is_described():
     rows = describe()
     assert len(rows) > 15
     assert all(help_text for _, _, help_text in rows)
+
+
+def test_shipped_example_configs_load(tmp_path):
+    """deploy/rtrl.example.toml lists every setting at its default; the production example is valid."""
+    from pathlib import Path
+
+    from rtrl.config import Settings
+
+    deploy = Path(__file__).resolve().parent.parent / "deploy"
+    assert load_settings(deploy / "rtrl.example.toml", env={}) == Settings()
+    prod = load_settings(deploy / "production.example.toml", env={})
+    assert prod.kafka.bootstrap.count(",") == 2 and prod.clickhouse.dsn.startswith("https://")

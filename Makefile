@@ -1,0 +1,34 @@
+# The two entry points (see README Quickstart); each sets everything up first and is idempotent.
+#   make run    the main job on the embedded defaults
+#   make test   the whole test suite (what .ci/run calls)
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.rtrl-installed
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+
+# torch first, pinned: anything depending on torch would otherwise pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
+	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(PY) -c "import torch, megatron.core, bytewax, confluent_kafka, chdb, clickhouse_connect, apache_beam, msgspec"
+	@touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/rtrl run
+
+# pytest exits 5 when it collected no tests: that is a failure here, never a pass.
+test: setup
+	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "FAILED: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+bench: setup
+	$(PY) bench/sdk_produce.py
+
+clean:
+	rm -rf $(VENV) .rtrl .pytest_cache .hypothesis

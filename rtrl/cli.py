@@ -1,0 +1,148 @@
+"""``rtrl`` command line: one entry point per job.
+
+    rtrl run                 the main job (see rtrl.main)
+    rtrl broker up|down|status   the local Kafka-protocol broker under data_dir/broker
+    rtrl topics              create the Kafka topics (idempotent)
+    rtrl migrate             apply ClickHouse migrations and verify the tables
+    rtrl simulate            send simulated users' events through the SDK
+    rtrl load                load rtrl.events into ClickHouse (dead-lettering bad input)
+    rtrl config              show the effective settings
+
+Every command takes ``--config FILE`` (or ``RTRL_CONFIG``) and ``RTRL_*`` environment overrides.
+Errors a user can fix are printed as one line naming the setting or address, with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from rich.console import Console
+
+from rtrl.config import Settings, describe, load_settings
+from rtrl.errors import RtrlError
+
+
+def _bootstrap(settings: Settings, start: bool = True) -> str:
+    from rtrl.broker import LocalBroker
+
+    if settings.kafka.bootstrap:
+        return settings.kafka.bootstrap
+    broker = LocalBroker(settings.data_path / "broker")
+    return broker.up() if start else broker.bootstrap
+
+
+def cmd_run(settings: Settings, args: argparse.Namespace, console: Console) -> int:
+    from rtrl.main import run
+
+    run(settings, console)
+    return 0
+
+
+def cmd_broker(settings: Settings, args: argparse.Namespace, console: Console) -> int:
+    from rtrl.broker import LocalBroker
+
+    broker = LocalBroker(settings.data_path / "broker", port=args.port)
+    if args.action == "up":
+        console.print(broker.up())
+    elif args.action == "down":
+        broker.down()
+        console.print("stopped")
+    else:
+        port = broker.running_port()
+        console.print(f"{broker.host}:{port}" if port else "not running")
+        return 0 if port else 1
+    return 0
+
+
+def cmd_topics(settings: Settings, args: argparse.Namespace, console: Console) -> int:
+    from rtrl.kafka import ensure_topics
+
+    created = ensure_topics(_bootstrap(settings), settings.kafka.topic_prefix, settings.kafka.partitions,
+                            timeout_s=settings.kafka.timeout_s)
+    console.print(f"created: {', '.join(created) or 'nothing (all exist)'}")
+    return 0
+
+
+def cmd_migrate(settings: Settings, args: argparse.Namespace, console: Console) -> int:
+    from rtrl import clickhouse
+
+    client = clickhouse.connect(settings.clickhouse_dsn, settings.clickhouse.timeout_s)
+    applied = clickhouse.migrate(client, settings.clickhouse.database)
+    clickhouse.verify(client, settings.clickhouse.database)
+    console.print(f"applied migrations: {applied or 'none pending'}; schema verified")
+    return 0
+
+
+def cmd_simulate(settings: Settings, args: argparse.Namespace, console: Console) -> int:
+    from client.sdk import RtrlClient
+    from simulator.drive import drive
+    from simulator.generate import generate, stats
+
+    bootstrap = _bootstrap(settings)
+    emissions = generate(settings.simulator, settings.sdk.salt, policy_version=args.policy_version)
+    with RtrlClient.from_settings(settings, bootstrap=bootstrap) as client:
+        result = drive(client, emissions, rate=settings.simulator.rate, progress=True)
+        final = client.close()
+    console.print({k: v for k, v in stats(emissions).items() if not isinstance(v, dict)})
+    console.print(f"sent {result.accepted:,} in {result.seconds:.1f}s; delivered {final.delivered:,}, "
+                  f"failed {final.failed}, dropped {final.dropped}")
+    return 0 if not (final.failed or final.dropped) else 1
+
+
+def cmd_load(settings: Settings, args: argparse.Namespace, console: Console) -> int:
+    from rtrl import clickhouse
+    from rtrl.loader import load_events
+
+    client = clickhouse.setup(settings.clickhouse_dsn, settings.clickhouse.database, settings.clickhouse.timeout_s)
+    r = load_events(_bootstrap(settings), settings.topic("events"), settings.topic("dead_letters"), client,
+                    settings.clickhouse.database, max_event_bytes=settings.sdk.max_event_bytes)
+    console.print(f"read {r.read:,}, inserted {r.inserted:,}, dead-lettered {r.dead_lettered}")
+    return 0
+
+
+def cmd_config(settings: Settings, args: argparse.Namespace, console: Console) -> int:
+    for name, _default, help_text in describe():
+        section, _, key = name.rpartition(".")
+        value = getattr(getattr(settings, section), key) if section else getattr(settings, key)
+        console.print(f"[bold]{name}[/] = {value!r}  [dim]# {help_text}[/]")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rtrl", description="real-time RL loop for LLM coding agents")
+    p.add_argument("--config", help="TOML settings file (default: $RTRL_CONFIG)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log debug output")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("run", help="the main job on the configured (default: embedded) services").set_defaults(fn=cmd_run)
+    b = sub.add_parser("broker", help="start/stop the local Kafka-protocol broker")
+    b.add_argument("action", choices=["up", "down", "status"])
+    b.add_argument("--port", type=int, default=None, help="port to bind (default: a free one)")
+    b.set_defaults(fn=cmd_broker)
+    sub.add_parser("topics", help="create Kafka topics (idempotent)").set_defaults(fn=cmd_topics)
+    sub.add_parser("migrate", help="apply ClickHouse migrations and verify").set_defaults(fn=cmd_migrate)
+    s = sub.add_parser("simulate", help="send simulated users' events through the SDK")
+    s.add_argument("--policy-version", type=int, default=0)
+    s.set_defaults(fn=cmd_simulate)
+    sub.add_parser("load", help="load rtrl.events into ClickHouse").set_defaults(fn=cmd_load)
+    sub.add_parser("config", help="show the effective settings").set_defaults(fn=cmd_config)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not args.verbose:
+        logging.getLogger("rtrl.kafka").setLevel(logging.CRITICAL)  # librdkafka connection chatter; errors surface as ServiceUnavailable
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    try:
+        settings = load_settings(args.config)
+        return args.fn(settings, args, console)
+    except RtrlError as e:
+        console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""The command line and the main job, run as a user would (subprocesses on a fresh data folder)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+RTRL = [sys.executable, "-m", "rtrl.cli"]
+
+
+def _run(args, env_extra, timeout=600):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")} | env_extra
+    return subprocess.run(RTRL + args, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def test_main_job_runs_end_to_end(tmp_path):
+    """`rtrl run` on the embedded defaults starts its broker, moves every simulated event through the SDK,
+    Kafka and the loader into ClickHouse, prints the per-version table, writes the PNG, stops the broker."""
+    proc = _run(["run"], {"RTRL_DATA_DIR": str(tmp_path), "RTRL_SIMULATOR__TRAJECTORIES": "150"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    delivered = int(re.search(r"SDK: ([\d,]+) delivered, 0 failed, 0 dropped", out)[1].replace(",", ""))
+    loaded = re.search(r"loader: ([\d,]+) read, ([\d,]+) inserted, 0 dead-lettered", out)
+    assert int(loaded[1].replace(",", "")) == int(loaded[2].replace(",", "")) == delivered > 0
+    assert re.search(r"│\s+0 │\s+150 │", out) and re.search(r"│\s+1 │\s+150 │", out)
+    png = tmp_path / "reports" / "behaviour.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    status = _run(["broker", "status"], {"RTRL_DATA_DIR": str(tmp_path)})
+    assert status.stdout.strip() == "not running"
+
+
+def test_config_errors_exit_2_with_the_setting(tmp_path):
+    """A bad setting stops any command with one line naming it, not a traceback."""
+    proc = _run(["config"], {"RTRL_KAFKA__PARTITIONS": "-3", "RTRL_DATA_DIR": str(tmp_path)})
+    assert proc.returncode == 2
+    assert "kafka.partitions" in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_unreachable_broker_exits_2_naming_it(tmp_path):
+    """Pointing at a broker nobody runs reports its address within kafka.timeout_s."""
+    proc = _run(["topics"], {"RTRL_KAFKA__BOOTSTRAP": "127.0.0.1:9", "RTRL_KAFKA__TIMEOUT_S": "1",
+                             "RTRL_DATA_DIR": str(tmp_path)})
+    assert proc.returncode == 2
+    assert "127.0.0.1:9" in proc.stdout
+
+
+def test_broker_up_status_down(tmp_path):
+    """`rtrl broker up` prints the address, status finds it, down stops it."""
+    env = {"RTRL_DATA_DIR": str(tmp_path)}
+    up = _run(["broker", "up"], env)
+    assert up.returncode == 0 and up.stdout.strip().startswith("127.0.0.1:")
+    assert _run(["broker", "status"], env).stdout.strip() == up.stdout.strip()
+    assert _run(["broker", "down"], env).returncode == 0
+    assert _run(["broker", "status"], env).returncode == 1
