@@ -21,7 +21,7 @@ import clickhouse_connect
 import pyarrow as pa
 
 from rtrl.errors import ConfigError, SchemaMismatch, ServiceUnavailable
-from schemas.records import Checkpoint, DeadLetter, EventBase, MicroBatch, Reward, Rollout
+from schemas.records import Checkpoint, DeadLetter, EventBase, MicroBatch, Reward, Rollout, TrajectorySummary
 from schemas.types import columns, from_arrow, to_arrow
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "schemas" / "migrations"
@@ -34,6 +34,7 @@ TABLES: dict[str, type] = {
     "batches": MicroBatch,
     "checkpoints": Checkpoint,
     "dead_letters": DeadLetter,
+    "trajectories": TrajectorySummary,
 }
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

@@ -39,7 +39,7 @@ def _lenient(data: bytes | None, limit: int = 4096) -> str:
 def dead_letter(msg: Any, err: Invalid) -> DeadLetter:
     """The dead-letter record for a Kafka message that failed validation."""
     return DeadLetter(
-        source=msg.topic(), partition=msg.partition(), offset=msg.offset(),
+        kind=err.kind, source=msg.topic(), partition=msg.partition(), offset=msg.offset(),
         key=None if msg.key() is None else _lenient(msg.key(), 256),
         field=err.field, reason=err.reason, payload=_lenient(msg.value()), at=time.time_ns() // 1_000_000,
     )

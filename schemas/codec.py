@@ -26,10 +26,11 @@ DEFAULT_MAX_BYTES = 64 * 1024
 class Invalid(ValueError):
     """Input that failed validation: ``field`` is a JSON path like ``$.ts``, ``reason`` says why."""
 
-    def __init__(self, field: str, reason: str):
+    def __init__(self, field: str, reason: str, kind: str = "invalid"):
         super().__init__(f"{field}: {reason}")
         self.field = field
         self.reason = reason
+        self.kind = kind  # a DeadLetter kind: malformed, invalid, unknown_type, oversize
 
 
 _AT = re.compile(r"^(?P<reason>.*?) - at `(?P<path>[^`]*)`$", re.S)
@@ -40,7 +41,7 @@ _UNKNOWN = re.compile(r"Object contains unknown field `(?P<name>[^`]+)`")
 def _invalid_from(err: msgspec.MsgspecError) -> Invalid:
     msg = str(err)
     if isinstance(err, msgspec.DecodeError) and not isinstance(err, msgspec.ValidationError):
-        return Invalid("$", f"malformed payload: {msg}")
+        return Invalid("$", f"malformed payload: {msg}", "malformed")
     m = _AT.match(msg)
     reason, path = (m["reason"], m["path"]) if m else (msg, "$")
     for pattern in (_MISSING, _UNKNOWN):
@@ -48,7 +49,9 @@ def _invalid_from(err: msgspec.MsgspecError) -> Invalid:
         if n:
             path = f"{path}.{n['name']}"
     if path == "$.type" and reason.startswith("Invalid value"):
-        reason = f"unknown event type: {reason}"
+        return Invalid(path, f"unknown event type: {reason}", "unknown_type")
+    if path == "$" and reason.startswith("Expected `object`"):
+        return Invalid(path, reason, "malformed")
     return Invalid(path, reason)
 
 
@@ -67,9 +70,9 @@ class JsonCodec(Generic[T]):
     def decode(self, data: bytes | bytearray | memoryview | str | None) -> T:
         """Decode and validate one payload; raise :class:`Invalid` with the field and reason."""
         if data is None:
-            raise Invalid("$", "empty message (null value)")
+            raise Invalid("$", "empty message (null value)", "malformed")
         if len(data) > self.max_bytes:
-            raise Invalid("$", f"payload of {len(data)} bytes exceeds the limit of {self.max_bytes} bytes")
+            raise Invalid("$", f"payload of {len(data)} bytes exceeds the limit of {self.max_bytes} bytes", "oversize")
         try:
             return self._decoder.decode(data)
         except msgspec.MsgspecError as e:
@@ -102,7 +105,7 @@ def decode_batch_table(data: bytes) -> pa.Table:
     try:
         table = pa.ipc.open_stream(pa.py_buffer(data)).read_all()
     except (pa.ArrowInvalid, OSError) as e:
-        raise Invalid("$", f"not an Arrow IPC stream: {e}") from None
+        raise Invalid("$", f"not an Arrow IPC stream: {e}", "malformed") from None
     expected = arrow_schema(MicroBatch)
     for f in expected:
         idx = table.schema.get_field_index(f.name)

@@ -24,6 +24,9 @@ Sentiment = Literal["dissatisfied", "neutral", "satisfied"]
 EndStatus = Literal["completed", "abandoned", "error"]
 CloseReason = Literal["ended", "deadline", "late"]
 CheckpointStatus = Literal["candidate", "promoted", "rejected", "rolled_back"]
+DeadLetterKind = Literal[
+    "malformed", "invalid", "unknown_type", "oversize", "duplicate", "too_late", "never_started", "future", "other"
+]
 
 
 # ---------------------------------------------------------------- events (topic rtrl.events)
@@ -248,6 +251,7 @@ class Checkpoint(msgspec.Struct, **_STRICT):
 class DeadLetter(msgspec.Struct, **_STRICT):
     """Input that failed validation, kept with the reason instead of being dropped."""
 
+    kind: Annotated[DeadLetterKind, doc("Class of problem: malformed, invalid, unknown_type, oversize, duplicate, too_late, never_started, future.")]
     source: Annotated[Label, doc("Topic (or component) the input came from.")]
     partition: Annotated[Int32, doc("Source partition, -1 when not from Kafka.")]
     offset: Annotated[Int64, doc("Source offset, -1 when not from Kafka.")]
@@ -258,4 +262,35 @@ class DeadLetter(msgspec.Struct, **_STRICT):
     at: Annotated[Millis, doc("When it was dead-lettered, ms since epoch.")]
 
 
-RECORDS: tuple[type, ...] = (EventBase, Rollout, Reward, MicroBatch, Checkpoint, DeadLetter)
+# ---------------------------------------------------------------- trajectory summaries (table trajectories)
+
+
+class TrajectorySummary(msgspec.Struct, **_STRICT):
+    """Behaviour of one closed trajectory, independent of any reward version (input to the monitors)."""
+
+    trajectory_id: Annotated[Id, doc("Trajectory summarised.")]
+    policy_version: Annotated[Version, doc("Policy version that served it.")]
+    org_id: Annotated[Label, doc("Organisation of the user.")]
+    arm: Annotated[Label, doc("A/B arm it was served under.")]
+    task_kind: Annotated[Label, doc("Kind of task.")]
+    revision: Annotated[UInt32, doc("0 at first close; +1 for each re-close caused by late events.")]
+    close_reason: Annotated[CloseReason, doc("ended, deadline or late.")]
+    status: Annotated[Label, doc("End status (completed, abandoned, error) or 'open' when closed by deadline.")]
+    n_events: Annotated[UInt32, doc("Distinct events of the trajectory.")]
+    tool_calls: Annotated[UInt32, doc("Tool calls made.")]
+    broken_tool_calls: Annotated[UInt32, doc("Tool calls that were malformed or failed.")]
+    clarifying_questions: Annotated[UInt32, doc("Clarifying questions asked.")]
+    unneeded_questions: Annotated[UInt32, doc("Answers showing a question was unneeded.")]
+    edits_proposed: Annotated[UInt32, doc("Distinct edits proposed.")]
+    edits_accepted: Annotated[UInt32, doc("Edits the user accepted.")]
+    persistence_checks: Annotated[UInt32, doc("Accepted edits whose persistence was checked.")]
+    persisted_fraction_sum: Annotated[float, doc("Sum of the checked edits' surviving fractions.")]
+    followups: Annotated[UInt32, doc("Follow-up messages (answers to questions excluded).")]
+    dissatisfied_followups: Annotated[UInt32, doc("Follow-ups classified dissatisfied.")]
+    latency_ms: Annotated[Optional[float], doc("Worst total response latency reported, ms.")]
+    ttft_ms: Annotated[Optional[float], doc("Worst time to first token reported, ms.")]
+    first_event_ts: Annotated[Millis, doc("Event time of the earliest event.")]
+    last_event_ts: Annotated[Millis, doc("Event time of the latest event.")]
+
+
+RECORDS: tuple[type, ...] = (EventBase, Rollout, Reward, MicroBatch, Checkpoint, DeadLetter, TrajectorySummary)

@@ -23,7 +23,8 @@ KEYS = {
     "rewards": lambda r: (r.trajectory_id, r.reward_version),
     "batches": lambda r: r.batch_id,
     "checkpoints": lambda r: r.version,
-    "dead_letters": lambda r: (r.source, r.partition, r.offset, r.at),
+    "dead_letters": lambda r: (r.source, r.partition, r.offset, r.kind),
+    "trajectories": lambda r: r.trajectory_id,
 }
 
 

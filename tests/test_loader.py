@@ -59,6 +59,7 @@ def test_hostile_input_is_dead_lettered_with_reasons(broker, topic_prefix, ch_cl
     dead = clickhouse.select(ch_client, ch_db, "dead_letters")
     reasons = {d.reason.split(":")[0] for d in dead}
     assert len(dead) == len(hostile)
+    assert {d.kind for d in dead} == {"malformed", "unknown_type", "invalid", "oversize"}
     assert {d.field for d in dead} >= {"$", "$.type", "$.ts", "$.policy_version", "$.user_hash"}
     assert "unknown event type" in reasons and "malformed payload" in reasons
     assert any("exceeds the limit" in d.reason for d in dead)

@@ -109,6 +109,7 @@ ORDER BY version;
 -- Rejected input with the reason; never silently dropped.
 CREATE TABLE IF NOT EXISTS {db}.dead_letters
 (
+    kind LowCardinality(String),
     source LowCardinality(String),
     partition Int32,
     offset Int64,
@@ -119,4 +120,34 @@ CREATE TABLE IF NOT EXISTS {db}.dead_letters
     at DateTime64(3, 'UTC')
 )
 ENGINE = ReplacingMergeTree
-ORDER BY (source, partition, offset, at);
+ORDER BY (source, partition, offset, kind);
+
+-- Behaviour of each closed trajectory (any reward version); the highest revision wins.
+CREATE TABLE IF NOT EXISTS {db}.trajectories
+(
+    trajectory_id String,
+    policy_version Int64,
+    org_id LowCardinality(String),
+    arm LowCardinality(String),
+    task_kind LowCardinality(String),
+    revision UInt32,
+    close_reason LowCardinality(String),
+    status LowCardinality(String),
+    n_events UInt32,
+    tool_calls UInt32,
+    broken_tool_calls UInt32,
+    clarifying_questions UInt32,
+    unneeded_questions UInt32,
+    edits_proposed UInt32,
+    edits_accepted UInt32,
+    persistence_checks UInt32,
+    persisted_fraction_sum Float64,
+    followups UInt32,
+    dissatisfied_followups UInt32,
+    latency_ms Nullable(Float64),
+    ttft_ms Nullable(Float64),
+    first_event_ts DateTime64(3, 'UTC'),
+    last_event_ts DateTime64(3, 'UTC')
+)
+ENGINE = ReplacingMergeTree(revision)
+ORDER BY trajectory_id;

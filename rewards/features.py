@@ -1,0 +1,141 @@
+"""What one trajectory's events say, independent of event order and duplicates (pure).
+
+:func:`features` is the single place that interprets a trajectory's events; reward functions and
+the behaviour monitors both read :class:`TrajectoryFeatures`, so they cannot disagree about what
+happened. It deduplicates by ``event_id`` and sorts by ``(ts, event_id)`` first, so any
+permutation or repetition of the same events gives the same features.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from schemas.records import (
+    EditAccepted,
+    EditPersisted,
+    EditProposed,
+    EditRejected,
+    EventBase,
+    Followup,
+    Latency,
+    ToolCall,
+    TrajectoryEnded,
+    TrajectoryStarted,
+    event_type,
+)
+
+
+@dataclass(frozen=True)
+class TrajectoryFeatures:
+    """Counts and outcomes of one trajectory (see field comments)."""
+
+    trajectory_id: str
+    policy_version: int
+    org_id: str
+    arm: str
+    task_kind: str | None  # None when trajectory_started was never seen
+    status: str | None  # trajectory_ended status, None while not ended
+    n_events: int  # distinct events
+    event_counts: dict[str, int]
+    first_ts: int
+    last_ts: int
+    ended_ts: int | None
+    tool_calls: int
+    broken_tool_calls: int
+    clarifying_questions: int
+    answers_needed: int  # follow-ups answering a question that was needed
+    answers_unneeded: int  # follow-ups showing the question was unneeded
+    edits_proposed: int  # distinct edit ids proposed
+    edits_accepted: int
+    edits_rejected: int
+    persisted: dict[str, float] = field(default_factory=dict)  # accepted edit id -> latest fraction
+    followups: dict[str, int] = field(default_factory=dict)  # sentiment -> count (answers excluded)
+    latency_ms: float | None = None  # worst total latency reported
+    ttft_ms: float | None = None  # worst time to first token reported
+
+    @property
+    def started(self) -> bool:
+        return self.task_kind is not None
+
+    @property
+    def pending_checks(self) -> int:
+        """Accepted edits whose persistence check has not arrived."""
+        return self.edits_accepted - len(self.persisted)
+
+    @property
+    def deferred(self) -> bool:
+        """Asked a clarifying question and proposed no edit: the 'ask instead of edit' pattern."""
+        return self.clarifying_questions > 0 and self.edits_proposed == 0
+
+    @property
+    def mean_persisted(self) -> float | None:
+        return sum(self.persisted.values()) / len(self.persisted) if self.persisted else None
+
+
+def features(events: Iterable[EventBase]) -> TrajectoryFeatures:
+    """Features of one trajectory's events (any order, duplicates allowed; at least one event)."""
+    unique = {e.event_id: e for e in events}
+    if not unique:
+        raise ValueError("a trajectory needs at least one event")
+    ordered = sorted(unique.values(), key=lambda e: (e.ts, e.event_id))
+    ids = {e.trajectory_id for e in ordered}
+    if len(ids) != 1:
+        raise ValueError(f"events of several trajectories given: {sorted(ids)[:3]}")
+    starts = [e for e in ordered if isinstance(e, TrajectoryStarted)]
+    head = starts[0] if starts else ordered[0]
+    counts = Counter(event_type(e) for e in ordered)
+    proposed, accepted, rejected = set(), set(), set()
+    persisted: dict[str, float] = {}
+    followups: Counter[str] = Counter()
+    broken = answers_needed = answers_unneeded = 0
+    status = ended_ts = latency = ttft = None
+    for e in ordered:
+        if isinstance(e, ToolCall):
+            broken += not e.valid
+        elif isinstance(e, EditProposed):
+            proposed.add(e.edit_id)
+        elif isinstance(e, EditAccepted):
+            accepted.add(e.edit_id)
+        elif isinstance(e, EditRejected):
+            rejected.add(e.edit_id)
+        elif isinstance(e, EditPersisted):
+            persisted[e.edit_id] = e.fraction  # ordered by ts: the latest check wins
+        elif isinstance(e, Followup):
+            if e.question_needed is True:
+                answers_needed += 1
+            elif e.question_needed is False:
+                answers_unneeded += 1
+            else:
+                followups[e.sentiment] += 1
+        elif isinstance(e, Latency):
+            latency = e.total_ms if latency is None else max(latency, e.total_ms)
+            ttft = e.ttft_ms if ttft is None else max(ttft, e.ttft_ms)
+        elif isinstance(e, TrajectoryEnded):
+            status, ended_ts = e.status, e.ts  # the latest end wins
+    return TrajectoryFeatures(
+        trajectory_id=head.trajectory_id,
+        policy_version=head.policy_version,
+        org_id=head.org_id,
+        arm=head.arm,
+        task_kind=starts[0].task_kind if starts else None,
+        status=status,
+        n_events=len(ordered),
+        event_counts=dict(sorted(counts.items())),
+        first_ts=ordered[0].ts,
+        last_ts=ordered[-1].ts,
+        ended_ts=ended_ts,
+        tool_calls=counts["tool_call"],
+        broken_tool_calls=broken,
+        clarifying_questions=counts["clarifying_question"],
+        answers_needed=answers_needed,
+        answers_unneeded=answers_unneeded,
+        edits_proposed=len(proposed),
+        edits_accepted=len(accepted),
+        edits_rejected=len(rejected - accepted),
+        persisted={k: v for k, v in sorted(persisted.items()) if k in accepted},
+        followups=dict(sorted(followups.items())),
+        latency_ms=latency,
+        ttft_ms=ttft,
+    )
