@@ -10,8 +10,11 @@ chdb holds one data folder per process; many threads in that process may share t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,12 +69,41 @@ def _prepare_chdb_dir(dsn: str) -> None:
         ) from None
 
 
+class EngineThread:
+    """A chdb client whose every call runs on one Python-created thread per process.
+
+    chdb corrupts memory ("double free or corruption") when it is called from threads that Python
+    did not create — Bytewax's worker threads — while other threads run Python (seen with
+    ``bytewax.run -w 2`` and with two-process clusters). Calls from ordinary Python threads are safe,
+    so all of a process's chdb calls are funnelled through one such thread.
+    """
+
+    _executor: ThreadPoolExecutor | None = None
+    _lock = threading.Lock()
+
+    def __init__(self, factory: Any):
+        self._client = self._call(factory)
+
+    @classmethod
+    def _call(cls, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        with cls._lock:
+            if cls._executor is None:
+                cls._executor = ThreadPoolExecutor(1, thread_name_prefix="rtrl-chdb")
+        if threading.current_thread().name.startswith("rtrl-chdb"):
+            return fn(*args, **kwargs)
+        return cls._executor.submit(fn, *args, **kwargs).result()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        return functools.partial(self._call, attr) if callable(attr) else attr
+
+
 def connect(dsn: str, timeout_s: float = 10.0) -> Any:
     """A clickhouse-connect client for ``dsn``; fails within about ``timeout_s`` with a clear error."""
     if dsn.startswith("chdb://"):
         _prepare_chdb_dir(dsn)
         try:
-            client = clickhouse_connect.get_client(dsn=dsn)
+            client = EngineThread(lambda: clickhouse_connect.get_client(dsn=dsn))
             client.command("SELECT 1")
             return client
         except Exception as e:  # chdb raises ProgrammingError / RuntimeError variants

@@ -100,6 +100,30 @@ class SimulatorSettings:
     late_check_rate: float = _setting(0.05, "fraction of persistence checks that arrive hours late", _probability)
 
 
+def _versions(v: str) -> str | None:
+    names = [x.strip() for x in v.split(",") if x.strip()]
+    return None if names else "must name at least one reward version, e.g. 'v2' or 'v2,v1-discard-broken'"
+
+
+@dataclass
+class FlowSettings:
+    reward_versions: str = _setting("v2", "comma-separated reward versions the reward flow computes", _versions)
+    deadline_s: float = _setting(3600.0, "event time from a trajectory's first event to a forced close", _positive)
+    grace_s: float = _setting(10.0, "event time to wait after a trajectory ends for overtaken events", _non_negative)
+    allowed_lateness_s: float = _setting(86400.0, "how long after its deadline a late event still revises a reward", _non_negative)
+    max_future_s: float = _setting(86400.0, "events further ahead of the partition watermark are rejected", _positive)
+    batch_rows: int = _setting(20_000, "rows buffered per ClickHouse table / archive before a write", _positive)
+    batch_seconds: float = _setting(1.0, "longest a row waits in a sink buffer before a write", _positive)
+    archive_dir: str = _setting("", "Parquet archive of raw events; empty = <data_dir>/archive")
+    recovery_dir: str = _setting("", "Bytewax recovery folder; empty = <data_dir>/recovery/<flow>")
+    snapshot_s: float = _setting(2.0, "Bytewax snapshot (epoch) interval: the most work replayed after a crash", _positive)
+    tail: bool = _setting(True, "keep waiting for new events at the end of the topic (false = stop at the end)")
+
+    @property
+    def versions(self) -> list[str]:
+        return [x.strip() for x in self.reward_versions.split(",") if x.strip()]
+
+
 @dataclass
 class Settings:
     data_dir: str = _setting(".rtrl", "folder for local state: broker data, embedded ClickHouse, reports")
@@ -107,6 +131,7 @@ class Settings:
     clickhouse: ClickHouseSettings = field(default_factory=ClickHouseSettings)
     sdk: SdkSettings = field(default_factory=SdkSettings)
     simulator: SimulatorSettings = field(default_factory=SimulatorSettings)
+    flow: FlowSettings = field(default_factory=FlowSettings)
 
     @property
     def data_path(self) -> Path:

@@ -33,9 +33,14 @@ def topic_prefix(broker) -> str:
 
 
 @pytest.fixture(scope="session")
-def ch_client(tmp_path_factory):
-    dsn = os.environ.get("RTRL_TEST_CLICKHOUSE_DSN") or f"chdb://{tmp_path_factory.mktemp('clickhouse')}"
-    return connect(dsn)
+def ch_dsn(tmp_path_factory) -> str:
+    """The session's ClickHouse: one chdb folder per process (or a server from RTRL_TEST_CLICKHOUSE_DSN)."""
+    return os.environ.get("RTRL_TEST_CLICKHOUSE_DSN") or f"chdb://{tmp_path_factory.mktemp('clickhouse')}"
+
+
+@pytest.fixture(scope="session")
+def ch_client(ch_dsn):
+    return connect(ch_dsn)
 
 
 @pytest.fixture

@@ -1,0 +1,140 @@
+"""The reward flow's logic for one Kafka partition, free of Bytewax and I/O.
+
+``RewardProcessor.process(messages)`` parses and validates raw messages (bad ones become dead
+letters with their reason), feeds the valid events to the partition's windows
+(:mod:`flows.windowing`), and turns every closed window into one :class:`Reward` per configured
+reward version plus one :class:`TrajectorySummary`. The Bytewax flow only wraps it; tests drive it
+directly. The wall clock is read only for ``emitted_at``/``at`` stamps, never for decisions.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, NamedTuple
+
+from flows.windowing import Closed, PartitionWindows, Rejected, WindowConfig
+from rewards import REWARD_VERSIONS, features, get_config, reward
+from rewards.features import TrajectoryFeatures
+from schemas.codec import Invalid, event_codec
+from schemas.records import DeadLetter, EventBase, Reward, TrajectorySummary
+
+
+class Message(NamedTuple):
+    """A raw Kafka message as the processor needs it."""
+
+    key: bytes | None
+    value: bytes | None
+    partition: int
+    offset: int
+
+
+@dataclass
+class FlowOutput:
+    """Everything one batch of input produced, grouped by destination."""
+
+    events: list[EventBase] = field(default_factory=list)
+    rewards: list[Reward] = field(default_factory=list)
+    summaries: list[TrajectorySummary] = field(default_factory=list)
+    dead_letters: list[DeadLetter] = field(default_factory=list)
+    discarded: int = 0  # closes a reward version chose not to reward (the buggy v1 does this)
+
+    def extend(self, other: "FlowOutput") -> None:
+        self.events += other.events
+        self.rewards += other.rewards
+        self.summaries += other.summaries
+        self.dead_letters += other.dead_letters
+        self.discarded += other.discarded
+
+
+_REJECTED_FIELD = {"duplicate": "$.event_id", "too_late": "$.ts", "future": "$.ts", "never_started": "$.trajectory_id"}
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def _text(data: bytes | None, limit: int) -> str:
+    return "" if data is None else data[:limit].decode("utf-8", errors="replace")
+
+
+def summary(f: TrajectoryFeatures, revision: int, close_reason: str) -> TrajectorySummary:
+    """The monitors' view of a closed trajectory."""
+    return TrajectorySummary(
+        trajectory_id=f.trajectory_id, policy_version=f.policy_version, org_id=f.org_id, arm=f.arm,
+        task_kind=f.task_kind or "unknown", revision=revision, close_reason=close_reason, status=f.status or "open",
+        n_events=f.n_events, tool_calls=f.tool_calls, broken_tool_calls=f.broken_tool_calls,
+        clarifying_questions=f.clarifying_questions, unneeded_questions=f.answers_unneeded,
+        edits_proposed=f.edits_proposed, edits_accepted=f.edits_accepted, persistence_checks=len(f.persisted),
+        persisted_fraction_sum=float(sum(f.persisted.values())), followups=sum(f.followups.values()),
+        dissatisfied_followups=f.followups.get("dissatisfied", 0), latency_ms=f.latency_ms, ttft_ms=f.ttft_ms,
+        first_event_ts=f.first_ts, last_event_ts=f.last_ts,
+    )
+
+
+class RewardProcessor:
+    """Parse -> window -> reward for the messages of one partition, in partition order."""
+
+    def __init__(
+        self,
+        source: str,
+        window: WindowConfig,
+        reward_versions: list[str],
+        max_event_bytes: int = 64 * 1024,
+        state: PartitionWindows | None = None,
+    ):
+        unknown = [v for v in reward_versions if v not in REWARD_VERSIONS]
+        if unknown:
+            raise ValueError(f"unknown reward versions {unknown}; known: {sorted(REWARD_VERSIONS)} (setting flow.reward_versions)")
+        self.source = source
+        self.versions = [(v, get_config(v)) for v in reward_versions]
+        self.codec = event_codec(max_event_bytes)
+        self.windows = state if state is not None else PartitionWindows(window)
+
+    def _dead(self, kind: str, field_: str, reason: str, partition: int, offset: int, key: bytes | str | None,
+              payload: bytes | None, now: int) -> DeadLetter:
+        key_text = key if isinstance(key, str) or key is None else _text(key, 256)
+        return DeadLetter(kind=kind, source=self.source, partition=partition, offset=offset, key=key_text,
+                          field=field_, reason=reason, payload=_text(payload, 4096), at=now)
+
+    def process(self, messages: Iterable[Message], now_ms: int | None = None) -> FlowOutput:
+        now = _now_ms() if now_ms is None else now_ms
+        out = FlowOutput()
+        for m in messages:
+            self.windows.partition = m.partition
+            try:
+                event = self.codec.decode(m.value)
+            except Invalid as e:
+                out.dead_letters.append(self._dead(e.kind, e.field, e.reason, m.partition, m.offset, m.key, m.value, now))
+                continue
+            out.events.append(event)
+            self._apply(self.windows.ingest(event, m.value, m.offset), m.partition, out, now)
+        return out
+
+    def finish(self, now_ms: int | None = None) -> FlowOutput:
+        """End of input: close every open window."""
+        now = _now_ms() if now_ms is None else now_ms
+        out = FlowOutput()
+        self._apply(self.windows.flush(), self.windows.partition, out, now)
+        return out
+
+    def _apply(self, results: list[Closed | Rejected], partition: int, out: FlowOutput, now: int) -> None:
+        for r in results:
+            if isinstance(r, Rejected):
+                out.dead_letters.append(self._dead(
+                    r.kind, _REJECTED_FIELD.get(r.kind, "$"), r.reason, partition, r.offset, r.trajectory_id, r.payload, now))
+                continue
+            f = features(self.codec.decode(p) for p in r.payloads)
+            out.summaries.append(summary(f, r.revision, r.close_reason))
+            for name, cfg in self.versions:
+                res = reward(f, cfg)
+                if res is None:
+                    out.discarded += 1
+                    continue
+                out.rewards.append(Reward(
+                    trajectory_id=f.trajectory_id, policy_version=f.policy_version, reward_version=name,
+                    revision=r.revision, reward=res.reward, components=res.components, flags=list(res.flags),
+                    close_reason=r.close_reason, org_id=f.org_id, arm=f.arm, task_kind=f.task_kind or "unknown",
+                    n_events=f.n_events, event_counts=f.event_counts, first_event_ts=f.first_ts,
+                    last_event_ts=f.last_ts, emitted_at=now,
+                ))

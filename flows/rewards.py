@@ -1,0 +1,106 @@
+"""The reward flow: Kafka ``rtrl.events`` -> per-trajectory rewards in ClickHouse and Kafka.
+
+    python -m bytewax.run flows.rewards:flow -r <recovery dir> -s 2      (or: rtrl flow rewards)
+
+Steps (stable step ids key the recovery state):
+
+``events_in``   KafkaSource over rtrl.events (built after a bounded broker check)
+``by_partition``  key each message by its Kafka partition: one partition = one event-time clock
+``rewards``     parse/validate, deduplicate, window, compute rewards (flows.processor)
+``clickhouse``  events, rewards, trajectories, dead_letters tables
+``kafka``       rtrl.rewards and rtrl.dead_letters topics
+``archive``     Parquet archive of raw events by date (for backfill)
+
+Settings come from :func:`rtrl.config.load_settings` (file + RTRL_* environment), section [flow].
+"""
+
+from __future__ import annotations
+
+import bytewax.operators as op
+from bytewax.dataflow import Dataflow
+from bytewax.operators import StatefulBatchLogic
+
+from flows.kafka_io import kafka_source
+from flows.processor import FlowOutput, Message, RewardProcessor
+from flows.sinks import ClickHouseSink, KafkaSink, ParquetArchiveSink
+from flows.windowing import PartitionWindows, WindowConfig
+from rtrl.config import Settings, load_settings
+from schemas.codec import JsonCodec
+from schemas.records import DeadLetter, Reward
+
+
+def window_config(settings: Settings) -> WindowConfig:
+    f = settings.flow
+    return WindowConfig(
+        deadline_ms=int(f.deadline_s * 1000), grace_ms=int(f.grace_s * 1000),
+        allowed_lateness_ms=int(f.allowed_lateness_s * 1000), max_future_ms=int(f.max_future_s * 1000),
+    )
+
+
+class _PartitionLogic(StatefulBatchLogic):
+    """Bytewax wrapper: the processor's windows are the snapshotted state of one partition key."""
+
+    def __init__(self, processor: RewardProcessor):
+        self.processor = processor
+
+    def on_batch(self, values: list[Message]) -> tuple[list[FlowOutput], bool]:
+        return [self.processor.process(values)], StatefulBatchLogic.RETAIN
+
+    def on_eof(self) -> tuple[list[FlowOutput], bool]:
+        return [self.processor.finish()], StatefulBatchLogic.RETAIN
+
+    def snapshot(self) -> PartitionWindows:
+        return self.processor.windows
+
+
+def build_flow(settings: Settings, bootstrap: str | None = None) -> Dataflow:
+    """The reward flow for ``settings`` (``bootstrap`` overrides ``kafka.bootstrap``)."""
+    bootstrap = bootstrap or settings.kafka.bootstrap
+    if not bootstrap:
+        from rtrl.broker import LocalBroker
+
+        bootstrap = LocalBroker(settings.data_path / "broker").up()
+    source_topic = settings.topic("events")
+    cfg, fs = window_config(settings), settings.flow
+    versions = fs.versions
+    RewardProcessor(source_topic, cfg, versions)  # fail fast on unknown reward versions, before any I/O
+
+    def build(resume: PartitionWindows | None) -> _PartitionLogic:
+        return _PartitionLogic(RewardProcessor(source_topic, cfg, versions, settings.sdk.max_event_bytes, resume))
+
+    flow = Dataflow("rtrl_rewards")
+    raw = op.input("events_in", flow, kafka_source(bootstrap, [source_topic], settings.kafka.timeout_s, tail=fs.tail))
+    keyed = op.map("by_partition", raw, lambda m: (str(m.partition), Message(m.key, m.value, m.partition, m.offset)))
+    out = op.stateful_batch("rewards", keyed, build)
+
+    def to_clickhouse(kv: tuple[str, FlowOutput]) -> list[tuple[str, tuple[str, list]]]:
+        o = kv[1]
+        parts = [("events", o.events), ("rewards", o.rewards), ("trajectories", o.summaries),
+                 ("dead_letters", o.dead_letters)]
+        return [("clickhouse", (t, rows)) for t, rows in parts if rows]
+
+    reward_codec, dl_codec = JsonCodec(Reward), JsonCodec(DeadLetter)
+    rewards_topic, dl_topic = settings.topic("rewards"), settings.topic("dead_letters")
+
+    def to_kafka(kv: tuple[str, FlowOutput]) -> list[list[tuple[str, bytes, bytes]]]:
+        o = kv[1]
+        batch = [(rewards_topic, r.trajectory_id.encode(), reward_codec.encode(r)) for r in o.rewards]
+        batch += [(dl_topic, d.source.encode(), dl_codec.encode(d)) for d in o.dead_letters]
+        return [batch] if batch else []
+
+    archive_root = fs.archive_dir or str(settings.data_path / "archive" / "events")
+    op.output("clickhouse", op.flat_map("to_clickhouse", out, to_clickhouse),
+              ClickHouseSink(settings.clickhouse_dsn, settings.clickhouse.database, fs.batch_rows, fs.batch_seconds,
+                             settings.clickhouse.timeout_s))
+    op.output("kafka", op.flat_map("to_kafka", out, to_kafka), KafkaSink(bootstrap, settings.sdk.delivery_timeout_s))
+    op.output("archive", op.flat_map("to_archive", out, lambda kv: [("archive", ("events", kv[1].events))] if kv[1].events else []),
+              ParquetArchiveSink(archive_root, fs.batch_rows, fs.batch_seconds))
+    return flow
+
+
+def __getattr__(name: str) -> Dataflow:
+    """``flows.rewards:flow`` is built on first access from the environment's settings, so importing
+    this module does no I/O but ``python -m bytewax.run flows.rewards:flow`` works."""
+    if name == "flow":
+        return build_flow(load_settings())
+    raise AttributeError(name)

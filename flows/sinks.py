@@ -1,0 +1,225 @@
+"""Bytewax sinks of the reward flow: ClickHouse tables, Kafka topics, a Parquet archive.
+
+All are at-least-once: each buffers rows and writes them when a buffer holds ``batch_rows`` rows,
+when its oldest row is ``batch_seconds`` old, and always at the end of every Bytewax epoch
+(``snapshot``), before the epoch's input offsets are committed to recovery. After a crash Bytewax
+replays from the last snapshot and the sinks write some rows again; every destination is idempotent
+for those (ReplacingMergeTree keys; reward revisions; archive readers deduplicate by event_id).
+
+A failing write is retried with exponential backoff for as long as it takes: the sink blocks, the
+flow stops consuming (backpressure), and nothing is dropped. ClickHouse and the archive each use one
+sink partition, so exactly one worker process writes them — an embedded chdb folder may only be
+held by one process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from bytewax.outputs import DynamicSink, FixedPartitionedSink, StatefulSinkPartition, StatelessSinkPartition
+from confluent_kafka import Producer
+
+from rtrl import clickhouse
+from rtrl.kafka import producer_config
+from schemas.records import EventBase
+from schemas.types import to_arrow
+
+log = logging.getLogger("rtrl.sinks")
+
+
+def retry_forever(what: str, fn: Callable[[], Any], on_error: Callable[[], None] | None = None,
+                  first_s: float = 0.1, max_s: float = 5.0, sleep: Callable[[float], None] = time.sleep) -> Any:
+    """Call ``fn`` until it succeeds, backing off exponentially; log each failure."""
+    delay, attempt = first_s, 0
+    while True:
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - any failure of the destination is retried
+            attempt += 1
+            log.warning("%s failed (attempt %d, retrying in %.1fs): %s", what, attempt, delay, e)
+            if on_error is not None:
+                try:
+                    on_error()
+                except Exception as e2:  # noqa: BLE001
+                    log.warning("%s: reconnect failed: %s", what, e2)
+            sleep(delay)
+            delay = min(max_s, delay * 2)
+
+
+class _Buffered(StatefulSinkPartition):
+    """Row buffers flushed by size, by age and at every epoch end."""
+
+    def __init__(self, batch_rows: int, batch_seconds: float):
+        self.batch_rows = batch_rows
+        self.batch_seconds = batch_seconds
+        self.buffers: dict[str, list] = defaultdict(list)
+        self.oldest: float | None = None
+
+    def write_batch(self, items: list[tuple[str, list]]) -> None:
+        for name, rows in items:
+            self.buffers[name].extend(rows)
+        if self.oldest is None and any(self.buffers.values()):
+            self.oldest = time.monotonic()
+        full = any(len(rows) >= self.batch_rows for rows in self.buffers.values())
+        if full or (self.oldest is not None and time.monotonic() - self.oldest >= self.batch_seconds):
+            self.flush()
+
+    def flush(self) -> None:
+        for name in list(self.buffers):
+            rows = self.buffers.pop(name)
+            if rows:
+                self.write(name, rows)
+        self.oldest = None
+
+    def write(self, name: str, rows: list) -> None:
+        raise NotImplementedError
+
+    def snapshot(self) -> None:
+        self.flush()
+        return None
+
+    def close(self) -> None:
+        self.flush()
+
+
+class _ClickHousePart(_Buffered):
+    def __init__(self, dsn: str, database: str, batch_rows: int, batch_seconds: float, timeout_s: float):
+        super().__init__(batch_rows, batch_seconds)
+        self.dsn, self.database, self.timeout_s = dsn, database, timeout_s
+        self.client = None  # set up (migrate + verify) on first write, again after any failure
+
+    def _insert(self, table: str, data: pa.Table) -> None:
+        if self.client is None:
+            self.client = clickhouse.setup(self.dsn, self.database, self.timeout_s)
+        clickhouse.insert_table(self.client, self.database, table, data)
+
+    def _drop_client(self) -> None:
+        self.client = None
+
+    def write(self, table: str, rows: list) -> None:
+        data = to_arrow(rows, clickhouse.TABLES[table])
+        retry_forever(f"insert {len(rows)} rows into {self.database}.{table} at {clickhouse.redact(self.dsn)}",
+                      lambda: self._insert(table, data), self._drop_client)
+
+
+class ClickHouseSink(FixedPartitionedSink):
+    """Items ``("clickhouse", (table, records))`` -> batched Arrow inserts into ``database.table``."""
+
+    def __init__(self, dsn: str, database: str, batch_rows: int = 20_000, batch_seconds: float = 1.0,
+                 timeout_s: float = 10.0):
+        self.args = (dsn, database, batch_rows, batch_seconds, timeout_s)
+
+    def list_parts(self) -> list[str]:
+        return ["clickhouse"]
+
+    def part_fn(self, item_key: str) -> int:
+        return 0
+
+    def build_part(self, step_id: str, for_part: str, resume_state: None) -> _ClickHousePart:
+        return _ClickHousePart(*self.args)
+
+
+class _ArchivePart(_Buffered):
+    def __init__(self, root: Path, batch_rows: int, batch_seconds: float):
+        super().__init__(batch_rows, batch_seconds)
+        self.root = root
+
+    def write(self, _name: str, rows: list[EventBase]) -> None:
+        by_day: dict[str, list[EventBase]] = defaultdict(list)
+        for e in rows:
+            by_day[time.strftime("%Y-%m-%d", time.gmtime(e.ts / 1000))].append(e)
+        for day, events in sorted(by_day.items()):
+            folder = self.root / f"date={day}"
+            folder.mkdir(parents=True, exist_ok=True)
+            digest = hashlib.sha1("".join(sorted(e.event_id for e in events)).encode()).hexdigest()[:20]
+            path = folder / f"part-{digest}.parquet"
+            tmp = path.with_suffix(".tmp")
+            table = to_arrow(events, EventBase)
+            retry_forever(f"write {path}", lambda: (pq.write_table(table, tmp, compression="zstd"), os.replace(tmp, path)))
+
+
+class ParquetArchiveSink(FixedPartitionedSink):
+    """Items ``("archive", ("events", events))`` -> ``root/date=YYYY-MM-DD/part-<content hash>.parquet``.
+
+    A file's name is the hash of its event ids, so rewriting the same batch replaces the file; a
+    replay with other batch boundaries may store an event in two files, which :func:`read_archive`
+    deduplicates by ``event_id``.
+    """
+
+    def __init__(self, root: str | Path, batch_rows: int = 20_000, batch_seconds: float = 1.0):
+        self.root = Path(root)
+        self.batch_rows, self.batch_seconds = batch_rows, batch_seconds
+
+    def list_parts(self) -> list[str]:
+        return ["archive"]
+
+    def part_fn(self, item_key: str) -> int:
+        return 0
+
+    def build_part(self, step_id: str, for_part: str, resume_state: None) -> _ArchivePart:
+        return _ArchivePart(self.root, self.batch_rows, self.batch_seconds)
+
+
+def read_archive(root: str | Path, dates: list[str] | None = None) -> pa.Table:
+    """The archived events (optionally only some ``YYYY-MM-DD`` dates), one row per event_id."""
+    files = sorted(Path(root).glob("date=*/part-*.parquet"))
+    if dates is not None:
+        files = [f for f in files if f.parent.name.removeprefix("date=") in dates]
+    if not files:
+        return to_arrow([], EventBase)
+    table = pa.concat_tables(pq.read_table(f) for f in files)
+    seen: set[str] = set()
+    keep = []
+    for i, eid in enumerate(table.column("event_id").to_pylist()):
+        if eid not in seen:
+            seen.add(eid)
+            keep.append(i)
+    return table.take(keep)
+
+
+class _KafkaPart(StatelessSinkPartition):
+    def __init__(self, bootstrap: str, delivery_timeout_s: float):
+        self.producer = Producer(producer_config(bootstrap, **{"message.timeout.ms": int(delivery_timeout_s * 1000)}))
+        self.errors: list[str] = []
+
+    def _on_delivery(self, err: Any, _msg: Any) -> None:
+        if err is not None:
+            self.errors.append(str(err))
+
+    def write_batch(self, items: list[list[tuple[str, bytes, bytes]]]) -> None:
+        for batch in items:
+            for topic, key, value in batch:
+                while True:
+                    try:
+                        self.producer.produce(topic, value=value, key=key, on_delivery=self._on_delivery)
+                        break
+                    except BufferError:
+                        self.producer.poll(0.1)
+        retry_forever("flush Kafka producer", self._flush)
+
+    def _flush(self) -> None:
+        left = self.producer.flush(30)
+        if left or self.errors:
+            errors, self.errors = self.errors, []
+            raise RuntimeError(f"{left} messages unacknowledged, delivery errors: {errors[:3]}")
+
+    def close(self) -> None:
+        self.producer.flush(30)
+
+
+class KafkaSink(DynamicSink):
+    """Items ``[(topic, key, value), ...]`` -> an idempotent producer, flushed before each batch returns."""
+
+    def __init__(self, bootstrap: str, delivery_timeout_s: float = 120.0):
+        self.bootstrap, self.delivery_timeout_s = bootstrap, delivery_timeout_s
+
+    def build(self, step_id: str, worker_index: int, worker_count: int) -> _KafkaPart:
+        return _KafkaPart(self.bootstrap, self.delivery_timeout_s)

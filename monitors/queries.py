@@ -1,0 +1,181 @@
+"""Monitor reads from ClickHouse: behaviour rows, the promotion check and the A/B table.
+
+Every figure comes from the views of ``schemas/migrations/0002_monitors.sql`` (``behaviour``,
+``reward_stats``), which compute at query time over the tables read with FINAL: always current,
+and a replayed row never counts twice. The decisions themselves are the pure functions of
+:mod:`monitors.alerts`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from monitors.alerts import (
+    DEFAULT_RULES,
+    Alert,
+    AlertRule,
+    Evaluation,
+    Skipped,
+    evaluate,
+    relative_change_ci,
+    standard_error,
+)
+from rtrl.clickhouse import _check_name
+
+#: the metrics of the seed post's A/B table
+AB_METRICS: tuple[str, ...] = ("edit_persistence", "dissatisfied_rate", "latency_p50_ms", "latency_p95_ms")
+
+
+def _rows(ch: Any, sql: str, parameters: Optional[dict] = None) -> tuple[list[str], list[dict[str, Any]]]:
+    # Arrow keeps the column names when no row matches (a plain query's result does not)
+    data = ch.query_arrow(sql, parameters=parameters or {})
+    return list(data.schema.names), data.to_pylist()
+
+
+def _empty(names: Sequence[str], policy_version: int, org_id: str) -> dict[str, Any]:
+    """The row of a version with no trajectory: counts 0, metrics None (rules on it are skipped)."""
+    row: dict[str, Any] = {n: None for n in names}
+    row.update(policy_version=policy_version, org_id=org_id, trajectories=0, edit_persistence_n=0, latency_n=0)
+    row.update(tool_calls=0, persistence_checks=0)
+    return row
+
+
+def behaviour_rows(ch: Any, db: str, versions: Sequence[int], org_id: str = "*") -> dict[int, dict[str, Any]]:
+    """Behaviour rows of ``versions`` for one org ('*' = all orgs), keyed by version; missing versions get an empty row."""
+    names, rows = _rows(
+        ch,
+        f"SELECT * FROM {_check_name(db)}.behaviour WHERE org_id = {{org:String}} "
+        "AND policy_version IN {versions:Array(Int64)}",
+        {"org": org_id, "versions": [int(v) for v in versions]},
+    )
+    by_version = {int(r["policy_version"]): r for r in rows}
+    return {int(v): by_version.get(int(v)) or _empty(names, int(v), org_id) for v in versions}
+
+
+def behaviour(ch: Any, db: str, policy_version: int, org_id: str = "*") -> dict[str, Any]:
+    """One row of the ``behaviour`` view as a dict (column -> value; see the migration for the columns).
+
+    A version with no closed trajectory gives ``trajectories == 0`` and None metrics.
+    """
+    return behaviour_rows(ch, db, [policy_version], org_id)[int(policy_version)]
+
+
+def reward_stats(ch: Any, db: str, reward_version: str, org_id: str = "*") -> dict[int, dict[str, Any]]:
+    """Reward mean, variance and count per policy version under ``reward_version`` (view ``reward_stats``)."""
+    _, rows = _rows(
+        ch,
+        f"SELECT * FROM {_check_name(db)}.reward_stats(rv = {{rv:String}}) WHERE org_id = {{org:String}} "
+        "ORDER BY policy_version",
+        {"rv": reward_version, "org": org_id},
+    )
+    return {int(r["policy_version"]): r for r in rows}
+
+
+# ---------------------------------------------------------------- promotion gate
+
+
+@dataclass(frozen=True)
+class GateReport:
+    """What the behaviour monitors say about promoting ``candidate_version`` over ``parent_version``.
+
+    ``ok`` is the strict verdict (every rule judged, none fired); ``alerts`` lists what fired and
+    ``skipped`` what could not be judged (too few samples or no value), so a gate can choose to
+    wait for data rather than promote blind. ``reason`` is one line for ``Checkpoint.reason``.
+    """
+
+    candidate_version: int
+    parent_version: int
+    org_id: str
+    candidate: dict[str, Any]
+    parent: dict[str, Any]
+    evaluation: Evaluation
+
+    @property
+    def alerts(self) -> tuple[Alert, ...]:
+        return self.evaluation.alerts
+
+    @property
+    def skipped(self) -> tuple[Skipped, ...]:
+        return self.evaluation.skipped
+
+    @property
+    def passed(self) -> tuple[str, ...]:
+        return self.evaluation.passed
+
+    @property
+    def insufficient(self) -> bool:
+        return self.evaluation.insufficient
+
+    @property
+    def ok(self) -> bool:
+        return self.evaluation.ok
+
+    @property
+    def reason(self) -> str:
+        return f"v{self.candidate_version} vs v{self.parent_version} ({self.org_id}): {self.evaluation.summary()}"
+
+
+def check_promotion(
+    ch: Any,
+    db: str,
+    candidate_version: int,
+    parent_version: int,
+    rules: Sequence[AlertRule] = DEFAULT_RULES,
+    org_id: str = "*",
+) -> GateReport:
+    """Read both versions' behaviour rows and judge the candidate with ``rules``."""
+    rows = behaviour_rows(ch, db, [candidate_version, parent_version], org_id)
+    cand, par = rows[int(candidate_version)], rows[int(parent_version)]
+    return GateReport(int(candidate_version), int(parent_version), org_id, cand, par, evaluate(cand, par, rules))
+
+
+# ---------------------------------------------------------------- A/B table
+
+
+def ab_table(
+    ch: Any,
+    db: str,
+    versions: Sequence[int],
+    baseline: int,
+    metrics: Sequence[str] = AB_METRICS,
+    org_id: str = "*",
+) -> list[dict[str, Any]]:
+    """The seed post's A/B table: per version each metric, and its change against ``baseline``.
+
+    One dict per version in ``versions`` order with ``policy_version``, ``trajectories``, each metric
+    and, per metric, ``<metric>_rel`` (m/m_baseline - 1), ``<metric>_ci_low`` / ``<metric>_ci_high``
+    (95% delta-method interval of that relative change; see :func:`monitors.alerts.relative_change_ci`).
+    The baseline's own change columns are None, as are those of a metric without data.
+    """
+    rows = behaviour_rows(ch, db, list(dict.fromkeys([baseline, *versions])), org_id)
+    base = rows[int(baseline)]
+    out = []
+    for v in versions:
+        row = rows[int(v)]
+        rec: dict[str, Any] = {"policy_version": int(v), "trajectories": row["trajectories"]}
+        for m in metrics:
+            rec[m] = row[m]
+            change = None
+            if int(v) != int(baseline):
+                change = relative_change_ci(base[m], standard_error(base, m), row[m], standard_error(row, m))
+            rec[f"{m}_rel"] = change.relative if change else None
+            rec[f"{m}_ci_low"] = change.low if change else None
+            rec[f"{m}_ci_high"] = change.high if change else None
+        out.append(rec)
+    return out
+
+
+def format_ab_table(rows: Sequence[dict[str, Any]], metrics: Sequence[str] = AB_METRICS) -> str:
+    """Plain-text rendering: one line per version, each metric as ``value  +x.xx% [lo%, hi%]``."""
+    lines = ["version  trajectories  " + "  ".join(f"{m:>36}" for m in metrics)]
+    for r in rows:
+        cells = []
+        for m in metrics:
+            v = r[m]
+            text = "-" if v is None else (f"{v:,.0f}" if m.endswith("_ms") else f"{v:.4f}")
+            if r[f"{m}_rel"] is not None:
+                text += f" {r[f'{m}_rel']:+.2%} [{r[f'{m}_ci_low']:+.2%}, {r[f'{m}_ci_high']:+.2%}]"
+            cells.append(f"{text:>36}")
+        lines.append(f"{r['policy_version']:>7}  {r['trajectories']:>12,}  " + "  ".join(cells))
+    return "\n".join(lines)
