@@ -5,7 +5,7 @@
     rtrl topics              create the Kafka topics (idempotent)
     rtrl migrate             apply ClickHouse migrations and verify the tables
     rtrl simulate            send simulated users' events through the SDK
-    rtrl load                load rtrl.events into ClickHouse (dead-lettering bad input)
+    rtrl flow rewards        the reward flow with Bytewax recovery (always-on)
     rtrl config              show the effective settings
 
 Every command takes ``--config FILE`` (or ``RTRL_CONFIG``) and ``RTRL_*`` environment overrides.
@@ -91,14 +91,24 @@ def cmd_simulate(settings: Settings, args: argparse.Namespace, console: Console)
     return 0 if not (final.failed or final.dropped) else 1
 
 
-def cmd_load(settings: Settings, args: argparse.Namespace, console: Console) -> int:
-    from rtrl import clickhouse
-    from rtrl.loader import load_events
+def cmd_flow(settings: Settings, args: argparse.Namespace, console: Console) -> int:
+    from datetime import timedelta
+    from pathlib import Path
 
-    client = clickhouse.setup(settings.clickhouse_dsn, settings.clickhouse.database, settings.clickhouse.timeout_s)
-    r = load_events(_bootstrap(settings), settings.topic("events"), settings.topic("dead_letters"), client,
-                    settings.clickhouse.database, max_event_bytes=settings.sdk.max_event_bytes)
-    console.print(f"read {r.read:,}, inserted {r.inserted:,}, dead-lettered {r.dead_lettered}")
+    from bytewax.recovery import RecoveryConfig, init_db_dir
+    from bytewax.run import cli_main
+
+    from flows.rewards import build_flow
+
+    recovery = Path(settings.flow.recovery_dir or settings.data_path / "recovery" / args.name)
+    if not recovery.exists() or not any(recovery.iterdir()):
+        recovery.mkdir(parents=True, exist_ok=True)
+        init_db_dir(recovery, 1)
+    console.print(f"reward flow: recovery in {recovery}, snapshot every {settings.flow.snapshot_s:g}s "
+                  f"({'following the topic' if settings.flow.tail else 'until the end of the topic'})")
+    cli_main(build_flow(settings, bootstrap=_bootstrap(settings)), workers_per_process=args.workers,
+             epoch_interval=timedelta(seconds=settings.flow.snapshot_s),
+             recovery_config=RecoveryConfig(str(recovery), backup_interval=timedelta(0)))
     return 0
 
 
@@ -125,7 +135,10 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("simulate", help="send simulated users' events through the SDK")
     s.add_argument("--policy-version", type=int, default=0)
     s.set_defaults(fn=cmd_simulate)
-    sub.add_parser("load", help="load rtrl.events into ClickHouse").set_defaults(fn=cmd_load)
+    f = sub.add_parser("flow", help="run a streaming flow with Bytewax recovery")
+    f.add_argument("name", choices=["rewards"])
+    f.add_argument("-w", "--workers", type=int, default=1, help="worker threads in this process")
+    f.set_defaults(fn=cmd_flow)
     sub.add_parser("config", help="show the effective settings").set_defaults(fn=cmd_config)
     return p
 

@@ -85,7 +85,7 @@ def read_topic(bootstrap: str, topic: str, timeout_s: float = 30.0, batch: int =
     """Yield every message currently in ``topic`` (all partitions, from the start to the high watermark).
 
     Uses partition assignment, not a consumer group, so nothing is committed; for audits, tests and
-    the interim loader. Raises ServiceUnavailable when the end is not reached within ``timeout_s``.
+    tools. Raises ServiceUnavailable when the end is not reached within ``timeout_s``.
     """
     import time
 

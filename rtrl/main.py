@@ -1,9 +1,9 @@
 """The main job on the embedded defaults.
 
-What exists today (issue 2, Foundation): simulated users -> client SDK -> Kafka ``rtrl.events``
--> loader -> ClickHouse ``events`` (+ dead letters), then a behaviour table and plots per policy
-version read back from ClickHouse. The reward flow, trainer and closed loop (issues 3-5) will
-extend this job; until then it says so.
+What exists today: simulated users -> client SDK -> Kafka ``rtrl.events`` -> the reward flow
+(Bytewax: windows, versioned rewards) -> ClickHouse ``events``/``rewards``/``trajectories``, then
+behaviour and reward per policy version from the monitors' views, as a table and PNG plots. The
+trainer and the closed loop (issues 4-5) will extend this job; until then it says so.
 """
 
 from __future__ import annotations
@@ -12,19 +12,19 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from bytewax.testing import run_main
 from rich.console import Console
-from rich.progress import Progress
 
 from client.sdk import RtrlClient
+from flows.rewards import build_flow
 from rtrl import clickhouse, report
 from rtrl.broker import LocalBroker
 from rtrl.config import Settings
 from rtrl.kafka import ensure_topics
-from rtrl.loader import load_events
 from simulator.drive import drive
 from simulator.generate import generate, stats
 
-#: Policy versions the foundation run simulates (their behaviour comes from simulator profiles).
+#: Policy versions the run simulates side by side (their behaviour comes from simulator profiles).
 SIMULATED_VERSIONS = (0, 1)
 
 
@@ -32,7 +32,6 @@ class Services:
     """The broker (local noida-db unless ``kafka.bootstrap`` is set) and ClickHouse, set up and migrated."""
 
     def __init__(self, settings: Settings):
-        self.settings = settings
         self.local_broker: LocalBroker | None = None
         if settings.kafka.bootstrap:
             self.bootstrap = settings.kafka.bootstrap
@@ -54,44 +53,47 @@ class Services:
 
 
 def run(settings: Settings, console: Console | None = None) -> list[dict]:
-    """Run the foundation pipeline once; returns the per-version behaviour rows it printed."""
+    """Run the pipeline once; returns the per-version rows it printed."""
     console = console or Console()
     console.rule("[bold]rtrl main job")
     console.print(
-        "[yellow]The closed loop (reward flow, trainer, eval gate) is not built yet (issues 3-5).[/] "
-        "This run: simulated users -> SDK -> Kafka -> ClickHouse, then behaviour per policy version."
+        "[yellow]The trainer and the closed loop (issues 4-5) are not built yet.[/] This run: simulated users -> "
+        "SDK -> Kafka -> reward flow -> ClickHouse, then behaviour and reward per policy version."
     )
     t0 = time.monotonic()
     services = Services(settings)
     try:
+        db = settings.clickhouse.database
         console.print(f"broker {services.bootstrap} · ClickHouse {clickhouse.redact(settings.clickhouse_dsn)}"
-                      f" (database {settings.clickhouse.database}) · topics {settings.topic('*')}")
+                      f" (database {db}) · topics {settings.topic('*')} · reward versions {settings.flow.reward_versions}")
         sim = settings.simulator
         start_ms = sim.start_ms or time.time_ns() // 1_000_000
+        emissions = []
+        for v in SIMULATED_VERSIONS:  # versions served side by side, as in an A/B test
+            part = generate(replace(sim, seed=sim.seed + v, start_ms=start_ms), settings.sdk.salt, policy_version=v,
+                            arm="control" if v == SIMULATED_VERSIONS[0] else "candidate")
+            s = stats(part)
+            console.print(f"policy v{v}: {s['trajectories']:,} trajectories, {s['emissions']:,} events "
+                          f"({s['duplicates']} duplicates, {s['reordered']} out of order, {s['late_checks']} late checks)")
+            emissions += part
+        emissions.sort(key=lambda e: e.at_ms)
         with RtrlClient.from_settings(settings, bootstrap=services.bootstrap) as client:
-            for v in SIMULATED_VERSIONS:
-                emissions = generate(replace(sim, seed=sim.seed + v, start_ms=start_ms), settings.sdk.salt, policy_version=v)
-                s = stats(emissions)
-                result = drive(client, emissions, rate=sim.rate, progress=True)
-                console.print(
-                    f"policy v{v}: {s['trajectories']:,} trajectories, {result.accepted:,} events sent "
-                    f"({s['duplicates']} duplicates, {s['reordered']} out of order, {s['late_checks']} late checks) "
-                    f"in {result.seconds:.1f}s; dropped {result.dropped}"
-                )
+            result = drive(client, emissions, rate=sim.rate, progress=True)
             final = client.close()
-        console.print(f"SDK: {final.delivered:,} delivered, {final.failed} failed, {final.dropped} dropped")
-        with Progress(console=console) as bar:
-            task = bar.add_task("loading events into ClickHouse", total=final.delivered or None)
-            loaded = load_events(
-                services.bootstrap, settings.topic("events"), settings.topic("dead_letters"), services.ch,
-                settings.clickhouse.database, max_event_bytes=settings.sdk.max_event_bytes,
-                on_batch=lambda r: bar.update(task, completed=r.read),
-            )
-        console.print(f"loader: {loaded.read:,} read, {loaded.inserted:,} inserted, {loaded.dead_lettered} dead-lettered")
-        rows = report.behaviour_by_version(services.ch, settings.clickhouse.database)
-        title = "Behaviour per policy version (simulated profiles; from ClickHouse events FINAL)"
-        console.print(report.table(rows, title))
-        png = report.plot(rows, Path(settings.data_path) / "reports" / "behaviour.png", title)
+        console.print(f"SDK: {result.accepted:,} sent in {result.seconds:.1f}s; {final.delivered:,} delivered, "
+                      f"{final.failed} failed, {final.dropped} dropped")
+        with console.status("reward flow: windows -> rewards -> ClickHouse ..."):
+            t = time.monotonic()
+            run_main(build_flow(replace(settings, flow=replace(settings.flow, tail=False)), bootstrap=services.bootstrap))
+        counts = {t_: services.ch.query(f"SELECT count() FROM {db}.{t_} FINAL").result_rows[0][0]
+                  for t_ in ("events", "rewards", "trajectories", "dead_letters")}
+        console.print(f"reward flow: {time.monotonic() - t:.1f}s; " + ", ".join(f"{k} {v:,}" for k, v in counts.items()))
+        rows = report.version_rows(services.ch, db, settings.flow.versions[0])
+        ab = report.comparison(services.ch, db, rows)
+        title = (f"Behaviour and reward ({settings.flow.versions[0]}) per policy version — simulated profiles, "
+                 "from ClickHouse; change vs the first version [95% CI]")
+        console.print(report.table(rows, title, ab))
+        png = report.plot(rows, Path(settings.data_path) / "reports" / "behaviour.png", "Behaviour per policy version")
         console.print(f"plots: {png}")
         console.print(f"done in {time.monotonic() - t0:.1f}s")
         return rows

@@ -1,4 +1,8 @@
-"""Behaviour per policy version, read from ClickHouse ``events``: a console table and PNG plots."""
+"""What the main job shows: behaviour and reward per policy version from ClickHouse, as a table and PNGs.
+
+Figures come from the monitors' views (``behaviour`` over ``trajectories FINAL``, ``reward_stats``
+over ``rewards FINAL``) and the A/B comparison with 95% intervals from :func:`monitors.queries.ab_table`.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +15,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-#: (column, label, higher is better?)
+from monitors.queries import ab_table, behaviour_rows, reward_stats  # noqa: E402
+
+#: (column, label, higher is better? None = neither)
 METRICS = [
     ("trajectories", "trajectories", None),
+    ("reward_mean", "reward", True),
     ("broken_tool_call_rate", "broken tool calls", False),
     ("clarification_rate", "clarifying", None),
     ("edit_rate", "edits", True),
@@ -24,39 +31,26 @@ METRICS = [
 ]
 
 
-def behaviour_by_version(ch: Any, database: str) -> list[dict[str, Any]]:
-    """One row per policy version with the behaviour metrics the monitors watch."""
-    sql = f"""
-    WITH per_trajectory AS (
-        SELECT policy_version, trajectory_id,
-               countIf(type = 'tool_call') AS tool_calls,
-               countIf(type = 'tool_call' AND NOT valid) AS broken,
-               countIf(type = 'clarifying_question') > 0 AS clarified,
-               countIf(type = 'edit_proposed') > 0 AS edited,
-               avgIf(fraction, type = 'edit_persisted') AS persisted,
-               countIf(type = 'followup' AND sentiment = 'dissatisfied') > 0 AS dissatisfied,
-               maxIf(total_ms, type = 'latency') AS latency_ms
-        FROM {database}.events FINAL
-        GROUP BY policy_version, trajectory_id
-    )
-    SELECT policy_version,
-           count() AS trajectories,
-           sum(broken) / greatest(sum(tool_calls), 1) AS broken_tool_call_rate,
-           avg(clarified) AS clarification_rate,
-           avg(edited) AS edit_rate,
-           avgIf(persisted, NOT isNaN(persisted)) AS edit_persistence,
-           avg(dissatisfied) AS dissatisfied_rate,
-           quantileIf(0.5)(latency_ms, latency_ms > 0) AS latency_p50_ms,
-           quantileIf(0.95)(latency_ms, latency_ms > 0) AS latency_p95_ms
-    FROM per_trajectory
-    GROUP BY policy_version
-    ORDER BY policy_version
-    """
-    res = ch.query(sql)
-    return [dict(zip(res.column_names, row)) for row in res.result_rows]
+#: metrics whose change is shown as a difference, not a ratio
+ABSOLUTE = {"reward_mean"}
 
 
-def _fmt(name: str, v: float) -> str:
+def version_rows(ch: Any, database: str, reward_version: str) -> list[dict[str, Any]]:
+    """One row per policy version seen in ``trajectories``: behaviour plus the reward mean under ``reward_version``."""
+    versions = [v for (v,) in ch.query(f"SELECT DISTINCT policy_version FROM {database}.trajectories ORDER BY 1").result_rows]
+    behaviour = behaviour_rows(ch, database, versions)
+    rewards = reward_stats(ch, database, reward_version)
+    rows = []
+    for v in versions:
+        row = dict(behaviour[v])
+        row["reward_mean"] = rewards.get(v, {}).get("reward_mean")
+        rows.append(row)
+    return rows
+
+
+def _fmt(name: str, v: Any) -> str:
+    if v is None:
+        return "-"
     if name == "trajectories":
         return f"{int(v):,}"
     if name.endswith("_ms"):
@@ -64,35 +58,47 @@ def _fmt(name: str, v: float) -> str:
     return f"{v:.3f}"
 
 
-def table(rows: list[dict[str, Any]], title: str) -> Table:
-    """Rich table: one row per version, each metric with its relative change against the first version."""
+def table(rows: list[dict[str, Any]], title: str, ab: list[dict[str, Any]] | None = None) -> Table:
+    """Rich table: one row per version; changes against the first version (with 95% CIs where ``ab`` has them)."""
     t = Table(title=title, header_style="bold")
     t.add_column("version", justify="right")
     for _, label, _ in METRICS:
         t.add_column(label, justify="right")
     first = rows[0] if rows else {}
+    ab_by_version = {r["policy_version"]: r for r in ab or []}
     for row in rows:
         cells = [str(row["policy_version"])]
         for name, _, better in METRICS:
-            text = _fmt(name, row[name])
-            base = first.get(name) or 0
-            if row is not first and base and better is not None:
-                change = (row[name] - base) / base
+            text = _fmt(name, row.get(name))
+            base, value = first.get(name), row.get(name)
+            if name in ABSOLUTE and row is not first and base is not None and value is not None:
+                diff = value - base  # rewards sit around 0: a relative change would mislead
+                text += f"\n[{'green' if (diff > 0) == better else 'red'}]{diff:+.3f}[/]"
+            elif row is not first and base and value is not None and better is not None:
+                change = (value - base) / abs(base)
                 good = (change > 0) == better
                 text += f"\n[{'green' if good else 'red'}]{change:+.1%}[/]"
+                ci = ab_by_version.get(row["policy_version"], {})
+                if ci.get(f"{name}_ci_low") is not None:
+                    text += f"\n[dim][{ci[f'{name}_ci_low']:+.0%},{ci[f'{name}_ci_high']:+.0%}][/]"
             cells.append(text)
         t.add_row(*cells)
     return t
 
 
+def comparison(ch: Any, database: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A/B rows (relative change with 95% CI) of every version against the first."""
+    versions = [r["policy_version"] for r in rows]
+    return ab_table(ch, database, versions, versions[0]) if versions else []
+
+
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
     """One bar chart per metric across policy versions, saved as a PNG."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    metrics = METRICS
-    fig, axes = plt.subplots(2, 4, figsize=(14, 6))
+    fig, axes = plt.subplots(3, 3, figsize=(13, 9))
     versions = [str(r["policy_version"]) for r in rows]
-    for ax, (name, label, better) in zip(axes.flat, metrics):
-        ax.bar(versions, [r[name] for r in rows], color="#4C72B0")
+    for ax, (name, label, better) in zip(axes.flat, METRICS):
+        ax.bar(versions, [r.get(name) or 0 for r in rows], color="#4C72B0")
         arrow = "" if better is None else (" (higher is better)" if better else " (lower is better)")
         ax.set_title(label + arrow, fontsize=9)
         ax.set_xlabel("policy version", fontsize=8)
