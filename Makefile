@@ -29,6 +29,7 @@ test: setup
 
 bench: setup
 	$(PY) bench/sdk_produce.py
+	$(PY) bench/reward_flow.py
 
 clean:
 	rm -rf $(VENV) .rtrl .pytest_cache .hypothesis
