@@ -88,6 +88,28 @@ def test_processor_rewards_every_started_trajectory_once_per_version():
     assert out.discarded >= len(broken)
 
 
+def test_out_of_order_delivery_changes_no_final_reward():
+    """Shuffling delivery heavily (each message moved up to 40 places) may add revisions, but every
+    trajectory's final revision equals the reward of all its events, as with in-order delivery."""
+    import random
+
+    payloads = _payloads(200, seed=17, duplicate_rate=0.0, reorder_rate=0.0)
+    rng = random.Random(3)
+    shuffled = [p for _, p in sorted(((i + rng.uniform(0, 40), p) for i, p in enumerate(payloads)), key=lambda x: x[0])]
+    finals = []
+    for order in (payloads, shuffled):
+        proc = RewardProcessor("rtrl.events", window_config(_settings({})), ["v2"])
+        out = proc.process([Message(k, v, 0, i) for i, (k, v) in enumerate(order)])
+        out.extend(proc.finish())
+        assert not out.dead_letters
+        final = {}
+        for r in out.rewards:
+            if r.revision >= final.get(r.trajectory_id, (-1,))[0]:
+                final[r.trajectory_id] = (r.revision, r.reward, r.components, r.flags)
+        finals.append({t: v[1:] for t, v in final.items()})
+    assert finals[0] == finals[1]
+
+
 # ---------------------------------------------------------------- in-process flow
 
 
