@@ -460,7 +460,7 @@ def memory(args) -> dict:
                    EditProposed(event_id=hexid(), ts=ts + 5, edit_id=hexid(), lines=12, **common)):
             p = codec.encode(ev)
             payload_bytes += len(p)
-            assert w.ingest(ev, p, off) == []
+            assert w.ingest(ev, off) == []
             off += 1
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
@@ -472,7 +472,7 @@ def memory(args) -> dict:
            "payload_mb": payload_bytes * scale / 1e6, "per_traj_b": held / args.open}
     print(f"\n[3] memory: {args.open:,} open trajectories x 3 events in one PartitionWindows (nothing closed)")
     print(f"  Python heap held (tracemalloc): {out['heap_mb']:.1f} MB per 100k open trajectories "
-          f"({out['per_traj_b']:,.0f} B each; of which raw JSON payloads {out['payload_mb']:.1f} MB)")
+          f"({out['per_traj_b']:,.0f} B each, decoded events included; the same events as JSON: {out['payload_mb']:.1f} MB)")
     print(f"  pickled snapshot (what Bytewax recovery stores each epoch): {out['pickle_mb']:.1f} MB per 100k")
     return out
 

@@ -7,6 +7,8 @@ within ``kafka.timeout_s``.
 
 from __future__ import annotations
 
+import logging
+
 from bytewax.connectors.kafka import KafkaSource
 
 from rtrl.kafka import check_broker
@@ -25,5 +27,13 @@ def kafka_source(bootstrap: str, topics: list[str], timeout_s: float = 10.0, tai
         raise ServiceUnavailable(f"topics {missing} do not exist on {bootstrap}; fix: run `rtrl topics` first")
     return KafkaSource(
         [bootstrap], topics, tail=tail, batch_size=SOURCE_BATCH_SIZE,
-        add_config={"socket.connection.setup.timeout.ms": str(int(timeout_s * 1000))},
+        add_config={
+            "socket.connection.setup.timeout.ms": str(int(timeout_s * 1000)),
+            # Each partition has its own consumer; unbounded prefetch (64 MB each) only burns CPU and
+            # memory on a small machine.
+            "queued.max.messages.kbytes": "4096",
+            "fetch.min.bytes": "262144",
+            "fetch.wait.max.ms": "500",
+            "logger": logging.getLogger("rtrl.kafka"),
+        },
     )

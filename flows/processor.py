@@ -108,7 +108,7 @@ class RewardProcessor:
                 out.dead_letters.append(self._dead(e.kind, e.field, e.reason, m.partition, m.offset, m.key, m.value, now))
                 continue
             out.events.append(event)
-            self._apply(self.windows.ingest(event, m.value, m.offset), m.partition, out, now)
+            self._apply(self.windows.ingest(event, m.offset), m.partition, out, now)
         return out
 
     def finish(self, now_ms: int | None = None) -> FlowOutput:
@@ -122,9 +122,10 @@ class RewardProcessor:
         for r in results:
             if isinstance(r, Rejected):
                 out.dead_letters.append(self._dead(
-                    r.kind, _REJECTED_FIELD.get(r.kind, "$"), r.reason, partition, r.offset, r.trajectory_id, r.payload, now))
+                    r.kind, _REJECTED_FIELD.get(r.kind, "$"), r.reason, partition, r.offset, r.trajectory_id,
+                    self.codec.encode(r.event), now))
                 continue
-            f = features(self.codec.decode(p) for p in r.payloads)
+            f = features(r.events)
             out.summaries.append(summary(f, r.revision, r.close_reason))
             for name, cfg in self.versions:
                 res = reward(f, cfg)

@@ -1,4 +1,4 @@
-"""Bytewax sinks of the reward flow: ClickHouse tables, Kafka topics, a Parquet archive.
+"""Bytewax sinks of the reward flow: ClickHouse tables (+ the Parquet archive of events), Kafka topics.
 
 All are at-least-once: each buffers rows and writes them when a buffer holds ``batch_rows`` rows,
 when its oldest row is ``batch_seconds`` old, and always at the end of every Bytewax epoch
@@ -7,7 +7,7 @@ replays from the last snapshot and the sinks write some rows again; every destin
 for those (ReplacingMergeTree keys; reward revisions; archive readers deduplicate by event_id).
 
 A failing write is retried with exponential backoff for as long as it takes: the sink blocks, the
-flow stops consuming (backpressure), and nothing is dropped. ClickHouse and the archive each use one
+flow stops consuming (backpressure), and nothing is dropped. ClickHouse and the archive share one
 sink partition, so exactly one worker process writes them — an embedded chdb folder may only be
 held by one process.
 """
@@ -19,9 +19,11 @@ import logging
 import os
 import time
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from bytewax.outputs import DynamicSink, FixedPartitionedSink, StatefulSinkPartition, StatelessSinkPartition
@@ -90,11 +92,17 @@ class _Buffered(StatefulSinkPartition):
         self.flush()
 
 
-class _ClickHousePart(_Buffered):
-    def __init__(self, dsn: str, database: str, batch_rows: int, batch_seconds: float, timeout_s: float):
+class _StoragePart(_Buffered):
+    """Writes run on a writer thread, one batch at a time, overlapping the worker's next batch; every
+    write has finished before ``snapshot`` returns, so the epoch's offsets never run ahead of the data."""
+
+    def __init__(self, dsn: str, database: str, archive: Path | None, batch_rows: int, batch_seconds: float,
+                 timeout_s: float):
         super().__init__(batch_rows, batch_seconds)
-        self.dsn, self.database, self.timeout_s = dsn, database, timeout_s
+        self.dsn, self.database, self.archive, self.timeout_s = dsn, database, archive, timeout_s
         self.client = None  # set up (migrate + verify) on first write, again after any failure
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="rtrl-sink-writer")
+        self.pending: Future | None = None
 
     def _insert(self, table: str, data: pa.Table) -> None:
         if self.client is None:
@@ -104,18 +112,63 @@ class _ClickHousePart(_Buffered):
     def _drop_client(self) -> None:
         self.client = None
 
-    def write(self, table: str, rows: list) -> None:
-        data = to_arrow(rows, clickhouse.TABLES[table])
-        retry_forever(f"insert {len(rows)} rows into {self.database}.{table} at {clickhouse.redact(self.dsn)}",
+    def _store(self, table: str, data: pa.Table) -> None:
+        retry_forever(f"insert {data.num_rows} rows into {self.database}.{table} at {clickhouse.redact(self.dsn)}",
                       lambda: self._insert(table, data), self._drop_client)
+        if table == "events" and self.archive is not None:
+            write_archive(self.archive, data)
+
+    def _wait(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None
+
+    def write(self, table: str, rows: list) -> None:
+        data = to_arrow(rows, clickhouse.TABLES[table])  # once, for ClickHouse and the archive
+        self._wait()  # at most one write in flight
+        self.pending = self.writer.submit(self._store, table, data)
+
+    def snapshot(self) -> None:
+        self.flush()
+        self._wait()
+        return None
+
+    def close(self) -> None:
+        self.snapshot()
+        self.writer.shutdown()
+
+
+def write_archive(root: Path, events: pa.Table) -> None:
+    """Events to ``root/date=YYYY-MM-DD/part-<hash of event ids>.parquet`` (atomic rename; same batch, same file)."""
+    days = np.asarray(events.column("ts").cast(pa.int64())) // 86_400_000
+    for day in np.unique(days):
+        part = events.take(np.nonzero(days == day)[0])
+        folder = root / f"date={time.strftime('%Y-%m-%d', time.gmtime(int(day) * 86_400))}"
+        digest = hashlib.sha1("\n".join(sorted(part.column("event_id").to_pylist())).encode()).hexdigest()[:20]
+        path = folder / f"part-{digest}.parquet"
+
+        def put() -> None:
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            pq.write_table(part, tmp, compression="zstd")
+            os.replace(tmp, path)
+
+        retry_forever(f"write {path}", put)
 
 
 class ClickHouseSink(FixedPartitionedSink):
-    """Items ``("clickhouse", (table, records))`` -> batched Arrow inserts into ``database.table``."""
+    """Items ``("clickhouse", (table, records))`` -> batched Arrow inserts into ``database.table``.
+
+    With ``archive`` set, the ``events`` rows are also written to the Parquet archive (from the same
+    Arrow table). A file's name is the hash of its event ids, so rewriting the same batch replaces the
+    file; a replay with other batch boundaries may store an event in two files, which
+    :func:`read_archive` deduplicates by ``event_id``. One partition: one process writes chdb, and
+    chdb never runs beside pyarrow work in another thread of this sink.
+    """
 
     def __init__(self, dsn: str, database: str, batch_rows: int = 20_000, batch_seconds: float = 1.0,
-                 timeout_s: float = 10.0):
-        self.args = (dsn, database, batch_rows, batch_seconds, timeout_s)
+                 timeout_s: float = 10.0, archive: str | Path | None = None):
+        self.args = (dsn, database, None if archive is None else Path(archive), batch_rows, batch_seconds, timeout_s)
 
     def list_parts(self) -> list[str]:
         return ["clickhouse"]
@@ -123,49 +176,8 @@ class ClickHouseSink(FixedPartitionedSink):
     def part_fn(self, item_key: str) -> int:
         return 0
 
-    def build_part(self, step_id: str, for_part: str, resume_state: None) -> _ClickHousePart:
-        return _ClickHousePart(*self.args)
-
-
-class _ArchivePart(_Buffered):
-    def __init__(self, root: Path, batch_rows: int, batch_seconds: float):
-        super().__init__(batch_rows, batch_seconds)
-        self.root = root
-
-    def write(self, _name: str, rows: list[EventBase]) -> None:
-        by_day: dict[str, list[EventBase]] = defaultdict(list)
-        for e in rows:
-            by_day[time.strftime("%Y-%m-%d", time.gmtime(e.ts / 1000))].append(e)
-        for day, events in sorted(by_day.items()):
-            folder = self.root / f"date={day}"
-            folder.mkdir(parents=True, exist_ok=True)
-            digest = hashlib.sha1("".join(sorted(e.event_id for e in events)).encode()).hexdigest()[:20]
-            path = folder / f"part-{digest}.parquet"
-            tmp = path.with_suffix(".tmp")
-            table = to_arrow(events, EventBase)
-            retry_forever(f"write {path}", lambda: (pq.write_table(table, tmp, compression="zstd"), os.replace(tmp, path)))
-
-
-class ParquetArchiveSink(FixedPartitionedSink):
-    """Items ``("archive", ("events", events))`` -> ``root/date=YYYY-MM-DD/part-<content hash>.parquet``.
-
-    A file's name is the hash of its event ids, so rewriting the same batch replaces the file; a
-    replay with other batch boundaries may store an event in two files, which :func:`read_archive`
-    deduplicates by ``event_id``.
-    """
-
-    def __init__(self, root: str | Path, batch_rows: int = 20_000, batch_seconds: float = 1.0):
-        self.root = Path(root)
-        self.batch_rows, self.batch_seconds = batch_rows, batch_seconds
-
-    def list_parts(self) -> list[str]:
-        return ["archive"]
-
-    def part_fn(self, item_key: str) -> int:
-        return 0
-
-    def build_part(self, step_id: str, for_part: str, resume_state: None) -> _ArchivePart:
-        return _ArchivePart(self.root, self.batch_rows, self.batch_seconds)
+    def build_part(self, step_id: str, for_part: str, resume_state: None) -> _StoragePart:
+        return _StoragePart(*self.args)
 
 
 def read_archive(root: str | Path, dates: list[str] | None = None) -> pa.Table:

@@ -44,12 +44,12 @@ class WindowConfig:
 
 @dataclass(frozen=True, slots=True)
 class Closed:
-    """A window (re)closed: all of its distinct events so far, as raw payloads."""
+    """A window (re)closed: all of its distinct events so far."""
 
     trajectory_id: str
     revision: int
     close_reason: str
-    payloads: tuple[bytes, ...]
+    events: tuple[EventBase, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,41 +60,41 @@ class Rejected:
     reason: str
     trajectory_id: str
     offset: int
-    payload: bytes
+    event: EventBase
 
 
 class _Window:
-    __slots__ = ("first_ts", "ended_ts", "started", "accepted", "persisted", "ids", "payloads", "offsets",
+    __slots__ = ("first_ts", "ended_ts", "started", "accepted", "persisted", "ids", "events", "offsets",
                  "revision", "seq")
 
     def __init__(self, first_ts: int):
         self.first_ts = first_ts
         self.ended_ts: int | None = None
         self.started = False
-        self.accepted: set[str] = set()
-        self.persisted: set[str] = set()
+        self.accepted: set[str] | None = None  # created on first use: most windows never need them
+        self.persisted: set[str] | None = None
         self.ids: set[str] = set()
-        self.payloads: list[bytes] = []
+        self.events: list[EventBase] = []
         self.offsets: list[int] = []
         self.revision = -1  # -1 while open
         self.seq = 0  # bumps invalidate stale heap entries
 
-    def add(self, event: EventBase, payload: bytes, offset: int) -> None:
+    def add(self, event: EventBase, offset: int) -> None:
         self.ids.add(event.event_id)
-        self.payloads.append(payload)
+        self.events.append(event)
         self.offsets.append(offset)
         if isinstance(event, TrajectoryStarted):
             self.started = True
         elif isinstance(event, TrajectoryEnded):
             self.ended_ts = event.ts if self.ended_ts is None else max(self.ended_ts, event.ts)
         elif isinstance(event, EditAccepted):
-            self.accepted.add(event.edit_id)
+            self.accepted = (self.accepted or set()) | {event.edit_id}
         elif isinstance(event, EditPersisted):
-            self.persisted.add(event.edit_id)
+            self.persisted = (self.persisted or set()) | {event.edit_id}
 
     @property
     def complete(self) -> bool:
-        return self.ended_ts is not None and self.accepted <= self.persisted
+        return self.ended_ts is not None and (not self.accepted or self.accepted <= (self.persisted or set()))
 
 
 @dataclass
@@ -114,37 +114,37 @@ class PartitionWindows:
 
     # ------------------------------------------------------------ input
 
-    def ingest(self, event: EventBase, payload: bytes, offset: int) -> list[Closed | Rejected]:
+    def ingest(self, event: EventBase, offset: int) -> list[Closed | Rejected]:
         """Apply one event; return the windows it closed and whether it was rejected."""
         cfg, tid, wm = self.config, event.trajectory_id, self.watermark
         if wm is not None and event.ts > wm + cfg.max_future_ms:
             return [Rejected("future", f"event time {event.ts} is more than {cfg.max_future_ms} ms ahead of the "
-                             f"partition's watermark {wm}", tid, offset, payload)]
+                             f"partition's watermark {wm}", tid, offset, event)]
         out: list[Closed | Rejected] = []
         if tid in self.tombstones:
-            out.append(self._too_late(tid, offset, payload, "its window expired (closed longer than the allowed lateness)"))
+            out.append(self._too_late(tid, offset, event, "its window expired (closed longer than the allowed lateness)"))
         elif tid in self.closed:
             w = self.closed[tid]
             if event.event_id in w.ids:
-                out.append(Rejected("duplicate", f"duplicate event_id {event.event_id}", tid, offset, payload))
+                out.append(Rejected("duplicate", f"duplicate event_id {event.event_id}", tid, offset, event))
             elif event.ts > w.first_ts + cfg.retention_ms:
-                out.append(self._too_late(tid, offset, payload, "its event time is past the window's allowed lateness"))
+                out.append(self._too_late(tid, offset, event, "its event time is past the window's allowed lateness"))
             else:
-                w.add(event, payload, offset)
+                w.add(event, offset)
                 w.revision += 1
-                out.append(Closed(tid, w.revision, "late", tuple(w.payloads)))
+                out.append(Closed(tid, w.revision, "late", tuple(w.events)))
         elif tid in self.open:
             w = self.open[tid]
             if event.event_id in w.ids:
-                out.append(Rejected("duplicate", f"duplicate event_id {event.event_id}", tid, offset, payload))
+                out.append(Rejected("duplicate", f"duplicate event_id {event.event_id}", tid, offset, event))
             else:
-                w.add(event, payload, offset)
+                w.add(event, offset)
                 self._schedule(tid, w)
         elif wm is not None and event.ts < wm - cfg.retention_ms:
-            out.append(self._too_late(tid, offset, payload, "it is older than the retention horizon of its window"))
+            out.append(self._too_late(tid, offset, event, "it is older than the retention horizon of its window"))
         else:
             w = _Window(event.ts)
-            w.add(event, payload, offset)
+            w.add(event, offset)
             self.open[tid] = w
             heapq.heappush(self._deadlines, (w.first_ts + cfg.deadline_ms, tid))
             self._schedule(tid, w)
@@ -162,9 +162,9 @@ class PartitionWindows:
 
     # ------------------------------------------------------------ internals
 
-    def _too_late(self, tid: str, offset: int, payload: bytes, why: str) -> Rejected:
+    def _too_late(self, tid: str, offset: int, event: EventBase, why: str) -> Rejected:
         return Rejected("too_late", f"later than the allowed lateness of {self.config.allowed_lateness_ms} ms: {why}",
-                        tid, offset, payload)
+                        tid, offset, event)
 
     def _schedule(self, tid: str, w: _Window) -> None:
         if w.complete:
@@ -177,11 +177,11 @@ class PartitionWindows:
             self.tombstones[tid] = w.first_ts + 2 * self.config.retention_ms
             heapq.heappush(self._expiry, (self.tombstones[tid], tid))
             return [Rejected("never_started", "its trajectory never sent trajectory_started before the window closed",
-                             tid, off, p) for off, p in zip(w.offsets, w.payloads)]
+                             tid, off, e) for off, e in zip(w.offsets, w.events)]
         w.revision = 0
         self.closed[tid] = w
         heapq.heappush(self._retention, (w.first_ts + self.config.retention_ms, tid))
-        return [Closed(tid, 0, reason, tuple(w.payloads))]
+        return [Closed(tid, 0, reason, tuple(w.events))]
 
     def _advance(self) -> list[Closed | Rejected]:
         wm, out = self.watermark, []

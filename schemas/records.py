@@ -18,7 +18,9 @@ from msgspec import Meta
 
 from schemas.fields import Float32, Id, Int32, Int64, Kind, Label, Millis, UInt8, UInt32, UInt64, UserHash, Version, doc
 
-_STRICT = dict(kw_only=True, frozen=True, forbid_unknown_fields=True)
+# gc=False: records hold only scalars and containers of scalars, so they cannot form reference
+# cycles; untracked, they cost the cyclic garbage collector nothing (it was ~30% of the flow's CPU).
+_STRICT = dict(kw_only=True, frozen=True, forbid_unknown_fields=True, gc=False)
 
 Sentiment = Literal["dissatisfied", "neutral", "satisfied"]
 EndStatus = Literal["completed", "abandoned", "error"]

@@ -22,12 +22,12 @@ def ev(cls, tid, ts, eid=None, **kw):
 def feed(w: PartitionWindows, events):
     out = []
     for i, e in enumerate(events):
-        out += w.ingest(e, f"{e.event_id}".encode(), i)
+        out += w.ingest(e, i)
     return out
 
 
 def closes(out):
-    return [(c.trajectory_id, c.revision, c.close_reason, len(c.payloads)) for c in out if isinstance(c, Closed)]
+    return [(c.trajectory_id, c.revision, c.close_reason, len(c.events)) for c in out if isinstance(c, Closed)]
 
 
 def rejects(out):
@@ -149,5 +149,5 @@ def test_snapshot_and_restore_mid_stream_changes_nothing():
         w = pickle.loads(pickle.dumps(w))
         rest = []
         for i, e in enumerate(events[cut:], start=cut):
-            rest += w.ingest(e, f"{e.event_id}".encode(), i)
+            rest += w.ingest(e, i)
         assert first + rest + w.flush() == expected
