@@ -1,0 +1,1 @@
+"""Megatron-Core trainer: streamed micro-batches, Dr. GRPO + KL loss, checkpoints with consumed offsets."""

@@ -1,0 +1,135 @@
+"""Streamed input of the trainer: micro-batches from Kafka ``rtrl.batches`` for one data-parallel rank.
+
+- **Partitions are divided among DP ranks**: rank ``r`` of ``dp`` reads partitions ``p`` with
+  ``p % dp == r`` by explicit assignment (no consumer-group rebalancing can move them mid-step).
+- **Offsets belong to checkpoints.** The stream starts from the offsets stored in the checkpoint being
+  resumed (else from the beginning). :meth:`BatchStream.position` is what the next checkpoint must
+  store; :meth:`BatchStream.commit` commits it to the consumer group only after the optimizer step
+  that used the batches (for lag monitoring — the checkpoint stays the source of truth), so a resumed
+  run neither skips nor repeats a micro-batch.
+- **Invalid micro-batches** (not Arrow IPC, wrong schema, ragged rows) are dead-lettered to
+  ``rtrl.dead_letters`` with the reason and skipped; their offsets still advance.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from rtrl.errors import ServiceUnavailable
+from rtrl.kafka import base_config, check_broker, producer_config
+from schemas.codec import Invalid, JsonCodec, decode_batch
+from schemas.records import DeadLetter
+
+GROUP = "rtrl-trainer"
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One validated micro-batch as arrays (rows x seq_len) plus where it came from."""
+
+    batch_id: str
+    tokens: np.ndarray  # int64
+    loss_mask: np.ndarray  # float32
+    advantages: np.ndarray  # float32
+    behaviour_logprobs: np.ndarray  # float32
+    segment_ids: np.ndarray  # int64, -1 = padding
+    sample_ids: list[str]
+    policy_versions: np.ndarray  # int64, per sample
+    partition: int
+    offset: int
+
+    @property
+    def trained_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def token_policy_versions(self) -> np.ndarray:
+        """Policy version of every token's sample (-1 for padding)."""
+        out = np.full(self.segment_ids.shape, -1, dtype=np.int64)
+        valid = self.segment_ids >= 0
+        out[valid] = self.policy_versions[self.segment_ids[valid]]
+        return out
+
+
+def to_batch(data: bytes, partition: int, offset: int) -> Batch:
+    """Decode and validate one Arrow IPC micro-batch (raises Invalid with the reason)."""
+    mb = decode_batch(data)  # full validation: schema, shapes, segment ids
+    seq, rows = mb.seq_len, len(mb.token_ids)
+    return Batch(
+        batch_id=mb.batch_id,
+        tokens=np.asarray(mb.token_ids, dtype=np.int64).reshape(rows, seq),
+        loss_mask=np.asarray(mb.loss_mask, dtype=np.float32).reshape(rows, seq),
+        advantages=np.asarray(mb.advantages, dtype=np.float32).reshape(rows, seq),
+        behaviour_logprobs=np.asarray(mb.behaviour_logprobs, dtype=np.float32).reshape(rows, seq),
+        segment_ids=np.asarray(mb.segment_ids, dtype=np.int64).reshape(rows, seq),
+        sample_ids=list(mb.sample_ids),
+        policy_versions=np.asarray(mb.policy_versions, dtype=np.int64),
+        partition=partition,
+        offset=offset,
+    )
+
+
+class BatchStream:
+    """Micro-batches of the partitions owned by one DP rank, resumable from stored offsets."""
+
+    def __init__(self, bootstrap: str, topic: str, dead_letter_topic: str, dp_rank: int = 0, dp_size: int = 1,
+                 start: dict[str, int] | None = None, timeout_s: float = 10.0):
+        meta = check_broker(bootstrap, timeout_s)
+        if topic not in meta.topics:
+            raise ServiceUnavailable(f"topic {topic} does not exist on {bootstrap}; fix: run `rtrl topics`")
+        self.topic, self.dead_letter_topic = topic, dead_letter_topic
+        self.partitions = sorted(p for p in meta.topics[topic].partitions if p % dp_size == dp_rank)
+        if not self.partitions:
+            raise ValueError(f"{topic} has {len(meta.topics[topic].partitions)} partitions: too few for dp={dp_size}")
+        start = start or {}
+        self.next = {p: int(start.get(f"{topic}/{p}", 0)) for p in self.partitions}
+        self.consumer = Consumer(base_config(bootstrap) | {
+            "group.id": GROUP, "enable.auto.commit": False, "auto.offset.reset": "earliest",
+            "enable.partition.eof": False,
+        })
+        self.consumer.assign([TopicPartition(topic, p, self.next[p]) for p in self.partitions])
+        self.producer = Producer(producer_config(bootstrap))
+        self.dead_letters = 0
+        self._codec = JsonCodec(DeadLetter)
+
+    def position(self) -> dict[str, int]:
+        """Next offset to read per ``topic/partition``: store it in the checkpoint."""
+        return {f"{self.topic}/{p}": o for p, o in sorted(self.next.items())}
+
+    def get(self, timeout_s: float = 30.0) -> Batch | None:
+        """The next valid micro-batch, or None when none arrived within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            msg = self.consumer.poll(min(0.5, max(0.01, deadline - time.monotonic())))
+            if msg is None or msg.error():
+                continue
+            p, off = msg.partition(), msg.offset()
+            self.next[p] = off + 1
+            try:
+                return to_batch(msg.value(), p, off)
+            except Invalid as e:
+                self._dead_letter(msg, e)
+        return None
+
+    def _dead_letter(self, msg: Any, err: Invalid) -> None:
+        value = msg.value() or b""
+        dl = DeadLetter(kind=err.kind, source=self.topic, partition=msg.partition(), offset=msg.offset(),
+                        key=None if msg.key() is None else msg.key().decode("utf-8", "replace"), field=err.field,
+                        reason=err.reason, payload=value[:4096].decode("utf-8", "replace"), at=time.time_ns() // 1_000_000)
+        self.producer.produce(self.dead_letter_topic, key=self.topic.encode(), value=self._codec.encode(dl))
+        if self.producer.flush(30) != 0:
+            raise ServiceUnavailable(f"dead letter for {self.topic}/{msg.partition()}@{msg.offset()} not acknowledged")
+        self.dead_letters += 1
+
+    def commit(self) -> None:
+        """Commit the current position to the consumer group (call after the optimizer step)."""
+        self.consumer.commit(offsets=[TopicPartition(self.topic, p, o) for p, o in self.next.items()],
+                             asynchronous=False)
+
+    def close(self) -> None:
+        self.consumer.close()
+        self.producer.flush(10)
