@@ -24,7 +24,7 @@ import clickhouse_connect
 import pyarrow as pa
 
 from rtrl.errors import ConfigError, SchemaMismatch, ServiceUnavailable
-from schemas.records import Checkpoint, DeadLetter, EventBase, MicroBatch, Reward, Rollout, TrajectorySummary
+from schemas.records import Checkpoint, DeadLetter, EventBase, MicroBatch, Reward, Rollout, TrainStep, TrajectorySummary
 from schemas.types import columns, from_arrow, to_arrow
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "schemas" / "migrations"
@@ -38,6 +38,7 @@ TABLES: dict[str, type] = {
     "checkpoints": Checkpoint,
     "dead_letters": DeadLetter,
     "trajectories": TrajectorySummary,
+    "train_metrics": TrainStep,
 }
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

@@ -295,4 +295,26 @@ class TrajectorySummary(msgspec.Struct, **_STRICT):
     last_event_ts: Annotated[Millis, doc("Event time of the latest event.")]
 
 
-RECORDS: tuple[type, ...] = (EventBase, Rollout, Reward, MicroBatch, Checkpoint, DeadLetter, TrajectorySummary)
+# ---------------------------------------------------------------- trainer metrics (table train_metrics)
+
+
+class TrainStep(msgspec.Struct, **_STRICT):
+    """What one optimizer step of the trainer did."""
+
+    run_id: Annotated[Label, doc("Training run (a resumed run keeps its id).")]
+    step: Annotated[UInt64, doc("Optimizer step number within the run, from 1.")]
+    policy_version: Annotated[Version, doc("Version the trainer's weights had before this step.")]
+    loss: Annotated[float, doc("Total loss (policy gradient + KL term), normalised by the constant.")]
+    pg_loss: Annotated[float, doc("Policy-gradient part of the loss.")]
+    kl: Annotated[float, doc("Mean k3 KL to the reference per trained token.")]
+    clip_fraction: Annotated[float, doc("Share of trained tokens whose ratio was clipped.")]
+    is_truncated_fraction: Annotated[float, doc("Share of off-policy tokens whose importance weight was truncated.")]
+    tokens: Annotated[UInt64, doc("Trained (loss-masked) tokens in the step.")]
+    on_policy_fraction: Annotated[float, doc("Share of trained tokens whose sample had policy lag 0.")]
+    lag_histogram: Annotated[dict[Label, UInt32], doc("Samples per policy lag ('0', '1', ...).")]
+    tokens_per_s: Annotated[float, doc("Trained tokens per second of the step (input wait included).")]
+    batch_ids: Annotated[list[Id], doc("Micro-batches accumulated into this step, in order.")]
+    at: Annotated[Millis, doc("When the step finished, ms since epoch.")]
+
+
+RECORDS: tuple[type, ...] = (EventBase, Rollout, Reward, MicroBatch, Checkpoint, DeadLetter, TrajectorySummary, TrainStep)

@@ -25,6 +25,7 @@ KEYS = {
     "checkpoints": lambda r: r.version,
     "dead_letters": lambda r: (r.source, r.partition, r.offset, r.kind),
     "trajectories": lambda r: r.trajectory_id,
+    "train_metrics": lambda r: (r.run_id, r.step),
 }
 
 
