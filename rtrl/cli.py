@@ -6,6 +6,7 @@
     rtrl migrate             apply ClickHouse migrations and verify the tables
     rtrl simulate            send simulated users' events through the SDK
     rtrl flow rewards        the reward flow with Bytewax recovery (always-on)
+    rtrl train               the trainer on rtrl.batches (torchrun --nproc_per_node N -m trainer for DP/TP)
     rtrl config              show the effective settings
 
 Every command takes ``--config FILE`` (or ``RTRL_CONFIG``) and ``RTRL_*`` environment overrides.
@@ -112,7 +113,19 @@ def cmd_flow(settings: Settings, args: argparse.Namespace, console: Console) -> 
     return 0
 
 
+def cmd_train(settings: Settings, args: argparse.Namespace, console: Console) -> int:
+    from trainer.run import run
+
+    run(settings, _bootstrap(settings), console=console)
+    return 0
+
+
 def cmd_config(settings: Settings, args: argparse.Namespace, console: Console) -> int:
+    if args.example:
+        from rtrl.config import example_toml
+
+        sys.stdout.write(example_toml())
+        return 0
     for name, _default, help_text in describe():
         section, _, key = name.rpartition(".")
         value = getattr(getattr(settings, section), key) if section else getattr(settings, key)
@@ -139,7 +152,10 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("name", choices=["rewards"])
     f.add_argument("-w", "--workers", type=int, default=1, help="worker threads in this process")
     f.set_defaults(fn=cmd_flow)
-    sub.add_parser("config", help="show the effective settings").set_defaults(fn=cmd_config)
+    sub.add_parser("train", help="train on rtrl.batches (torchrun -m trainer for DP/TP)").set_defaults(fn=cmd_train)
+    c = sub.add_parser("config", help="show the effective settings")
+    c.add_argument("--example", action="store_true", help="print every setting at its default as TOML")
+    c.set_defaults(fn=cmd_config)
     return p
 
 

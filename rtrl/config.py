@@ -125,6 +125,19 @@ class FlowSettings:
 
 
 @dataclass
+class TrainerSettings:
+    run_id: str = _setting("", "training run id kept across resumes; empty = derived from the checkpoint folder")
+    steps: int = _setting(20, "optimizer steps to take (a resumed run continues to this total)", _positive)
+    micro_batches_per_step: int = _setting(2, "micro-batches accumulated into one optimizer step", _positive)
+    lr: float = _setting(1e-3, "AdamW learning rate", _positive)
+    max_policy_lag: int = _setting(1, "samples older than this many policy versions are dropped (counted)", _non_negative)
+    kl_coef: float = _setting(0.01, "weight of the k3 KL term to the reference model", _non_negative)
+    checkpoint_every: int = _setting(10, "steps between checkpoints (one is also written at the end)", _positive)
+    checkpoint_dir: str = _setting("", "where checkpoints go; empty = <data_dir>/checkpoints")
+    idle_timeout_s: float = _setting(30.0, "stop when no micro-batch arrives for this long", _positive)
+
+
+@dataclass
 class Settings:
     data_dir: str = _setting(".rtrl", "folder for local state: broker data, embedded ClickHouse, reports")
     kafka: KafkaSettings = field(default_factory=KafkaSettings)
@@ -132,6 +145,7 @@ class Settings:
     sdk: SdkSettings = field(default_factory=SdkSettings)
     simulator: SimulatorSettings = field(default_factory=SimulatorSettings)
     flow: FlowSettings = field(default_factory=FlowSettings)
+    trainer: TrainerSettings = field(default_factory=TrainerSettings)
 
     @property
     def data_path(self) -> Path:
@@ -269,3 +283,24 @@ def describe() -> list[tuple[str, Any, str]]:
         for f in dataclasses.fields(cls):
             rows.append((f"{sec}.{f.name}", f.default, f.metadata["help"]))
     return rows
+
+
+def example_toml() -> str:
+    """Every setting at its default with its help, as TOML (what deploy/rtrl.example.toml holds)."""
+    lines = [
+        "# rtrl settings: every key with its default. Copy, edit, and pass with `rtrl --config FILE`",
+        "# (or RTRL_CONFIG=FILE). Any key can also be set as RTRL_<SECTION>__<KEY>, e.g. RTRL_KAFKA__BOOTSTRAP.",
+        "# Unknown keys are errors, so a typo never silently falls back to a default.",
+        "",
+    ]
+    section = None
+    for name, default, help_text in describe():
+        sec, _, key = name.rpartition(".")
+        if sec != section:
+            if sec:
+                lines.append(f"\n[{sec}]")
+            section = sec
+        value = ("true" if default else "false") if isinstance(default, bool) else (
+            f'"{default}"' if isinstance(default, str) else repr(default))
+        lines += [f"# {help_text}", f"{key} = {value}"]
+    return "\n".join(lines) + "\n"

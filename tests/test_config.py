@@ -80,7 +80,10 @@ def test_shipped_example_configs_load(tmp_path):
 
     from rtrl.config import Settings
 
+    from rtrl.config import example_toml
+
     deploy = Path(__file__).resolve().parent.parent / "deploy"
+    assert (deploy / "rtrl.example.toml").read_text() == example_toml(), "regenerate: rtrl config --example"
     assert load_settings(deploy / "rtrl.example.toml", env={}) == Settings()
     prod = load_settings(deploy / "production.example.toml", env={})
     assert prod.kafka.bootstrap.count(",") == 2 and prod.clickhouse.dsn.startswith("https://")

@@ -1,0 +1,191 @@
+"""Typed configs for the Megatron-Core trainer model: architecture, parallel layout, precision.
+
+Each config validates itself in ``__post_init__`` and raises :class:`ConfigError` naming the
+field (``model.hidden_size``, ``precision.fp8`` ...) and the fix. ``ModelConfig.tiny()`` is
+the preset the CPU tests and the local simulator train: a few seconds per step on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from rtrl.errors import ConfigError
+
+FP8_FORMATS = ("hybrid", "e4m3")
+FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
+POSITION_EMBEDDINGS = ("rope", "learned_absolute")
+
+
+class TransformerEngineMissing(ConfigError):
+    """FP8 was asked for but Transformer Engine cannot be imported (megatron would silently use bf16)."""
+
+
+def _fail(name: str, value, why: str) -> None:
+    raise ConfigError(f"{name} = {value!r} {why}")
+
+
+def _positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        _fail(name, value, "must be a positive integer")
+
+
+@dataclass
+class ParallelConfig:
+    """How one model replica is split over ranks. ``world_size = tp * pp * dp``."""
+
+    tp: int = 1
+    """Tensor-parallel size: each matmul (and the vocabulary) is split over this many ranks."""
+    pp: int = 1
+    """Pipeline-parallel size: the layers are split into this many stages."""
+    dp: Optional[int] = None
+    """Data-parallel size; ``None`` = derived as ``world_size // (tp * pp)`` at init."""
+
+    def __post_init__(self) -> None:
+        _positive_int("parallel.tp", self.tp)
+        _positive_int("parallel.pp", self.pp)
+        if self.dp is not None:
+            _positive_int("parallel.dp", self.dp)
+
+    def resolve_dp(self, world_size: int) -> int:
+        """The data-parallel size for ``world_size`` ranks; error if the layout does not fit."""
+        mp = self.tp * self.pp
+        if world_size % mp:
+            raise ConfigError(
+                f"parallel.tp * parallel.pp = {mp} does not divide the world size {world_size}; "
+                "launch a multiple of tp*pp ranks or change parallel.tp/parallel.pp"
+            )
+        dp = world_size // mp
+        if self.dp is not None and self.dp != dp:
+            raise ConfigError(
+                f"parallel.dp = {self.dp} but world size {world_size} / (tp {self.tp} * pp {self.pp}) = {dp}; "
+                "set parallel.dp to None (derived) or launch tp*pp*dp ranks"
+            )
+        return dp
+
+
+@dataclass
+class PrecisionConfig:
+    """Number formats. FP8 needs Transformer Engine and a GPU; it implies bf16."""
+
+    bf16: bool = False
+    """Keep parameters and activations in bfloat16 (on CPU ~10x slower than fp32)."""
+    fp8: Optional[Literal["hybrid", "e4m3"]] = None
+    """FP8 GEMMs through Transformer Engine: ``hybrid`` (e4m3 fwd, e5m2 bwd) or ``e4m3``; None = off."""
+    fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = "delayed"
+    """FP8 scaling recipe (``mxfp8`` needs Blackwell); only read when ``fp8`` is set."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bf16, bool):
+            _fail("precision.bf16", self.bf16, "must be true or false")
+        if self.fp8 is not None and self.fp8 not in FP8_FORMATS:
+            _fail("precision.fp8", self.fp8, f"must be None or one of {', '.join(FP8_FORMATS)}")
+        if self.fp8_recipe not in FP8_RECIPES:
+            _fail("precision.fp8_recipe", self.fp8_recipe, f"must be one of {', '.join(FP8_RECIPES)}")
+        if self.fp8 is not None and not self.bf16:
+            _fail(
+                "precision.bf16",
+                self.bf16,
+                f"must be true when precision.fp8 = {self.fp8!r} (FP8 training keeps bf16 parameters)",
+            )
+
+
+@dataclass
+class ModelConfig:
+    """A GPT (decoder-only) model for megatron-core's ``GPTModel``."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    ffn_hidden_size: Optional[int] = None
+    """MLP width; ``None`` = 4 * hidden_size."""
+    vocab_size: int = 256
+    seq_length: int = 64
+    """Longest sequence (packed micro-batch length) the model is built for."""
+    num_query_groups: Optional[int] = None
+    """Grouped-query attention: number of KV heads; ``None`` = one per attention head."""
+    position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
+    tie_embeddings: bool = False
+    """Share the input embedding and the output layer weights."""
+    hidden_dropout: float = 0.0
+    """RL recomputes log-probs and compares them with behaviour log-probs: dropout defaults off."""
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+    seed: int = 1234
+    """Seed for weight init and megatron's RNG tracker (same model on any tp for a given seed on CPU)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
+            _positive_int(f"model.{name}", getattr(self, name))
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        _positive_int("model.ffn_hidden_size", self.ffn_hidden_size)
+        if self.hidden_size % self.num_attention_heads:
+            _fail(
+                "model.hidden_size",
+                self.hidden_size,
+                f"must be divisible by model.num_attention_heads = {self.num_attention_heads}",
+            )
+        if self.num_query_groups is not None:
+            _positive_int("model.num_query_groups", self.num_query_groups)
+            if self.num_attention_heads % self.num_query_groups:
+                _fail(
+                    "model.num_query_groups",
+                    self.num_query_groups,
+                    f"must divide model.num_attention_heads = {self.num_attention_heads}",
+                )
+        if self.position_embedding_type not in POSITION_EMBEDDINGS:
+            _fail("model.position_embedding_type", self.position_embedding_type, f"must be one of {POSITION_EMBEDDINGS}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            v = getattr(self, name)
+            if not 0.0 <= v < 1.0:
+                _fail(f"model.{name}", v, "must be in [0, 1)")
+        if not self.init_method_std > 0:
+            _fail("model.init_method_std", self.init_method_std, "must be > 0")
+        if not isinstance(self.parallel, ParallelConfig):
+            _fail("model.parallel", self.parallel, "must be a ParallelConfig")
+        tp = self.parallel.tp
+        kv_heads = self.num_query_groups or self.num_attention_heads
+        for name, v in (
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_query_groups", kv_heads),
+            ("ffn_hidden_size", self.ffn_hidden_size),
+            ("vocab_size", self.vocab_size),
+        ):
+            if v % tp:
+                _fail(f"model.{name}", v, f"must be divisible by parallel.tp = {tp}")
+        if self.num_layers % self.parallel.pp:
+            _fail("model.num_layers", self.num_layers, f"must be divisible by parallel.pp = {self.parallel.pp}")
+
+    def check_precision(self, precision: PrecisionConfig) -> None:
+        """Shape constraints that only apply under a given precision (FP8 GEMMs want multiples of 16)."""
+        if precision.fp8 is None:
+            return
+        for name in ("hidden_size", "ffn_hidden_size"):
+            v = getattr(self, name)
+            if v % 16:
+                _fail(f"model.{name}", v, f"must be a multiple of 16 for precision.fp8 = {precision.fp8!r}")
+
+    @classmethod
+    def tiny(cls, **overrides) -> "ModelConfig":
+        """2 layers, hidden 64, 4 heads, vocab 256, seq 64: trains in well under a second per step on 2 CPU cores."""
+        base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=256, seq_length=64)
+        base.update(overrides)
+        return cls(**base)
+
+    def with_parallel(self, tp: int = 1, pp: int = 1, dp: Optional[int] = None) -> "ModelConfig":
+        """A copy of this config with another parallel layout (checkpoints reshard between them)."""
+        from dataclasses import replace
+
+        return replace(self, parallel=ParallelConfig(tp=tp, pp=pp, dp=dp))
+
+
+def world_from_env() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) as torchrun sets them; (0, 0, 1) for a plain process."""
+    return (
+        int(os.environ.get("RANK", "0")),
+        int(os.environ.get("LOCAL_RANK", "0")),
+        int(os.environ.get("WORLD_SIZE", "1")),
+    )

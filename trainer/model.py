@@ -1,0 +1,297 @@
+"""The policy model: a megatron-core ``GPTModel`` built from :mod:`trainer.config`, on CPU or GPU.
+
+- :func:`init_parallel` starts ``torch.distributed`` (gloo on CPU, NCCL on GPU; a single plain
+  process works too), megatron's model-parallel groups, and the seeds.
+- :func:`build_model` picks the layer spec: the local (pure megatron) spec on CPU or without
+  Transformer Engine, the TE spec on GPU with TE. FP8 is only ever switched on through the TE
+  spec, and asking for FP8 without an importable Transformer Engine is a hard error
+  (megatron-core would otherwise silently train in bf16).
+- :func:`forward_logprobs` gives per-token log-probs ``[B, S]`` of given targets, with an
+  explicit boolean causal mask and vocab-parallel cross entropy, so any tensor-parallel size
+  gives the same numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import tempfile
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from rtrl.errors import ConfigError
+from trainer import cpu_compat
+from trainer.config import ModelConfig, PrecisionConfig, TransformerEngineMissing, world_from_env
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParallelInfo:
+    """Where this process sits after :func:`init_parallel`."""
+
+    rank: int
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    device: torch.device
+    backend: str
+    shims: tuple[str, ...]
+    """CPU-compat shims installed (empty on CUDA)."""
+
+
+def transformer_engine_status() -> tuple[bool, str]:
+    """(importable, detail). Probed with ``except Exception``: a TE wheel without a usable CUDA
+    raises RuntimeError, not ImportError."""
+    try:
+        import transformer_engine  # noqa: F401
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any failure means no TE
+        return False, f"{type(e).__name__}: {e}"
+    return True, getattr(transformer_engine, "__version__", "unknown version")
+
+
+def require_transformer_engine(precision: PrecisionConfig) -> None:
+    """Raise :class:`TransformerEngineMissing` when FP8 is asked for and TE cannot be imported."""
+    if precision.fp8 is None:
+        return
+    ok, detail = transformer_engine_status()
+    if not ok:
+        raise TransformerEngineMissing(
+            f"precision.fp8 = {precision.fp8!r} needs NVIDIA Transformer Engine, but "
+            f"`import transformer_engine` failed ({detail}). Without it megatron-core silently "
+            "trains in bf16. Install the 'gpu' extra on a CUDA machine (pip install 'rtrl[gpu]') "
+            "or set precision.fp8 = None."
+        )
+    if not torch.cuda.is_available():
+        raise TransformerEngineMissing(
+            f"precision.fp8 = {precision.fp8!r} needs a CUDA GPU; none is available. Set precision.fp8 = None."
+        )
+
+
+def init_parallel(cfg: ModelConfig) -> ParallelInfo:
+    """Initialise torch.distributed, megatron's parallel groups and the seeds for ``cfg``.
+
+    Rank and world size come from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR, MASTER_PORT). A plain process with none of them set becomes rank 0 of 1
+    through a ``file://`` rendezvous. Idempotent: a second call with the same layout only
+    reseeds; a different layout is an error (tear down with :func:`destroy_parallel`).
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    shims = tuple(cpu_compat.install())
+    cuda = torch.cuda.is_available()
+    rank, local_rank, world_size = world_from_env()
+    if cuda:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    backend = "nccl" if cuda else "gloo"
+    if not dist.is_initialized():
+        if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+            init_method = "env://"
+        elif world_size == 1:
+            fd, path = tempfile.mkstemp(prefix="rtrl-dist-")
+            os.close(fd)
+            os.unlink(path)  # FileStore wants a path that is absent or empty
+            init_method = f"file://{path}"
+        else:
+            raise ConfigError(
+                f"WORLD_SIZE = {world_size} but MASTER_ADDR/MASTER_PORT are not set; launch with torchrun"
+            )
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    world_size = dist.get_world_size()
+    rank = dist.get_rank()
+    p = cfg.parallel
+    dp = p.resolve_dp(world_size)
+    if ps.model_parallel_is_initialized():
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
+        if have != (p.tp, p.pp):
+            raise ConfigError(
+                f"model parallel groups already exist with (tp, pp) = {have}, config asks for "
+                f"({p.tp}, {p.pp}); call trainer.model.destroy_parallel() first"
+            )
+    else:
+        ps.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp)
+
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    seed_everything(cfg.seed)
+    return ParallelInfo(
+        rank=rank,
+        world_size=world_size,
+        tp=p.tp,
+        pp=p.pp,
+        dp=dp,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=pp_rank,
+        dp_rank=ps.get_data_parallel_rank(),
+        device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
+        backend=dist.get_backend(),
+        shims=shims,
+    )
+
+
+def seed_everything(seed: int, torch_only: bool = False) -> None:
+    """Seed python, numpy (unless ``torch_only``), torch and megatron's RNG tracker for this rank.
+
+    Megatron-LM's convention: ``seed + 100 * pp_rank``, equal across tensor-parallel ranks (on
+    CPU every weight is drawn as one full master tensor and split, so any tp gives the same
+    model). Needs the parallel state (call after ``initialize_model_parallel``).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    torch.manual_seed(seed)  # the CPU and every CUDA default generator
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    if torch_only:
+        return
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def destroy_parallel() -> None:
+    """Tear down megatron's groups and the default process group (tests, layout changes)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def transformer_config(cfg: ModelConfig, precision: PrecisionConfig):
+    """The megatron ``TransformerConfig`` for ``cfg`` under ``precision`` (FP8 fields only set when asked)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cuda = torch.cuda.is_available()
+    dtype = torch.bfloat16 if precision.bf16 else torch.float32
+    kwargs = {}
+    if precision.fp8 is not None:
+        kwargs.update(fp8=precision.fp8, fp8_recipe=precision.fp8_recipe)
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        hidden_dropout=cfg.hidden_dropout,
+        attention_dropout=cfg.attention_dropout,
+        init_method_std=cfg.init_method_std,
+        tensor_model_parallel_size=cfg.parallel.tp,
+        pipeline_model_parallel_size=cfg.parallel.pp,
+        bf16=precision.bf16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        # On CPU every weight is initialised as one full master tensor from the CPU generator and
+        # split over tp ranks: the same seed gives the same model for any tp.
+        use_cpu_initialization=not cuda,
+        **kwargs,
+    )
+
+
+def layer_spec(precision: PrecisionConfig):
+    """The local spec on CPU (or GPU without TE); the Transformer Engine spec on GPU with TE.
+
+    FP8 requires the TE spec, so it requires TE (checked by :func:`require_transformer_engine`).
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    require_transformer_engine(precision)
+    if torch.cuda.is_available() and transformer_engine_status()[0]:
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec()
+
+
+def build_model(cfg: ModelConfig, precision: Optional[PrecisionConfig] = None):
+    """A megatron-core ``GPTModel`` for this rank's pipeline stage and tensor-parallel shard.
+
+    Deterministic: the weights depend only on ``cfg`` (``cfg.seed`` reseeds every RNG first, see
+    :func:`seed_everything`), so two calls give the same model - e.g. a policy and its frozen
+    reference. Call :func:`init_parallel` first. Raises :class:`TransformerEngineMissing` when
+    ``precision.fp8`` is set and Transformer Engine cannot be imported.
+    """
+    precision = precision or PrecisionConfig()
+    cfg.check_precision(precision)
+    require_transformer_engine(precision)  # before anything else: the clear error first
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    if not ps.model_parallel_is_initialized():
+        raise ConfigError("megatron parallel state is not initialised; call trainer.model.init_parallel(cfg) first")
+    spec = layer_spec(precision)
+    seed_everything(cfg.seed, torch_only=True)
+    model = GPTModel(
+        config=transformer_config(cfg, precision),
+        transformer_layer_spec=spec,
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.seq_length,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=cfg.tie_embeddings,
+        position_embedding_type=cfg.position_embedding_type,
+    )
+    if precision.bf16:
+        # What Megatron-LM's Float16Module does to the wrapped model: every parameter and float
+        # buffer in bf16 (the local spec's LayerNorms are otherwise created in fp32).
+        model.bfloat16()
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def causal_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Boolean ``[1, 1, S, S]`` mask, True = masked (a position may not attend to later ones)."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+def forward_logprobs(
+    model,
+    tokens: torch.Tensor,
+    position_ids: torch.Tensor,
+    targets: torch.Tensor,
+    attention_mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Per-token log-probs ``[B, S]`` (float32, differentiable) of ``targets`` under ``model``.
+
+    ``tokens``, ``position_ids`` and ``targets`` are ``[B, S]`` integer tensors; ``targets[b, s]``
+    is the token scored at position ``s`` (usually ``tokens[b, s + 1]``). ``attention_mask`` is a
+    boolean ``[B or 1, 1, S, S]`` tensor with True = masked; ``None`` = plain causal (pass a
+    block-diagonal causal mask for packed sequences). The logits are vocab-parallel under
+    tensor parallelism; megatron's vocab-parallel cross entropy reduces over the tp group, so
+    the result is the same on every tp rank and for every tp size. Pipeline-parallel models
+    need the pipeline schedule instead (only the last stage has logits).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if ps.get_pipeline_model_parallel_world_size() != 1:
+        raise NotImplementedError("forward_logprobs runs a whole model; with pp > 1 use the pipeline schedule")
+    if tokens.shape != targets.shape or tokens.shape != position_ids.shape or tokens.dim() != 2:
+        raise ValueError(
+            f"tokens {tuple(tokens.shape)}, position_ids {tuple(position_ids.shape)} and targets "
+            f"{tuple(targets.shape)} must all be the same [B, S] shape"
+        )
+    if attention_mask is None:
+        attention_mask = causal_mask(tokens.shape[1], tokens.device)
+    elif attention_mask.dtype != torch.bool:
+        raise ValueError(f"attention_mask must be boolean (True = masked), got {attention_mask.dtype}")
+    logits = model(tokens, position_ids, attention_mask)  # [B, S, V / tp]
+    # vocab_parallel_cross_entropy works on the last dim; float32 for stable log-softmax.
+    ce = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), targets)
+    return -ce

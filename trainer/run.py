@@ -1,0 +1,65 @@
+"""The trainer job: ``rtrl train`` (one process) or ``torchrun --nproc_per_node N -m trainer`` (DP/TP).
+
+Builds the tiny CPU model (or the configured one), reads ``rtrl.batches`` for this rank's data-parallel
+share, trains with Dr. GRPO + KL, checkpoints with the consumed offsets, and records one
+``train_metrics`` row per step in ClickHouse (rank 0) while showing progress on the console.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from rtrl import clickhouse
+from rtrl.config import Settings
+from schemas.records import TrainStep
+from trainer.config import ModelConfig
+from trainer.data import BatchStream
+from trainer.loss import LossConfig
+from trainer.model import build_model, init_parallel
+from trainer.train import TrainConfig, train
+
+
+def run(settings: Settings, bootstrap: str, model_cfg: ModelConfig | None = None,
+        console: Console | None = None) -> list[TrainStep]:
+    console = console or Console()
+    ts = settings.trainer
+    cfg = model_cfg or ModelConfig()
+    info = init_parallel(cfg)
+    model, reference = build_model(cfg), build_model(cfg)
+    reference.load_state_dict(model.state_dict())  # the KL reference: the run's initial weights
+    ckpt = Path(ts.checkpoint_dir or settings.data_path / "checkpoints")
+    tc = TrainConfig(run_id=ts.run_id or ckpt.name, micro_batches_per_step=ts.micro_batches_per_step,
+                     max_steps=ts.steps, lr=ts.lr, max_policy_lag=ts.max_policy_lag,
+                     checkpoint_every=ts.checkpoint_every, checkpoint_dir=str(ckpt), idle_timeout_s=ts.idle_timeout_s,
+                     loss=LossConfig(kl_coef=ts.kl_coef))
+    lead = info.rank == 0
+    ch = clickhouse.setup(settings.clickhouse_dsn, settings.clickhouse.database) if lead else None
+    streams: list[BatchStream] = []
+
+    def make_source(offsets):
+        streams.append(BatchStream(bootstrap, settings.topic("batches"), settings.topic("dead_letters"),
+                                   info.dp_rank, info.dp, start=offsets, timeout_s=settings.kafka.timeout_s))
+        return streams[-1]
+
+    bar = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                   TimeElapsedColumn(), console=console, disable=not lead)
+
+    with bar:
+        task = bar.add_task("train", total=ts.steps, info="")
+
+        def on_step(s: TrainStep) -> None:
+            if ch is not None:
+                clickhouse.insert(ch, settings.clickhouse.database, "train_metrics", [s])
+            bar.update(task, completed=s.step, info=f"loss {s.loss:+.4f} kl {s.kl:.4f} clip {s.clip_fraction:.2f} "
+                                                   f"on-policy {s.on_policy_fraction:.2f} {s.tokens_per_s:,.0f} tok/s")
+
+        steps = train(model, reference, make_source, tc, on_step=on_step)
+    for s in streams:
+        s.close()
+    if lead:
+        console.print(f"trained {len(steps)} steps ({sum(s.tokens for s in steps):,} tokens) in run {tc.run_id}; "
+                      f"checkpoints in {ckpt}")
+    return steps

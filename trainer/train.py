@@ -1,0 +1,191 @@
+"""The training loop: streamed micro-batches -> Dr. GRPO + KL steps -> checkpoints with consumed offsets.
+
+One step accumulates ``micro_batches_per_step`` micro-batches, then takes one AdamW step, then
+commits the consumed offsets; every ``checkpoint_every`` steps (and at the end) it saves model,
+optimizer, offsets and step through ``trainer.checkpoint``. A restart resumes from the newest
+complete checkpoint: its offsets say where the input continues, so nothing is skipped and nothing
+already in the weights is trained again.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import numpy as np
+import torch
+
+from trainer import checkpoint
+from trainer.data import Batch
+from trainer.loss import LossConfig, policy_loss
+from trainer.model import forward_logprobs
+from schemas.records import TrainStep
+
+
+class Source(Protocol):
+    """Where micro-batches come from: a Kafka :class:`trainer.data.BatchStream` or a list in memory."""
+
+    def get(self, timeout_s: float = 30.0) -> Batch | None: ...
+    def position(self) -> dict[str, int]: ...
+    def commit(self) -> None: ...
+
+
+class MemorySource:
+    """Micro-batches from a list (tests, benchmarks); position = how many were taken."""
+
+    def __init__(self, batches: list[Batch], offsets: dict[str, int] | None = None):
+        self.batches, self.i = batches, (offsets or {}).get("memory/0", 0)
+
+    def get(self, timeout_s: float = 30.0) -> Batch | None:
+        if self.i >= len(self.batches):
+            return None
+        self.i += 1
+        return self.batches[self.i - 1]
+
+    def position(self) -> dict[str, int]:
+        return {"memory/0": self.i}
+
+    def commit(self) -> None:
+        pass
+
+
+@dataclass
+class TrainConfig:
+    """How the loop trains (the model's shape is trainer.config.ModelConfig)."""
+
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    micro_batches_per_step: int = 2
+    max_steps: int = 10
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    max_policy_lag: int = 4
+    norm_tokens: int = 0
+    """Constant loss normaliser (Dr. GRPO); 0 = micro_batches_per_step x rows x seq_len of the first batch."""
+    checkpoint_every: int = 5
+    checkpoint_dir: str = ""
+    idle_timeout_s: float = 30.0
+    loss: LossConfig = field(default_factory=LossConfig)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One micro-batch as model inputs: position t predicts token t+1 of the same packed sample."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    targets: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    advantages: torch.Tensor
+    behaviour: torch.Tensor
+    off_policy: torch.Tensor
+    lags: np.ndarray  # per sample
+    stale_tokens: int
+
+
+def prepare(batch: Batch, policy_version: int, max_policy_lag: int) -> Prepared:
+    """Shift, build per-segment positions and a block-diagonal causal mask; drop tokens of samples whose
+    policy lag exceeds ``max_policy_lag`` (they stay in the batch, masked out, and are counted)."""
+    seg = batch.segment_ids
+    rows, seq = seg.shape
+    inputs, targets = batch.tokens[:, :-1], batch.tokens[:, 1:]
+    seg_in, seg_t = seg[:, :-1], seg[:, 1:]
+    same = (seg_in == seg_t) & (seg_t >= 0)  # a target is scored only from its own sample's prefix
+    idx = np.broadcast_to(np.arange(seq - 1), (rows, seq - 1))
+    starts = np.where(np.concatenate([np.ones((rows, 1), bool), seg_in[:, 1:] != seg_in[:, :-1]], axis=1), idx, 0)
+    positions = idx - np.maximum.accumulate(starts, axis=1)
+    lags = policy_version - batch.policy_versions
+    token_lag = np.where(seg_t >= 0, lags[np.clip(seg_t, 0, None)], 0)
+    fresh = token_lag <= max_policy_lag
+    mask = batch.loss_mask[:, 1:] * same * fresh
+    stale = int((batch.loss_mask[:, 1:] * same * ~fresh).sum())
+    attend = (seg_in[:, :, None] == seg_in[:, None, :]) & (idx[:, None, :] <= idx[:, :, None])
+    return Prepared(
+        tokens=torch.from_numpy(np.ascontiguousarray(inputs)),
+        positions=torch.from_numpy(np.ascontiguousarray(positions)),
+        targets=torch.from_numpy(np.ascontiguousarray(targets)),
+        attention_mask=torch.from_numpy(~attend)[:, None],
+        loss_mask=torch.from_numpy(np.ascontiguousarray(mask, dtype=np.float32)),
+        advantages=torch.from_numpy(np.ascontiguousarray(batch.advantages[:, 1:])),
+        behaviour=torch.from_numpy(np.ascontiguousarray(batch.behaviour_logprobs[:, 1:])),
+        off_policy=torch.from_numpy(np.ascontiguousarray(token_lag >= 1)),
+        lags=lags,
+        stale_tokens=stale,
+    )
+
+
+def train(model: Any, reference: Any, make_source: Callable[[dict[str, int] | None], Source], cfg: TrainConfig,
+          policy_version: int = 0, resume: bool = True,
+          on_step: Callable[[TrainStep], None] | None = None) -> list[TrainStep]:
+    """Train until ``max_steps`` or until no micro-batch arrives within ``idle_timeout_s``.
+
+    ``make_source(offsets)`` opens the input at the offsets of the checkpoint being resumed (None =
+    from the start). ``reference`` is the frozen KL reference (the run's initial weights).
+    """
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    step, offsets = 0, None
+    if resume and cfg.checkpoint_dir and (last := checkpoint.latest(cfg.checkpoint_dir)) is not None:
+        extra = checkpoint.load(last, model, opt)
+        step, policy_version, offsets = extra["step"], extra["policy_version"], extra["offsets"]
+    source = make_source(offsets)
+    reference.eval()
+    steps: list[TrainStep] = []
+    while step < cfg.max_steps:
+        t0 = time.monotonic()
+        batches = []
+        for _ in range(cfg.micro_batches_per_step):
+            b = source.get(cfg.idle_timeout_s)
+            if b is None:
+                break
+            batches.append(b)
+        if len(batches) < cfg.micro_batches_per_step:
+            break  # a partial step would change the effective batch size: wait for the next run
+        norm = cfg.norm_tokens or cfg.micro_batches_per_step * batches[0].tokens.size
+        opt.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {"loss": 0.0, "pg": 0.0, "kl_tok": 0.0, "clip_tok": 0.0, "trunc_tok": 0.0,
+                                  "tokens": 0, "on": 0}
+        lag_hist: dict[str, int] = {}
+        for b in batches:
+            p = prepare(b, policy_version, cfg.max_policy_lag)
+            lp = forward_logprobs(model, p.tokens, p.positions, p.targets, p.attention_mask)
+            with torch.no_grad():
+                ref = forward_logprobs(reference, p.tokens, p.positions, p.targets, p.attention_mask)
+            out = policy_loss(lp, p.behaviour, ref, p.advantages, p.loss_mask, p.off_policy, norm, cfg.loss)
+            out.loss.backward()
+            sums["loss"] += out.loss.item()
+            sums["pg"] += out.pg_loss
+            sums["kl_tok"] += out.kl * out.tokens
+            sums["clip_tok"] += out.clip_fraction * out.tokens
+            sums["trunc_tok"] += out.is_truncated_fraction * out.tokens
+            sums["tokens"] += out.tokens
+            sums["on"] += out.on_policy_tokens
+            for lag in p.lags.tolist():
+                lag_hist[str(lag)] = lag_hist.get(str(lag), 0) + 1
+        opt.step()
+        step += 1
+        source.commit()  # only now: the step that used these batches is in the weights
+        n = max(1, sums["tokens"])
+        record = TrainStep(
+            run_id=cfg.run_id, step=step, policy_version=policy_version, loss=sums["loss"], pg_loss=sums["pg"],
+            kl=sums["kl_tok"] / n, clip_fraction=sums["clip_tok"] / n, is_truncated_fraction=sums["trunc_tok"] / n,
+            tokens=sums["tokens"], on_policy_fraction=sums["on"] / n, lag_histogram=lag_hist,
+            tokens_per_s=sums["tokens"] / max(1e-9, time.monotonic() - t0), batch_ids=[b.batch_id for b in batches],
+            at=time.time_ns() // 1_000_000,
+        )
+        steps.append(record)
+        if on_step:
+            on_step(record)
+        if cfg.checkpoint_dir and (step % cfg.checkpoint_every == 0):
+            save(model, opt, source, cfg, step, policy_version)
+    if cfg.checkpoint_dir and steps and step % cfg.checkpoint_every:
+        save(model, opt, source, cfg, step, policy_version)  # the end of a run is always resumable
+    return steps
+
+
+def save(model: Any, opt: torch.optim.Optimizer, source: Source, cfg: TrainConfig, step: int, policy_version: int):
+    """Checkpoint the weights with the offsets that produced them (resume continues right after)."""
+    return checkpoint.save(checkpoint.step_dir(cfg.checkpoint_dir, step), model, opt, extra={
+        "step": step, "policy_version": policy_version, "offsets": source.position(), "run_id": cfg.run_id,
+    })
