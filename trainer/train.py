@@ -131,6 +131,7 @@ def train(model: Any, reference: Any, make_source: Callable[[dict[str, int] | No
         step, policy_version, offsets = extra["step"], extra["policy_version"], extra["offsets"]
     source = make_source(offsets)
     reference.eval()
+    dp = DataParallel()
     steps: list[TrainStep] = []
     while step < cfg.max_steps:
         t0 = time.monotonic()
@@ -140,9 +141,10 @@ def train(model: Any, reference: Any, make_source: Callable[[dict[str, int] | No
             if b is None:
                 break
             batches.append(b)
-        if len(batches) < cfg.micro_batches_per_step:
+        if not dp.all_true(len(batches) == cfg.micro_batches_per_step):
             break  # a partial step would change the effective batch size: wait for the next run
-        norm = cfg.norm_tokens or cfg.micro_batches_per_step * batches[0].tokens.size
+        # Dr. GRPO: one constant for the whole global batch (all DP ranks), not the token count
+        norm = cfg.norm_tokens or cfg.micro_batches_per_step * dp.size * batches[0].tokens.size
         opt.zero_grad(set_to_none=True)
         sums: dict[str, float] = {"loss": 0.0, "pg": 0.0, "kl_tok": 0.0, "clip_tok": 0.0, "trunc_tok": 0.0,
                                   "tokens": 0, "on": 0}
@@ -163,6 +165,13 @@ def train(model: Any, reference: Any, make_source: Callable[[dict[str, int] | No
             sums["on"] += out.on_policy_tokens
             for lag in p.lags.tolist():
                 lag_hist[str(lag)] = lag_hist.get(str(lag), 0) + 1
+        dp.reduce_gradients(model)
+        totals = dp.sum([sums["loss"], sums["pg"], sums["kl_tok"], sums["clip_tok"], sums["trunc_tok"],
+                         sums["tokens"], sums["on"]])
+        sums = dict(zip(["loss", "pg", "kl_tok", "clip_tok", "trunc_tok", "tokens", "on"], totals))
+        sums["tokens"], sums["on"] = int(sums["tokens"]), int(sums["on"])
+        lag_hist = dp.merge_counts(lag_hist)
+        batch_ids = dp.gather([b.batch_id for b in batches])
         opt.step()
         step += 1
         source.commit()  # only now: the step that used these batches is in the weights
@@ -171,7 +180,7 @@ def train(model: Any, reference: Any, make_source: Callable[[dict[str, int] | No
             run_id=cfg.run_id, step=step, policy_version=policy_version, loss=sums["loss"], pg_loss=sums["pg"],
             kl=sums["kl_tok"] / n, clip_fraction=sums["clip_tok"] / n, is_truncated_fraction=sums["trunc_tok"] / n,
             tokens=sums["tokens"], on_policy_fraction=sums["on"] / n, lag_histogram=lag_hist,
-            tokens_per_s=sums["tokens"] / max(1e-9, time.monotonic() - t0), batch_ids=[b.batch_id for b in batches],
+            tokens_per_s=sums["tokens"] / max(1e-9, time.monotonic() - t0), batch_ids=batch_ids,
             at=time.time_ns() // 1_000_000,
         )
         steps.append(record)
@@ -182,6 +191,53 @@ def train(model: Any, reference: Any, make_source: Callable[[dict[str, int] | No
     if cfg.checkpoint_dir and steps and step % cfg.checkpoint_every:
         save(model, opt, source, cfg, step, policy_version)  # the end of a run is always resumable
     return steps
+
+
+class DataParallel:
+    """Collectives over megatron's data-parallel group (no-ops with one replica).
+
+    Gradients are summed, not averaged: every rank's loss is already divided by the global constant."""
+
+    def __init__(self):
+        from megatron.core import parallel_state as ps
+
+        self.group = ps.get_data_parallel_group() if ps.model_parallel_is_initialized() else None
+        self.size = ps.get_data_parallel_world_size() if self.group is not None else 1
+
+    def reduce_gradients(self, model: Any) -> None:
+        if self.size == 1:
+            return
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        flat = _flatten_dense_tensors(grads)
+        torch.distributed.all_reduce(flat, group=self.group)
+        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(reduced)
+
+    def sum(self, values: list[float]) -> list[float]:
+        if self.size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        torch.distributed.all_reduce(t, group=self.group)
+        return t.tolist()
+
+    def all_true(self, flag: bool) -> bool:
+        return self.sum([0.0 if flag else 1.0])[0] == 0.0
+
+    def gather(self, items: list) -> list:
+        if self.size == 1:
+            return items
+        out: list = [None] * self.size
+        torch.distributed.all_gather_object(out, items, group=self.group)
+        return [x for part in out for x in part]
+
+    def merge_counts(self, counts: dict[str, int]) -> dict[str, int]:
+        merged: dict[str, int] = {}
+        for part in self.gather([counts]):
+            for k, v in part.items():
+                merged[k] = merged.get(k, 0) + v
+        return dict(sorted(merged.items(), key=lambda kv: int(kv[0])))
 
 
 def save(model: Any, opt: torch.optim.Optimizer, source: Source, cfg: TrainConfig, step: int, policy_version: int):

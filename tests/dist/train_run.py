@@ -37,6 +37,8 @@ def main() -> None:
     ap.add_argument("--topic")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--checkpoint-every", type=int, default=2)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (run under torchrun)")
+    ap.add_argument("--params", action="store_true", help="print the final parameters' fingerprint")
     args = ap.parse_args()
 
     from trainer.config import ModelConfig
@@ -44,24 +46,46 @@ def main() -> None:
     from trainer.model import build_model, init_parallel
     from trainer.train import MemorySource, TrainConfig, train
 
-    cfg = ModelConfig(seq_length=64)
-    init_parallel(cfg)
+    cfg = ModelConfig(seq_length=64).with_parallel(tp=args.tp)
+    info = init_parallel(cfg)
     model, reference = build_model(cfg), build_model(cfg)
     reference.load_state_dict(model.state_dict())
     if args.bootstrap:
         make = lambda off: BatchStream(args.bootstrap, args.topic, args.topic + ".dlq", start=off, timeout_s=10)  # noqa: E731
     else:
-        batches = synthetic_batches(2 * args.steps)
+        batches = synthetic_batches(2 * args.steps)[info.dp_rank::info.dp]  # DP ranks split the global batch
         make = lambda off: MemorySource(batches, off)  # noqa: E731
-    tc = TrainConfig(run_id="test", max_steps=args.steps, micro_batches_per_step=2, checkpoint_every=args.checkpoint_every,
+    tc = TrainConfig(run_id="test", max_steps=args.steps, micro_batches_per_step=2 // info.dp,
+                     checkpoint_every=args.checkpoint_every,
                      checkpoint_dir=args.out, idle_timeout_s=10, max_policy_lag=1)
 
     def emit(step):
-        sys.stdout.write(msgspec.json.encode(step).decode() + "\n")
-        sys.stdout.flush()
+        if info.rank == 0:
+            sys.stdout.write(msgspec.json.encode(step).decode() + "\n")
+            sys.stdout.flush()
 
     train(model, reference, make, tc, policy_version=1, on_step=emit)
-    print(json.dumps({"done": True}), flush=True)
+    if args.params:  # full parameters (gathered over tensor parallelism): sum and abs-sum per tensor
+        total = {}
+        for name, p in model.named_parameters():
+            v = p.detach()
+            if info.tp > 1 and getattr(p, "tensor_model_parallel", False):
+                v = _gather_dim(v, p.partition_dim)
+            total[name] = [float(v.double().sum()), float(v.double().abs().sum())]
+        if info.rank == 0:
+            print(json.dumps({"params": total}), flush=True)
+    if info.rank == 0:
+        print(json.dumps({"done": True}), flush=True)
+
+
+def _gather_dim(v, dim):
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    parts = [torch.empty_like(v) for _ in range(ps.get_tensor_model_parallel_world_size())]
+    dist.all_gather(parts, v.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=dim)
 
 
 if __name__ == "__main__":
