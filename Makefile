@@ -30,6 +30,7 @@ test: setup
 bench: setup
 	$(PY) bench/sdk_produce.py
 	$(PY) bench/reward_flow.py
+	$(PY) bench/trainer_input.py
 
 clean:
 	rm -rf $(VENV) .rtrl .pytest_cache .hypothesis
