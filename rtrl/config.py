@@ -135,6 +135,9 @@ class TrainerSettings:
     checkpoint_every: int = _setting(10, "steps between checkpoints (one is also written at the end)", _positive)
     checkpoint_dir: str = _setting("", "where checkpoints go; empty = <data_dir>/checkpoints")
     idle_timeout_s: float = _setting(30.0, "stop when no micro-batch arrives for this long", _positive)
+    torch_threads: int = _setting(
+        0, "CPU threads for torch; 0 = torch's default. Sharing cores with the broker, cores - 1 keeps input flowing",
+        _non_negative)
 
 
 @dataclass

@@ -26,6 +26,10 @@ def run(settings: Settings, bootstrap: str, model_cfg: ModelConfig | None = None
         console: Console | None = None) -> list[TrainStep]:
     console = console or Console()
     ts = settings.trainer
+    if ts.torch_threads:
+        import torch
+
+        torch.set_num_threads(ts.torch_threads)  # see bench/RESULTS.md: contention with the broker starves input
     cfg = model_cfg or ModelConfig()
     info = init_parallel(cfg)
     model, reference = build_model(cfg), build_model(cfg)
