@@ -338,7 +338,6 @@ def main(argv=None) -> int:
 
 
 def model_runs(args, shape: Shape, peak: float | None, results: dict) -> int:
-    import torch
 
     from trainer.config import ModelConfig, PrecisionConfig, TransformerEngineMissing
     from trainer.model import init_parallel, transformer_engine_status
@@ -407,7 +406,6 @@ def report_scaled_mm(shape: Shape, tokens: int, fp8_format: str) -> None:
 
 def dry_run_cpu() -> int:
     """Small variant on CPU through the same build + step path; checks the parameter-count formula."""
-    import torch
 
     from trainer.config import ModelConfig, PrecisionConfig, TransformerEngineMissing
     from trainer.model import init_parallel

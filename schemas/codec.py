@@ -9,7 +9,6 @@ which is what a dead-letter record stores.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import msgspec
