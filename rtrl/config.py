@@ -136,7 +136,7 @@ class TrainerSettings:
     checkpoint_dir: str = _setting("", "where checkpoints go; empty = <data_dir>/checkpoints")
     idle_timeout_s: float = _setting(30.0, "stop when no micro-batch arrives for this long", _positive)
     torch_threads: int = _setting(
-        0, "CPU threads for torch; 0 = torch's default. Sharing cores with the broker, cores - 1 keeps input flowing",
+        0, "CPU threads for torch; 0 = auto: all cores but one on a CPU-only machine (the broker needs one)",
         _non_negative)
 
 

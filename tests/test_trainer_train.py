@@ -135,3 +135,14 @@ def test_rtrl_train_records_metrics_in_clickhouse(broker, topic_prefix, tmp_path
     assert [r[1] for r in rows] == [["b000", "b001"], ["b002", "b003"], ["b004", "b005"]]
     assert all(0 < r[2] <= 1 and r[4] > 0 for r in rows)
     assert (tmp_path / "checkpoints" / "step_000000003" / "COMPLETE").exists()
+
+
+def test_torch_threads_leave_a_core_for_the_broker_on_cpu():
+    """0 = auto keeps one core free on a CPU-only machine; an explicit setting wins."""
+    import torch
+
+    from trainer.run import torch_threads
+
+    assert torch_threads(3) == 3
+    if not torch.cuda.is_available():
+        assert torch_threads(0) == max(1, (os.cpu_count() or 2) - 1)

@@ -7,7 +7,10 @@ share, trains with Dr. GRPO + KL, checkpoints with the consumed offsets, and rec
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import torch
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -22,14 +25,22 @@ from trainer.model import build_model, init_parallel
 from trainer.train import TrainConfig, train
 
 
+def torch_threads(setting: int) -> int:
+    """Threads for torch: the setting, or on a CPU-only machine all cores but one — with torch on every
+    core beside the broker, input starved the trainer (0.22 of memory-fed speed; 0.97 with one spare
+    core: bench/RESULTS.md)."""
+    if setting:
+        return setting
+    if torch.cuda.is_available():
+        return torch.get_num_threads()
+    return max(1, (os.cpu_count() or 2) - 1)
+
+
 def run(settings: Settings, bootstrap: str, model_cfg: ModelConfig | None = None,
         console: Console | None = None) -> list[TrainStep]:
     console = console or Console()
     ts = settings.trainer
-    if ts.torch_threads:
-        import torch
-
-        torch.set_num_threads(ts.torch_threads)  # see bench/RESULTS.md: contention with the broker starves input
+    torch.set_num_threads(torch_threads(ts.torch_threads))
     cfg = model_cfg or ModelConfig()
     info = init_parallel(cfg)
     model, reference = build_model(cfg), build_model(cfg)
