@@ -29,10 +29,12 @@ def kafka_source(bootstrap: str, topics: list[str], timeout_s: float = 10.0, tai
         [bootstrap], topics, tail=tail, batch_size=SOURCE_BATCH_SIZE,
         add_config={
             "socket.connection.setup.timeout.ms": str(int(timeout_s * 1000)),
-            # Each partition has its own consumer; unbounded prefetch (64 MB each) only burns CPU and
-            # memory on a small machine.
+            # Each partition has its own consumer. Bounded prefetch and few, large, long-polled
+            # fetches keep four consumers from out-fetching the worker (bench/RESULTS.md: 7.8k ->
+            # 35k events/s on 2 cores); a 16 MB prefetch with 8 MB fetches halved throughput again.
             "queued.max.messages.kbytes": "4096",
-            "fetch.min.bytes": "262144",
+            "fetch.min.bytes": "1048576",
+            "max.partition.fetch.bytes": "4194304",
             "fetch.wait.max.ms": "500",
             "logger": logging.getLogger("rtrl.kafka"),
         },
