@@ -16,7 +16,7 @@ from typing import Iterable, NamedTuple
 from flows.windowing import Closed, PartitionWindows, Rejected, WindowConfig
 from rewards import REWARD_VERSIONS, features, get_config, reward
 from rewards.features import TrajectoryFeatures
-from schemas.codec import Invalid, event_codec
+from schemas.codec import Invalid, dead_letter, event_codec
 from schemas.records import DeadLetter, EventBase, Reward, TrajectorySummary
 
 
@@ -54,10 +54,6 @@ def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def _text(data: bytes | None, limit: int) -> str:
-    return "" if data is None else data[:limit].decode("utf-8", errors="replace")
-
-
 def summary(f: TrajectoryFeatures, revision: int, close_reason: str) -> TrajectorySummary:
     """The monitors' view of a closed trajectory."""
     return TrajectorySummary(
@@ -93,9 +89,7 @@ class RewardProcessor:
 
     def _dead(self, kind: str, field_: str, reason: str, partition: int, offset: int, key: bytes | str | None,
               payload: bytes | None, now: int) -> DeadLetter:
-        key_text = key if isinstance(key, str) or key is None else _text(key, 256)
-        return DeadLetter(kind=kind, source=self.source, partition=partition, offset=offset, key=key_text,
-                          field=field_, reason=reason, payload=_text(payload, 4096), at=now)
+        return dead_letter(kind, field_, reason, self.source, partition, offset, key, payload, now)
 
     def process(self, messages: Iterable[Message], now_ms: int | None = None) -> FlowOutput:
         now = _now_ms() if now_ms is None else now_ms

@@ -14,7 +14,7 @@ from typing import Generic, TypeVar
 import msgspec
 import pyarrow as pa
 
-from schemas.records import Event, MicroBatch
+from schemas.records import DeadLetter, Event, MicroBatch
 from schemas.types import arrow_schema, from_arrow, normalized, to_arrow
 
 T = TypeVar("T")
@@ -80,6 +80,19 @@ class JsonCodec(Generic[T]):
     def validate(self, record: T) -> T:
         """Re-check a record built in code (constructors don't check constraints)."""
         return self.decode(self.encode(record))
+
+
+def _lenient(data: bytes | str | None, limit: int) -> str | None:
+    if data is None or isinstance(data, str):
+        return data if data is None else data[:limit]
+    return bytes(data[:limit]).decode("utf-8", errors="replace")
+
+
+def dead_letter(kind: str, field: str, reason: str, source: str, partition: int, offset: int,
+                key: bytes | str | None, payload: bytes | str | None, at_ms: int) -> DeadLetter:
+    """The dead-letter record for rejected input: key and payload decoded leniently and truncated."""
+    return DeadLetter(kind=kind, source=source, partition=partition, offset=offset, key=_lenient(key, 256),
+                      field=field, reason=reason, payload=_lenient(payload, 4096) or "", at=at_ms)
 
 
 def event_codec(max_bytes: int = DEFAULT_MAX_BYTES) -> JsonCodec:

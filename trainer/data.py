@@ -22,7 +22,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from rtrl.errors import ServiceUnavailable
 from rtrl.kafka import base_config, check_broker, producer_config
-from schemas.codec import Invalid, JsonCodec, decode_batch
+from schemas.codec import Invalid, JsonCodec, dead_letter, decode_batch
 from schemas.records import DeadLetter
 
 GROUP = "rtrl-trainer"
@@ -116,10 +116,8 @@ class BatchStream:
         return None
 
     def _dead_letter(self, msg: Any, err: Invalid) -> None:
-        value = msg.value() or b""
-        dl = DeadLetter(kind=err.kind, source=self.topic, partition=msg.partition(), offset=msg.offset(),
-                        key=None if msg.key() is None else msg.key().decode("utf-8", "replace"), field=err.field,
-                        reason=err.reason, payload=value[:4096].decode("utf-8", "replace"), at=time.time_ns() // 1_000_000)
+        dl = dead_letter(err.kind, err.field, err.reason, self.topic, msg.partition(), msg.offset(), msg.key(),
+                         msg.value(), time.time_ns() // 1_000_000)
         self.producer.produce(self.dead_letter_topic, key=self.topic.encode(), value=self._codec.encode(dl))
         if self.producer.flush(30) != 0:
             raise ServiceUnavailable(f"dead letter for {self.topic}/{msg.partition()}@{msg.offset()} not acknowledged")
