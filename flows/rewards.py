@@ -57,11 +57,10 @@ class _PartitionLogic(StatefulBatchLogic):
 
 def build_flow(settings: Settings, bootstrap: str | None = None) -> Dataflow:
     """The reward flow for ``settings`` (``bootstrap`` overrides ``kafka.bootstrap``)."""
-    bootstrap = bootstrap or settings.kafka.bootstrap
     if not bootstrap:
-        from rtrl.broker import LocalBroker
+        from rtrl.broker import bootstrap_for
 
-        bootstrap = LocalBroker(settings.data_path / "broker").up()
+        bootstrap = bootstrap_for(settings)
     source_topic = settings.topic("events")
     cfg, fs = window_config(settings), settings.flow
     versions = fs.versions

@@ -25,13 +25,10 @@ from rtrl.config import Settings, describe, load_settings
 from rtrl.errors import RtrlError
 
 
-def _bootstrap(settings: Settings, start: bool = True) -> str:
-    from rtrl.broker import LocalBroker
+def _bootstrap(settings: Settings) -> str:
+    from rtrl.broker import bootstrap_for
 
-    if settings.kafka.bootstrap:
-        return settings.kafka.bootstrap
-    broker = LocalBroker(settings.data_path / "broker")
-    return broker.up() if start else broker.bootstrap
+    return bootstrap_for(settings)
 
 
 def cmd_run(settings: Settings, args: argparse.Namespace, console: Console) -> int:
