@@ -247,9 +247,7 @@ def insert(client: Any, database: str, table: str, records: list) -> int:
     """Insert records as one Arrow batch; returns the row count."""
     if not records:
         return 0
-    data = to_arrow(records, TABLES[table])
-    client.insert_arrow(f"{_check_name(database)}.{table}", data)
-    return data.num_rows
+    return insert_table(client, database, table, to_arrow(records, TABLES[table]))
 
 
 def insert_table(client: Any, database: str, table: str, data: pa.Table) -> int:

@@ -122,12 +122,10 @@ def field_docs(cls: type) -> dict[str, str | None]:
 
 
 def _column(name: str, tp: Any, force_nullable: bool = False) -> Column:
-    arrow, ch, nullable = _physical(Optional_(tp) if force_nullable and not _physical(tp)[2] else tp)
+    arrow, ch, nullable = _physical(tp)
+    if force_nullable and not nullable:
+        arrow, ch, nullable = _physical(typing.Optional[tp])
     return Column(name, arrow, ch, nullable, _strip(tp)[2] or "")
-
-
-def Optional_(tp: Any) -> Any:  # noqa: N802 - mirrors typing.Optional
-    return typing.Optional[tp]
 
 
 @cache
