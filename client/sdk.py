@@ -78,6 +78,7 @@ class RtrlClient:
         linger_ms: int = 5,
         delivery_timeout_s: float = 300.0,
         max_event_bytes: int = DEFAULT_MAX_BYTES,
+        compression: str = "lz4",
         producer_overrides: dict[str, Any] | None = None,
     ):
         if len(salt) < 8:
@@ -96,6 +97,7 @@ class RtrlClient:
         self._last_drop_log = 0.0
         cfg = producer_config(
             bootstrap,
+            compression,
             **{
                 "linger.ms": linger_ms,
                 "message.timeout.ms": int(delivery_timeout_s * 1000),
@@ -118,6 +120,7 @@ class RtrlClient:
             linger_ms=s.linger_ms,
             delivery_timeout_s=s.delivery_timeout_s,
             max_event_bytes=s.max_event_bytes,
+            compression=settings.kafka.compression,
         )
 
     # ------------------------------------------------------------ recording

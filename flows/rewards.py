@@ -75,10 +75,11 @@ def build_flow(settings: Settings, bootstrap: str | None = None) -> Dataflow:
     gen0, gen1, gen2 = gc.get_threshold()
     gc.set_threshold(max(gen0, 50_000), gen1, gen2)
     flow = Dataflow("rtrl_rewards")
-    raw = op.input("events_in", flow, kafka_source(bootstrap, [source_topic], settings.kafka.timeout_s, tail=fs.tail))
+    raw = op.input("events_in", flow, kafka_source(bootstrap, [source_topic], settings.kafka.timeout_s, tail=fs.tail,
+                                                          idle_s=settings.kafka.idle_backoff_s))
     keys = {}  # partition -> key string, built once
 
-    def by_partition(m):  # KafkaSourceMessage has the key/value/partition/offset a Message has
+    def by_partition(m):  # m: flows.processor.Message
         p = m.partition
         return keys.get(p) or keys.setdefault(p, str(p))
 
@@ -94,17 +95,18 @@ def build_flow(settings: Settings, bootstrap: str | None = None) -> Dataflow:
     reward_codec, dl_codec = JsonCodec(Reward), JsonCodec(DeadLetter)
     rewards_topic, dl_topic = settings.topic("rewards"), settings.topic("dead_letters")
 
-    def to_kafka(kv: tuple[str, FlowOutput]) -> list[list[tuple[str, bytes, bytes]]]:
+    def to_kafka(kv: tuple[str, FlowOutput]) -> list[tuple[str, list[tuple[str, bytes, bytes]]]]:
         o = kv[1]
         batch = [(rewards_topic, r.trajectory_id.encode(), reward_codec.encode(r)) for r in o.rewards]
         batch += [(dl_topic, d.source.encode(), dl_codec.encode(d)) for d in o.dead_letters]
-        return [batch] if batch else []
+        return [("kafka", batch)] if batch else []
 
     archive_root = fs.archive_dir or str(settings.data_path / "archive" / "events")
     op.output("clickhouse", op.flat_map("to_clickhouse", out, to_clickhouse),
               ClickHouseSink(settings.clickhouse_dsn, settings.clickhouse.database, fs.batch_rows, fs.batch_seconds,
                              settings.clickhouse.timeout_s, archive=archive_root))
-    op.output("kafka", op.flat_map("to_kafka", out, to_kafka), KafkaSink(bootstrap, settings.sdk.delivery_timeout_s))
+    op.output("kafka", op.flat_map("to_kafka", out, to_kafka), KafkaSink(bootstrap, settings.sdk.delivery_timeout_s,
+                                                                              settings.kafka.compression))
     return flow
 
 

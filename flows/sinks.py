@@ -18,7 +18,7 @@ import hashlib
 import logging
 import os
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -26,7 +26,7 @@ from typing import Any, Callable
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from bytewax.outputs import DynamicSink, FixedPartitionedSink, StatefulSinkPartition, StatelessSinkPartition
+from bytewax.outputs import FixedPartitionedSink, StatefulSinkPartition
 from confluent_kafka import Producer
 
 from rtrl import clickhouse
@@ -93,8 +93,14 @@ class _Buffered(StatefulSinkPartition):
 
 
 class _StoragePart(_Buffered):
-    """Writes run on a writer thread, one batch at a time, overlapping the worker's next batch; every
-    write has finished before ``snapshot`` returns, so the epoch's offsets never run ahead of the data."""
+    """Writes run in order on a writer thread, overlapping the worker's next batches; at most
+    ``MAX_IN_FLIGHT`` batches wait there (a slow or failing ClickHouse blocks the worker: backpressure),
+    and every write has finished before ``snapshot`` returns, so the epoch's offsets never run ahead
+    of the data."""
+
+    #: batches queued on the writer thread before ``write`` blocks (one flush is up to three: events,
+    #: rewards, trajectories, so the worker keeps going while the previous flush is written)
+    MAX_IN_FLIGHT = 4
 
     def __init__(self, dsn: str, database: str, archive: Path | None, batch_rows: int, batch_seconds: float,
                  timeout_s: float):
@@ -102,7 +108,7 @@ class _StoragePart(_Buffered):
         self.dsn, self.database, self.archive, self.timeout_s = dsn, database, archive, timeout_s
         self.client = None  # set up (migrate + verify) on first write, again after any failure
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="rtrl-sink-writer")
-        self.pending: Future | None = None
+        self.pending: deque[Future] = deque()
 
     def _insert(self, table: str, data: pa.Table) -> None:
         if self.client is None:
@@ -118,15 +124,15 @@ class _StoragePart(_Buffered):
         if table == "events" and self.archive is not None:
             write_archive(self.archive, data)
 
-    def _wait(self) -> None:
-        if self.pending is not None:
-            self.pending.result()
-            self.pending = None
+    def _wait(self, keep: int = 0) -> None:
+        """Block until at most ``keep`` writes are still queued or running."""
+        while len(self.pending) > keep:
+            self.pending.popleft().result()
 
     def write(self, table: str, rows: list) -> None:
         data = to_arrow(rows, clickhouse.TABLES[table])  # once, for ClickHouse and the archive
-        self._wait()  # at most one write in flight
-        self.pending = self.writer.submit(self._store, table, data)
+        self._wait(self.MAX_IN_FLIGHT - 1)
+        self.pending.append(self.writer.submit(self._store, table, data))
 
     def snapshot(self) -> None:
         self.flush()
@@ -197,9 +203,12 @@ def read_archive(root: str | Path, dates: list[str] | None = None) -> pa.Table:
     return table.take(keep)
 
 
-class _KafkaPart(StatelessSinkPartition):
-    def __init__(self, bootstrap: str, delivery_timeout_s: float):
-        self.producer = Producer(producer_config(bootstrap, **{"message.timeout.ms": int(delivery_timeout_s * 1000)}))
+class _KafkaPart(StatefulSinkPartition):
+    """Produces as items arrive; waits for every acknowledgement only at the epoch's end (``snapshot``),
+    before Bytewax commits the epoch's input offsets: the worker never stalls on the broker mid-epoch."""
+
+    def __init__(self, bootstrap: str, delivery_timeout_s: float, compression: str):
+        self.producer = Producer(producer_config(bootstrap, compression, **{"message.timeout.ms": int(delivery_timeout_s * 1000)}))
         self.errors: list[str] = []
 
     def _on_delivery(self, err: Any, _msg: Any) -> None:
@@ -213,9 +222,9 @@ class _KafkaPart(StatelessSinkPartition):
                     try:
                         self.producer.produce(topic, value=value, key=key, on_delivery=self._on_delivery)
                         break
-                    except BufferError:
+                    except BufferError:  # the producer's queue is full: let it deliver (backpressure)
                         self.producer.poll(0.1)
-        retry_forever("flush Kafka producer", self._flush)
+        self.producer.poll(0)  # serve delivery callbacks
 
     def _flush(self) -> None:
         left = self.producer.flush(30)
@@ -223,15 +232,27 @@ class _KafkaPart(StatelessSinkPartition):
             errors, self.errors = self.errors, []
             raise RuntimeError(f"{left} messages unacknowledged, delivery errors: {errors[:3]}")
 
+    def snapshot(self) -> None:
+        retry_forever("flush Kafka producer", self._flush)
+        return None
+
     def close(self) -> None:
-        self.producer.flush(30)
+        self.snapshot()
 
 
-class KafkaSink(DynamicSink):
-    """Items ``[(topic, key, value), ...]`` -> an idempotent producer, flushed before each batch returns."""
+class KafkaSink(FixedPartitionedSink):
+    """Items ``("kafka", [(topic, key, value), ...])`` -> one idempotent producer, acknowledged at every
+    epoch end. A delivery that fails is retried until the broker takes it; the epoch does not end
+    before (at-least-once; readers deduplicate rewards by trajectory, version and revision)."""
 
-    def __init__(self, bootstrap: str, delivery_timeout_s: float = 120.0):
-        self.bootstrap, self.delivery_timeout_s = bootstrap, delivery_timeout_s
+    def __init__(self, bootstrap: str, delivery_timeout_s: float = 120.0, compression: str = "lz4"):
+        self.bootstrap, self.delivery_timeout_s, self.compression = bootstrap, delivery_timeout_s, compression
 
-    def build(self, step_id: str, worker_index: int, worker_count: int) -> _KafkaPart:
-        return _KafkaPart(self.bootstrap, self.delivery_timeout_s)
+    def list_parts(self) -> list[str]:
+        return ["kafka"]
+
+    def part_fn(self, item_key: str) -> int:
+        return 0
+
+    def build_part(self, step_id: str, for_part: str, resume_state: None) -> _KafkaPart:
+        return _KafkaPart(self.bootstrap, self.delivery_timeout_s, self.compression)

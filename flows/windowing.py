@@ -83,13 +83,14 @@ class _Window:
         self.ids.add(event.event_id)
         self.events.append(event)
         self.offsets.append(offset)
-        if isinstance(event, TrajectoryStarted):
+        t = type(event)  # records are final classes: identity is cheaper than isinstance
+        if t is TrajectoryStarted:
             self.started = True
-        elif isinstance(event, TrajectoryEnded):
+        elif t is TrajectoryEnded:
             self.ended_ts = event.ts if self.ended_ts is None else max(self.ended_ts, event.ts)
-        elif isinstance(event, EditAccepted):
+        elif t is EditAccepted:
             self.accepted = (self.accepted or set()) | {event.edit_id}
-        elif isinstance(event, EditPersisted):
+        elif t is EditPersisted:
             self.persisted = (self.persisted or set()) | {event.edit_id}
 
     @property

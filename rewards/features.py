@@ -83,7 +83,7 @@ def features(events: Iterable[EventBase]) -> TrajectoryFeatures:
     ids = {e.trajectory_id for e in ordered}
     if len(ids) != 1:
         raise ValueError(f"events of several trajectories given: {sorted(ids)[:3]}")
-    starts = [e for e in ordered if isinstance(e, TrajectoryStarted)]
+    starts = [e for e in ordered if type(e) is TrajectoryStarted]  # records are final: identity, not isinstance
     head = starts[0] if starts else ordered[0]
     counts = Counter(event_type(e) for e in ordered)
     proposed, accepted, rejected = set(), set(), set()
@@ -92,27 +92,28 @@ def features(events: Iterable[EventBase]) -> TrajectoryFeatures:
     broken = answers_needed = answers_unneeded = 0
     status = ended_ts = latency = ttft = None
     for e in ordered:
-        if isinstance(e, ToolCall):
+        t = type(e)
+        if t is ToolCall:
             broken += not e.valid
-        elif isinstance(e, EditProposed):
+        elif t is EditProposed:
             proposed.add(e.edit_id)
-        elif isinstance(e, EditAccepted):
+        elif t is EditAccepted:
             accepted.add(e.edit_id)
-        elif isinstance(e, EditRejected):
+        elif t is EditRejected:
             rejected.add(e.edit_id)
-        elif isinstance(e, EditPersisted):
+        elif t is EditPersisted:
             persisted[e.edit_id] = e.fraction  # ordered by ts: the latest check wins
-        elif isinstance(e, Followup):
+        elif t is Followup:
             if e.question_needed is True:
                 answers_needed += 1
             elif e.question_needed is False:
                 answers_unneeded += 1
             else:
                 followups[e.sentiment] += 1
-        elif isinstance(e, Latency):
+        elif t is Latency:
             latency = e.total_ms if latency is None else max(latency, e.total_ms)
             ttft = e.ttft_ms if ttft is None else max(ttft, e.ttft_ms)
-        elif isinstance(e, TrajectoryEnded):
+        elif t is TrajectoryEnded:
             status, ended_ts = e.status, e.ts  # the latest end wins
     return TrajectoryFeatures(
         trajectory_id=head.trajectory_id,
