@@ -1,9 +1,9 @@
 """Reward flow figures: throughput per worker next to a raw loader, end-to-end latency, window memory.
 
-    .venv/bin/python bench/reward_flow.py [--events 200000] [--rounds 3] [--rate 100] [--measure-s 20]
+    .venv/bin/python bench/reward_flow.py [--events 200000] [--rounds 5] [--rate 100] [--measure-s 20]
                                           [--open 100000] [--profile]
 
-About 3 minutes on 2 vCPUs. Everything runs in this one process on a local noida-db broker and one
+About 4 minutes on 2 vCPUs. Everything runs in this one process on a local noida-db broker and one
 embedded chdb folder (separate databases per run). What each figure means:
 
 1. **Throughput, events/s per worker, Kafka -> ClickHouse.** ~200k simulator events are produced
@@ -480,7 +480,7 @@ def memory(args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--events", type=int, default=200_000, help="simulator events for the throughput figure (~)")
-    ap.add_argument("--rounds", type=int, default=3, help="throughput rounds (baseline and flow alternate); medians")
+    ap.add_argument("--rounds", type=int, default=5, help="throughput rounds (baseline and flow alternate); medians")
     ap.add_argument("--settle-s", type=float, default=3.0, help="pause before each timed throughput run")
     ap.add_argument("--rate", type=int, default=100, help="trajectories/s for the latency figure (7 events each)")
     ap.add_argument("--measure-s", type=float, default=20.0, help="seconds of measured trajectories")

@@ -78,7 +78,7 @@ class RtrlClient:
         linger_ms: int = 5,
         delivery_timeout_s: float = 300.0,
         max_event_bytes: int = DEFAULT_MAX_BYTES,
-        compression: str = "lz4",
+        compression: str = "zstd",
         producer_overrides: dict[str, Any] | None = None,
     ):
         if len(salt) < 8:

@@ -8,7 +8,8 @@ within ``kafka.timeout_s``.
 next offset per partition) with two changes to each partition's reader:
 
 * it emits :class:`flows.processor.Message` tuples (key, value, partition, offset) instead of
-  building a ``KafkaSourceMessage`` dataclass per message — a third of the source's cost;
+  building a ``KafkaSourceMessage`` dataclass per message — a third of the source's cost — and,
+  when asked, pairs them with their partition as the key (no ``key_on`` call per message);
 * a partition with nothing to read pauses its consumer for ``idle_s`` and tells Bytewax when to
   ask again (``next_awake``). A consumer at the end of its partition otherwise re-fetches in a tight
   loop whenever the broker answers fetches at once instead of holding them for ``fetch.wait.max.ms``
@@ -43,9 +44,10 @@ _new_message = tuple.__new__  # Message(...) without the NamedTuple's Python-lev
 class _PacedPartition(_BytewaxPartition):
     """One Kafka partition's reader: lean messages, paused while there is nothing to read."""
 
-    def __init__(self, *args, idle_s: float, timeout_s: float, **kwargs):
+    def __init__(self, *args, idle_s: float, timeout_s: float, keyed: bool, **kwargs):
         super().__init__(*args, **kwargs)
         self._idle_s = idle_s
+        self._key = str(self._part_idx) if keyed else None
         self._tp = [TopicPartition(self._topic, self._part_idx)]
         if self._offset < 0:  # start from a concrete offset: a logical one (beginning/end) is
             # resolved again after each pause, which held back the first fetch for seconds
@@ -101,6 +103,8 @@ class _PacedPartition(_BytewaxPartition):
                 continue
             last = msg.offset()
             batch.append(_new_message(Message, (msg.key(), msg.value(), self._part_idx, last)))
+        if self._key is not None:  # already keyed for a stateful step: saves a key_on call per message
+            batch = [(self._key, m) for m in batch]
         if last is not None:
             self._offset = last + 1  # the recovery state: resume from the next message
         return batch
@@ -109,9 +113,9 @@ class _PacedPartition(_BytewaxPartition):
 class PacedKafkaSource(KafkaSource):
     """Bytewax's ``KafkaSource`` whose partitions emit :class:`Message` and pause when idle."""
 
-    def __init__(self, *args, idle_s: float = 0.1, timeout_s: float = 10.0, **kwargs):
+    def __init__(self, *args, idle_s: float = 0.1, timeout_s: float = 10.0, keyed: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
-        self._idle_s, self._timeout_s = idle_s, timeout_s
+        self._idle_s, self._timeout_s, self._keyed = idle_s, timeout_s, keyed
 
     def build_part(self, step_id: str, for_part: str, resume_state: int | None) -> _PacedPartition:
         idx, topic = for_part.split("-", 1)
@@ -126,12 +130,13 @@ class PacedKafkaSource(KafkaSource):
         } | self._add_config
         return _PacedPartition(step_id, config, topic, int(idx), self._starting_offset, resume_state,
                                self._batch_size, self._raise_on_errors, idle_s=self._idle_s,
-                               timeout_s=self._timeout_s)
+                               timeout_s=self._timeout_s, keyed=self._keyed)
 
 
 def kafka_source(bootstrap: str, topics: list[str], timeout_s: float = 10.0, tail: bool = True,
-                 idle_s: float = 0.1) -> PacedKafkaSource:
-    """A source over ``topics`` after checking, within ``timeout_s``, that they exist."""
+                 idle_s: float = 0.1, keyed: bool = False) -> PacedKafkaSource:
+    """A source over ``topics`` after checking, within ``timeout_s``, that they exist. With ``keyed``
+    it emits ``(str(partition), Message)`` pairs, ready for a stateful step keyed by partition."""
     meta = check_broker(bootstrap, timeout_s)
     missing = [t for t in topics if t not in meta.topics]
     if missing:
@@ -139,7 +144,7 @@ def kafka_source(bootstrap: str, topics: list[str], timeout_s: float = 10.0, tai
 
         raise ServiceUnavailable(f"topics {missing} do not exist on {bootstrap}; fix: run `rtrl topics` first")
     return PacedKafkaSource(
-        [bootstrap], topics, tail=tail, batch_size=SOURCE_BATCH_SIZE, idle_s=idle_s, timeout_s=timeout_s,
+        [bootstrap], topics, tail=tail, batch_size=SOURCE_BATCH_SIZE, idle_s=idle_s, timeout_s=timeout_s, keyed=keyed,
         add_config={
             "socket.connection.setup.timeout.ms": str(int(timeout_s * 1000)),
             # Each partition has its own consumer. Bounded prefetch and few, large, long-polled
@@ -149,6 +154,9 @@ def kafka_source(bootstrap: str, topics: list[str], timeout_s: float = 10.0, tai
             "fetch.min.bytes": "1048576",
             "max.partition.fetch.bytes": "4194304",
             "fetch.wait.max.ms": "500",
+            # Bytewax asks each consumer for librdkafka's statistics JSON every second only to
+            # export a consumer-lag gauge; building and parsing it is pure overhead here
+            "statistics.interval.ms": "0",
             "logger": logging.getLogger("rtrl.kafka"),
         },
     )

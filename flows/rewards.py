@@ -4,8 +4,8 @@
 
 Steps (stable step ids key the recovery state):
 
-``events_in``   KafkaSource over rtrl.events (built after a bounded broker check)
-``by_partition``  key each message by its Kafka partition: one partition = one event-time clock
+``events_in``   KafkaSource over rtrl.events (built after a bounded broker check), each message
+                keyed by its Kafka partition: one partition = one event-time clock
 ``rewards``     parse/validate, deduplicate, window, compute rewards (flows.processor)
 ``clickhouse``  events, rewards, trajectories, dead_letters tables, and the Parquet archive of
                 raw events by date (for backfill)
@@ -75,15 +75,9 @@ def build_flow(settings: Settings, bootstrap: str | None = None) -> Dataflow:
     gen0, gen1, gen2 = gc.get_threshold()
     gc.set_threshold(max(gen0, 50_000), gen1, gen2)
     flow = Dataflow("rtrl_rewards")
-    raw = op.input("events_in", flow, kafka_source(bootstrap, [source_topic], settings.kafka.timeout_s, tail=fs.tail,
-                                                          idle_s=settings.kafka.idle_backoff_s))
-    keys = {}  # partition -> key string, built once
-
-    def by_partition(m):  # m: flows.processor.Message
-        p = m.partition
-        return keys.get(p) or keys.setdefault(p, str(p))
-
-    keyed = op.key_on("by_partition", raw, by_partition)
+    # keyed by Kafka partition at the source: one partition = one event-time clock
+    keyed = op.input("events_in", flow, kafka_source(bootstrap, [source_topic], settings.kafka.timeout_s, tail=fs.tail,
+                                                     idle_s=settings.kafka.idle_backoff_s, keyed=True))
     out = op.stateful_batch("rewards", keyed, build)
 
     def to_clickhouse(kv: tuple[str, FlowOutput]) -> list[tuple[str, tuple[str, list]]]:

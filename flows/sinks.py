@@ -245,7 +245,7 @@ class KafkaSink(FixedPartitionedSink):
     epoch end. A delivery that fails is retried until the broker takes it; the epoch does not end
     before (at-least-once; readers deduplicate rewards by trajectory, version and revision)."""
 
-    def __init__(self, bootstrap: str, delivery_timeout_s: float = 120.0, compression: str = "lz4"):
+    def __init__(self, bootstrap: str, delivery_timeout_s: float = 120.0, compression: str = "zstd"):
         self.bootstrap, self.delivery_timeout_s, self.compression = bootstrap, delivery_timeout_s, compression
 
     def list_parts(self) -> list[str]:

@@ -78,7 +78,7 @@ class KafkaSettings:
         _positive,
     )
     compression: str = _setting(
-        "lz4", "codec of every rtrl producer (none, gzip, snappy, lz4, zstd); JSON events shrink ~4x with lz4", _compression
+        "zstd", "codec of every rtrl producer (none, gzip, snappy, lz4, zstd); JSON batches shrink several-fold", _compression
     )
 
 

@@ -24,10 +24,10 @@ def base_config(bootstrap: str) -> dict[str, Any]:
     return {"bootstrap.servers": bootstrap, "logger": log}
 
 
-def producer_config(bootstrap: str, compression: str = "lz4", **overrides: Any) -> dict[str, Any]:
+def producer_config(bootstrap: str, compression: str = "zstd", **overrides: Any) -> dict[str, Any]:
     """Idempotent producer: retries never duplicate or reorder within a partition.
 
-    Batches are compressed (``kafka.compression``, lz4 by default): the broker stores and serves
+    Batches are compressed (``kafka.compression``, zstd by default): the broker stores and serves
     compressed batches, so disk, network and the broker's own work shrink with the payload.
     """
     cfg = base_config(bootstrap) | {"enable.idempotence": True, "acks": "all", "linger.ms": 5,

@@ -74,7 +74,8 @@ def test_paused_readers_deliver_every_message_once_in_order(broker, topic_prefix
 
 def test_resume_state_and_bounded_run(broker, topic_prefix):
     """A reader built from a recovery offset starts there; with tail=False it ends (StopIteration)
-    at the end of the partition even after quiet spells."""
+    at the end of the partition even after quiet spells; a keyed source pairs each message with its
+    partition."""
     ensure_topics(broker.bootstrap, topic_prefix, 1)
     topic = topic_prefix + "events"
     sent = _produce_bursts(broker.bootstrap, topic, bursts=2, per_burst=50, gap_s=0)
@@ -83,6 +84,12 @@ def test_resume_state_and_bounded_run(broker, topic_prefix):
     seen, _ = _drain(part, lambda s: False)  # returns only on StopIteration
     assert [m.offset for m in seen] == list(range(60, len(sent)))
     assert [m.value for m in seen] == sent[60:]
+    part.close()
+
+    keyed = kafka_source(broker.bootstrap, [topic], 5.0, tail=False, idle_s=0.05, keyed=True)
+    part = keyed.build_part("events_in", f"0-{topic}", 95)
+    pairs, _ = _drain(part, lambda s: False)
+    assert [(k, m.offset) for k, m in pairs] == [("0", o) for o in range(95, 100)]  # ready for stateful_batch
     part.close()
 
 
