@@ -6,6 +6,7 @@
     rtrl migrate             apply ClickHouse migrations and verify the tables
     rtrl simulate            send simulated users' events through the SDK
     rtrl flow rewards        the reward flow with Bytewax recovery (always-on)
+    rtrl flow batches        the batch flow (rollouts + rewards -> micro-batches) with recovery
     rtrl train               the trainer on rtrl.batches (torchrun --nproc_per_node N -m trainer for DP/TP)
     rtrl config              show the effective settings
 
@@ -96,14 +97,20 @@ def cmd_flow(settings: Settings, args: argparse.Namespace, console: Console) -> 
     from bytewax.recovery import RecoveryConfig, init_db_dir
     from bytewax.run import cli_main
 
-    from flows.rewards import build_flow
+    if args.name == "rewards":
+        from flows.rewards import build_flow
 
-    recovery = Path(settings.flow.recovery_dir or settings.data_path / "recovery" / args.name)
+        recovery_dir, tail = settings.flow.recovery_dir, settings.flow.tail
+    else:
+        from flows.batches import build_flow
+
+        recovery_dir, tail = settings.batches.recovery_dir, settings.batches.tail
+    recovery = Path(recovery_dir or settings.data_path / "recovery" / args.name)
     if not recovery.exists() or not any(recovery.iterdir()):
         recovery.mkdir(parents=True, exist_ok=True)
         init_db_dir(recovery, 1)
-    console.print(f"reward flow: recovery in {recovery}, snapshot every {settings.flow.snapshot_s:g}s "
-                  f"({'following the topic' if settings.flow.tail else 'until the end of the topic'})")
+    console.print(f"{args.name} flow: recovery in {recovery}, snapshot every {settings.flow.snapshot_s:g}s "
+                  f"({'following the topics' if tail else 'until the end of the topics'})")
     cli_main(build_flow(settings, bootstrap=_bootstrap(settings)), workers_per_process=args.workers,
              epoch_interval=timedelta(seconds=settings.flow.snapshot_s),
              recovery_config=RecoveryConfig(str(recovery), backup_interval=timedelta(0)))
@@ -146,7 +153,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--policy-version", type=int, default=0)
     s.set_defaults(fn=cmd_simulate)
     f = sub.add_parser("flow", help="run a streaming flow with Bytewax recovery")
-    f.add_argument("name", choices=["rewards"])
+    f.add_argument("name", choices=["rewards", "batches"])
     f.add_argument("-w", "--workers", type=int, default=1, help="worker threads in this process")
     f.set_defaults(fn=cmd_flow)
     sub.add_parser("train", help="train on rtrl.batches (torchrun -m trainer for DP/TP)").set_defaults(fn=cmd_train)

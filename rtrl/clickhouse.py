@@ -24,7 +24,8 @@ import clickhouse_connect
 import pyarrow as pa
 
 from rtrl.errors import ConfigError, SchemaMismatch, ServiceUnavailable
-from schemas.records import Checkpoint, DeadLetter, EventBase, MicroBatch, Reward, Rollout, TrainStep, TrajectorySummary
+from schemas.records import (BatchStats, Checkpoint, DeadLetter, EventBase, MicroBatch, Reward, Rollout, TrainStep,
+                             TrajectorySummary)
 from schemas.types import columns, from_arrow, to_arrow
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "schemas" / "migrations"
@@ -39,6 +40,7 @@ TABLES: dict[str, type] = {
     "dead_letters": DeadLetter,
     "trajectories": TrajectorySummary,
     "train_metrics": TrainStep,
+    "batch_stats": BatchStats,
 }
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

@@ -137,6 +137,28 @@ class FlowSettings:
         return [x.strip() for x in self.reward_versions.split(",") if x.strip()]
 
 
+def _reward_version(v: str) -> str | None:
+    from rewards import REWARD_VERSIONS
+
+    return None if v in REWARD_VERSIONS else f"must be one of {', '.join(sorted(REWARD_VERSIONS))}"
+
+
+@dataclass
+class BatchSettings:
+    reward_version: str = _setting("v2", "reward version the batch flow trains on (the reward flow must compute it)",
+                                   _reward_version)
+    join_wait_s: float = _setting(60.0, "how long a rollout waits for its reward, and a reward for its rollout", _non_negative)
+    group_wait_s: float = _setting(10.0, "how long a group waits for all its samples before it is used as it is", _non_negative)
+    seq_len: int = _setting(128, "tokens per packed row; longer samples are dropped and counted", _positive)
+    rows: int = _setting(8, "rows per micro-batch (token budget = rows x seq_len)", _positive)
+    flush_s: float = _setting(2.0, "longest a sample waits for a full micro-batch before a partial one is sent", _non_negative)
+    idle_flush_s: float = _setting(2.0, "wall-clock quiet time after which a cohort's clock moves on by itself", _positive)
+    baseline_alpha: float = _setting(0.2, "step of the per-cohort running reward mean used for groups of one",
+                                     lambda v: None if 0 < v <= 1 else "must be in (0, 1]")
+    recovery_dir: str = _setting("", "Bytewax recovery folder; empty = <data_dir>/recovery/batches")
+    tail: bool = _setting(True, "keep waiting at the end of the topics (false = stop at the end)")
+
+
 @dataclass
 class TrainerSettings:
     run_id: str = _setting("", "training run id kept across resumes; empty = derived from the checkpoint folder")
@@ -161,6 +183,7 @@ class Settings:
     sdk: SdkSettings = field(default_factory=SdkSettings)
     simulator: SimulatorSettings = field(default_factory=SimulatorSettings)
     flow: FlowSettings = field(default_factory=FlowSettings)
+    batches: BatchSettings = field(default_factory=BatchSettings)
     trainer: TrainerSettings = field(default_factory=TrainerSettings)
 
     @property

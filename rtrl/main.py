@@ -3,7 +3,8 @@
 What exists today: simulated users -> client SDK -> Kafka ``rtrl.events`` -> the reward flow
 (Bytewax: windows, versioned rewards) -> ClickHouse ``events``/``rewards``/``trajectories``, then
 behaviour and reward per policy version from the monitors' views, as a table and PNG plots. The
-trainer and the closed loop (issues 4-5) will extend this job; until then it says so.
+trainer (``rtrl train``) and the batch flow (``rtrl flow batches``) exist; the policy server, eval
+gate and cycle that close the loop (issue 5) will extend this job; until then it says so.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def run(settings: Settings, console: Console | None = None) -> list[dict]:
     console = console or Console()
     console.rule("[bold]rtrl main job")
     console.print(
-        "[yellow]The trainer and the closed loop (issues 4-5) are not built yet.[/] This run: simulated users -> "
+        "[yellow]The closed loop (policy server, eval gate, cycles: issue 5) is not built yet.[/] This run: simulated users -> "
         "SDK -> Kafka -> reward flow -> ClickHouse, then behaviour and reward per policy version."
     )
     t0 = time.monotonic()

@@ -155,6 +155,10 @@ class Rollout(msgspec.Struct, **_STRICT):
     trajectory_id: Annotated[Id, doc("Trajectory this completion served; joins with its reward.")]
     policy_version: Annotated[Version, doc("Policy version that sampled the completion.")]
     group_id: Annotated[Id, doc("Samples of the same prompt share a group (group-relative advantages).")]
+    group_size: Annotated[
+        Annotated[int, Meta(ge=1, le=2**32 - 1), Kind("uint32")],
+        doc("How many completions were sampled for the group's prompt (the batch flow waits for them)."),
+    ] = 1
     org_id: Annotated[Label, doc("Organisation; cohort key for the running baseline.")]
     task_kind: Annotated[Label, doc("Kind of task; cohort key with org_id.")]
     prompt_ids: Annotated[list[Int32], doc("Prompt token ids.")]
@@ -317,4 +321,20 @@ class TrainStep(msgspec.Struct, **_STRICT):
     at: Annotated[Millis, doc("When the step finished, ms since epoch.")]
 
 
-RECORDS: tuple[type, ...] = (EventBase, Rollout, Reward, MicroBatch, Checkpoint, DeadLetter, TrajectorySummary, TrainStep)
+# ---------------------------------------------------------------- batch flow counters (table batch_stats)
+
+
+class BatchStats(msgspec.Struct, **_STRICT):
+    """The batch flow's running counters for one cohort; the newest row per cohort is current."""
+
+    cohort: Annotated[Label, doc("'org_id/task_kind' the counters are for.")]
+    samples: Annotated[UInt64, doc("Samples packed into micro-batches so far.")]
+    batches: Annotated[UInt64, doc("Micro-batches sent so far.")]
+    counts: Annotated[dict[Label, UInt32], doc("Inputs not trained on, by reason (unmatched_rollout, too_long, ...).")]
+    lag_accepted: Annotated[dict[Label, UInt32], doc("Accepted samples per policy lag ('0', '1', ...).")]
+    lag_dropped: Annotated[dict[Label, UInt32], doc("Samples dropped as too stale, per policy lag.")]
+    clock: Annotated[Millis, doc("The cohort's event-time clock when the row was written.")]
+
+
+RECORDS: tuple[type, ...] = (EventBase, Rollout, Reward, MicroBatch, Checkpoint, DeadLetter, TrajectorySummary, TrainStep,
+                             BatchStats)

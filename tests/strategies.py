@@ -92,6 +92,7 @@ def rollouts(draw) -> Rollout:
         trajectory_id=draw(for_type(hints["trajectory_id"])),
         policy_version=draw(for_type(hints["policy_version"])),
         group_id=draw(for_type(hints["group_id"])),
+        group_size=draw(st.integers(1, 16)),
         org_id=draw(for_type(hints["org_id"])),
         task_kind=draw(for_type(hints["task_kind"])),
         prompt_ids=draw(st.lists(_i32, max_size=12)),

@@ -26,6 +26,7 @@ KEYS = {
     "dead_letters": lambda r: (r.source, r.partition, r.offset, r.kind),
     "trajectories": lambda r: r.trajectory_id,
     "train_metrics": lambda r: (r.run_id, r.step),
+    "batch_stats": lambda r: r.cohort,
 }
 
 

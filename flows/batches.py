@@ -1,0 +1,157 @@
+"""The batch flow: Kafka ``rtrl.rollouts`` + ``rtrl.rewards`` -> packed micro-batches on ``rtrl.batches``.
+
+    python -m bytewax.run flows.batches:flow -r <recovery dir> -s 2      (or: rtrl flow batches)
+
+Steps (stable step ids key the recovery state):
+
+``rollouts_in``, ``rewards_in``  Kafka sources (built after a bounded broker check)
+``parse_*``     decode and validate; failures go to ``rtrl.dead_letters`` with the reason
+``batches``     per cohort ``org_id/task_kind``: join, staleness filter, advantages, packing
+                (:mod:`flows.batching`); the cohort's state is snapshotted with the input offsets
+``kafka``       micro-batches (Arrow IPC, key ``batch_id``) and dead letters
+``clickhouse``  the cohort's running counters (``batch_stats``: unmatched, stale per lag, ...)
+                and the dead letters
+
+The cohort clock is event time (rollouts' ``created_at``, rewards' ``emitted_at``), so a replay
+emits the same micro-batches with the same ids. The one wall-clock rule: a cohort with samples
+ready but no new input for ``batches.idle_flush_s`` sends them as a partial micro-batch instead
+of waiting for more data. The serving version against which lag is measured is the newest
+``policy_version`` seen in the cohort's rollouts (the policy server samples with the promoted one).
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime, timedelta
+
+import bytewax.operators as op
+from bytewax.dataflow import Dataflow
+from bytewax.operators import StatefulBatchLogic
+
+from flows.batching import BatchBuilder, BatchConfig
+from flows.kafka_io import kafka_source
+from flows.processor import Message
+from flows.sinks import ClickHouseSink, KafkaSink
+from rtrl.config import Settings, load_settings
+from schemas.codec import Invalid, JsonCodec, dead_letter, encode_batch
+from schemas.records import BatchStats, DeadLetter, MicroBatch, Reward, Rollout
+
+
+def batch_config(settings: Settings) -> BatchConfig:
+    b = settings.batches
+    return BatchConfig(reward_version=b.reward_version, max_policy_lag=settings.trainer.max_policy_lag,
+                       join_wait_ms=int(b.join_wait_s * 1000), group_wait_ms=int(b.group_wait_s * 1000),
+                       seq_len=b.seq_len, rows=b.rows, flush_ms=int(b.flush_s * 1000), baseline_alpha=b.baseline_alpha)
+
+
+def cohort_of(org_id: str, task_kind: str) -> str:
+    return f"{org_id}/{task_kind}"
+
+
+def stats_row(cohort: str, bb: BatchBuilder, samples: int, batches: int) -> BatchStats:
+    return BatchStats(cohort=cohort, samples=samples, batches=batches, counts=dict(bb.counts),
+                      lag_accepted={str(k): v for k, v in bb.lag_counts.items()},
+                      lag_dropped={str(k): v for k, v in bb.dropped_lag.items()}, clock=bb.clock)
+
+
+class _CohortLogic(StatefulBatchLogic):
+    """Bytewax wrapper around one cohort's :class:`BatchBuilder` (the snapshotted state)."""
+
+    def __init__(self, state: dict, idle_s: float):
+        self.state, self.idle_s = state, idle_s
+        self.bb: BatchBuilder = state["builder"]
+        self.quiet_since: datetime | None = None
+
+    def _out(self, batches: list[MicroBatch]) -> list:
+        self.state["batches"] += len(batches)
+        self.state["samples"] += sum(len(b.sample_ids) for b in batches)
+        return [(batches, stats_row(self.state["cohort"], self.bb, self.state["samples"], self.state["batches"]))]
+
+    def on_batch(self, values: list) -> tuple[list, bool]:
+        out: list[MicroBatch] = []
+        self.state["cohort"] = self.state["cohort"] or cohort_of(values[0][1].org_id, values[0][1].task_kind)
+        for kind, rec in values:
+            if kind == "rollout":
+                self.bb.set_serving_version(rec.policy_version)
+                out += self.bb.add_rollout(rec)
+            else:
+                out += self.bb.add_reward(rec)
+        self.quiet_since = datetime.now(UTC)
+        return self._out(out), StatefulBatchLogic.RETAIN
+
+    def notify_at(self) -> datetime | None:
+        if not self.bb.ready or self.quiet_since is None:
+            return None
+        return self.quiet_since + timedelta(seconds=self.idle_s)
+
+    def on_notify(self) -> tuple[list, bool]:
+        self.quiet_since = None
+        return self._out(self.bb.flush_ready()), StatefulBatchLogic.RETAIN
+
+    def on_eof(self) -> tuple[list, bool]:
+        return self._out(self.bb.flush()), StatefulBatchLogic.RETAIN
+
+    def snapshot(self) -> dict:
+        return self.state
+
+
+def _parser(codec: JsonCodec, kind: str, source: str):
+    def parse(m: Message) -> list:
+        try:
+            rec = codec.decode(m.value)
+        except Invalid as e:
+            return [("dead", dead_letter(e.kind, e.field, e.reason, source, m.partition, m.offset, m.key, m.value,
+                                         time.time_ns() // 1_000_000))]
+        return [(cohort_of(rec.org_id, rec.task_kind), (kind, rec))]
+    return parse
+
+
+def build_flow(settings: Settings, bootstrap: str | None = None) -> Dataflow:
+    """The batch flow for ``settings`` (``bootstrap`` overrides ``kafka.bootstrap``)."""
+    if not bootstrap:
+        from rtrl.broker import bootstrap_for
+
+        bootstrap = bootstrap_for(settings)
+    cfg, bs, k = batch_config(settings), settings.batches, settings.kafka
+    flow = Dataflow("rtrl_batches")
+    parsed = []
+    for name, cls in (("rollouts", Rollout), ("rewards", Reward)):
+        topic = settings.topic(name)
+        src = op.input(f"{name}_in", flow, kafka_source(bootstrap, [topic], k.timeout_s, tail=bs.tail,
+                                                         idle_s=k.idle_backoff_s))
+        parsed.append(op.flat_map(f"parse_{name}", src, _parser(JsonCodec(cls), name[:-1], topic)))
+    items = op.merge("merge", *parsed)
+    split = op.branch("split_dead", items, lambda kv: kv[0] != "dead")
+    keyed = split.trues
+
+    def build(resume: dict | None) -> _CohortLogic:
+        return _CohortLogic(resume or {"builder": BatchBuilder(cfg), "cohort": "", "samples": 0, "batches": 0},
+                            bs.idle_flush_s)
+
+    out = op.stateful_batch("batches", keyed, build)
+    batches_topic, dl_topic = settings.topic("batches"), settings.topic("dead_letters")
+    dl_codec = JsonCodec(DeadLetter)
+
+    def to_kafka(kv: tuple[str, tuple[list[MicroBatch], BatchStats]]) -> list:
+        batches, _ = kv[1]
+        return [("kafka", [(batches_topic, b.batch_id.encode(), encode_batch(b)) for b in batches])] if batches else []
+
+    def dead_to_kafka(kv: tuple[str, DeadLetter]) -> list:
+        d = kv[1]
+        return [("kafka", [(dl_topic, d.source.encode(), dl_codec.encode(d))])]
+
+    sink = KafkaSink(bootstrap, settings.sdk.delivery_timeout_s, k.compression)
+    op.output("kafka", op.merge("to_kafka", op.flat_map("batches_to_kafka", out, to_kafka),
+                                op.flat_map("dead_to_kafka", split.falses, dead_to_kafka)), sink)
+    to_ch = op.merge("to_clickhouse", op.map("stats", out, lambda kv: ("clickhouse", ("batch_stats", [kv[1][1]]))),
+                     op.map("dead_to_clickhouse", split.falses, lambda kv: ("clickhouse", ("dead_letters", [kv[1]]))))
+    op.output("clickhouse", to_ch,
+              ClickHouseSink(settings.clickhouse_dsn, settings.clickhouse.database, 1000, 1.0, settings.clickhouse.timeout_s))
+    return flow
+
+
+def __getattr__(name: str) -> Dataflow:
+    """``flows.batches:flow`` is built on first access from the environment's settings."""
+    if name == "flow":
+        return build_flow(load_settings())
+    raise AttributeError(name)

@@ -1,0 +1,268 @@
+"""The batch flow's logic for one cohort, free of Bytewax and I/O: rollouts + rewards -> micro-batches.
+
+A cohort is ``(org_id, task_kind)``. Rollouts and rewards both carry it, and the samples of one
+group (completions of the same prompt) always share it, so one :class:`BatchBuilder` per cohort can
+join, group and baseline without talking to any other. Steps, in order:
+
+1. **Join** a rollout with the reward of the same ``trajectory_id`` (only ``reward_version``, only
+   revision 0: later revisions come after the sample may have been trained). Either side waits
+   at most ``join_wait_ms``; what is still unmatched then is counted and dropped.
+2. **Staleness**: a joined sample's lag is the serving version (the newest promotion seen)
+   minus its ``policy_version``; samples over ``max_policy_lag`` are dropped and counted per lag.
+3. **Advantages** (Dr. GRPO, no std normalisation): a group of two or more samples uses
+   ``reward - mean(group reward)``. A group waits ``group_wait_ms`` for its ``group_size``
+   members; a group that ends up with one sample (or prompts sampled once) uses
+   ``reward - baseline`` with the cohort's running mean, which it then updates.
+4. **Packing**: samples (prompt + completion tokens) are packed first-fit into rows of ``seq_len``
+   tokens; a micro-batch is emitted when ``rows`` rows cannot take the next sample, or when its
+   oldest sample has waited ``flush_ms``. Prompt tokens and padding have loss mask 0.
+
+The clock is the cohort's event time: the largest ``created_at`` of its rollouts and
+``emitted_at`` of its rewards. Nothing reads the wall clock, so a replay of the same input in the
+same order emits the same micro-batches with the same ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from dataclasses import dataclass, field
+
+from schemas.records import MicroBatch, Reward, Rollout
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    reward_version: str = "v2"
+    max_policy_lag: int = 1
+    join_wait_ms: int = 60_000
+    group_wait_ms: int = 10_000
+    seq_len: int = 128
+    rows: int = 8
+    flush_ms: int = 2_000
+    baseline_alpha: float = 0.2
+
+    def __post_init__(self) -> None:
+        for name in ("join_wait_ms", "group_wait_ms", "flush_ms", "max_policy_lag"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.seq_len < 2 or self.rows < 1:
+            raise ValueError("seq_len must be >= 2 and rows >= 1")
+        if not 0.0 < self.baseline_alpha <= 1.0:
+            raise ValueError("baseline_alpha must be in (0, 1]")
+
+
+@dataclass
+class Sample:
+    """A rollout joined with its reward, with its advantage once known."""
+
+    rollout: Rollout
+    reward: float
+    joined_at: int
+    advantage: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return len(self.rollout.prompt_ids) + len(self.rollout.completion_ids)
+
+
+@dataclass
+class _Group:
+    size: int
+    first_ts: int
+    samples: list[Sample] = field(default_factory=list)
+
+
+def group_advantages(rewards: list[float]) -> list[float]:
+    """Dr. GRPO: each reward minus the group mean (no division by the standard deviation)."""
+    mean = sum(rewards) / len(rewards)
+    return [r - mean for r in rewards]
+
+
+def pack(samples: list[Sample], seq_len: int, created_at: int) -> MicroBatch:
+    """Samples into rows of ``seq_len`` tokens, first fit in the given order (all must fit)."""
+    rows: list[list[tuple[int, Sample]]] = []
+    free: list[int] = []
+    for i, s in enumerate(samples):
+        n = s.tokens
+        if n > seq_len:
+            raise ValueError(f"sample {s.rollout.trajectory_id} has {n} tokens > seq_len {seq_len}")
+        for r, left in enumerate(free):
+            if left >= n:
+                rows[r].append((i, s))
+                free[r] -= n
+                break
+        else:
+            rows.append([(i, s)])
+            free.append(seq_len - n)
+    tok, mask, adv, blp, seg = [], [], [], [], []
+    for row in rows:
+        t, m, a, b, g = [], [], [], [], []
+        for i, s in row:
+            ro = s.rollout
+            np_, nc = len(ro.prompt_ids), len(ro.completion_ids)
+            t += ro.prompt_ids + ro.completion_ids
+            m += [0] * np_ + list(ro.loss_mask)
+            a += [0.0] * np_ + [s.advantage] * nc
+            b += [0.0] * np_ + list(ro.behaviour_logprobs)
+            g += [i] * (np_ + nc)
+        pad = seq_len - len(t)
+        tok.append(t + [0] * pad)
+        mask.append(m + [0] * pad)
+        adv.append(a + [0.0] * pad)
+        blp.append(b + [0.0] * pad)
+        seg.append(g + [-1] * pad)
+    ids = [s.rollout.trajectory_id for s in samples]
+    batch_id = hashlib.sha1("\n".join(ids).encode()).hexdigest()[:32]
+    return MicroBatch(batch_id=batch_id, created_at=created_at, seq_len=seq_len, token_ids=tok, loss_mask=mask,
+                      advantages=adv, behaviour_logprobs=blp, segment_ids=seg, sample_ids=ids,
+                      policy_versions=[s.rollout.policy_version for s in samples])
+
+
+def rows_needed(token_counts: list[int], seq_len: int) -> int:
+    """How many rows first-fit packing uses for these sample lengths (each <= seq_len)."""
+    free: list[int] = []
+    for n in token_counts:
+        for r, left in enumerate(free):
+            if left >= n:
+                free[r] -= n
+                break
+        else:
+            free.append(seq_len - n)
+    return len(free)
+
+
+class BatchBuilder:
+    """Join, staleness filter, advantages and packing for one cohort; see the module docstring."""
+
+    def __init__(self, config: BatchConfig, serving_version: int = 0):
+        self.config = config
+        self.serving_version = serving_version
+        self.clock = 0
+        self.rollouts: dict[str, Rollout] = {}
+        self.rewards: dict[str, Reward] = {}
+        self.joined: set[str] = set()  # trajectory ids already joined: later copies are duplicates
+        self.groups: dict[str, _Group] = {}
+        self.ready: list[Sample] = []
+        self.baseline: float | None = None
+        self.counts: Counter[str] = Counter()
+        self.lag_counts: Counter[int] = Counter()  # accepted samples by lag
+        self.dropped_lag: Counter[int] = Counter()  # dropped samples by lag
+
+    # ------------------------------------------------------------ input
+
+    def add_rollout(self, r: Rollout) -> list[MicroBatch]:
+        self._tick(r.created_at)
+        tid = r.trajectory_id
+        if tid in self.joined or tid in self.rollouts:
+            self.counts["duplicate_rollout"] += 1
+        elif self.config.seq_len < len(r.prompt_ids) + len(r.completion_ids):
+            self.counts["too_long"] += 1
+        elif tid in self.rewards:
+            self._join(r, self.rewards.pop(tid))
+        else:
+            self.rollouts[tid] = r
+        return self._advance()
+
+    def add_reward(self, rw: Reward) -> list[MicroBatch]:
+        self._tick(rw.emitted_at)
+        tid = rw.trajectory_id
+        if rw.reward_version != self.config.reward_version:
+            self.counts["other_reward_version"] += 1
+        elif rw.revision > 0 or tid in self.joined or tid in self.rewards:
+            self.counts["later_revision_or_duplicate"] += 1
+        elif tid in self.rollouts:
+            self._join(self.rollouts.pop(tid), rw)
+        else:
+            self.rewards[tid] = rw
+        return self._advance()
+
+    def set_serving_version(self, version: int) -> None:
+        """A promotion was announced: lags are measured against the newest one."""
+        self.serving_version = max(self.serving_version, version)
+
+    def advance_to(self, ts: int) -> list[MicroBatch]:
+        """Move the clock (e.g. from another cohort's data) and emit what timed out."""
+        self._tick(ts)
+        return self._advance()
+
+    def flush_ready(self) -> list[MicroBatch]:
+        """Pack every sample that is ready now, in partial micro-batches if need be."""
+        out = []
+        while self.ready:
+            out.append(self._emit())
+        return out
+
+    def flush(self) -> list[MicroBatch]:
+        """End of input: close every group, count what never joined, pack the rest."""
+        self.counts["unmatched_rollout"] += len(self.rollouts)
+        self.counts["unmatched_reward"] += len(self.rewards)
+        self.rollouts.clear()
+        self.rewards.clear()
+        for gid in sorted(self.groups, key=lambda g: (self.groups[g].first_ts, g)):
+            self._close_group(gid)
+        return self.flush_ready()
+
+    # ------------------------------------------------------------ internals
+
+    def _tick(self, ts: int) -> None:
+        self.clock = max(self.clock, ts)
+
+    def _join(self, r: Rollout, rw: Reward) -> None:
+        self.joined.add(r.trajectory_id)
+        s = Sample(r, rw.reward, self.clock)
+        g = self.groups.get(r.group_id)
+        if g is None:
+            g = self.groups[r.group_id] = _Group(r.group_size, self.clock)
+        g.samples.append(s)
+        if len(g.samples) >= g.size:
+            self._close_group(r.group_id)
+
+    def _close_group(self, gid: str) -> None:
+        g = self.groups.pop(gid)
+        kept = []
+        for s in g.samples:
+            lag = self.serving_version - s.rollout.policy_version
+            if lag > self.config.max_policy_lag:
+                self.dropped_lag[lag] += 1
+            else:
+                kept.append(s)
+        if not kept:
+            return
+        if len(kept) >= 2:
+            for s, a in zip(kept, group_advantages([s.reward for s in kept])):
+                s.advantage = a
+        else:
+            s = kept[0]
+            base = s.reward if self.baseline is None else self.baseline
+            s.advantage = s.reward - base
+            self.baseline = base + self.config.baseline_alpha * (s.reward - base)
+        for s in kept:
+            self.lag_counts[self.serving_version - s.rollout.policy_version] += 1
+        self.ready.extend(kept)
+
+    def _advance(self) -> list[MicroBatch]:
+        cfg, now = self.config, self.clock
+        for table, what in ((self.rollouts, "unmatched_rollout"), (self.rewards, "unmatched_reward")):
+            stale = [tid for tid, x in table.items()
+                     if (x.created_at if isinstance(x, Rollout) else x.emitted_at) + cfg.join_wait_ms < now]
+            for tid in stale:
+                del table[tid]
+                self.counts[what] += 1
+        for gid in [gid for gid, g in self.groups.items() if g.first_ts + cfg.group_wait_ms < now]:
+            self._close_group(gid)
+        out = []
+        while self.ready and (self._full() or self.ready[0].joined_at + cfg.flush_ms <= now):
+            out.append(self._emit())
+        return out
+
+    def _full(self) -> bool:
+        return rows_needed([s.tokens for s in self.ready], self.config.seq_len) > self.config.rows
+
+    def _emit(self) -> MicroBatch:
+        """Pack the longest prefix of ready samples that fits in ``rows`` rows."""
+        cfg, n = self.config, 1
+        while n < len(self.ready) and rows_needed([s.tokens for s in self.ready[: n + 1]], cfg.seq_len) <= cfg.rows:
+            n += 1
+        take, self.ready = self.ready[:n], self.ready[n:]
+        return pack(take, cfg.seq_len, self.clock)
