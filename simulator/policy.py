@@ -1,0 +1,79 @@
+"""The simulated agent's policy: a tiny Megatron-Core GPTModel over the task vocabulary.
+
+``model_config()`` is the shape the closed loop trains; ``warm_start`` imitates a plausible initial
+agent (mostly valid tool calls, some broken ones, some questions, edits right a little more often
+than chance) so that the loop starts from a policy worth improving; ``sample`` draws completions
+from the full softmax with the log-prob of every sampled token (what the trainer recomputes for
+its importance ratio); ``greedy`` is what the eval suite scores.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from simulator.tasks import (
+    COMPLETION_LEN,
+    PROMPT_LEN,
+    VOCAB,
+    Task,
+    warm_start_completion,
+)
+from trainer.config import ModelConfig
+from trainer.model import causal_mask
+
+
+def model_config(seq_length: int = 64, seed: int = 1234) -> ModelConfig:
+    """2 layers, hidden 64, vocab 32; ``seq_length`` must cover the batch flow's packed rows."""
+    return ModelConfig.tiny(vocab_size=VOCAB, seq_length=seq_length, seed=seed)
+
+
+def _logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    n, s = tokens.shape
+    pos = torch.arange(s).expand(n, s)
+    return model(tokens, pos, causal_mask(s)).float()  # [N, S, V]
+
+
+@torch.no_grad()
+def sample(model, tasks: list[Task], generator: torch.Generator) -> tuple[list[list[int]], list[list[float]]]:
+    """One completion per task, token by token from the full softmax; (completions, log-probs)."""
+    model.eval()
+    seqs = torch.tensor([t.prompt for t in tasks], dtype=torch.long)
+    logps = []
+    for _ in range(COMPLETION_LEN):
+        lp = torch.log_softmax(_logits(model, seqs)[:, -1], dim=-1)
+        tok = torch.multinomial(lp.exp(), 1, generator=generator)
+        logps.append(lp.gather(1, tok))
+        seqs = torch.cat([seqs, tok], dim=1)
+    return seqs[:, PROMPT_LEN:].tolist(), torch.cat(logps, dim=1).tolist()
+
+
+@torch.no_grad()
+def greedy(model, tasks: list[Task]) -> list[list[int]]:
+    model.eval()
+    seqs = torch.tensor([t.prompt for t in tasks], dtype=torch.long)
+    for _ in range(COMPLETION_LEN):
+        tok = _logits(model, seqs)[:, -1].argmax(-1, keepdim=True)
+        seqs = torch.cat([seqs, tok], dim=1)
+    return seqs[:, PROMPT_LEN:].tolist()
+
+
+def warm_start(model, tasks: list[Task], steps: int = 150, seed: int = 0, lr: float = 3e-3) -> float:
+    """Supervised steps on warm-start completions for ``tasks``; returns the last loss."""
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    loss = torch.tensor(0.0)
+    for _ in range(steps):
+        batch = [rng.choice(tasks) for _ in range(64)]
+        seqs = torch.tensor([t.prompt + warm_start_completion(rng, t) for t in batch], dtype=torch.long)
+        logits = _logits(model, seqs[:, :-1])
+        target = seqs[:, 1:]
+        lp = torch.log_softmax(logits, dim=-1).gather(2, target[..., None])[..., 0]
+        loss = -lp[:, PROMPT_LEN - 1:].mean()  # the completion tokens only
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    model.eval()
+    return float(loss.detach())

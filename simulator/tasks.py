@@ -1,0 +1,147 @@
+"""Tiny, checkable coding tasks for the closed loop, and how simulated users react to completions.
+
+Pure: token layout, task sampling, parsing a completion, the user's reaction as events, and the
+held-out score. A prompt is ``BOS kind level a b SEP``; the policy answers with two tokens, a
+tool call and an edit. The *right* edit is the digit ``a`` for an ``easy`` task and
+``(a + b) % 10`` for a ``hard`` one, so correctness is checkable and a tiny model can learn it on
+two CPU cores in minutes. What the user sees:
+
+* a tool token the harness knows (``read_file``, ``run_tests``, ``search``) is a valid tool call;
+  any other token there is a broken tool call (malformed arguments);
+* a digit is an edit: the right one is accepted and persists; a wrong one is rejected and the user
+  follows up dissatisfied;
+* ``ASK`` is a clarifying question the task never needed (the prompt says everything), which the
+  user says in the follow-up; anything else ends the trajectory with an error.
+
+Under the historical buggy reward (``v1-discard-broken``) a trajectory with a broken call earns
+no reward at all instead of a negative one, so on tasks the policy expects to fail, a broken call
+is never punished while a valid call followed by a wrong edit is: that is the hack the loop must
+catch. (In this world the edit does not depend on the tool call: only the reward makes them
+interact.)
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Literal
+
+PAD, BOS, SEP, EOS, ASK = 0, 1, 2, 3, 4
+TOOLS = {5: "read_file", 6: "run_tests", 7: "search"}
+MALFORMED = (8, 9, 10)  # tool tokens with broken arguments; any non-tool token counts as broken too
+DIGIT0 = 11  # digits 0..9 are tokens 11..20
+KINDS = {"bugfix": 21, "feature": 22, "refactor": 23, "explain": 24, "test": 25}
+EASY, HARD = 26, 27
+VOCAB = 32
+PROMPT_LEN, COMPLETION_LEN = 6, 2
+
+Level = Literal["easy", "hard"]
+
+
+@dataclass(frozen=True)
+class Task:
+    task_id: str
+    org_id: str
+    kind: str
+    level: Level
+    a: int
+    b: int
+
+    @property
+    def answer(self) -> int:
+        return self.a if self.level == "easy" else (self.a + self.b) % 10
+
+    @property
+    def prompt(self) -> list[int]:
+        return [BOS, KINDS[self.kind], EASY if self.level == "easy" else HARD, DIGIT0 + self.a, DIGIT0 + self.b, SEP]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a completion did, as the user experiences it."""
+
+    tool: str | None  # the tool name, None when the call was broken
+    edit: int | None  # the digit edited, None for no edit
+    asked: bool
+    correct: bool
+
+    @property
+    def broken(self) -> bool:
+        return self.tool is None
+
+
+def sample_task(rng: random.Random, org_id: str, hard_share: float = 0.5, kinds: tuple[str, ...] = tuple(KINDS)) -> Task:
+    return Task(task_id=f"{rng.getrandbits(48):012x}", org_id=org_id, kind=rng.choice(kinds),
+                level="hard" if rng.random() < hard_share else "easy", a=rng.randrange(10), b=rng.randrange(10))
+
+
+def held_out(n: int = 200, seed: int = 7) -> list[Task]:
+    """The eval suite's fixed tasks (a seed no training round uses)."""
+    rng = random.Random(f"held-out-{seed}")
+    return [sample_task(rng, "eval") for _ in range(n)]
+
+
+def outcome(task: Task, completion: list[int]) -> Outcome:
+    if len(completion) != COMPLETION_LEN:
+        raise ValueError(f"a completion has {COMPLETION_LEN} tokens, got {len(completion)}")
+    tool_tok, edit_tok = completion
+    edit = edit_tok - DIGIT0 if DIGIT0 <= edit_tok < DIGIT0 + 10 else None
+    return Outcome(tool=TOOLS.get(tool_tok), edit=edit, asked=edit_tok == ASK,
+                   correct=edit is not None and edit == task.answer)
+
+
+def score(tasks: list[Task], completions: list[list[int]]) -> dict[str, float]:
+    """Deterministic held-out metrics of greedy completions: solve, edit, ask and broken-call rates."""
+    outs = [outcome(t, c) for t, c in zip(tasks, completions, strict=True)]
+    n = max(1, len(outs))
+    hard = [o for t, o in zip(tasks, outs) if t.level == "hard"]
+    return {
+        "solve_rate": sum(o.correct for o in outs) / n,
+        "solve_rate_hard": sum(o.correct for o in hard) / max(1, len(hard)),
+        "edit_rate": sum(o.edit is not None for o in outs) / n,
+        "clarify_rate": sum(o.asked for o in outs) / n,
+        "broken_tool_call_rate": sum(o.broken for o in outs) / n,
+    }
+
+
+def warm_start_completion(rng: random.Random, task: Task, broken: float = 0.1, ask: float = 0.1,
+                          right: float = 0.35) -> list[int]:
+    """A completion from the behaviour the initial policy is warm-started to imitate: mostly valid
+    calls, some broken ones, some questions, edits right only a little more often than chance."""
+    tool = rng.choice(MALFORMED) if rng.random() < broken else rng.choice(list(TOOLS))
+    r = rng.random()
+    if r < ask:
+        edit = ASK
+    elif r < ask + right:
+        edit = DIGIT0 + task.answer
+    else:
+        edit = DIGIT0 + rng.randrange(10)
+    return [tool, edit]
+
+
+def react(trajectory, task: Task, out: Outcome, rng: random.Random, t0_ms: int) -> None:
+    """Record the user's side of one trajectory through the SDK (``client.sdk.Trajectory``),
+    with event times from ``t0_ms``: tool call, edit or question, follow-up, latency, end."""
+    t = t0_ms
+    trajectory.tool_call(out.tool or "malformed", valid=not out.broken,
+                         error=None if not out.broken else "malformed tool call arguments", ts=t + 50)
+    if out.edit is not None:
+        edit_id = trajectory.edit_proposed(lines=1 + task.b, ts=t + 100)
+        if out.correct:
+            trajectory.edit_accepted(edit_id, ts=t + 150)
+            trajectory.edit_persisted(edit_id, fraction=1.0, checked_after_s=0.2, ts=t + 200)
+            trajectory.followup("satisfied", ts=t + 250)
+        else:
+            trajectory.edit_rejected(edit_id, ts=t + 150)
+            trajectory.followup("dissatisfied", ts=t + 250)
+        status = "completed"
+    elif out.asked:
+        trajectory.clarifying_question(ts=t + 100)
+        trajectory.followup("neutral", question_needed=False, ts=t + 250)
+        status = "completed"
+    else:
+        trajectory.followup("dissatisfied", ts=t + 250)
+        status = "error"
+    ttft = 300 + rng.random() * 200
+    trajectory.latency(ttft_ms=ttft, total_ms=ttft + 400 + rng.random() * 400, ts=t + 300)
+    trajectory.end(status, ts=t + 320)
