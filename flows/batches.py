@@ -21,6 +21,7 @@ of waiting for more data. The serving version against which lag is measured is t
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -106,8 +107,9 @@ def _parser(codec: JsonCodec, kind: str, source: str):
     return parse
 
 
-def build_flow(settings: Settings, bootstrap: str | None = None) -> Dataflow:
-    """The batch flow for ``settings`` (``bootstrap`` overrides ``kafka.bootstrap``)."""
+def build_flow(settings: Settings, bootstrap: str | None = None, stop: threading.Event | None = None) -> Dataflow:
+    """The batch flow for ``settings`` (``bootstrap`` overrides ``kafka.bootstrap``; setting ``stop`` ends
+    an in-process run cleanly)."""
     if not bootstrap:
         from rtrl.broker import bootstrap_for
 
@@ -118,7 +120,7 @@ def build_flow(settings: Settings, bootstrap: str | None = None) -> Dataflow:
     for name, cls in (("rollouts", Rollout), ("rewards", Reward)):
         topic = settings.topic(name)
         src = op.input(f"{name}_in", flow, kafka_source(bootstrap, [topic], k.timeout_s, tail=bs.tail,
-                                                         idle_s=k.idle_backoff_s))
+                                                         idle_s=k.idle_backoff_s, stop=stop))
         parsed.append(op.flat_map(f"parse_{name}", src, _parser(JsonCodec(cls), name[:-1], topic)))
     items = op.merge("merge", *parsed)
     split = op.branch("split_dead", items, lambda kv: kv[0] != "dead")

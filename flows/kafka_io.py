@@ -20,6 +20,7 @@ next offset per partition) with two changes to each partition's reader:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -44,8 +45,10 @@ _new_message = tuple.__new__  # Message(...) without the NamedTuple's Python-lev
 class _PacedPartition(_BytewaxPartition):
     """One Kafka partition's reader: lean messages, paused while there is nothing to read."""
 
-    def __init__(self, *args, idle_s: float, timeout_s: float, keyed: bool, **kwargs):
+    def __init__(self, *args, idle_s: float, timeout_s: float, keyed: bool, stop: threading.Event | None = None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
+        self._stop = stop
         self._idle_s = idle_s
         self._key = str(self._part_idx) if keyed else None
         self._tp = [TopicPartition(self._topic, self._part_idx)]
@@ -73,7 +76,7 @@ class _PacedPartition(_BytewaxPartition):
         return self._offset >= high
 
     def next_batch(self) -> list:
-        if self._eof:
+        if self._eof or (self._stop is not None and self._stop.is_set()):
             raise StopIteration()
         if self._paused:  # woken up: fetch again
             self._consumer.resume(self._tp)
@@ -113,9 +116,10 @@ class _PacedPartition(_BytewaxPartition):
 class PacedKafkaSource(KafkaSource):
     """Bytewax's ``KafkaSource`` whose partitions emit :class:`Message` and pause when idle."""
 
-    def __init__(self, *args, idle_s: float = 0.1, timeout_s: float = 10.0, keyed: bool = False, **kwargs):
+    def __init__(self, *args, idle_s: float = 0.1, timeout_s: float = 10.0, keyed: bool = False,
+                 stop: threading.Event | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self._idle_s, self._timeout_s, self._keyed = idle_s, timeout_s, keyed
+        self._idle_s, self._timeout_s, self._keyed, self._stop = idle_s, timeout_s, keyed, stop
 
     def build_part(self, step_id: str, for_part: str, resume_state: int | None) -> _PacedPartition:
         idx, topic = for_part.split("-", 1)
@@ -130,13 +134,15 @@ class PacedKafkaSource(KafkaSource):
         } | self._add_config
         return _PacedPartition(step_id, config, topic, int(idx), self._starting_offset, resume_state,
                                self._batch_size, self._raise_on_errors, idle_s=self._idle_s,
-                               timeout_s=self._timeout_s, keyed=self._keyed)
+                               timeout_s=self._timeout_s, keyed=self._keyed, stop=self._stop)
 
 
 def kafka_source(bootstrap: str, topics: list[str], timeout_s: float = 10.0, tail: bool = True,
-                 idle_s: float = 0.1, keyed: bool = False) -> PacedKafkaSource:
+                 idle_s: float = 0.1, keyed: bool = False, stop: threading.Event | None = None) -> PacedKafkaSource:
     """A source over ``topics`` after checking, within ``timeout_s``, that they exist. With ``keyed``
-    it emits ``(str(partition), Message)`` pairs, ready for a stateful step keyed by partition."""
+    it emits ``(str(partition), Message)`` pairs, ready for a stateful step keyed by partition. Setting
+    ``stop`` ends every partition at its next poll, so a tailing flow run in-process finishes cleanly
+    (its sinks flush and it returns) - Bytewax itself has no stop call."""
     meta = check_broker(bootstrap, timeout_s)
     missing = [t for t in topics if t not in meta.topics]
     if missing:
@@ -144,7 +150,7 @@ def kafka_source(bootstrap: str, topics: list[str], timeout_s: float = 10.0, tai
 
         raise ServiceUnavailable(f"topics {missing} do not exist on {bootstrap}; fix: run `rtrl topics` first")
     return PacedKafkaSource(
-        [bootstrap], topics, tail=tail, batch_size=SOURCE_BATCH_SIZE, idle_s=idle_s, timeout_s=timeout_s, keyed=keyed,
+        [bootstrap], topics, tail=tail, batch_size=SOURCE_BATCH_SIZE, idle_s=idle_s, timeout_s=timeout_s, keyed=keyed, stop=stop,
         add_config={
             "socket.connection.setup.timeout.ms": str(int(timeout_s * 1000)),
             # Each partition has its own consumer. Bounded prefetch and few, large, long-polled

@@ -17,6 +17,7 @@ Settings come from :func:`rtrl.config.load_settings` (file + RTRL_* environment)
 from __future__ import annotations
 
 import gc
+import threading
 
 import bytewax.operators as op
 from bytewax.dataflow import Dataflow
@@ -55,8 +56,9 @@ class _PartitionLogic(StatefulBatchLogic):
         return self.processor.windows
 
 
-def build_flow(settings: Settings, bootstrap: str | None = None) -> Dataflow:
-    """The reward flow for ``settings`` (``bootstrap`` overrides ``kafka.bootstrap``)."""
+def build_flow(settings: Settings, bootstrap: str | None = None, stop: threading.Event | None = None) -> Dataflow:
+    """The reward flow for ``settings`` (``bootstrap`` overrides ``kafka.bootstrap``; setting ``stop`` ends
+    an in-process run cleanly)."""
     if not bootstrap:
         from rtrl.broker import bootstrap_for
 
@@ -77,7 +79,7 @@ def build_flow(settings: Settings, bootstrap: str | None = None) -> Dataflow:
     flow = Dataflow("rtrl_rewards")
     # keyed by Kafka partition at the source: one partition = one event-time clock
     keyed = op.input("events_in", flow, kafka_source(bootstrap, [source_topic], settings.kafka.timeout_s, tail=fs.tail,
-                                                     idle_s=settings.kafka.idle_backoff_s, keyed=True))
+                                                     idle_s=settings.kafka.idle_backoff_s, keyed=True, stop=stop))
     out = op.stateful_batch("rewards", keyed, build)
 
     def to_clickhouse(kv: tuple[str, FlowOutput]) -> list[tuple[str, tuple[str, list]]]:

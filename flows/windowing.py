@@ -25,7 +25,13 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from schemas.records import EditAccepted, EditPersisted, EventBase, TrajectoryEnded, TrajectoryStarted
+from schemas.records import (
+    EditAccepted,
+    EditPersisted,
+    EventBase,
+    TrajectoryEnded,
+    TrajectoryStarted,
+)
 
 
 @dataclass(frozen=True)

@@ -160,6 +160,25 @@ class BatchSettings:
 
 
 @dataclass
+class LoopSettings:
+    cycles: int = _setting(12, "training cycles the main job runs (candidate -> eval gate -> promote or reject)", _positive)
+    rate: float = _setting(100.0, "tasks per second the policy server serves (each sampled group_size times)", _positive)
+    samples_per_cycle: int = _setting(2048, "samples the trainer uses per cycle (the samples trigger)", _positive)
+    group_size: int = _setting(4, "completions sampled per task (group-relative advantages need >= 2)", _positive)
+    orgs: int = _setting(3, "simulated organisations (cohorts are org x task kind)", _positive)
+    hard_share: float = _setting(0.5, "share of hard tasks", _probability)
+    cycle_max_s: float = _setting(120.0, "wall-time trigger: a cycle ends after this long even with fewer samples "
+                                  "(production: 5 hours)", _positive)
+    warm_start_steps: int = _setting(300, "supervised steps that make the initial policy (version 0)", _non_negative)
+    eval_tasks: int = _setting(200, "held-out tasks of the eval suite", _positive)
+    solve_tolerance: float = _setting(0.03, "largest tolerated drop of the held-out solve rate before a rejection",
+                                      _non_negative)
+    candidate_share: float = _setting(0.0, "A/B mode: share of traffic a candidate serves before promotion "
+                                      "(0 = gate on evals only)", _probability)
+    seed: int = _setting(0, "seed of the tasks, sampling and the initial policy")
+
+
+@dataclass
 class TrainerSettings:
     run_id: str = _setting("", "training run id kept across resumes; empty = derived from the checkpoint folder")
     steps: int = _setting(20, "optimizer steps to take (a resumed run continues to this total)", _positive)
@@ -184,6 +203,7 @@ class Settings:
     simulator: SimulatorSettings = field(default_factory=SimulatorSettings)
     flow: FlowSettings = field(default_factory=FlowSettings)
     batches: BatchSettings = field(default_factory=BatchSettings)
+    loop: LoopSettings = field(default_factory=LoopSettings)
     trainer: TrainerSettings = field(default_factory=TrainerSettings)
 
     @property

@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 from typing import Any, Callable
 
 import torch
@@ -137,6 +138,14 @@ def _cpu_tracker_class():
                 return
             if name not in self.states_:
                 raise Exception(f"rng state {name} is not added")
+            # The CPU default generator is process-wide: a fork in one thread (say a policy server
+            # sampling) must not interleave with one in another (the trainer). One at a time.
+            with _FORK_LOCK:
+                with self._fork_locked(name):
+                    yield
+
+        @contextlib.contextmanager
+        def _fork_locked(self, name):
             orig_state = torch.get_rng_state()
             orig_name = self._current_state_name
             if orig_name != "default-rng":
@@ -156,6 +165,7 @@ def _cpu_tracker_class():
                 torch.set_rng_state(orig_state)
                 self._current_state_name = orig_name
 
+    _FORK_LOCK = threading.RLock()
     CpuRNGStatesTracker._rtrl_shim = True  # type: ignore[attr-defined]
     _CPU_TRACKER_CLS = CpuRNGStatesTracker
     return CpuRNGStatesTracker

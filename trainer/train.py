@@ -118,8 +118,10 @@ def prepare(batch: Batch, policy_version: int, max_policy_lag: int) -> Prepared:
 
 def train(model: Any, reference: Any, make_source: Callable[[dict[str, int] | None], Source], cfg: TrainConfig,
           policy_version: int = 0, resume: bool = True,
-          on_step: Callable[[TrainStep], None] | None = None) -> list[TrainStep]:
-    """Train until ``max_steps`` or until no micro-batch arrives within ``idle_timeout_s``.
+          on_step: Callable[[TrainStep], None] | None = None,
+          should_stop: Callable[[], bool] | None = None) -> list[TrainStep]:
+    """Train until ``max_steps``, until no micro-batch arrives within ``idle_timeout_s``, or until
+    ``should_stop()`` says so before a step (e.g. a wall-time trigger).
 
     ``make_source(offsets)`` opens the input at the offsets of the checkpoint being resumed (None =
     from the start). ``reference`` is the frozen KL reference (the run's initial weights).
@@ -133,7 +135,7 @@ def train(model: Any, reference: Any, make_source: Callable[[dict[str, int] | No
     reference.eval()
     dp = DataParallel()
     steps: list[TrainStep] = []
-    while step < cfg.max_steps:
+    while step < cfg.max_steps and not (should_stop is not None and dp.all_true(should_stop())):
         t0 = time.monotonic()
         batches = []
         for _ in range(cfg.micro_batches_per_step):

@@ -1,0 +1,280 @@
+"""The closed loop: serve -> events and rollouts -> rewards -> micro-batches -> train -> eval gate -> promote.
+
+One process runs every part on the embedded defaults: the reward flow and the batch flow as
+in-process Bytewax runs (threads, stopped cleanly at the end), the policy server
+(:mod:`simulator.serve`) and the trainer (:func:`trainer.train.train`) on the main thread. A cycle:
+
+1. the policy server (a thread) serves ``loop.rate`` tasks per second without pause,
+   ``loop.group_size`` samples each, with the newest promotion announced on ``rtrl.deployments``:
+   rollouts to ``rtrl.rollouts``, the simulated users' events through the SDK to ``rtrl.events``;
+2. the reward flow turns the events into rewards, the batch flow joins them with the rollouts into
+   micro-batches on ``rtrl.batches``;
+3. the trainer trains on them until it has used ``loop.samples_per_cycle`` samples (trigger:
+   samples) or ``loop.cycle_max_s`` passed (trigger: wall time), then writes a checkpoint: the
+   candidate;
+4. the eval gate scores the candidate on held-out tasks against the serving version and the first
+   one (solve rate may not drop beyond ``loop.solve_tolerance``; the behaviour of sampled
+   completions - broken tool calls, clarifying questions, edits - is judged by the monitors' alert
+   rules). Promotion or rejection, with the reason, goes to ClickHouse ``checkpoints`` and
+   ``rtrl.deployments``; a rejected candidate's weights are dropped (the trainer goes back to the
+   serving version);
+5. after a promotion, the live behaviour of the new version is compared with its parent's in
+   ClickHouse once it has enough samples; an alert rolls it back (:func:`rollback`).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from bytewax.testing import run_main
+from confluent_kafka import Producer
+from rich.console import Console
+
+from client.sdk import RtrlClient
+from flows.batches import build_flow as batch_flow
+from flows.rewards import build_flow as reward_flow
+from monitors.alerts import AlertRule, evaluate
+from monitors.queries import check_promotion
+from rtrl import clickhouse
+from rtrl.config import Settings
+from rtrl.kafka import producer_config
+from schemas.codec import JsonCodec
+from schemas.records import Checkpoint, TrainStep
+from simulator.policy import model_config, sample, warm_start
+from simulator.serve import PolicyServer
+from simulator.tasks import held_out, sample_task, score
+from trainer import checkpoint
+from trainer.data import BatchStream
+from trainer.loss import LossConfig
+from trainer.model import build_model, init_parallel
+from trainer.train import TrainConfig, train
+
+#: samples per packed row and rows per micro-batch the loop's model is built for
+SEQ_LEN, ROWS, MICRO_BATCHES_PER_STEP = 64, 2, 4
+SAMPLES_PER_STEP = (SEQ_LEN // 8) * ROWS * MICRO_BATCHES_PER_STEP  # a sample is 8 tokens
+
+#: the eval gate's behaviour rules on sampled held-out completions (rates of 0..1)
+EVAL_RULES: tuple[AlertRule, ...] = (
+    AlertRule("broken_tool_call_rate", "increase", 0.25, floor=0.03),
+    AlertRule("clarify_rate", "increase", 0.5, floor=0.05),
+    AlertRule("edit_rate", "decrease", 0.1, floor=0.05),
+)
+
+
+def loop_settings(settings: Settings) -> Settings:
+    """The settings the loop runs with: rows, sequence length and waits fitted to its tiny tasks."""
+    return replace(
+        settings,
+        flow=replace(settings.flow, tail=True, grace_s=min(settings.flow.grace_s, 0.2), batch_seconds=0.2),
+        batches=replace(settings.batches, tail=True, seq_len=SEQ_LEN, rows=ROWS, flush_s=0.5, group_wait_s=2.0,
+                        idle_flush_s=0.5),
+        trainer=replace(settings.trainer, micro_batches_per_step=MICRO_BATCHES_PER_STEP),
+    )
+
+
+@dataclass
+class CycleResult:
+    version: int
+    parent: int
+    status: str
+    reason: str
+    eval: dict[str, float]
+    steps: list[TrainStep] = field(default_factory=list)
+    served: dict[str, Any] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def eval_suite(model, tasks, seed: int) -> dict[str, float]:
+    """Greedy solve rates plus the behaviour of sampled completions (same seed for every model)."""
+    from simulator.policy import greedy
+
+    out = {f"greedy_{k}": v for k, v in score(tasks, greedy(model, tasks)).items()}
+    comps, _ = sample(model, tasks * 2, torch.Generator().manual_seed(seed))
+    out |= score(tasks * 2, comps)
+    return out
+
+
+def gate(candidate: dict[str, float], parent: dict[str, float], root: dict[str, float], tolerance: float,
+         samples: int) -> tuple[bool, str]:
+    """Promote when the solve rate did not drop beyond ``tolerance`` and no behaviour rule fires
+    against the serving version or the first one (slow drift)."""
+    problems = []
+    if candidate["solve_rate"] < parent["solve_rate"] - tolerance:
+        problems.append(f"solve rate {candidate['solve_rate']:.3f} < {parent['solve_rate']:.3f} - {tolerance}")
+    for name, base in (("serving", parent), ("first", root)):
+        ev = evaluate(candidate | {"trajectories": samples}, base | {"trajectories": samples}, EVAL_RULES)
+        problems += [f"vs {name}: {a.message}" for a in ev.alerts]
+    if problems:
+        return False, "; ".join(problems)
+    return True, (f"solve rate {candidate['solve_rate']:.3f} (serving {parent['solve_rate']:.3f}); "
+                  f"broken {candidate['broken_tool_call_rate']:.3f}, clarify {candidate['clarify_rate']:.3f}")
+
+
+class Loop:
+    """Every part of the loop in this process; :meth:`run` does ``loop.cycles`` cycles."""
+
+    def __init__(self, settings: Settings, bootstrap: str, ch, console: Console | None = None):
+        self.settings, self.bootstrap, self.ch = loop_settings(settings), bootstrap, ch
+        self.console = console or Console()
+        s, ls = self.settings, self.settings.loop
+        self.db = s.clickhouse.database
+        self.ckpt_root = s.data_path / "loop" / "checkpoints"
+        self.ckpt_root.mkdir(parents=True, exist_ok=True)
+        cfg = model_config(seq_length=SEQ_LEN, seed=1234 + ls.seed)
+        init_parallel(cfg)
+        torch.manual_seed(ls.seed)
+        self.model, self.reference, self.serving_model = build_model(cfg), build_model(cfg), build_model(cfg)
+        self.tasks = held_out(ls.eval_tasks, seed=7 + ls.seed)
+        self.stop = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.offsets: dict[str, int] | None = None
+        self.producer = Producer(producer_config(bootstrap, s.kafka.compression))
+        self.client = RtrlClient.from_settings(s, bootstrap=bootstrap)
+        orgs = [f"org-{i}" for i in range(ls.orgs)]
+        self.server = PolicyServer(bootstrap, s.kafka.topic_prefix, self.client, self.serving_model, orgs,
+                                   seed=ls.seed, hard_share=ls.hard_share, compression=s.kafka.compression)
+        self.version = self.serving = 0
+        self.trained = self.trained_on_policy = 0  # samples the trainer has used (all / of the serving version)
+        self.evals: dict[int, dict[str, float]] = {}
+
+    # ------------------------------------------------------------ parts
+
+    def start_flows(self) -> None:
+        for name, build in (("reward-flow", reward_flow), ("batch-flow", batch_flow)):
+            flow = build(self.settings, bootstrap=self.bootstrap, stop=self.stop)
+            t = threading.Thread(target=run_main, args=(flow,), name=name, daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def stop_flows(self, timeout_s: float = 30.0) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout_s)
+
+    def announce(self, ck: Checkpoint) -> None:
+        clickhouse.insert(self.ch, self.db, "checkpoints", [ck])
+        self.producer.produce(self.settings.topic("deployments"), key=str(ck.version).encode(),
+                              value=JsonCodec(Checkpoint).encode(ck))
+        if self.producer.flush(30):
+            raise RuntimeError("deployment announcement not acknowledged")
+
+    def _checkpoint(self, version: int, parent: int | None, steps: list[TrainStep], status: str, reason: str,
+                    ev: dict[str, float], path: Path) -> Checkpoint:
+        return Checkpoint(version=version, parent=parent, created_at=time.time_ns() // 1_000_000, steps=len(steps),
+                          samples=sum(sum(s.lag_histogram.values()) for s in steps),
+                          tokens=sum(s.tokens for s in steps), eval_results=ev, status=status, reason=reason,
+                          kafka_offsets=self.offsets or {}, path=str(path))
+
+    def initial(self) -> None:
+        """Version 0: the warm-started policy, promoted without a gate."""
+        ls = self.settings.loop
+        rng = random.Random(ls.seed)
+        warm_start(self.model, [sample_task(rng, "warm", ls.hard_share) for _ in range(500)],
+                   steps=ls.warm_start_steps, seed=ls.seed)
+        self.reference.load_state_dict(self.model.state_dict())  # the KL reference: version 0
+        path = self.ckpt_root / "v0"
+        checkpoint.save(path, self.model, extra={"version": 0})
+        self.evals[0] = eval_suite(self.model, self.tasks, ls.seed)
+        self.announce(self._checkpoint(0, None, [], "promoted", "initial policy (warm start)", self.evals[0], path))
+
+    def _on_step(self, st: TrainStep) -> None:
+        self.trained += sum(st.lag_histogram.values())
+        self.trained_on_policy += st.lag_histogram.get("0", 0)
+        clickhouse.insert(self.ch, self.db, "train_metrics", [st])
+
+    def start_server(self) -> None:
+        ls = self.settings.loop
+        t = threading.Thread(target=self.server.run, name="policy-server", daemon=True,
+                             args=(self.stop, lambda m, p: checkpoint.load(p, m, restore_rng=False), ls.rate,
+                                   ls.group_size),
+                             kwargs={"may_serve": lambda: self.server.served_by(self.server.version) < ls.samples_per_cycle})
+        t.start()
+        self.threads.append(t)
+
+    def cycle(self) -> CycleResult:
+        """Train on the cycle's samples (or until the wall-time trigger), then gate the candidate."""
+        s, ls = self.settings, self.settings.loop
+        times: dict[str, float] = {}
+        t = time.monotonic()
+        serving = self.serving
+        streams: list[BatchStream] = []
+
+        def make_source(offsets):
+            streams.append(BatchStream(self.bootstrap, s.topic("batches"), s.topic("dead_letters"),
+                                       start=self.offsets, timeout_s=s.kafka.timeout_s))
+            return streams[-1]
+
+        # the samples trigger: most of what this version serves (some never get a reward, e.g. the
+        # broken trajectories v1-discard-broken drops), counting only samples of the serving version;
+        # older ones met on the way are trained too (one version late, importance-corrected)
+        wanted, start = int(0.95 * ls.samples_per_cycle), self.trained_on_policy
+        tc = TrainConfig(run_id=f"loop-{ls.seed}", micro_batches_per_step=MICRO_BATCHES_PER_STEP, max_steps=10**9,
+                         lr=s.trainer.lr, max_policy_lag=s.trainer.max_policy_lag,
+                         idle_timeout_s=min(30.0, ls.cycle_max_s), loss=LossConfig(kl_coef=s.trainer.kl_coef))
+        deadline = time.monotonic() + ls.cycle_max_s
+        steps = train(self.model, self.reference, make_source, tc, policy_version=serving, resume=False,
+                      on_step=self._on_step,
+                      should_stop=lambda: self.trained_on_policy - start >= wanted or time.monotonic() > deadline)
+        self.offsets = streams[-1].position()
+        for st in streams:
+            st.close()
+        times["train"] = time.monotonic() - t
+        t = time.monotonic()
+        version = self.version + 1
+        path = self.ckpt_root / f"v{version}"
+        checkpoint.save(path, self.model, extra={"version": version, "offsets": self.offsets})
+        ev = eval_suite(self.model, self.tasks, ls.seed)
+        ok, reason = gate(ev, self.evals[serving], self.evals[0], ls.solve_tolerance, 2 * len(self.tasks))
+        if not steps:
+            ok, reason = False, "no micro-batch arrived within the cycle's wall time"
+        status = "promoted" if ok else "rejected"
+        self.announce(self._checkpoint(version, serving, steps, "candidate", "trained", ev, path))
+        self.announce(self._checkpoint(version, serving, steps, status, reason, ev, path))
+        self.version, self.evals[version] = version, ev
+        if ok:
+            self.serving = version
+        else:  # back to the serving weights: the next candidate starts from what serves
+            checkpoint.load(self.ckpt_root / f"v{serving}", self.model, restore_rng=False)
+        times["eval"] = time.monotonic() - t
+        return CycleResult(version, serving, status, reason, ev, steps, {}, times)
+
+    def close(self) -> None:
+        self.stop_flows()
+        self.server.close()
+        self.client.close()
+        self.producer.flush(10)
+
+
+def rollback(settings: Settings, bootstrap: str, ch, version: int, reason: str) -> Checkpoint:
+    """Mark ``version`` rolled back and re-promote its parent (what ``rtrl rollback`` does)."""
+    db = settings.clickhouse.database
+    rows = {c.version: c for c in clickhouse.select(ch, db, "checkpoints")}
+    if version not in rows:
+        raise ValueError(f"no checkpoint v{version} in {db}.checkpoints")
+    bad = rows[version]
+    if bad.parent is None:
+        raise ValueError(f"v{version} has no parent to roll back to")
+    parent = rows[bad.parent]
+    producer = Producer(producer_config(bootstrap, settings.kafka.compression))
+    now = time.time_ns() // 1_000_000
+    out = []
+    for ck in (replace(bad, status="rolled_back", reason=reason, created_at=now),
+               replace(parent, status="promoted", reason=f"re-promoted: rollback of v{version}", created_at=now + 1)):
+        clickhouse.insert(ch, db, "checkpoints", [ck])
+        producer.produce(settings.topic("deployments"), key=str(ck.version).encode(), value=JsonCodec(Checkpoint).encode(ck))
+        out.append(ck)
+    producer.flush(30)
+    return out[0]
+
+
+def live_check(ch, db: str, version: int, parent: int):
+    """The monitors' verdict on a serving version's live behaviour against its parent's."""
+    return check_promotion(ch, db, version, parent)
+
+

@@ -1,0 +1,156 @@
+"""The policy server of the simulator: serves the promoted checkpoint to simulated users.
+
+It follows ``rtrl.deployments``: the newest ``promoted`` announcement wins (a ``rolled_back`` one
+is never served; a rollback is announced as the re-promotion of the version to go back to), and
+its weights are loaded from the checkpoint's path. For each task it samples ``group_size``
+completions with their log-probs, publishes one :class:`Rollout` per completion on
+``rtrl.rollouts`` (keyed by trajectory), and lets the simulated user react through the client SDK
+(:func:`simulator.tasks.react`). In A/B mode a ``candidate_share`` of the tasks is served by a
+candidate version instead, with ``arm="candidate"`` on its events.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from client.sdk import RtrlClient
+from rtrl.kafka import base_config, producer_config
+from schemas.codec import Invalid, JsonCodec
+from schemas.records import Checkpoint, Rollout
+from simulator.policy import sample
+from simulator.tasks import outcome, react, sample_task
+
+
+@dataclass
+class Served:
+    trajectories: int = 0
+    broken: int = 0
+    correct: int = 0
+    asked: int = 0
+
+
+class PolicyServer:
+    def __init__(self, bootstrap: str, prefix: str, client: RtrlClient, model, orgs: list[str], seed: int = 0,
+                 hard_share: float = 0.5, compression: str = "zstd"):
+        self.client, self.model, self.orgs, self.hard_share = client, model, orgs, hard_share
+        self.rollouts_topic = prefix + "rollouts"
+        self.producer = Producer(producer_config(bootstrap, compression))
+        self.deployments = Consumer(base_config(bootstrap) | {"group.id": f"policy-server-{uuid.uuid4().hex[:8]}",
+                                                              "enable.auto.commit": False})
+        self.deployments.assign([TopicPartition(prefix + "deployments", 0, 0)])
+        self.codec = JsonCodec(Checkpoint)
+        self.rollout_codec = JsonCodec(Rollout)
+        self.rng = random.Random(seed)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.version: int | None = None
+        self.path: str | None = None
+        self.candidate: tuple[int, object] | None = None  # (version, model) served to a share in A/B mode
+        self.totals: dict[tuple[int, str], Served] = {}  # what each (version, arm) served so far
+        self.samples = 0  # completions served so far
+
+    def refresh(self, load, timeout_s: float = 0.5) -> int | None:
+        """Read new announcements; on a newer promotion call ``load(model, path)``; the serving version."""
+        deadline = time.monotonic() + timeout_s
+        latest = None
+        while time.monotonic() < deadline:
+            msg = self.deployments.poll(0.05)
+            if msg is None:
+                if latest is not None or self.version is not None:
+                    break
+                continue
+            if msg.error():
+                continue
+            try:
+                ck = self.codec.decode(msg.value())
+            except Invalid:
+                continue
+            if ck.status == "promoted":
+                latest = ck
+        if latest is not None and (latest.version, latest.path) != (self.version, self.path):
+            load(self.model, latest.path)
+            self.version, self.path = latest.version, latest.path
+        return self.version
+
+    def served_by(self, version: int | None) -> int:
+        """Completions the control arm of ``version`` has served so far."""
+        t = self.totals.get((version, "control"))
+        return 0 if t is None else t.trajectories
+
+    def serve(self, tasks: int, group_size: int, candidate_share: float = 0.0) -> dict[str, Served]:
+        """Serve ``tasks`` tasks (``group_size`` samples each) now; per arm what happened."""
+        if self.version is None:
+            raise RuntimeError("nothing promoted yet: announce a version on rtrl.deployments first")
+        arms: dict[str, list] = {"control": [], "candidate": []}
+        for _ in range(tasks):
+            task = sample_task(self.rng, self.rng.choice(self.orgs), self.hard_share)
+            arm = "candidate" if self.candidate is not None and self.rng.random() < candidate_share else "control"
+            arms[arm] += [task] * group_size
+        served = {}
+        for arm, batch in arms.items():
+            if not batch:
+                continue
+            version, model = (self.version, self.model) if arm == "control" else self.candidate
+            served[arm] = self._serve(batch, group_size, version, model, arm)
+        self.producer.poll(0)
+        return served
+
+    def _serve(self, batch: list, group_size: int, version: int, model, arm: str) -> Served:
+        comps, lps = sample(model, batch, self.generator)
+        out = Served()
+        now = time.time_ns() // 1_000_000
+        for i in range(0, len(batch), group_size):
+            group_id = uuid.uuid4().hex
+            for task, comp, lp in zip(batch[i:i + group_size], comps[i:i + group_size], lps[i:i + group_size]):
+                o = outcome(task, comp)
+                traj = self.client.start_trajectory(org_id=task.org_id, user_id=f"{task.org_id}-user-{self.rng.randrange(20)}",
+                                                    task_kind=task.kind, policy_version=version, arm=arm, ts=now)
+                ro = Rollout(trajectory_id=traj.trajectory_id, policy_version=version, group_id=group_id,
+                             group_size=group_size, org_id=task.org_id, task_kind=task.kind, prompt_ids=task.prompt,
+                             completion_ids=comp, behaviour_logprobs=lp, loss_mask=[1] * len(comp), created_at=now)
+                self._produce(ro)
+                react(traj, task, o, self.rng, now)
+                out.trajectories += 1
+                self.samples += 1
+                out.broken += o.broken
+                out.correct += o.correct
+                out.asked += o.asked
+        return out
+
+    def run(self, stop, load, rate: float, group_size: int, burst_s: float = 0.1,
+            candidate_share: float = 0.0, may_serve=lambda: True, trickle_s: float = 1.0) -> None:
+        """Serve continuously until ``stop`` is set: ``rate`` tasks per second in bursts of ``burst_s``,
+        switching to each new promotion as it is announced (continuous traffic keeps every
+        partition's event-time clock moving, so reward windows close). While ``may_serve()`` is
+        false (this version has served what the trainer needs) it serves one task every
+        ``trickle_s`` only: traffic never stops, but little is left for a later version's trainer."""
+        per_burst = max(1, round(rate * burst_s))
+        last_trickle = 0.0
+        while not stop.is_set():
+            t = time.monotonic()
+            if self.refresh(load, timeout_s=0.01) is not None:
+                n = per_burst if may_serve() else int(t - last_trickle >= trickle_s)
+                last_trickle = t if n == 1 else last_trickle
+                served = self.serve(n, group_size, candidate_share) if n else {}
+                for arm, v in served.items():
+                    total = self.totals.setdefault((self.version, arm), Served())
+                    for k in vars(v):
+                        setattr(total, k, getattr(total, k) + getattr(v, k))
+            stop.wait(max(0.0, burst_s - (time.monotonic() - t)))
+
+    def _produce(self, ro: Rollout) -> None:
+        while True:
+            try:
+                self.producer.produce(self.rollouts_topic, key=ro.trajectory_id.encode(), value=self.rollout_codec.encode(ro))
+                return
+            except BufferError:
+                self.producer.poll(0.1)
+
+    def close(self) -> None:
+        self.producer.flush(30)
+        self.deployments.close()
