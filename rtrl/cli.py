@@ -1,6 +1,7 @@
 """``rtrl`` command line: one entry point per job.
 
-    rtrl run                 the main job (see rtrl.main)
+    rtrl run                 the main job: the closed loop (see rtrl.loop)
+    rtrl ab                  two simulated policy profiles through the reward flow, compared (rtrl.main)
     rtrl broker up|down|status   the local Kafka-protocol broker under data_dir/broker
     rtrl topics              create the Kafka topics (idempotent)
     rtrl migrate             apply ClickHouse migrations and verify the tables
@@ -33,6 +34,13 @@ def _bootstrap(settings: Settings) -> str:
 
 
 def cmd_run(settings: Settings, args: argparse.Namespace, console: Console) -> int:
+    from rtrl.loop import run_loop
+
+    run_loop(settings, console)
+    return 0
+
+
+def cmd_ab(settings: Settings, args: argparse.Namespace, console: Console) -> int:
     from rtrl.main import run
 
     run(settings, console)
@@ -142,7 +150,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="TOML settings file (default: $RTRL_CONFIG)")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug output")
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("run", help="the main job on the configured (default: embedded) services").set_defaults(fn=cmd_run)
+    sub.add_parser("run", help="the main job: the closed loop on the configured (default: embedded) services"
+                   ).set_defaults(fn=cmd_run)
+    sub.add_parser("ab", help="two simulated policy profiles side by side through the reward flow, compared"
+                   ).set_defaults(fn=cmd_ab)
     b = sub.add_parser("broker", help="start/stop the local Kafka-protocol broker")
     b.add_argument("action", choices=["up", "down", "status"])
     b.add_argument("--port", type=int, default=None, help="port to bind (default: a free one)")

@@ -166,6 +166,9 @@ class Loop:
 
     def _checkpoint(self, version: int, parent: int | None, steps: list[TrainStep], status: str, reason: str,
                     ev: dict[str, float], path: Path) -> Checkpoint:
+        tokens = sum(s.tokens for s in steps)
+        if tokens:
+            ev = ev | {"on_policy_fraction": sum(s.on_policy_fraction * s.tokens for s in steps) / tokens}
         return Checkpoint(version=version, parent=parent, created_at=time.time_ns() // 1_000_000, steps=len(steps),
                           samples=sum(sum(s.lag_histogram.values()) for s in steps),
                           tokens=sum(s.tokens for s in steps), eval_results=ev, status=status, reason=reason,
@@ -278,3 +281,55 @@ def live_check(ch, db: str, version: int, parent: int):
     return check_promotion(ch, db, version, parent)
 
 
+
+
+def run_loop(settings: Settings, console: Console | None = None) -> list[dict]:
+    """The main job: ``loop.cycles`` cycles on the configured services, then the table and plots."""
+    import shutil
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from rtrl import report
+    from rtrl.main import Services
+
+    console = console or Console()
+    console.rule("[bold]rtrl main job: the closed loop")
+    if not settings.kafka.bootstrap and not settings.clickhouse.dsn:  # embedded defaults: start afresh
+        for part in ("broker", "clickhouse", "loop"):
+            shutil.rmtree(settings.data_path / part, ignore_errors=True)
+    torch.set_num_threads(1)  # the policy server, the flows and the broker share the cores
+    t0 = time.monotonic()
+    services = Services(settings)
+    loop = Loop(settings, services.bootstrap, services.ch, console)
+    ls, rv = loop.settings.loop, loop.settings.batches.reward_version
+    try:
+        console.print(f"broker {services.bootstrap} · ClickHouse {clickhouse.redact(settings.clickhouse_dsn)} · "
+                      f"training on reward {rv} · {ls.cycles} cycles of {ls.samples_per_cycle:,} samples")
+        loop.initial()
+        console.print(f"v0 (warm start): held-out solve rate {loop.evals[0]['solve_rate']:.3f}, broken calls "
+                      f"{loop.evals[0]['broken_tool_call_rate']:.3f}")
+        loop.start_flows()
+        loop.start_server()
+        bar = Progress(TextColumn("cycles"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                       TimeElapsedColumn(), console=console)
+        with bar:
+            task = bar.add_task("loop", total=ls.cycles, info="")
+            for _ in range(ls.cycles):
+                r = loop.cycle()
+                colour = "green" if r.status == "promoted" else "red"
+                bar.console.print(f"v{r.version} <- v{r.parent}: [{colour}]{r.status}[/] after {len(r.steps)} steps "
+                                  f"({r.seconds['train']:.0f}s): {r.reason}")
+                bar.update(task, advance=1, info=f"serving v{loop.serving}, held-out solve "
+                                                  f"{loop.evals[loop.serving]['solve_rate']:.3f}")
+    finally:
+        loop.close()
+    try:
+        rows = report.checkpoint_rows(services.ch, loop.db, rv)
+        console.print(report.checkpoint_table(rows, f"Checkpoints (reward {rv}): eval gate, live behaviour from "
+                                                    "ClickHouse, change vs v0"))
+        png = report.checkpoint_plot(rows, settings.data_path / "reports" / "loop.png", f"The closed loop (reward {rv})")
+        console.print(f"plots: {png}")
+        console.print(f"done in {time.monotonic() - t0:.0f}s")
+        return rows
+    finally:
+        services.close()

@@ -107,3 +107,91 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+# ---------------------------------------------------------------- the closed loop: one row per checkpoint
+
+#: (column, label, higher is better? None = neither, source)
+CHECKPOINT_METRICS = [
+    ("solve_rate", "held-out solve", True),
+    ("edit_persistence", "edit persistence", True),
+    ("dissatisfied_rate", "dissatisfied", False),
+    ("latency_p50_ms", "p50 ms", False),
+    ("reward_mean", "reward", True),
+    ("broken_tool_call_rate", "broken calls", False),
+    ("clarification_rate", "clarifying", None),
+    ("on_policy_fraction", "on-policy tokens", True),
+]
+
+
+def checkpoint_rows(ch: Any, database: str, reward_version: str) -> list[dict[str, Any]]:
+    """One row per checkpoint (latest status): the gate's eval, live behaviour and reward of the
+    version while it served (none for a rejected candidate), and the trainer's on-policy fraction."""
+    cps = ch.query(f"SELECT version, parent, status, reason, eval_results FROM {database}.checkpoints FINAL "
+                   "ORDER BY version").result_rows
+    versions = [int(v) for v, *_ in cps]
+    live = behaviour_rows(ch, database, versions)
+    rewards = reward_stats(ch, database, reward_version)
+    rows = []
+    for version, parent, status, reason, ev in cps:
+        b = live[int(version)]
+        rows.append({
+            "version": int(version), "parent": parent, "status": status, "reason": reason,
+            "solve_rate": ev.get("solve_rate"), "on_policy_fraction": ev.get("on_policy_fraction"),
+            "trajectories": b.get("trajectories") or 0,
+            "edit_persistence": b.get("edit_persistence"), "dissatisfied_rate": b.get("dissatisfied_rate"),
+            "latency_p50_ms": b.get("latency_p50_ms"), "broken_tool_call_rate": b.get("broken_tool_call_rate"),
+            "clarification_rate": b.get("clarification_rate"),
+            "reward_mean": rewards.get(int(version), {}).get("reward_mean"),
+        })
+    return rows
+
+
+def checkpoint_table(rows: list[dict[str, Any]], title: str) -> Table:
+    """Rich table per checkpoint with the change of each metric against the first checkpoint."""
+    t = Table(title=title, header_style="bold")
+    for col in ("version", "status", "served"):
+        t.add_column(col, justify="right")
+    for _, label, _ in CHECKPOINT_METRICS:
+        t.add_column(label, justify="right")
+    first = rows[0] if rows else {}
+    for row in rows:
+        cells = [f"v{row['version']}" + (f" ← v{row['parent']}" if row["parent"] is not None else ""),
+                 {"promoted": "[green]promoted[/]", "rejected": "[red]rejected[/]",
+                  "rolled_back": "[yellow]rolled back[/]"}.get(row["status"], row["status"]),
+                 f"{row['trajectories']:,}"]
+        for name, _, better in CHECKPOINT_METRICS:
+            value, base = row.get(name), first.get(name)
+            text = _fmt(name, value)
+            if row is not first and value is not None and base is not None and better is not None:
+                if name in ("reward_mean",) or not base:
+                    diff = value - base
+                    text += f"\n[{'green' if (diff > 0) == better else 'red'}]{diff:+.3f}[/]"
+                else:
+                    change = (value - base) / abs(base)
+                    text += f"\n[{'green' if (change > 0) == better else 'red'}]{change:+.0%}[/]"
+            cells.append(text)
+        t.add_row(*cells)
+    return t
+
+
+def checkpoint_plot(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
+    """One line chart per metric across checkpoints (rejected ones marked with a cross)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(2, 4, figsize=(16, 7))
+    for ax, (name, label, better) in zip(axes.flat, CHECKPOINT_METRICS):
+        pts = [(r["version"], r[name], r["status"]) for r in rows if r.get(name) is not None]
+        ax.plot([v for v, _, s in pts if s != "rejected"], [y for _, y, s in pts if s != "rejected"], "o-",
+                color="#4C72B0", label="promoted")
+        rej = [(v, y) for v, y, s in pts if s == "rejected"]
+        if rej:
+            ax.plot(*zip(*rej), "x", color="#C44E52", label="rejected")
+        arrow = "" if better is None else (" (higher is better)" if better else " (lower is better)")
+        ax.set_title(label + arrow, fontsize=9)
+        ax.set_xlabel("checkpoint version", fontsize=8)
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

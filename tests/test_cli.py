@@ -16,10 +16,10 @@ def _run(args, env_extra, timeout=600):
 
 
 def test_main_job_runs_end_to_end(tmp_path):
-    """`rtrl run` on the embedded defaults starts its broker, moves every simulated event through the SDK,
+    """`rtrl ab` on the embedded defaults starts its broker, moves every simulated event through the SDK,
     Kafka and the reward flow into ClickHouse (one reward and one summary per trajectory, duplicates
     dead-lettered), prints the per-version table, writes the PNG, and stops the broker."""
-    proc = _run(["run"], {"RTRL_DATA_DIR": str(tmp_path), "RTRL_SIMULATOR__TRAJECTORIES": "150"})
+    proc = _run(["ab"], {"RTRL_DATA_DIR": str(tmp_path), "RTRL_SIMULATOR__TRAJECTORIES": "150"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     delivered = int(re.search(r"; ([\d,]+) delivered, 0 failed, 0 dropped", out)[1].replace(",", ""))
