@@ -1,6 +1,7 @@
 """``rtrl`` command line: one entry point per job.
 
     rtrl run                 the main job: the closed loop (see rtrl.loop)
+    rtrl rollback V          mark version V rolled back and re-promote its parent (deployments + ClickHouse)
     rtrl ab                  two simulated policy profiles through the reward flow, compared (rtrl.main)
     rtrl broker up|down|status   the local Kafka-protocol broker under data_dir/broker
     rtrl topics              create the Kafka topics (idempotent)
@@ -37,6 +38,19 @@ def cmd_run(settings: Settings, args: argparse.Namespace, console: Console) -> i
     from rtrl.loop import run_loop
 
     run_loop(settings, console)
+    return 0
+
+
+def cmd_rollback(settings: Settings, args: argparse.Namespace, console: Console) -> int:
+    from rtrl.loop import rollback
+    from rtrl.main import Services
+
+    services = Services(settings)
+    try:
+        back = rollback(settings, services.bootstrap, services.ch, args.version, args.reason)
+    finally:
+        services.close()
+    console.print(f"v{args.version} rolled back; v{back.parent} re-promoted on {settings.topic('deployments')}")
     return 0
 
 
@@ -152,6 +166,10 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="the main job: the closed loop on the configured (default: embedded) services"
                    ).set_defaults(fn=cmd_run)
+    rb = sub.add_parser("rollback", help="mark a promoted version rolled back and re-promote its parent")
+    rb.add_argument("version", type=int)
+    rb.add_argument("--reason", default="manual rollback")
+    rb.set_defaults(fn=cmd_rollback)
     sub.add_parser("ab", help="two simulated policy profiles side by side through the reward flow, compared"
                    ).set_defaults(fn=cmd_ab)
     b = sub.add_parser("broker", help="start/stop the local Kafka-protocol broker")

@@ -24,8 +24,17 @@ import clickhouse_connect
 import pyarrow as pa
 
 from rtrl.errors import ConfigError, SchemaMismatch, ServiceUnavailable
-from schemas.records import (BatchStats, Checkpoint, DeadLetter, EventBase, MicroBatch, Reward, Rollout, TrainStep,
-                             TrajectorySummary)
+from schemas.records import (
+    BatchStats,
+    Checkpoint,
+    DeadLetter,
+    EventBase,
+    MicroBatch,
+    Reward,
+    Rollout,
+    TrainStep,
+    TrajectorySummary,
+)
 from schemas.types import columns, from_arrow, to_arrow
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "schemas" / "migrations"

@@ -161,7 +161,7 @@ class BatchSettings:
 
 @dataclass
 class LoopSettings:
-    cycles: int = _setting(16, "training cycles the main job runs (candidate -> eval gate -> promote or reject)", _positive)
+    cycles: int = _setting(24, "training cycles the main job runs (candidate -> eval gate -> promote or reject)", _positive)
     rate: float = _setting(100.0, "tasks per second the policy server serves (each sampled group_size times)", _positive)
     samples_per_cycle: int = _setting(2048, "samples the trainer uses per cycle (the samples trigger)", _positive)
     group_size: int = _setting(4, "completions sampled per task (group-relative advantages need >= 2)", _positive)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 from bytewax.testing import run_main
 from confluent_kafka import Producer
@@ -267,8 +268,9 @@ def rollback(settings: Settings, bootstrap: str, ch, version: int, reason: str) 
     producer = Producer(producer_config(bootstrap, settings.kafka.compression))
     now = time.time_ns() // 1_000_000
     out = []
-    for ck in (replace(bad, status="rolled_back", reason=reason, created_at=now),
-               replace(parent, status="promoted", reason=f"re-promoted: rollback of v{version}", created_at=now + 1)):
+    for ck in (msgspec.structs.replace(bad, status="rolled_back", reason=reason, created_at=now),
+               msgspec.structs.replace(parent, status="promoted", reason=f"re-promoted: rollback of v{version}",
+                                       created_at=now + 1)):
         clickhouse.insert(ch, db, "checkpoints", [ck])
         producer.produce(settings.topic("deployments"), key=str(ck.version).encode(), value=JsonCodec(Checkpoint).encode(ck))
         out.append(ck)
@@ -287,7 +289,13 @@ def run_loop(settings: Settings, console: Console | None = None) -> list[dict]:
     """The main job: ``loop.cycles`` cycles on the configured services, then the table and plots."""
     import shutil
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     from rtrl import report
     from rtrl.main import Services

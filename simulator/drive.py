@@ -5,7 +5,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+)
 
 from client.sdk import RtrlClient
 from simulator.generate import Emission

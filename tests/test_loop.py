@@ -1,0 +1,86 @@
+"""The closed loop: the eval gate's decisions (pure), and the main job run as a user would - serve,
+rewards, micro-batches, train, gate, promote - with its records in ClickHouse, then a rollback."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+from rtrl.loop import gate
+
+RTRL = [sys.executable, "-m", "rtrl.cli"]
+EV = {"solve_rate": 0.30, "broken_tool_call_rate": 0.08, "clarify_rate": 0.10, "edit_rate": 0.80}
+
+DUMP = """
+import json, sys
+from rtrl import clickhouse
+ch = clickhouse.connect(sys.argv[1])
+rows = ch.query("SELECT version, parent, status, reason, eval_results FROM rtrl.checkpoints FINAL ORDER BY version").result_rows
+steps = ch.query("SELECT count(), sum(tokens), min(on_policy_fraction) FROM rtrl.train_metrics FINAL").result_rows[0]
+rewards = ch.query("SELECT count() FROM rtrl.rewards FINAL").result_rows[0][0]
+stats = ch.query("SELECT sum(samples) FROM rtrl.batch_stats FINAL").result_rows[0][0]
+print(json.dumps({"checkpoints": [[v, p, s, r, dict(e)] for v, p, s, r, e in rows], "steps": list(steps),
+                  "rewards": rewards, "batched": stats}))
+"""
+
+
+def _run(args, env_extra, timeout=900):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")} | env_extra
+    return subprocess.run(RTRL + args, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def _dump(data_dir) -> dict:
+    proc = subprocess.run([sys.executable, "-c", DUMP, f"chdb://{data_dir}/clickhouse"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_gate_promotes_only_without_regressions():
+    assert gate(EV | {"solve_rate": 0.31}, EV, EV, 0.02, 400)[0]
+    ok, reason = gate(EV | {"solve_rate": 0.25}, EV, EV, 0.02, 400)
+    assert not ok and "solve rate 0.250 < 0.300" in reason
+    ok, reason = gate(EV | {"broken_tool_call_rate": 0.2}, EV, EV, 0.02, 400)
+    assert not ok and "broken_tool_call_rate" in reason and "vs serving" in reason
+    # slow drift: within tolerance of the serving version, beyond it against the first one
+    drifted = EV | {"broken_tool_call_rate": 0.15}
+    ok, reason = gate(drifted | {"broken_tool_call_rate": 0.16}, drifted, EV, 0.02, 400)
+    assert not ok and "vs first" in reason and "vs serving" not in reason
+    ok, reason = gate(EV | {"clarify_rate": 0.3, "edit_rate": 0.6}, EV, EV, 0.02, 400)
+    assert not ok and "clarify_rate" in reason and "edit_rate" in reason
+
+
+def test_main_job_closes_the_loop_and_rollback(tmp_path):
+    """`rtrl run` (small): v0 is promoted, each cycle trains on micro-batches the flows built from the
+    served traffic and ends in a gated decision recorded in ClickHouse with its eval; the table and the
+    PNG are written. `rtrl rollback` then marks the serving version rolled back and re-promotes its parent."""
+    env = {"RTRL_DATA_DIR": str(tmp_path), "RTRL_LOOP__CYCLES": "2", "RTRL_LOOP__SAMPLES_PER_CYCLE": "256",
+           "RTRL_LOOP__EVAL_TASKS": "50", "RTRL_LOOP__WARM_START_STEPS": "100", "RTRL_LOOP__RATE": "40"}
+    proc = _run(["run"], env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert re.search(r"v1 <- v0: (promoted|rejected) after \d+ steps", out), out[-2000:]
+    assert "Checkpoints (reward v2)" in out and "on-policy" in out
+    assert (tmp_path / "reports" / "loop.png").read_bytes()[:4] == b"\x89PNG"
+    d = _dump(tmp_path)
+    cps = d["checkpoints"]
+    assert [c[0] for c in cps] == [0, 1, 2] and cps[0][2] == "promoted" and cps[0][1] is None
+    for version, parent, status, reason, ev in cps[1:]:
+        assert status in ("promoted", "rejected") and reason and parent in (0, 1)
+        assert {"solve_rate", "broken_tool_call_rate", "clarify_rate", "on_policy_fraction"} <= set(ev)
+        assert 0.0 <= ev["on_policy_fraction"] <= 1.0
+    n_steps, tokens, _ = d["steps"]
+    assert n_steps > 0 and tokens > 0 and d["rewards"] > 0 and d["batched"] > 0
+
+    serving = max(c[0] for c in cps if c[2] == "promoted")
+    if serving == 0:
+        return  # nothing to roll back to in this run
+    back = _run(["rollback", str(serving), "--reason", "test"], {"RTRL_DATA_DIR": str(tmp_path)}, timeout=120)
+    assert back.returncode == 0, back.stdout + back.stderr
+    after = {c[0]: c for c in _dump(tmp_path)["checkpoints"]}
+    assert after[serving][2] == "rolled_back" and after[serving][3] == "test"
+    parent = after[serving][1]
+    assert after[parent][2] == "promoted" and "rollback" in after[parent][3]
