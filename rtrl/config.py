@@ -173,8 +173,8 @@ class LoopSettings:
     eval_tasks: int = _setting(200, "held-out tasks of the eval suite", _positive)
     solve_tolerance: float = _setting(0.03, "largest tolerated drop of the held-out solve rate before a rejection",
                                       _non_negative)
-    candidate_share: float = _setting(0.0, "A/B mode: share of traffic a candidate serves before promotion "
-                                      "(0 = gate on evals only)", _probability)
+    reset_on_reject: bool = _setting(True, "a rejected candidate's weights are dropped (false: the training run "
+                                     "goes on from them and only serving stays on the last promotion)")
     seed: int = _setting(0, "seed of the tasks, sampling and the initial policy")
 
 

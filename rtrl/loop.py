@@ -24,6 +24,7 @@ in-process Bytewax runs (threads, stopped cleanly at the end), the policy server
 
 from __future__ import annotations
 
+import collections
 import random
 import threading
 import time
@@ -142,6 +143,7 @@ class Loop:
                                    seed=ls.seed, hard_share=ls.hard_share, compression=s.kafka.compression)
         self.version = self.serving = 0
         self.trained = self.trained_on_policy = 0  # samples the trainer has used (all / of the serving version)
+        self.quota_base = 0  # what the serving version had served when the current cycle began
         self.evals: dict[int, dict[str, float]] = {}
 
     # ------------------------------------------------------------ parts
@@ -187,17 +189,34 @@ class Loop:
         self.evals[0] = eval_suite(self.model, self.tasks, ls.seed)
         self.announce(self._checkpoint(0, None, [], "promoted", "initial policy (warm start)", self.evals[0], path))
 
+    def _cycle_done(self, start: int, wanted: int, deadline: float) -> bool:
+        """Samples trigger (``wanted`` samples of the serving version), wall-time trigger, or the
+        serving version's samples have dried up after at least half of ``wanted`` (samples that never
+        get a reward - e.g. broken calls under v1-discard-broken - never arrive)."""
+        now, done = time.monotonic(), self.trained_on_policy - start
+        self._progress.append((now, done))
+        while self._progress and self._progress[0][0] < now - 3.0:
+            self._progress.popleft()
+        dried_up = now - self._progress[0][0] >= 2.0 and done - self._progress[0][1] < SAMPLES_PER_STEP // 2
+        return done >= wanted or now > deadline or (dried_up and done >= wanted // 2)
+
     def _on_step(self, st: TrainStep) -> None:
         self.trained += sum(st.lag_histogram.values())
         self.trained_on_policy += st.lag_histogram.get("0", 0)
         clickhouse.insert(self.ch, self.db, "train_metrics", [st])
+
+    def _may_serve(self) -> bool:
+        """Backpressure: each cycle's serving version serves about what the cycle trains on."""
+        v = self.server.version
+        base = self.quota_base if v == self.serving else 0
+        return self.server.served_by(v) - base < self.settings.loop.samples_per_cycle
 
     def start_server(self) -> None:
         ls = self.settings.loop
         t = threading.Thread(target=self.server.run, name="policy-server", daemon=True,
                              args=(self.stop, lambda m, p: checkpoint.load(p, m, restore_rng=False), ls.rate,
                                    ls.group_size),
-                             kwargs={"may_serve": lambda: self.server.served_by(self.server.version) < ls.samples_per_cycle})
+                             kwargs={"may_serve": self._may_serve})
         t.start()
         self.threads.append(t)
 
@@ -218,13 +237,17 @@ class Loop:
         # broken trajectories v1-discard-broken drops), counting only samples of the serving version;
         # older ones met on the way are trained too (one version late, importance-corrected)
         wanted, start = int(0.95 * ls.samples_per_cycle), self.trained_on_policy
+        # a new quota for this cycle: a fresh version starts from zero; after a rejection the same
+        # version serves another cycle's worth
+        self.quota_base = self.server.served_by(serving)
+        self._progress = collections.deque()
         tc = TrainConfig(run_id=f"loop-{ls.seed}", micro_batches_per_step=MICRO_BATCHES_PER_STEP, max_steps=10**9,
                          lr=s.trainer.lr, max_policy_lag=s.trainer.max_policy_lag,
                          idle_timeout_s=min(30.0, ls.cycle_max_s), loss=LossConfig(kl_coef=s.trainer.kl_coef))
         deadline = time.monotonic() + ls.cycle_max_s
         steps = train(self.model, self.reference, make_source, tc, policy_version=serving, resume=False,
                       on_step=self._on_step,
-                      should_stop=lambda: self.trained_on_policy - start >= wanted or time.monotonic() > deadline)
+                      should_stop=lambda: self._cycle_done(start, wanted, deadline))
         self.offsets = streams[-1].position()
         for st in streams:
             st.close()
@@ -243,7 +266,7 @@ class Loop:
         self.version, self.evals[version] = version, ev
         if ok:
             self.serving = version
-        else:  # back to the serving weights: the next candidate starts from what serves
+        elif ls.reset_on_reject:  # back to the serving weights: the next candidate starts from what serves
             checkpoint.load(self.ckpt_root / f"v{serving}", self.model, restore_rng=False)
         times["eval"] = time.monotonic() - t
         return CycleResult(version, serving, status, reason, ev, steps, {}, times)

@@ -1,10 +1,9 @@
-"""The main job on the embedded defaults.
+"""``rtrl ab``: two simulated behaviour profiles side by side, and the local services every job uses.
 
-What exists today: simulated users -> client SDK -> Kafka ``rtrl.events`` -> the reward flow
+Simulated users of two policy profiles -> client SDK -> Kafka ``rtrl.events`` -> the reward flow
 (Bytewax: windows, versioned rewards) -> ClickHouse ``events``/``rewards``/``trajectories``, then
-behaviour and reward per policy version from the monitors' views, as a table and PNG plots. The
-trainer (``rtrl train``) and the batch flow (``rtrl flow batches``) exist; the policy server, eval
-gate and cycle that close the loop (issue 5) will extend this job; until then it says so.
+behaviour and reward per policy version from the monitors' views, as a table with 95% intervals and
+PNG plots. (The main job, the closed loop, is :mod:`rtrl.loop`.)
 """
 
 from __future__ import annotations
@@ -56,11 +55,9 @@ class Services:
 def run(settings: Settings, console: Console | None = None) -> list[dict]:
     """Run the pipeline once; returns the per-version rows it printed."""
     console = console or Console()
-    console.rule("[bold]rtrl main job")
-    console.print(
-        "[yellow]The closed loop (policy server, eval gate, cycles: issue 5) is not built yet.[/] This run: simulated users -> "
-        "SDK -> Kafka -> reward flow -> ClickHouse, then behaviour and reward per policy version."
-    )
+    console.rule("[bold]rtrl ab: two behaviour profiles")
+    console.print("Two simulated behaviour profiles: users -> SDK -> Kafka -> reward flow -> ClickHouse, then "
+                  "behaviour and reward per policy version.")
     t0 = time.monotonic()
     services = Services(settings)
     try:
