@@ -173,6 +173,11 @@ class LoopSettings:
     eval_tasks: int = _setting(200, "held-out tasks of the eval suite", _positive)
     solve_tolerance: float = _setting(0.03, "largest tolerated drop of the held-out solve rate before a rejection",
                                       _non_negative)
+    ab_share: float = _setting(0.0, "A/B mode: share of traffic a candidate that passed the evals serves before the "
+                               "decision; its live behaviour is compared with the serving version's in ClickHouse "
+                               "and an alert rejects it (0 = off)", _probability)
+    ab_trajectories: int = _setting(400, "A/B mode: candidate trajectories with rewards needed before the comparison",
+                                    _positive)
     reset_on_reject: bool = _setting(True, "a rejected candidate's weights are dropped (false: the training run "
                                      "goes on from them and only serving stays on the last promotion)")
     seed: int = _setting(0, "seed of the tasks, sampling and the initial policy")

@@ -140,7 +140,9 @@ class Loop:
         self.client = RtrlClient.from_settings(s, bootstrap=bootstrap)
         orgs = [f"org-{i}" for i in range(ls.orgs)]
         self.server = PolicyServer(bootstrap, s.kafka.topic_prefix, self.client, self.serving_model, orgs,
-                                   seed=ls.seed, hard_share=ls.hard_share, compression=s.kafka.compression)
+                                   seed=ls.seed, hard_share=ls.hard_share, compression=s.kafka.compression,
+                                   candidate_model=build_model(cfg) if ls.ab_share > 0 else None)
+        self.ab_waiting = False  # A/B mode: while a candidate collects live traffic, serving is not throttled
         self.version = self.serving = 0
         self.trained = self.trained_on_policy = 0  # samples the trainer has used (all / of the serving version)
         self.quota_base = 0  # what the serving version had served when the current cycle began
@@ -207,6 +209,8 @@ class Loop:
 
     def _may_serve(self) -> bool:
         """Backpressure: each cycle's serving version serves about what the cycle trains on."""
+        if self.ab_waiting:
+            return True
         v = self.server.version
         base = self.quota_base if v == self.serving else 0
         return self.server.served_by(v) - base < self.settings.loop.samples_per_cycle
@@ -216,7 +220,7 @@ class Loop:
         t = threading.Thread(target=self.server.run, name="policy-server", daemon=True,
                              args=(self.stop, lambda m, p: checkpoint.load(p, m, restore_rng=False), ls.rate,
                                    ls.group_size),
-                             kwargs={"may_serve": self._may_serve})
+                             kwargs={"may_serve": self._may_serve, "candidate_share": ls.ab_share})
         t.start()
         self.threads.append(t)
 
@@ -260,8 +264,10 @@ class Loop:
         ok, reason = gate(ev, self.evals[serving], self.evals[0], ls.solve_tolerance, 2 * len(self.tasks))
         if not steps:
             ok, reason = False, "no micro-batch arrived within the cycle's wall time"
-        status = "promoted" if ok else "rejected"
         self.announce(self._checkpoint(version, serving, steps, "candidate", "trained", ev, path))
+        if ok and ls.ab_share > 0:
+            ok, reason = self.ab_test(version, serving, reason)
+        status = "promoted" if ok else "rejected"
         self.announce(self._checkpoint(version, serving, steps, status, reason, ev, path))
         self.version, self.evals[version] = version, ev
         if ok:
@@ -270,6 +276,30 @@ class Loop:
             checkpoint.load(self.ckpt_root / f"v{serving}", self.model, restore_rng=False)
         times["eval"] = time.monotonic() - t
         return CycleResult(version, serving, status, reason, ev, steps, {}, times)
+
+    def ab_test(self, candidate: int, serving: int, offline: str) -> tuple[bool, str]:
+        """A/B mode: the announced candidate serves ``loop.ab_share`` of the traffic until it has
+        ``loop.ab_trajectories`` closed trajectories in ClickHouse; then the monitors compare its live
+        behaviour with the serving version's, and any alert rejects (rolls back) it."""
+        ls = self.settings.loop
+        self.ab_waiting = True
+        deadline = time.monotonic() + ls.cycle_max_s
+        n = 0
+        try:
+            while time.monotonic() < deadline:
+                n = self.ch.query(f"SELECT count() FROM {self.db}.trajectories FINAL WHERE policy_version = "
+                                  f"{int(candidate)} AND arm = 'candidate'").result_rows[0][0]
+                if n >= ls.ab_trajectories:
+                    break
+                time.sleep(0.5)
+        finally:
+            self.ab_waiting = False
+        if n < ls.ab_trajectories:
+            return False, f"A/B: only {n} candidate trajectories within {ls.cycle_max_s:g}s"
+        report = live_check(self.ch, self.db, candidate, serving)
+        if report.alerts:
+            return False, f"A/B alerts, rolled back: {report.reason}"
+        return True, f"{offline}; A/B on {n} trajectories: {report.reason}"
 
     def close(self) -> None:
         self.stop_flows()

@@ -37,8 +37,9 @@ class Served:
 
 class PolicyServer:
     def __init__(self, bootstrap: str, prefix: str, client: RtrlClient, model, orgs: list[str], seed: int = 0,
-                 hard_share: float = 0.5, compression: str = "zstd"):
+                 hard_share: float = 0.5, compression: str = "zstd", candidate_model=None):
         self.client, self.model, self.orgs, self.hard_share = client, model, orgs, hard_share
+        self.candidate_model = candidate_model  # A/B mode: where an announced candidate is loaded
         self.rollouts_topic = prefix + "rollouts"
         self.producer = Producer(producer_config(bootstrap, compression))
         self.deployments = Consumer(base_config(bootstrap) | {"group.id": f"policy-server-{uuid.uuid4().hex[:8]}",
@@ -55,7 +56,10 @@ class PolicyServer:
         self.samples = 0  # completions served so far
 
     def refresh(self, load, timeout_s: float = 0.5) -> int | None:
-        """Read new announcements; on a newer promotion call ``load(model, path)``; the serving version."""
+        """Read new announcements: a newer promotion is loaded into the serving model with
+        ``load(model, path)``; in A/B mode (a ``candidate_model`` was given) a ``candidate``
+        announcement is loaded into it and served to a share of the traffic until its decision
+        (promoted, rejected, rolled back) arrives. Returns the serving version."""
         deadline = time.monotonic() + timeout_s
         latest = None
         while time.monotonic() < deadline:
@@ -72,6 +76,11 @@ class PolicyServer:
                 continue
             if ck.status == "promoted":
                 latest = ck
+            elif ck.status == "candidate" and self.candidate_model is not None:
+                load(self.candidate_model, ck.path)
+                self.candidate = (ck.version, self.candidate_model)
+            if ck.status != "candidate" and self.candidate is not None and self.candidate[0] == ck.version:
+                self.candidate = None  # decided: the candidate arm ends
         if latest is not None and (latest.version, latest.path) != (self.version, self.path):
             load(self.model, latest.path)
             self.version, self.path = latest.version, latest.path

@@ -22,8 +22,9 @@ rows = ch.query("SELECT version, parent, status, reason, eval_results FROM rtrl.
 steps = ch.query("SELECT count(), sum(tokens), min(on_policy_fraction) FROM rtrl.train_metrics FINAL").result_rows[0]
 rewards = ch.query("SELECT count() FROM rtrl.rewards FINAL").result_rows[0][0]
 stats = ch.query("SELECT sum(samples) FROM rtrl.batch_stats FINAL").result_rows[0][0]
+arms = ch.query("SELECT policy_version, arm, count() FROM rtrl.trajectories FINAL GROUP BY 1, 2").result_rows
 print(json.dumps({"checkpoints": [[v, p, s, r, dict(e)] for v, p, s, r, e in rows], "steps": list(steps),
-                  "rewards": rewards, "batched": stats}))
+                  "rewards": rewards, "batched": stats, "arms": [[v, a, n] for v, a, n in arms]}))
 """
 
 
@@ -110,3 +111,22 @@ def test_reward_hack_is_caught_with_the_buggy_reward_only(tmp_path):
     assert any(s == "rejected" and any(m in r for m in hack) for _, _, s, r, _ in v1[1:])
     assert v2[-1][4]["broken_tool_call_rate"] < base
     assert not any("broken_tool_call_rate" in r for _, _, s, r, _ in v2[1:] if s == "rejected")
+
+
+def test_ab_mode_serves_candidates_beside_control_and_decides_from_clickhouse(tmp_path):
+    """With loop.ab_share a candidate that passed the evals serves a share of the traffic (arm
+    'candidate') until ClickHouse holds enough of its trajectories; the monitors' comparison with the
+    serving version then promotes it or rejects it with the alerts as the reason."""
+    env = {"RTRL_DATA_DIR": str(tmp_path), "RTRL_LOOP__CYCLES": "2", "RTRL_LOOP__SAMPLES_PER_CYCLE": "256",
+           "RTRL_LOOP__EVAL_TASKS": "50", "RTRL_LOOP__WARM_START_STEPS": "100", "RTRL_LOOP__RATE": "40",
+           "RTRL_LOOP__AB_SHARE": "0.4", "RTRL_LOOP__AB_TRAJECTORIES": "60", "RTRL_LOOP__SOLVE_TOLERANCE": "1.0"}
+    proc = _run(["run"], env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    d = _dump(tmp_path)
+    arms = {(v, a): n for v, a, n in d["arms"]}
+    decided = [(v, s, r) for v, _, s, r, _ in d["checkpoints"][1:] if "A/B" in r]
+    assert decided, d["checkpoints"]
+    for version, status, reason in decided:
+        assert arms.get((version, "candidate"), 0) >= 60  # it served beside the control arm
+        assert ("A/B on" in reason) if status == "promoted" else ("A/B alerts" in reason or "only" in reason)
+    assert all(a in ("control", "candidate") for _, a in arms)

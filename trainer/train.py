@@ -98,7 +98,7 @@ def prepare(batch: Batch, policy_version: int, max_policy_lag: int) -> Prepared:
     positions = idx - np.maximum.accumulate(starts, axis=1)
     lags = policy_version - batch.policy_versions
     token_lag = np.where(seg_t >= 0, lags[np.clip(seg_t, 0, None)], 0)
-    fresh = token_lag <= max_policy_lag
+    fresh = (token_lag <= max_policy_lag) & (token_lag >= 0)  # a newer version (an A/B candidate) is not ours
     mask = batch.loss_mask[:, 1:] * same * fresh
     stale = int((batch.loss_mask[:, 1:] * same * ~fresh).sum())
     attend = (seg_in[:, :, None] == seg_in[:, None, :]) & (idx[:, None, :] <= idx[:, :, None])
