@@ -31,6 +31,7 @@ bench: setup
 	$(PY) bench/sdk_produce.py
 	$(PY) bench/reward_flow.py
 	$(PY) bench/trainer_input.py
+	$(PY) bench/loop.py
 
 clean:
 	rm -rf $(VENV) .rtrl .pytest_cache .hypothesis
