@@ -240,7 +240,7 @@ class Loop:
         # the samples trigger: most of what this version serves (some never get a reward, e.g. the
         # broken trajectories v1-discard-broken drops), counting only samples of the serving version;
         # older ones met on the way are trained too (one version late, importance-corrected)
-        wanted, start = int(0.95 * ls.samples_per_cycle), self.trained_on_policy
+        wanted, start = int(0.98 * ls.samples_per_cycle), self.trained_on_policy
         # a new quota for this cycle: a fresh version starts from zero; after a rejection the same
         # version serves another cycle's worth
         self.quota_base = self.server.served_by(serving)

@@ -132,7 +132,7 @@ class PolicyServer:
         return out
 
     def run(self, stop, load, rate: float, group_size: int, burst_s: float = 0.1,
-            candidate_share: float = 0.0, may_serve=lambda: True, trickle_s: float = 1.0) -> None:
+            candidate_share: float = 0.0, may_serve=lambda: True, trickle_s: float = 2.0) -> None:
         """Serve continuously until ``stop`` is set: ``rate`` tasks per second in bursts of ``burst_s``,
         switching to each new promotion as it is announced (continuous traffic keeps every
         partition's event-time clock moving, so reward windows close). While ``may_serve()`` is
