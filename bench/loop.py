@@ -107,7 +107,7 @@ def main() -> None:
         tc = TrainConfig(micro_batches_per_step=4, max_steps=len(r.steps), lr=s.trainer.lr,
                          max_policy_lag=10**6, loss=LossConfig(kl_coef=s.trainer.kl_coef))
         t = time.monotonic()
-        train(loop.model, loop.reference, lambda _o: MemorySource(mem), tc, policy_version=r.parent, resume=False)
+        train(loop.model, loop.reference, lambda _o, m=mem: MemorySource(m), tc, policy_version=r.parent, resume=False)
         base = time.monotonic() - t
         ratios.append(r.seconds["train"] / max(base, 1e-9))
         print(f"  v{r.version}: streamed {r.seconds['train']:6.1f} | from memory {base:5.1f} | ratio {ratios[-1]:4.1f} "

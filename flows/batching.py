@@ -79,22 +79,37 @@ def group_advantages(rewards: list[float]) -> list[float]:
     return [r - mean for r in rewards]
 
 
-def pack(samples: list[Sample], seq_len: int, created_at: int) -> MicroBatch:
-    """Samples into rows of ``seq_len`` tokens, first fit in the given order (all must fit)."""
-    rows: list[list[tuple[int, Sample]]] = []
+def first_fit(token_counts: list[int], seq_len: int) -> list[int]:
+    """The row each sample goes to when packed first-fit in order into rows of ``seq_len`` tokens."""
     free: list[int] = []
-    for i, s in enumerate(samples):
-        n = s.tokens
-        if n > seq_len:
-            raise ValueError(f"sample {s.rollout.trajectory_id} has {n} tokens > seq_len {seq_len}")
+    rows = []
+    for n in token_counts:
         for r, left in enumerate(free):
             if left >= n:
-                rows[r].append((i, s))
                 free[r] -= n
+                rows.append(r)
                 break
         else:
-            rows.append([(i, s)])
             free.append(seq_len - n)
+            rows.append(len(free) - 1)
+    return rows
+
+
+def rows_needed(token_counts: list[int], seq_len: int) -> int:
+    """How many rows first-fit packing uses for these sample lengths (each <= seq_len)."""
+    return max(first_fit(token_counts, seq_len), default=-1) + 1
+
+
+def pack(samples: list[Sample], seq_len: int, created_at: int) -> MicroBatch:
+    """Samples into rows of ``seq_len`` tokens, first fit in the given order (all must fit)."""
+    for s in samples:
+        if s.tokens > seq_len:
+            raise ValueError(f"sample {s.rollout.trajectory_id} has {s.tokens} tokens > seq_len {seq_len}")
+    rows: list[list[tuple[int, Sample]]] = []
+    for i, (s, r) in enumerate(zip(samples, first_fit([s.tokens for s in samples], seq_len))):
+        if r == len(rows):
+            rows.append([])
+        rows[r].append((i, s))
     tok, mask, adv, blp, seg = [], [], [], [], []
     for row in rows:
         t, m, a, b, g = [], [], [], [], []
@@ -117,19 +132,6 @@ def pack(samples: list[Sample], seq_len: int, created_at: int) -> MicroBatch:
     return MicroBatch(batch_id=batch_id, created_at=created_at, seq_len=seq_len, token_ids=tok, loss_mask=mask,
                       advantages=adv, behaviour_logprobs=blp, segment_ids=seg, sample_ids=ids,
                       policy_versions=[s.rollout.policy_version for s in samples])
-
-
-def rows_needed(token_counts: list[int], seq_len: int) -> int:
-    """How many rows first-fit packing uses for these sample lengths (each <= seq_len)."""
-    free: list[int] = []
-    for n in token_counts:
-        for r, left in enumerate(free):
-            if left >= n:
-                free[r] -= n
-                break
-        else:
-            free.append(seq_len - n)
-    return len(free)
 
 
 class BatchBuilder:

@@ -15,11 +15,11 @@ in-process Bytewax runs (threads, stopped cleanly at the end), the policy server
 4. the eval gate scores the candidate on held-out tasks against the serving version and the first
    one (solve rate may not drop beyond ``loop.solve_tolerance``; the behaviour of sampled
    completions - broken tool calls, clarifying questions, edits - is judged by the monitors' alert
-   rules). Promotion or rejection, with the reason, goes to ClickHouse ``checkpoints`` and
-   ``rtrl.deployments``; a rejected candidate's weights are dropped (the trainer goes back to the
-   serving version);
-5. after a promotion, the live behaviour of the new version is compared with its parent's in
-   ClickHouse once it has enough samples; an alert rolls it back (:func:`rollback`).
+   rules). In A/B mode (``loop.ab_share``) a candidate that passes then serves a share of the
+   traffic until the monitors can compare its live behaviour with the serving version's in
+   ClickHouse; an alert rejects it. Promotion or rejection, with the reason, goes to ClickHouse
+   ``checkpoints`` and ``rtrl.deployments``; a rejected candidate's weights are dropped unless
+   ``loop.reset_on_reject`` is off. :func:`rollback` (``rtrl rollback``) undoes a promotion.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import torch
@@ -48,9 +47,9 @@ from rtrl.config import Settings
 from rtrl.kafka import producer_config
 from schemas.codec import JsonCodec
 from schemas.records import Checkpoint, TrainStep
-from simulator.policy import model_config, sample, warm_start
+from simulator.policy import greedy, model_config, sample, warm_start
 from simulator.serve import PolicyServer
-from simulator.tasks import held_out, sample_task, score
+from simulator.tasks import COMPLETION_LEN, PROMPT_LEN, held_out, sample_task, score
 from trainer import checkpoint
 from trainer.data import BatchStream
 from trainer.loss import LossConfig
@@ -59,7 +58,7 @@ from trainer.train import TrainConfig, train
 
 #: samples per packed row and rows per micro-batch the loop's model is built for
 SEQ_LEN, ROWS, MICRO_BATCHES_PER_STEP = 64, 2, 4
-SAMPLES_PER_STEP = (SEQ_LEN // 8) * ROWS * MICRO_BATCHES_PER_STEP  # a sample is 8 tokens
+SAMPLES_PER_STEP = (SEQ_LEN // (PROMPT_LEN + COMPLETION_LEN)) * ROWS * MICRO_BATCHES_PER_STEP
 
 #: the eval gate's behaviour rules on sampled held-out completions (rates of 0..1)
 EVAL_RULES: tuple[AlertRule, ...] = (
@@ -88,14 +87,11 @@ class CycleResult:
     reason: str
     eval: dict[str, float]
     steps: list[TrainStep] = field(default_factory=list)
-    served: dict[str, Any] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
 
 
 def eval_suite(model, tasks, seed: int) -> dict[str, float]:
     """Greedy solve rates plus the behaviour of sampled completions (same seed for every model)."""
-    from simulator.policy import greedy
-
     out = {f"greedy_{k}": v for k, v in score(tasks, greedy(model, tasks)).items()}
     comps, _ = sample(model, tasks * 2, torch.Generator().manual_seed(seed))
     out |= score(tasks * 2, comps)
@@ -119,11 +115,10 @@ def gate(candidate: dict[str, float], parent: dict[str, float], root: dict[str, 
 
 
 class Loop:
-    """Every part of the loop in this process; :meth:`run` does ``loop.cycles`` cycles."""
+    """Every part of the loop in this process: :meth:`initial`, then :meth:`cycle` as often as wanted."""
 
-    def __init__(self, settings: Settings, bootstrap: str, ch, console: Console | None = None):
+    def __init__(self, settings: Settings, bootstrap: str, ch):
         self.settings, self.bootstrap, self.ch = loop_settings(settings), bootstrap, ch
-        self.console = console or Console()
         s, ls = self.settings, self.settings.loop
         self.db = s.clickhouse.database
         self.ckpt_root = s.data_path / "loop" / "checkpoints"
@@ -144,7 +139,7 @@ class Loop:
                                    candidate_model=build_model(cfg) if ls.ab_share > 0 else None)
         self.ab_waiting = False  # A/B mode: while a candidate collects live traffic, serving is not throttled
         self.version = self.serving = 0
-        self.trained = self.trained_on_policy = 0  # samples the trainer has used (all / of the serving version)
+        self.trained_on_policy = 0  # samples of the serving version the trainer has used
         self.quota_base = 0  # what the serving version had served when the current cycle began
         self.evals: dict[int, dict[str, float]] = {}
 
@@ -163,11 +158,7 @@ class Loop:
             t.join(timeout_s)
 
     def announce(self, ck: Checkpoint) -> None:
-        clickhouse.insert(self.ch, self.db, "checkpoints", [ck])
-        self.producer.produce(self.settings.topic("deployments"), key=str(ck.version).encode(),
-                              value=JsonCodec(Checkpoint).encode(ck))
-        if self.producer.flush(30):
-            raise RuntimeError("deployment announcement not acknowledged")
+        announce(self.settings, self.ch, self.producer, ck)
 
     def _checkpoint(self, version: int, parent: int | None, steps: list[TrainStep], status: str, reason: str,
                     ev: dict[str, float], path: Path) -> Checkpoint:
@@ -176,7 +167,7 @@ class Loop:
             ev = ev | {"on_policy_fraction": sum(s.on_policy_fraction * s.tokens for s in steps) / tokens}
         return Checkpoint(version=version, parent=parent, created_at=time.time_ns() // 1_000_000, steps=len(steps),
                           samples=sum(sum(s.lag_histogram.values()) for s in steps),
-                          tokens=sum(s.tokens for s in steps), eval_results=ev, status=status, reason=reason,
+                          tokens=tokens, eval_results=ev, status=status, reason=reason,
                           kafka_offsets=self.offsets or {}, path=str(path))
 
     def initial(self) -> None:
@@ -203,7 +194,6 @@ class Loop:
         return done >= wanted or now > deadline or (dried_up and done >= wanted // 2)
 
     def _on_step(self, st: TrainStep) -> None:
-        self.trained += sum(st.lag_histogram.values())
         self.trained_on_policy += st.lag_histogram.get("0", 0)
         clickhouse.insert(self.ch, self.db, "train_metrics", [st])
 
@@ -275,7 +265,7 @@ class Loop:
         elif ls.reset_on_reject:  # back to the serving weights: the next candidate starts from what serves
             checkpoint.load(self.ckpt_root / f"v{serving}", self.model, restore_rng=False)
         times["eval"] = time.monotonic() - t
-        return CycleResult(version, serving, status, reason, ev, steps, {}, times)
+        return CycleResult(version, serving, status, reason, ev, steps, times)
 
     def ab_test(self, candidate: int, serving: int, offline: str) -> tuple[bool, str]:
         """A/B mode: the announced candidate serves ``loop.ab_share`` of the traffic until it has
@@ -296,7 +286,7 @@ class Loop:
             self.ab_waiting = False
         if n < ls.ab_trajectories:
             return False, f"A/B: only {n} candidate trajectories within {ls.cycle_max_s:g}s"
-        report = live_check(self.ch, self.db, candidate, serving)
+        report = check_promotion(self.ch, self.db, candidate, serving)
         if report.alerts:
             return False, f"A/B alerts, rolled back: {report.reason}"
         return True, f"{offline}; A/B on {n} trajectories: {report.reason}"
@@ -320,22 +310,19 @@ def rollback(settings: Settings, bootstrap: str, ch, version: int, reason: str) 
     parent = rows[bad.parent]
     producer = Producer(producer_config(bootstrap, settings.kafka.compression))
     now = time.time_ns() // 1_000_000
-    out = []
-    for ck in (msgspec.structs.replace(bad, status="rolled_back", reason=reason, created_at=now),
-               msgspec.structs.replace(parent, status="promoted", reason=f"re-promoted: rollback of v{version}",
-                                       created_at=now + 1)):
-        clickhouse.insert(ch, db, "checkpoints", [ck])
-        producer.produce(settings.topic("deployments"), key=str(ck.version).encode(), value=JsonCodec(Checkpoint).encode(ck))
-        out.append(ck)
-    producer.flush(30)
-    return out[0]
+    back = msgspec.structs.replace(bad, status="rolled_back", reason=reason, created_at=now)
+    announce(settings, ch, producer, back)
+    announce(settings, ch, producer, msgspec.structs.replace(
+        parent, status="promoted", reason=f"re-promoted: rollback of v{version}", created_at=now + 1))
+    return back
 
 
-def live_check(ch, db: str, version: int, parent: int):
-    """The monitors' verdict on a serving version's live behaviour against its parent's."""
-    return check_promotion(ch, db, version, parent)
-
-
+def announce(settings: Settings, ch, producer: Producer, ck: Checkpoint) -> None:
+    """Record a checkpoint decision in ClickHouse ``checkpoints`` and publish it on ``rtrl.deployments``."""
+    clickhouse.insert(ch, settings.clickhouse.database, "checkpoints", [ck])
+    producer.produce(settings.topic("deployments"), key=str(ck.version).encode(), value=JsonCodec(Checkpoint).encode(ck))
+    if producer.flush(30):
+        raise RuntimeError("deployment announcement not acknowledged")
 
 
 def run_loop(settings: Settings, console: Console | None = None) -> list[dict]:
@@ -361,7 +348,7 @@ def run_loop(settings: Settings, console: Console | None = None) -> list[dict]:
     torch.set_num_threads(1)  # the policy server, the flows and the broker share the cores
     t0 = time.monotonic()
     services = Services(settings)
-    loop = Loop(settings, services.bootstrap, services.ch, console)
+    loop = Loop(settings, services.bootstrap, services.ch)
     ls, rv = loop.settings.loop, loop.settings.batches.reward_version
     try:
         console.print(f"broker {services.bootstrap} · ClickHouse {clickhouse.redact(settings.clickhouse_dsn)} · "

@@ -53,7 +53,6 @@ class PolicyServer:
         self.path: str | None = None
         self.candidate: tuple[int, object] | None = None  # (version, model) served to a share in A/B mode
         self.totals: dict[tuple[int, str], Served] = {}  # what each (version, arm) served so far
-        self.samples = 0  # completions served so far
 
     def refresh(self, load, timeout_s: float = 0.5) -> int | None:
         """Read new announcements: a newer promotion is loaded into the serving model with
@@ -125,7 +124,6 @@ class PolicyServer:
                 self._produce(ro)
                 react(traj, task, o, self.rng, now)
                 out.trajectories += 1
-                self.samples += 1
                 out.broken += o.broken
                 out.correct += o.correct
                 out.asked += o.asked

@@ -4,14 +4,13 @@ rewards, micro-batches, train, gate, promote - with its records in ClickHouse, t
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
 
 from rtrl.loop import gate
+from tests.test_cli import _run
 
-RTRL = [sys.executable, "-m", "rtrl.cli"]
 EV = {"solve_rate": 0.30, "broken_tool_call_rate": 0.08, "clarify_rate": 0.10, "edit_rate": 0.80}
 
 DUMP = """
@@ -26,11 +25,6 @@ arms = ch.query("SELECT policy_version, arm, count() FROM rtrl.trajectories FINA
 print(json.dumps({"checkpoints": [[v, p, s, r, dict(e)] for v, p, s, r, e in rows], "steps": list(steps),
                   "rewards": rewards, "batched": stats, "arms": [[v, a, n] for v, a, n in arms]}))
 """
-
-
-def _run(args, env_extra, timeout=900):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")} | env_extra
-    return subprocess.run(RTRL + args, capture_output=True, text=True, env=env, timeout=timeout)
 
 
 def _dump(data_dir) -> dict:
