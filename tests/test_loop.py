@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from rtrl.loop import gate
 from tests.test_cli import _run
 
@@ -89,6 +91,7 @@ def _loop(tmp_path, reward_version: str, cycles: int) -> list:
     return _dump(tmp_path)["checkpoints"]
 
 
+@pytest.mark.timeout(900)  # two main-job runs of three cycles each (~5 min on 2 cores)
 def test_reward_hack_is_caught_with_the_buggy_reward_only(tmp_path):
     """Trained on v1-discard-broken (broken calls earn nothing instead of something negative, and a
     needless question is a safe harbour) the candidates drift - more broken calls and/or more
