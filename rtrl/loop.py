@@ -137,10 +137,8 @@ class Loop:
         self.server = PolicyServer(bootstrap, s.kafka.topic_prefix, self.client, self.serving_model, orgs,
                                    seed=ls.seed, hard_share=ls.hard_share, compression=s.kafka.compression,
                                    candidate_model=build_model(cfg) if ls.ab_share > 0 else None)
-        self.ab_waiting = False  # A/B mode: while a candidate collects live traffic, serving is not throttled
         self.version = self.serving = 0
         self.trained_on_policy = 0  # samples of the serving version the trainer has used
-        self.quota_base = 0  # what the serving version had served when the current cycle began
         self.evals: dict[int, dict[str, float]] = {}
 
     # ------------------------------------------------------------ parts
@@ -197,20 +195,12 @@ class Loop:
         self.trained_on_policy += st.lag_histogram.get("0", 0)
         clickhouse.insert(self.ch, self.db, "train_metrics", [st])
 
-    def _may_serve(self) -> bool:
-        """Backpressure: each cycle's serving version serves about what the cycle trains on."""
-        if self.ab_waiting:
-            return True
-        v = self.server.version
-        base = self.quota_base if v == self.serving else 0
-        return self.server.served_by(v) - base < self.settings.loop.samples_per_cycle
-
     def start_server(self) -> None:
         ls = self.settings.loop
         t = threading.Thread(target=self.server.run, name="policy-server", daemon=True,
                              args=(self.stop, lambda m, p: checkpoint.load(p, m, restore_rng=False), ls.rate,
                                    ls.group_size),
-                             kwargs={"may_serve": self._may_serve, "candidate_share": ls.ab_share})
+                             kwargs={"quota": ls.samples_per_cycle, "candidate_share": ls.ab_share})
         t.start()
         self.threads.append(t)
 
@@ -230,10 +220,8 @@ class Loop:
         # the samples trigger: most of what this version serves (some never get a reward, e.g. the
         # broken trajectories v1-discard-broken drops), counting only samples of the serving version;
         # older ones met on the way are trained too (one version late, importance-corrected)
+        # (the policy server serves about samples_per_cycle per version and decision: backpressure)
         wanted, start = int(0.98 * ls.samples_per_cycle), self.trained_on_policy
-        # a new quota for this cycle: a fresh version starts from zero; after a rejection the same
-        # version serves another cycle's worth
-        self.quota_base = self.server.served_by(serving)
         self._progress = collections.deque()
         tc = TrainConfig(run_id=f"loop-{ls.seed}", micro_batches_per_step=MICRO_BATCHES_PER_STEP, max_steps=10**9,
                          lr=s.trainer.lr, max_policy_lag=s.trainer.max_policy_lag,
@@ -272,18 +260,14 @@ class Loop:
         ``loop.ab_trajectories`` closed trajectories in ClickHouse; then the monitors compare its live
         behaviour with the serving version's, and any alert rejects (rolls back) it."""
         ls = self.settings.loop
-        self.ab_waiting = True
         deadline = time.monotonic() + ls.cycle_max_s
         n = 0
-        try:
-            while time.monotonic() < deadline:
-                n = self.ch.query(f"SELECT count() FROM {self.db}.trajectories FINAL WHERE policy_version = "
-                                  f"{int(candidate)} AND arm = 'candidate'").result_rows[0][0]
-                if n >= ls.ab_trajectories:
-                    break
-                time.sleep(0.5)
-        finally:
-            self.ab_waiting = False
+        while time.monotonic() < deadline:
+            n = self.ch.query(f"SELECT count() FROM {self.db}.trajectories FINAL WHERE policy_version = "
+                              f"{int(candidate)} AND arm = 'candidate'").result_rows[0][0]
+            if n >= ls.ab_trajectories:
+                break
+            time.sleep(0.5)
         if n < ls.ab_trajectories:
             return False, f"A/B: only {n} candidate trajectories within {ls.cycle_max_s:g}s"
         report = check_promotion(self.ch, self.db, candidate, serving)

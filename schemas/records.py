@@ -319,6 +319,7 @@ class TrainStep(msgspec.Struct, **_STRICT):
     tokens_per_s: Annotated[float, doc("Trained tokens per second of the step (input wait included).")]
     batch_ids: Annotated[list[Id], doc("Micro-batches accumulated into this step, in order.")]
     at: Annotated[Millis, doc("When the step finished, ms since epoch.")]
+    sample_ids: Annotated[list[Id], doc("Samples trained in this step (repeats of trained ones are left out).")] = []
 
 
 # ---------------------------------------------------------------- batch flow counters (table batch_stats)

@@ -53,6 +53,7 @@ class PolicyServer:
         self.path: str | None = None
         self.candidate: tuple[int, object] | None = None  # (version, model) served to a share in A/B mode
         self.totals: dict[tuple[int, str], Served] = {}  # what each (version, arm) served so far
+        self.window_base = 0  # what the serving version had served at the last decision (backpressure)
 
     def refresh(self, load, timeout_s: float = 0.5) -> int | None:
         """Read new announcements: a newer promotion is loaded into the serving model with
@@ -60,7 +61,7 @@ class PolicyServer:
         announcement is loaded into it and served to a share of the traffic until its decision
         (promoted, rejected, rolled back) arrives. Returns the serving version."""
         deadline = time.monotonic() + timeout_s
-        latest = None
+        latest, decided = None, False
         while time.monotonic() < deadline:
             msg = self.deployments.poll(0.05)
             if msg is None:
@@ -78,12 +79,23 @@ class PolicyServer:
             elif ck.status == "candidate" and self.candidate_model is not None:
                 load(self.candidate_model, ck.path)
                 self.candidate = (ck.version, self.candidate_model)
-            if ck.status != "candidate" and self.candidate is not None and self.candidate[0] == ck.version:
-                self.candidate = None  # decided: the candidate arm ends
+            if ck.status != "candidate":
+                decided = True
+                if self.candidate is not None and self.candidate[0] == ck.version:
+                    self.candidate = None  # decided: the candidate arm ends
         if latest is not None and (latest.version, latest.path) != (self.version, self.path):
             load(self.model, latest.path)
             self.version, self.path = latest.version, latest.path
+        if decided:  # a new cycle: the serving version (new, or the same after a rejection) gets a new quota
+            self.window_base = self.served_by(self.version)
         return self.version
+
+    def may_serve(self, quota: int | None) -> bool:
+        """Backpressure: after each decision the serving version serves about ``quota`` samples, what the
+        trainer's next cycle uses (None = no limit); while an A/B candidate waits for its verdict, no limit."""
+        if quota is None or self.candidate is not None:
+            return True
+        return self.served_by(self.version) - self.window_base < quota
 
     def served_by(self, version: int | None) -> int:
         """Completions the control arm of ``version`` has served so far."""
@@ -130,18 +142,18 @@ class PolicyServer:
         return out
 
     def run(self, stop, load, rate: float, group_size: int, burst_s: float = 0.1,
-            candidate_share: float = 0.0, may_serve=lambda: True, trickle_s: float = 2.0) -> None:
+            candidate_share: float = 0.0, quota: int | None = None, trickle_s: float = 2.0) -> None:
         """Serve continuously until ``stop`` is set: ``rate`` tasks per second in bursts of ``burst_s``,
         switching to each new promotion as it is announced (continuous traffic keeps every
-        partition's event-time clock moving, so reward windows close). While ``may_serve()`` is
-        false (this version has served what the trainer needs) it serves one task every
+        partition's event-time clock moving, so reward windows close). Once this version has served
+        ``quota`` samples since the last decision (:meth:`may_serve`) it serves one task every
         ``trickle_s`` only: traffic never stops, but little is left for a later version's trainer."""
         per_burst = max(1, round(rate * burst_s))
         last_trickle = 0.0
         while not stop.is_set():
             t = time.monotonic()
             if self.refresh(load, timeout_s=0.01) is not None:
-                n = per_burst if may_serve() else int(t - last_trickle >= trickle_s)
+                n = per_burst if self.may_serve(quota) else int(t - last_trickle >= trickle_s)
                 last_trickle = t if n == 1 else last_trickle
                 served = self.serve(n, group_size, candidate_share) if n else {}
                 for arm, v in served.items():

@@ -19,6 +19,7 @@ import torch
 
 from trainer import checkpoint
 from trainer.data import Batch
+from trainer.dedup import TrainedSet
 from trainer.loss import LossConfig, policy_loss
 from trainer.model import forward_logprobs
 from schemas.records import TrainStep
@@ -119,31 +120,38 @@ def prepare(batch: Batch, policy_version: int, max_policy_lag: int) -> Prepared:
 def train(model: Any, reference: Any, make_source: Callable[[dict[str, int] | None], Source], cfg: TrainConfig,
           policy_version: int = 0, resume: bool = True,
           on_step: Callable[[TrainStep], None] | None = None,
-          should_stop: Callable[[], bool] | None = None) -> list[TrainStep]:
+          should_stop: Callable[[], bool] | None = None, trained: TrainedSet | None = None,
+          start: dict[str, int] | None = None) -> list[TrainStep]:
     """Train until ``max_steps``, until no micro-batch arrives within ``idle_timeout_s``, or until
     ``should_stop()`` says so before a step (e.g. a wall-time trigger).
 
-    ``make_source(offsets)`` opens the input at the offsets of the checkpoint being resumed (None =
-    from the start). ``reference`` is the frozen KL reference (the run's initial weights).
+    ``make_source(offsets)`` opens the input at the offsets of the checkpoint being resumed (else at
+    ``start``; None = from the beginning). ``reference`` is the frozen KL reference (the run's initial
+    weights). ``trained`` (kept in every checkpoint) skips micro-batches and samples already trained:
+    the batch flow may send some again after a crash (:mod:`trainer.dedup`).
     """
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    step, offsets = 0, None
+    step, offsets = 0, start
+    trained = trained if trained is not None else TrainedSet()
     if resume and cfg.checkpoint_dir and (last := checkpoint.latest(cfg.checkpoint_dir)) is not None:
         extra = checkpoint.load(last, model, opt)
         step, policy_version, offsets = extra["step"], extra["policy_version"], extra["offsets"]
+        trained.restore(extra.get("trained", {}))
     source = make_source(offsets)
     reference.eval()
     dp = DataParallel()
     steps: list[TrainStep] = []
     while step < cfg.max_steps and not (should_stop is not None and dp.all_true(should_stop())):
         t0 = time.monotonic()
-        batches = []
-        for _ in range(cfg.micro_batches_per_step):
+        batches: list[Batch] = []
+        while len(batches) < cfg.micro_batches_per_step:
             b = source.get(cfg.idle_timeout_s)
             if b is None:
                 break
-            batches.append(b)
+            if (b := trained.take(b)) is not None:
+                batches.append(b)
         if not dp.all_true(len(batches) == cfg.micro_batches_per_step):
+            trained.discard()  # the partial step is not trained: its batches are read again by the next run
             break  # a partial step would change the effective batch size: wait for the next run
         # Dr. GRPO: one constant for the whole global batch (all DP ranks), not the token count
         norm = cfg.norm_tokens or cfg.micro_batches_per_step * dp.size * batches[0].tokens.size
@@ -174,8 +182,10 @@ def train(model: Any, reference: Any, make_source: Callable[[dict[str, int] | No
         sums["tokens"], sums["on"] = int(sums["tokens"]), int(sums["on"])
         lag_hist = dp.merge_counts(lag_hist)
         batch_ids = dp.gather([b.batch_id for b in batches])
+        sample_ids = dp.gather([sid for b in batches for sid in b.sample_ids])
         opt.step()
         step += 1
+        trained.commit()
         source.commit()  # only now: the step that used these batches is in the weights
         n = max(1, sums["tokens"])
         record = TrainStep(
@@ -183,15 +193,15 @@ def train(model: Any, reference: Any, make_source: Callable[[dict[str, int] | No
             kl=sums["kl_tok"] / n, clip_fraction=sums["clip_tok"] / n, is_truncated_fraction=sums["trunc_tok"] / n,
             tokens=sums["tokens"], on_policy_fraction=sums["on"] / n, lag_histogram=lag_hist,
             tokens_per_s=sums["tokens"] / max(1e-9, time.monotonic() - t0), batch_ids=batch_ids,
-            at=time.time_ns() // 1_000_000,
+            sample_ids=sample_ids, at=time.time_ns() // 1_000_000,
         )
         steps.append(record)
         if on_step:
             on_step(record)
         if cfg.checkpoint_dir and (step % cfg.checkpoint_every == 0):
-            save(model, opt, source, cfg, step, policy_version)
+            save(model, opt, source, cfg, step, policy_version, trained)
     if cfg.checkpoint_dir and steps and step % cfg.checkpoint_every:
-        save(model, opt, source, cfg, step, policy_version)  # the end of a run is always resumable
+        save(model, opt, source, cfg, step, policy_version, trained)  # the end of a run is always resumable
     return steps
 
 
@@ -242,8 +252,11 @@ class DataParallel:
         return dict(sorted(merged.items(), key=lambda kv: int(kv[0])))
 
 
-def save(model: Any, opt: torch.optim.Optimizer, source: Source, cfg: TrainConfig, step: int, policy_version: int):
-    """Checkpoint the weights with the offsets that produced them (resume continues right after)."""
+def save(model: Any, opt: torch.optim.Optimizer, source: Source, cfg: TrainConfig, step: int, policy_version: int,
+         trained: TrainedSet):
+    """Checkpoint the weights with the offsets that produced them (resume continues right after) and
+    the micro-batches/samples they have seen."""
     return checkpoint.save(checkpoint.step_dir(cfg.checkpoint_dir, step), model, opt, extra={
         "step": step, "policy_version": policy_version, "offsets": source.position(), "run_id": cfg.run_id,
+        "trained": trained.state(),
     })
