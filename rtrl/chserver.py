@@ -231,10 +231,14 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(server.dsn)
         os.replace(tmp, a.ready_file)
     print(f"serving {a.path} at {server.dsn}", flush=True)
-    try:
-        server.thread.join()
-    except KeyboardInterrupt:
-        server.close()
+    import signal
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        pass
+    server.close()
     return 0
 
 

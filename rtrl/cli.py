@@ -6,6 +6,8 @@
     rtrl broker up|down|status   the local Kafka-protocol broker under data_dir/broker
     rtrl topics              create the Kafka topics (idempotent)
     rtrl migrate             apply ClickHouse migrations and verify the tables
+    rtrl clickhouse serve    the embedded ClickHouse folder behind ClickHouse's HTTP interface (for many processes)
+    rtrl part NAME           one part of the loop as its own process: rewards, batches, serve, train
     rtrl simulate            send simulated users' events through the SDK
     rtrl flow rewards        the reward flow with Bytewax recovery (always-on)
     rtrl flow batches        the batch flow (rollouts + rewards -> micro-batches) with recovery
@@ -96,6 +98,22 @@ def cmd_migrate(settings: Settings, args: argparse.Namespace, console: Console) 
     return 0
 
 
+def cmd_clickhouse(settings: Settings, args: argparse.Namespace, console: Console) -> int:
+    from rtrl.chserver import main as serve
+
+    dsn = settings.clickhouse_dsn
+    if not dsn.startswith("chdb://"):
+        console.print(f"clickhouse.dsn is already a server ({dsn}); nothing to serve")
+        return 2
+    return serve([dsn[len("chdb://"):], "--port", str(args.port)])
+
+
+def cmd_part(settings: Settings, args: argparse.Namespace, console: Console) -> int:
+    from rtrl.parts import main as part
+
+    return part([args.name] + (["--to-end"] if args.to_end else []), settings)
+
+
 def cmd_simulate(settings: Settings, args: argparse.Namespace, console: Console) -> int:
     from client.sdk import RtrlClient
     from simulator.drive import drive
@@ -113,29 +131,12 @@ def cmd_simulate(settings: Settings, args: argparse.Namespace, console: Console)
 
 
 def cmd_flow(settings: Settings, args: argparse.Namespace, console: Console) -> int:
-    from datetime import timedelta
-    from pathlib import Path
+    from rtrl.parts import recovery_path, run_flow
 
-    from bytewax.recovery import RecoveryConfig, init_db_dir
-    from bytewax.run import cli_main
-
-    if args.name == "rewards":
-        from flows.rewards import build_flow
-
-        recovery_dir, tail = settings.flow.recovery_dir, settings.flow.tail
-    else:
-        from flows.batches import build_flow
-
-        recovery_dir, tail = settings.batches.recovery_dir, settings.batches.tail
-    recovery = Path(recovery_dir or settings.data_path / "recovery" / args.name)
-    if not recovery.exists() or not any(recovery.iterdir()):
-        recovery.mkdir(parents=True, exist_ok=True)
-        init_db_dir(recovery, 1)
-    console.print(f"{args.name} flow: recovery in {recovery}, snapshot every {settings.flow.snapshot_s:g}s "
-                  f"({'following the topics' if tail else 'until the end of the topics'})")
-    cli_main(build_flow(settings, bootstrap=_bootstrap(settings)), workers_per_process=args.workers,
-             epoch_interval=timedelta(seconds=settings.flow.snapshot_s),
-             recovery_config=RecoveryConfig(str(recovery), backup_interval=timedelta(0)))
+    tail = settings.flow.tail if args.name == "rewards" else settings.batches.tail
+    console.print(f"{args.name} flow: recovery in {recovery_path(settings, args.name)}, snapshot "
+                  f"every {settings.flow.snapshot_s:g}s ({'following the topics' if tail else 'until the end of the topics'})")
+    run_flow(settings, args.name, _bootstrap(settings), workers=args.workers)
     return 0
 
 
@@ -178,6 +179,15 @@ def parser() -> argparse.ArgumentParser:
     b.set_defaults(fn=cmd_broker)
     sub.add_parser("topics", help="create Kafka topics (idempotent)").set_defaults(fn=cmd_topics)
     sub.add_parser("migrate", help="apply ClickHouse migrations and verify").set_defaults(fn=cmd_migrate)
+    chs = sub.add_parser("clickhouse", help="serve the embedded ClickHouse folder over ClickHouse's HTTP interface")
+    chs.add_argument("action", choices=["serve"])
+    chs.add_argument("--port", type=int, default=8123)
+    chs.set_defaults(fn=cmd_clickhouse)
+    pt = sub.add_parser("part", help="one part of the closed loop as its own process (what `rtrl run` supervises "
+                                     "with loop.processes = true)")
+    pt.add_argument("name", choices=["rewards", "batches", "serve", "train"])
+    pt.add_argument("--to-end", action="store_true", help="flows: stop at the end of the topics")
+    pt.set_defaults(fn=cmd_part)
     s = sub.add_parser("simulate", help="send simulated users' events through the SDK")
     s.add_argument("--policy-version", type=int, default=0)
     s.set_defaults(fn=cmd_simulate)

@@ -181,6 +181,11 @@ class LoopSettings:
     reset_on_reject: bool = _setting(True, "a rejected candidate's weights are dropped (false: the training run "
                                      "goes on from them and only serving stays on the last promotion)")
     seed: int = _setting(0, "seed of the tasks, sampling and the initial policy")
+    checkpoint_every: int = _setting(8, "trainer steps between resumable checkpoints within a cycle (a restarted "
+                                     "trainer continues from the last one)", _positive)
+    processes: bool = _setting(False, "run each part (reward flow, batch flow, policy server, trainer) as its own "
+                               "process under a supervisor that restarts any that dies; ClickHouse is then "
+                               "served to them by rtrl.chserver")
 
 
 @dataclass
@@ -338,6 +343,19 @@ def load_settings(path: str | os.PathLike | None = None, env: Mapping[str, str] 
         name = var[len(ENV_PREFIX):].lower().replace("__", ".")
         _apply(settings, name, value, f"environment variable {var}")
     return validate(settings)
+
+
+def as_env(settings: Settings) -> dict[str, str]:
+    """Every setting as an ``RTRL_*`` variable: how a parent hands its exact settings to child processes."""
+    def text(v: Any) -> str:
+        return ("true" if v else "false") if isinstance(v, bool) else repr(v) if isinstance(v, float) else str(v)
+
+    out = {f"{ENV_PREFIX}DATA_DIR": settings.data_dir}
+    for sec in _section_classes():
+        obj = getattr(settings, sec)
+        for f in dataclasses.fields(obj):
+            out[f"{ENV_PREFIX}{sec.upper()}__{f.name.upper()}"] = text(getattr(obj, f.name))
+    return out
 
 
 def describe() -> list[tuple[str, Any, str]]:

@@ -25,7 +25,10 @@ in-process Bytewax runs (threads, stopped cleanly at the end), the policy server
 from __future__ import annotations
 
 import collections
+import json
+import os
 import random
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -52,6 +55,7 @@ from simulator.serve import PolicyServer
 from simulator.tasks import COMPLETION_LEN, PROMPT_LEN, held_out, sample_task, score
 from trainer import checkpoint
 from trainer.data import BatchStream
+from trainer.dedup import TrainedSet
 from trainer.loss import LossConfig
 from trainer.model import build_model, init_parallel
 from trainer.train import TrainConfig, train
@@ -115,30 +119,41 @@ def gate(candidate: dict[str, float], parent: dict[str, float], root: dict[str, 
 
 
 class Loop:
-    """Every part of the loop in this process: :meth:`initial`, then :meth:`cycle` as often as wanted."""
+    """The loop's trainer and eval gate; in one process (``serve=True``) also the flows and the policy server.
 
-    def __init__(self, settings: Settings, bootstrap: str, ch):
+    :meth:`initial` or :meth:`resume`, then :meth:`cycle` as often as wanted. Its state
+    (``loop/state.json``: versions, evaluations, offsets, what was trained, an announcement not yet
+    confirmed) is written at every decision and the trainer checkpoints every
+    ``loop.checkpoint_every`` steps within a cycle, so a trainer killed at any point resumes where its
+    last checkpoint left off."""
+
+    def __init__(self, settings: Settings, bootstrap: str, ch, serve: bool = True):
         self.settings, self.bootstrap, self.ch = loop_settings(settings), bootstrap, ch
         s, ls = self.settings, self.settings.loop
         self.db = s.clickhouse.database
         self.ckpt_root = s.data_path / "loop" / "checkpoints"
         self.ckpt_root.mkdir(parents=True, exist_ok=True)
+        self.state_path = s.data_path / "loop" / "state.json"
         cfg = model_config(seq_length=SEQ_LEN, seed=1234 + ls.seed)
         init_parallel(cfg)
         torch.manual_seed(ls.seed)
-        self.model, self.reference, self.serving_model = build_model(cfg), build_model(cfg), build_model(cfg)
+        self.model, self.reference = build_model(cfg), build_model(cfg)
         self.tasks = held_out(ls.eval_tasks, seed=7 + ls.seed)
         self.stop = threading.Event()
         self.threads: list[threading.Thread] = []
         self.offsets: dict[str, int] | None = None
         self.producer = Producer(producer_config(bootstrap, s.kafka.compression))
-        self.client = RtrlClient.from_settings(s, bootstrap=bootstrap)
-        orgs = [f"org-{i}" for i in range(ls.orgs)]
-        self.server = PolicyServer(bootstrap, s.kafka.topic_prefix, self.client, self.serving_model, orgs,
-                                   seed=ls.seed, hard_share=ls.hard_share, compression=s.kafka.compression,
-                                   candidate_model=build_model(cfg) if ls.ab_share > 0 else None)
+        self.server: PolicyServer | None = None
+        if serve:
+            self.client = RtrlClient.from_settings(s, bootstrap=bootstrap)
+            orgs = [f"org-{i}" for i in range(ls.orgs)]
+            self.server = PolicyServer(bootstrap, s.kafka.topic_prefix, self.client, build_model(cfg), orgs,
+                                       seed=ls.seed, hard_share=ls.hard_share, compression=s.kafka.compression,
+                                       candidate_model=build_model(cfg) if ls.ab_share > 0 else None)
         self.version = self.serving = 0
-        self.trained_on_policy = 0  # samples of the serving version the trainer has used
+        self.weights = self.ckpt_root / "v0"  # what the next cycle starts from
+        self.trained = TrainedSet()  # micro-batches and samples already trained (replays are skipped)
+        self.cycle_on_policy = 0  # samples of the serving version this cycle has trained on
         self.evals: dict[int, dict[str, float]] = {}
 
     # ------------------------------------------------------------ parts
@@ -171,20 +186,59 @@ class Loop:
     def initial(self) -> None:
         """Version 0: the warm-started policy, promoted without a gate."""
         ls = self.settings.loop
-        rng = random.Random(ls.seed)
-        warm_start(self.model, [sample_task(rng, "warm", ls.hard_share) for _ in range(500)],
-                   steps=ls.warm_start_steps, seed=ls.seed)
-        self.reference.load_state_dict(self.model.state_dict())  # the KL reference: version 0
         path = self.ckpt_root / "v0"
-        checkpoint.save(path, self.model, extra={"version": 0})
+        if checkpoint.is_complete(path):  # made before a crash that came ahead of the state file
+            checkpoint.load(path, self.model, restore_rng=False)
+        else:
+            rng = random.Random(ls.seed)
+            warm_start(self.model, [sample_task(rng, "warm", ls.hard_share) for _ in range(500)],
+                       steps=ls.warm_start_steps, seed=ls.seed)
+            checkpoint.save(path, self.model, extra={"version": 0})
+        self.reference.load_state_dict(self.model.state_dict())  # the KL reference: version 0
         self.evals[0] = eval_suite(self.model, self.tasks, ls.seed)
-        self.announce(self._checkpoint(0, None, [], "promoted", "initial policy (warm start)", self.evals[0], path))
+        self._decide([self._checkpoint(0, None, [], "promoted", "initial policy (warm start)", self.evals[0], path)])
 
-    def _cycle_done(self, start: int, wanted: int, deadline: float) -> bool:
+    # ------------------------------------------------------------ state (what a restarted trainer resumes)
+
+    def _save_state(self, pending: list[Checkpoint]) -> None:
+        state = {"version": self.version, "serving": self.serving, "weights": str(self.weights),
+                 "offsets": self.offsets, "evals": {str(v): e for v, e in self.evals.items()},
+                 "trained": self.trained.state(),
+                 "pending": [json.loads(JsonCodec(Checkpoint).encode(c)) for c in pending]}
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, self.state_path)
+
+    def _decide(self, announcements: list[Checkpoint]) -> None:
+        """Record the decision in the state file first, then announce it: a crash in between re-announces
+        it on resume (announcements are idempotent), so no decision is lost or taken twice."""
+        self._save_state(announcements)
+        for ck in announcements:
+            self.announce(ck)
+        self._save_state([])
+
+    def resume(self) -> bool:
+        """Continue a loop this data folder already ran (False when there is none)."""
+        if not self.state_path.exists():
+            return False
+        st = json.loads(self.state_path.read_text())
+        checkpoint.load(self.ckpt_root / "v0", self.reference, restore_rng=False)
+        self.weights = Path(st["weights"])
+        checkpoint.load(self.weights, self.model, restore_rng=False)
+        self.version, self.serving, self.offsets = st["version"], st["serving"], st["offsets"]
+        self.evals = {int(v): e for v, e in st["evals"].items()}
+        self.trained = TrainedSet(st["trained"])
+        pending = [msgspec.convert(c, Checkpoint) for c in st["pending"]]
+        for ck in pending:
+            self.announce(ck)
+        self._save_state([])
+        return True
+
+    def _cycle_done(self, wanted: int, deadline: float) -> bool:
         """Samples trigger (``wanted`` samples of the serving version), wall-time trigger, or the
         serving version's samples have dried up after at least half of ``wanted`` (samples that never
         get a reward - e.g. broken calls under v1-discard-broken - never arrive)."""
-        now, done = time.monotonic(), self.trained_on_policy - start
+        now, done = time.monotonic(), self.cycle_on_policy
         self._progress.append((now, done))
         while self._progress and self._progress[0][0] < now - 3.0:
             self._progress.popleft()
@@ -192,10 +246,12 @@ class Loop:
         return done >= wanted or now > deadline or (dried_up and done >= wanted // 2)
 
     def _on_step(self, st: TrainStep) -> None:
-        self.trained_on_policy += st.lag_histogram.get("0", 0)
+        self.cycle_on_policy += st.lag_histogram.get("0", 0)
         clickhouse.insert(self.ch, self.db, "train_metrics", [st])
 
     def start_server(self) -> None:
+        if self.server is None:
+            raise RuntimeError("this Loop was made with serve=False: the policy server runs elsewhere")
         ls = self.settings.loop
         t = threading.Thread(target=self.server.run, name="policy-server", daemon=True,
                              args=(self.stop, lambda m, p: checkpoint.load(p, m, restore_rng=False), ls.rate,
@@ -205,53 +261,69 @@ class Loop:
         self.threads.append(t)
 
     def cycle(self) -> CycleResult:
-        """Train on the cycle's samples (or until the wall-time trigger), then gate the candidate."""
+        """Train on the cycle's samples (or until the wall-time trigger), then gate the candidate.
+        Resumes a cycle a killed trainer left half done from its newest step checkpoint."""
         s, ls = self.settings, self.settings.loop
         times: dict[str, float] = {}
         t = time.monotonic()
-        serving = self.serving
+        serving, version = self.serving, self.version + 1
+        run_id, cycle_dir = f"loop-{ls.seed}-v{version}", self.ckpt_root / "train" / f"v{version}"
+        last = checkpoint.latest(cycle_dir)
+        resumed = json.loads((last / checkpoint.EXTRA).read_text())["step"] if last is not None else 0
+        # steps after the checkpoint being resumed never reached weights that survive: forget them
+        self.ch.command(f"DELETE FROM {self.db}.train_metrics WHERE run_id = '{run_id}' AND step > {int(resumed)}")
+        self.cycle_on_policy = int(self.ch.query(
+            f"SELECT sum(lag_histogram['0']) FROM {self.db}.train_metrics FINAL WHERE run_id = '{run_id}'"
+        ).result_rows[0][0] or 0)
         streams: list[BatchStream] = []
 
         def make_source(offsets):
             streams.append(BatchStream(self.bootstrap, s.topic("batches"), s.topic("dead_letters"),
-                                       start=self.offsets, timeout_s=s.kafka.timeout_s))
+                                       start=offsets, timeout_s=s.kafka.timeout_s))
             return streams[-1]
 
-        # the samples trigger: most of what this version serves (some never get a reward, e.g. the
-        # broken trajectories v1-discard-broken drops), counting only samples of the serving version;
-        # older ones met on the way are trained too (one version late, importance-corrected)
-        # (the policy server serves about samples_per_cycle per version and decision: backpressure)
-        wanted, start = int(0.98 * ls.samples_per_cycle), self.trained_on_policy
+        # the samples trigger: most of what this version serves (the policy server serves about
+        # samples_per_cycle per version and decision; some never get a reward, e.g. the broken
+        # trajectories v1-discard-broken drops), counting only samples of the serving version; older
+        # ones met on the way are trained too (one version late, importance-corrected)
+        wanted = int(0.98 * ls.samples_per_cycle)
         self._progress = collections.deque()
-        tc = TrainConfig(run_id=f"loop-{ls.seed}", micro_batches_per_step=MICRO_BATCHES_PER_STEP, max_steps=10**9,
-                         lr=s.trainer.lr, max_policy_lag=s.trainer.max_policy_lag,
-                         idle_timeout_s=min(30.0, ls.cycle_max_s), loss=LossConfig(kl_coef=s.trainer.kl_coef))
+        tc = TrainConfig(run_id=run_id, micro_batches_per_step=MICRO_BATCHES_PER_STEP, max_steps=10**9,
+                         lr=s.trainer.lr, max_policy_lag=s.trainer.max_policy_lag, checkpoint_every=ls.checkpoint_every,
+                         checkpoint_dir=str(cycle_dir), idle_timeout_s=min(30.0, ls.cycle_max_s),
+                         loss=LossConfig(kl_coef=s.trainer.kl_coef))
         deadline = time.monotonic() + ls.cycle_max_s
-        steps = train(self.model, self.reference, make_source, tc, policy_version=serving, resume=False,
-                      on_step=self._on_step,
-                      should_stop=lambda: self._cycle_done(start, wanted, deadline))
-        self.offsets = streams[-1].position()
+        train(self.model, self.reference, make_source, tc, policy_version=serving, resume=True, on_step=self._on_step,
+              should_stop=lambda: self._cycle_done(wanted, deadline), trained=self.trained, start=self.offsets)
+        self.offsets = streams[-1].committed_position()
         for st in streams:
             st.close()
+        steps = clickhouse.select(self.ch, self.db, "train_metrics", f"WHERE run_id = '{run_id}' ORDER BY step")
         times["train"] = time.monotonic() - t
         t = time.monotonic()
-        version = self.version + 1
         path = self.ckpt_root / f"v{version}"
-        checkpoint.save(path, self.model, extra={"version": version, "offsets": self.offsets})
+        if not checkpoint.is_complete(path):  # (a resumed cycle may have written it before the crash)
+            checkpoint.save(path, self.model, extra={"version": version, "offsets": self.offsets})
         ev = eval_suite(self.model, self.tasks, ls.seed)
         ok, reason = gate(ev, self.evals[serving], self.evals[0], ls.solve_tolerance, 2 * len(self.tasks))
         if not steps:
             ok, reason = False, "no micro-batch arrived within the cycle's wall time"
-        self.announce(self._checkpoint(version, serving, steps, "candidate", "trained", ev, path))
+        candidate = self._checkpoint(version, serving, steps, "candidate", "trained", ev, path)
+        self.announce(candidate)
         if ok and ls.ab_share > 0:
             ok, reason = self.ab_test(version, serving, reason)
         status = "promoted" if ok else "rejected"
-        self.announce(self._checkpoint(version, serving, steps, status, reason, ev, path))
         self.version, self.evals[version] = version, ev
         if ok:
-            self.serving = version
+            self.serving, self.weights = version, path
         elif ls.reset_on_reject:  # back to the serving weights: the next candidate starts from what serves
             checkpoint.load(self.ckpt_root / f"v{serving}", self.model, restore_rng=False)
+            self.weights = self.ckpt_root / f"v{serving}"
+        else:
+            self.weights = path
+        self.trained.prune(self.serving - s.trainer.max_policy_lag)
+        self._decide([candidate, self._checkpoint(version, serving, steps, status, reason, ev, path)])
+        shutil.rmtree(cycle_dir, ignore_errors=True)  # decided: the cycle's step checkpoints are not needed
         times["eval"] = time.monotonic() - t
         return CycleResult(version, serving, status, reason, ev, steps, times)
 
@@ -277,8 +349,9 @@ class Loop:
 
     def close(self) -> None:
         self.stop_flows()
-        self.server.close()
-        self.client.close()
+        if self.server is not None:
+            self.server.close()
+            self.client.close()
         self.producer.flush(10)
 
 
@@ -310,9 +383,8 @@ def announce(settings: Settings, ch, producer: Producer, ck: Checkpoint) -> None
 
 
 def run_loop(settings: Settings, console: Console | None = None) -> list[dict]:
-    """The main job: ``loop.cycles`` cycles on the configured services, then the table and plots."""
-    import shutil
-
+    """The main job: ``loop.cycles`` cycles on the configured services, then the table and plots
+    (with ``loop.processes``, every part in its own process: :func:`rtrl.supervise.run_processes`)."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -321,14 +393,15 @@ def run_loop(settings: Settings, console: Console | None = None) -> list[dict]:
         TimeElapsedColumn,
     )
 
-    from rtrl import report
     from rtrl.main import Services
 
     console = console or Console()
+    if settings.loop.processes:
+        from rtrl.supervise import run_processes
+
+        return run_processes(settings, console)
     console.rule("[bold]rtrl main job: the closed loop")
-    if not settings.kafka.bootstrap and not settings.clickhouse.dsn:  # embedded defaults: start afresh
-        for part in ("broker", "clickhouse", "loop"):
-            shutil.rmtree(settings.data_path / part, ignore_errors=True)
+    fresh_start(settings)
     torch.set_num_threads(1)  # the policy server, the flows and the broker share the cores
     t0 = time.monotonic()
     services = Services(settings)
@@ -356,12 +429,27 @@ def run_loop(settings: Settings, console: Console | None = None) -> list[dict]:
     finally:
         loop.close()
     try:
-        rows = report.checkpoint_rows(services.ch, loop.db, rv)
-        console.print(report.checkpoint_table(rows, f"Checkpoints (reward {rv}): eval gate, live behaviour from "
-                                                    "ClickHouse, change vs v0"))
-        png = report.checkpoint_plot(rows, settings.data_path / "reports" / "loop.png", f"The closed loop (reward {rv})")
-        console.print(f"plots: {png}")
-        console.print(f"done in {time.monotonic() - t0:.0f}s")
-        return rows
+        return final_report(settings, services.ch, console, t0)
     finally:
         services.close()
+
+
+def fresh_start(settings: Settings) -> None:
+    """On the embedded defaults the main job starts afresh (a previous run's broker, ClickHouse, loop)."""
+    if not settings.kafka.bootstrap and not settings.clickhouse.dsn:
+        for part in ("broker", "clickhouse", "loop", "recovery", "logs"):
+            shutil.rmtree(settings.data_path / part, ignore_errors=True)
+
+
+def final_report(settings: Settings, ch, console: Console, t0: float) -> list[dict]:
+    """The table per checkpoint from ClickHouse and the PNG plots: how the main job ends."""
+    from rtrl import report
+
+    rv = settings.batches.reward_version
+    rows = report.checkpoint_rows(ch, settings.clickhouse.database, rv)
+    console.print(report.checkpoint_table(rows, f"Checkpoints (reward {rv}): eval gate, live behaviour from "
+                                                "ClickHouse, change vs v0"))
+    png = report.checkpoint_plot(rows, settings.data_path / "reports" / "loop.png", f"The closed loop (reward {rv})")
+    console.print(f"plots: {png}")
+    console.print(f"done in {time.monotonic() - t0:.0f}s")
+    return rows

@@ -117,6 +117,9 @@ class PolicyServer:
                 continue
             version, model = (self.version, self.model) if arm == "control" else self.candidate
             served[arm] = self._serve(batch, group_size, version, model, arm)
+            total = self.totals.setdefault((version, arm), Served())
+            for k in vars(total):
+                setattr(total, k, getattr(total, k) + getattr(served[arm], k))
         self.producer.poll(0)
         return served
 
@@ -155,11 +158,8 @@ class PolicyServer:
             if self.refresh(load, timeout_s=0.01) is not None:
                 n = per_burst if self.may_serve(quota) else int(t - last_trickle >= trickle_s)
                 last_trickle = t if n == 1 else last_trickle
-                served = self.serve(n, group_size, candidate_share) if n else {}
-                for arm, v in served.items():
-                    total = self.totals.setdefault((self.version, arm), Served())
-                    for k in vars(v):
-                        setattr(total, k, getattr(total, k) + getattr(v, k))
+                if n:
+                    self.serve(n, group_size, candidate_share)
             stop.wait(max(0.0, burst_s - (time.monotonic() - t)))
 
     def _produce(self, ro: Rollout) -> None:

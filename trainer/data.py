@@ -87,6 +87,7 @@ class BatchStream:
             raise ValueError(f"{topic} has {len(meta.topics[topic].partitions)} partitions: too few for dp={dp_size}")
         start = start or {}
         self.next = {p: int(start.get(f"{topic}/{p}", 0)) for p in self.partitions}
+        self.committed = dict(self.next)
         self.consumer = Consumer(base_config(bootstrap) | {
             "group.id": GROUP, "enable.auto.commit": False, "auto.offset.reset": "earliest",
             "enable.partition.eof": False,
@@ -123,8 +124,14 @@ class BatchStream:
             raise ServiceUnavailable(f"dead letter for {self.topic}/{msg.partition()}@{msg.offset()} not acknowledged")
         self.dead_letters += 1
 
+    def committed_position(self) -> dict[str, int]:
+        """The position as of the last :meth:`commit` (or the start): where a next run continues
+        without skipping micro-batches read for a step that was not taken."""
+        return {f"{self.topic}/{p}": o for p, o in sorted(self.committed.items())}
+
     def commit(self) -> None:
         """Commit the current position to the consumer group (call after the optimizer step)."""
+        self.committed = dict(self.next)
         self.consumer.commit(offsets=[TopicPartition(self.topic, p, o) for p, o in self.next.items()],
                              asynchronous=False)
 
