@@ -240,8 +240,8 @@ class Loop:
         get a reward - e.g. broken calls under v1-discard-broken - never arrive)."""
         now, done = time.monotonic(), self.cycle_on_policy
         self._progress.append((now, done))
-        while self._progress and self._progress[0][0] < now - 3.0:
-            self._progress.popleft()
+        while len(self._progress) > 1 and self._progress[1][0] <= now - 3.0:
+            self._progress.popleft()  # keep the newest point at least 3 s old (steps may be further apart)
         dried_up = now - self._progress[0][0] >= 2.0 and done - self._progress[0][1] < SAMPLES_PER_STEP // 2
         return done >= wanted or now > deadline or (dried_up and done >= wanted // 2)
 
