@@ -99,3 +99,18 @@ def test_kill_9_each_part_mid_cycle_loses_and_repeats_nothing(tmp_path):
         assert unrewarded == 0
     finally:
         sup.close()
+
+
+def test_main_job_as_processes_prints_the_table_and_plots(tmp_path):
+    """`RTRL_LOOP__PROCESSES=true rtrl run`: the supervisor's main job ends like the in-process one,
+    with the table per checkpoint from ClickHouse and the PNG."""
+    from tests.test_cli import _run
+
+    env = {"RTRL_DATA_DIR": str(tmp_path), "RTRL_LOOP__PROCESSES": "true", "RTRL_LOOP__CYCLES": "2",
+           "RTRL_LOOP__SAMPLES_PER_CYCLE": "512", "RTRL_LOOP__WARM_START_STEPS": "100", "RTRL_LOOP__EVAL_TASKS": "50"}
+    proc = _run(["run"], env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "one process per part" in proc.stdout and "Checkpoints (reward v2)" in proc.stdout
+    assert "v2 <- v1" in proc.stdout.replace("←", "<-")
+    assert (tmp_path / "reports" / "loop.png").stat().st_size > 10_000
+    assert all((tmp_path / "logs" / f"{p}.log").exists() for p in ("rewards", "batches", "serve", "train"))
