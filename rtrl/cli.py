@@ -212,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         settings = load_settings(args.config)
         return args.fn(settings, args, console)
     except RtrlError as e:
-        console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        from rich.markup import escape
+
+        console.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)  # "[loop]" is text
         return 2
 
 

@@ -170,6 +170,10 @@ class LoopSettings:
     cycle_max_s: float = _setting(120.0, "wall-time trigger: a cycle ends after this long even with fewer samples "
                                   "(production: 5 hours)", _positive)
     warm_start_steps: int = _setting(300, "supervised steps that make the initial policy (version 0)", _non_negative)
+    warm_right_easy: float = _setting(-1.0, "share of right edits on easy tasks in what the initial policy imitates "
+                                      "(-1 = like hard ones, 0.35): near 1 makes a policy whose failures are "
+                                      "predictable from the prompt, where the v1 reward hack shows fastest",
+                                      lambda v: None if v == -1 or 0 <= v <= 1 else "must be -1 (off) or within 0..1")
     eval_tasks: int = _setting(200, "held-out tasks of the eval suite", _positive)
     solve_tolerance: float = _setting(0.03, "largest tolerated drop of the held-out solve rate before a rejection",
                                       _non_negative)

@@ -192,7 +192,8 @@ class Loop:
         else:
             rng = random.Random(ls.seed)
             warm_start(self.model, [sample_task(rng, "warm", ls.hard_share) for _ in range(500)],
-                       steps=ls.warm_start_steps, seed=ls.seed)
+                       steps=ls.warm_start_steps, seed=ls.seed,
+                       right_easy=ls.warm_right_easy if ls.warm_right_easy >= 0 else None)
             checkpoint.save(path, self.model, extra={"version": 0})
         self.reference.load_state_dict(self.model.state_dict())  # the KL reference: version 0
         self.evals[0] = eval_suite(self.model, self.tasks, ls.seed)

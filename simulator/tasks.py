@@ -105,9 +105,12 @@ def score(tasks: list[Task], completions: list[list[int]]) -> dict[str, float]:
 
 
 def warm_start_completion(rng: random.Random, task: Task, broken: float = 0.1, ask: float = 0.1,
-                          right: float = 0.35) -> list[int]:
+                          right: float = 0.35, right_easy: float | None = None) -> list[int]:
     """A completion from the behaviour the initial policy is warm-started to imitate: mostly valid
-    calls, some broken ones, some questions, edits right only a little more often than chance."""
+    calls, some broken ones, some questions, edits right only a little more often than chance
+    (``right``; ``right_easy`` for easy tasks when given: a policy that already handles them)."""
+    if right_easy is not None and task.level == "easy":
+        right = right_easy
     tool = rng.choice(MALFORMED) if rng.random() < broken else rng.choice(list(TOOLS))
     r = rng.random()
     if r < ask:

@@ -40,6 +40,7 @@ def test_config_errors_exit_2_with_the_setting(tmp_path):
     proc = _run(["config"], {"RTRL_KAFKA__PARTITIONS": "-3", "RTRL_DATA_DIR": str(tmp_path)})
     assert proc.returncode == 2
     assert "kafka.partitions" in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
+    assert "under [kafka]" in proc.stdout.replace("\n", "")  # the section survives the console's markup
 
 
 def test_unreachable_broker_exits_2_naming_it(tmp_path):
