@@ -83,31 +83,39 @@ def test_main_job_closes_the_loop_and_rollback(tmp_path):
     assert after[parent][2] == "promoted" and "rollback" in after[parent][3]
 
 
-def _loop(tmp_path, reward_version: str, cycles: int) -> list:
+def _loop(tmp_path, reward_version: str, cycles: int, **settings: str) -> list:
     env = {"RTRL_DATA_DIR": str(tmp_path), "RTRL_LOOP__CYCLES": str(cycles), "RTRL_LOOP__SAMPLES_PER_CYCLE": "2048",
            "RTRL_BATCHES__REWARD_VERSION": reward_version, "RTRL_FLOW__REWARD_VERSIONS": "v2,v1-discard-broken"}
+    env |= {f"RTRL_LOOP__{k.upper()}": v for k, v in settings.items()}
     proc = _run(["run"], env, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return _dump(tmp_path)["checkpoints"]
 
 
-@pytest.mark.timeout(900)  # two main-job runs of three cycles each (~5 min on 2 cores)
+@pytest.mark.timeout(900)  # two main-job runs of two cycles each (~5 min on 2 cores)
 def test_reward_hack_is_caught_with_the_buggy_reward_only(tmp_path):
-    """Trained on v1-discard-broken (broken calls earn nothing instead of something negative, and a
-    needless question is a safe harbour) the candidates drift - more broken calls and/or more
-    questions and fewer edits - and the monitors' rules make the gate refuse them; trained on the
-    current v2 the broken-tool-call rate falls and no candidate is refused for it."""
-    v1 = _loop(tmp_path / "v1", "v1-discard-broken", cycles=3)
-    v2 = _loop(tmp_path / "v2", "v2", cycles=3)
+    """Where failure is predictable from the prompt (the initial policy handles easy tasks, not hard
+    ones) and advantages use the per-cohort baseline (one sample per task, as in production), training
+    on v1-discard-broken raises the broken-tool-call rate - on hard prompts every valid call earns less
+    than the cohort's mean while a broken one is never scored - so the monitors' rule fires and the
+    gate refuses every candidate; trained on the current v2 the rate does not rise.
+    (With groups, Dr. GRPO's per-prompt mean gives the broken-call logit no push: bench/RESULTS.md.)"""
+    world = {"group_size": "1", "warm_right_easy": "0.9"}
+    v1 = _loop(tmp_path / "v1", "v1-discard-broken", cycles=2, **world)
+    v2 = _loop(tmp_path / "v2", "v2", cycles=2, **world)
     for name, cps in (("v1", v1), ("v2", v2)):
         print(name, [(v, s, round(e["broken_tool_call_rate"], 3), round(e["clarify_rate"], 3), r[:100])
                      for v, _, s, r, e in cps])
     base = v1[0][4]["broken_tool_call_rate"]
     assert v2[0][4]["broken_tool_call_rate"] == base  # same seed, same v0
-    hack = ("broken_tool_call_rate", "clarify_rate", "edit_rate")
-    assert any(s == "rejected" and any(m in r for m in hack) for _, _, s, r, _ in v1[1:])
-    assert v2[-1][4]["broken_tool_call_rate"] < base
-    assert not any("broken_tool_call_rate" in r for _, _, s, r, _ in v2[1:] if s == "rejected")
+    v1_rates = [e["broken_tool_call_rate"] for *_, e in v1[1:]]
+    v2_rates = [e["broken_tool_call_rate"] for *_, e in v2[1:]]
+    assert len(v1_rates) == len(v2_rates) == 2
+    assert all(r > 1.25 * base for r in v1_rates)  # risen beyond the rule's 25% in every cycle
+    assert all(s == "rejected" and "broken_tool_call_rate rose" in r for _, _, s, r, _ in v1[1:])
+    assert sum(v2_rates) / 2 < base  # does not rise under v2 (it falls)
+    assert not any("vs first: broken_tool_call_rate" in r for _, _, s, r, _ in v2[1:] if s == "rejected")
+    assert min(v1_rates) > max(v2_rates)
 
 
 def test_ab_mode_serves_candidates_beside_control_and_decides_from_clickhouse(tmp_path):
