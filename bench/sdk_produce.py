@@ -5,7 +5,7 @@ Both sides use the same idempotent producer settings, the same keys and the same
 The SDK additionally validates each event and hands it across its bounded queue to its producer
 thread; "caller" is how long ``record()`` calls held the product backend's thread.
 
-    .venv/bin/python bench/sdk_produce.py [--events 100000] [--rounds 3]
+    .venv/bin/python bench/sdk_produce.py [--events 100000] [--rounds 3] [--compression zstd|lz4|none]
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from simulator.generate import generate
 SALT = "bench-salt-1234"
 
 
-def raw_round(bootstrap: str, topic: str, payloads: list[tuple[bytes, bytes]]) -> float:
-    p = Producer(producer_config(bootstrap))
+def raw_round(bootstrap: str, topic: str, payloads: list[tuple[bytes, bytes]], compression: str) -> float:
+    p = Producer(producer_config(bootstrap, compression))
     t = time.perf_counter()
     for key, value in payloads:
         while True:
@@ -43,8 +43,8 @@ def raw_round(bootstrap: str, topic: str, payloads: list[tuple[bytes, bytes]]) -
     return time.perf_counter() - t
 
 
-def sdk_round(bootstrap: str, topic: str, events: list) -> tuple[float, float]:
-    c = RtrlClient(bootstrap, salt=SALT, topic=topic, queue_size=len(events) + 1)
+def sdk_round(bootstrap: str, topic: str, events: list, compression: str) -> tuple[float, float]:
+    c = RtrlClient(bootstrap, salt=SALT, topic=topic, queue_size=len(events) + 1, compression=compression)
     t = time.perf_counter()
     for e in events:
         c.record(e)
@@ -59,6 +59,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--events", type=int, default=100_000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--compression", default="zstd", help="producer batch compression on both sides (kafka.compression)")
     args = ap.parse_args()
 
     trajectories = max(1, args.events // 10)
@@ -73,14 +74,15 @@ def main() -> None:
         for r in range(args.rounds):  # alternate so both see the same broker state
             prefix = f"bench{r}."
             ensure_topics(broker.bootstrap, prefix, 4)
-            raw_s.append(raw_round(broker.bootstrap, prefix + "rollouts", payloads))
-            total, caller = sdk_round(broker.bootstrap, prefix + "events", events)
+            raw_s.append(raw_round(broker.bootstrap, prefix + "rollouts", payloads, args.compression))
+            total, caller = sdk_round(broker.bootstrap, prefix + "events", events, args.compression)
             sdk_s.append(total)
             caller_s.append(caller)
 
     raw, sdk, caller = statistics.median(raw_s), statistics.median(sdk_s), statistics.median(caller_s)
     print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, python {platform.python_version()}")
-    print(f"{n:,} events ({mb:.1f} MB encoded), median of {args.rounds} rounds, acknowledged by the broker")
+    print(f"{n:,} events ({mb:.1f} MB encoded), {args.compression} batches, median of {args.rounds} rounds, "
+          "acknowledged by the broker")
     print(f"raw confluent-kafka producer : {n / raw:>10,.0f} events/s  ({raw:.2f} s)")
     print(f"rtrl SDK (validate+queue+produce): {n / sdk:>10,.0f} events/s  ({sdk:.2f} s)")
     print(f"rtrl SDK caller-side record()    : {n / caller:>10,.0f} events/s  ({caller:.2f} s)")
