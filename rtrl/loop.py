@@ -1,8 +1,10 @@
 """The closed loop: serve -> events and rollouts -> rewards -> micro-batches -> train -> eval gate -> promote.
 
-One process runs every part on the embedded defaults: the reward flow and the batch flow as
-in-process Bytewax runs (threads, stopped cleanly at the end), the policy server
-(:mod:`simulator.serve`) and the trainer (:func:`trainer.train.train`) on the main thread. A cycle:
+By default one process runs every part: the reward flow and the batch flow as in-process Bytewax
+runs (threads, stopped cleanly at the end), the policy server (:mod:`simulator.serve`) and the
+trainer (:func:`trainer.train.train`) on the main thread. With ``loop.processes`` each part is its
+own process (:mod:`rtrl.parts`) under :mod:`rtrl.supervise`; :class:`Loop` is then the trainer's.
+A cycle:
 
 1. the policy server (a thread) serves ``loop.rate`` tasks per second without pause,
    ``loop.group_size`` samples each, with the newest promotion announced on ``rtrl.deployments``:
@@ -20,6 +22,10 @@ in-process Bytewax runs (threads, stopped cleanly at the end), the policy server
    ClickHouse; an alert rejects it. Promotion or rejection, with the reason, goes to ClickHouse
    ``checkpoints`` and ``rtrl.deployments``; a rejected candidate's weights are dropped unless
    ``loop.reset_on_reject`` is off. :func:`rollback` (``rtrl rollback``) undoes a promotion.
+
+The trainer checkpoints every ``loop.checkpoint_every`` steps within a cycle and writes
+``loop/state.json`` before announcing each decision, so a trainer killed at any point resumes
+without losing a decision or training a micro-batch twice (:mod:`trainer.dedup`).
 """
 
 from __future__ import annotations
