@@ -317,9 +317,9 @@ class TrainStep(msgspec.Struct, **_STRICT):
     on_policy_fraction: Annotated[float, doc("Share of trained tokens whose sample had policy lag 0.")]
     lag_histogram: Annotated[dict[Label, UInt32], doc("Samples per policy lag ('0', '1', ...).")]
     tokens_per_s: Annotated[float, doc("Trained tokens per second of the step (input wait included).")]
-    batch_ids: Annotated[list[Id], doc("Micro-batches accumulated into this step, in order.")]
+    batch_ids: Annotated[list[Id], doc("Micro-batches this step trained on (any sample within the policy lag), in order.")]
     at: Annotated[Millis, doc("When the step finished, ms since epoch.")]
-    sample_ids: Annotated[list[Id], doc("Samples trained in this step (repeats of trained ones are left out).")] = []
+    sample_ids: Annotated[list[Id], doc("Samples trained in this step: within the policy lag, repeats of trained ones left out.")] = []
 
 
 # ---------------------------------------------------------------- batch flow counters (table batch_stats)

@@ -90,3 +90,18 @@ def test_any_replay_pattern_trains_each_sample_at_most_once(data):
             t.discard()
     assert len(trained) == len(set(trained))
     assert {s for v, ids in t.samples.items() for s in ids} == set(trained)
+
+
+def test_only_samples_within_the_policy_lag_count_as_trained():
+    """A replay arriving after the trainer moved on: its stale samples stay for the trainer to mask (and
+    count) but are not remembered, and a micro-batch with nothing trainable is not remembered either."""
+    t = TrainedSet()
+    late = t.take(packed("old", [("x", 1), ("y", 3)]), trainable=(2, 3))
+    assert late is not None and late.sample_ids == ["x", "y"]  # x (version 1) left for masking
+    all_stale = t.take(packed("stale", [("z", 0)]), trainable=(2, 3))
+    assert all_stale is not None and all_stale.sample_ids == ["z"]
+    t.commit()
+    assert t.samples == {3: {"y"}} and t.batches == {3: {"old"}}
+    again = t.take(packed("stale", [("z", 0)]), trainable=(2, 3))  # not remembered: comes through, trains nothing
+    assert again is not None
+    assert t.take(packed("old2", [("x", 1), ("y", 3)]), trainable=(2, 3)).sample_ids == ["x"]  # y is a repeat

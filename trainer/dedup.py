@@ -53,22 +53,28 @@ class TrainedSet:
     def _seen(self, d: dict[int, set[str]], version: int, key: str) -> bool:
         return key in d.get(version, ())
 
-    def take(self, batch: Batch) -> Batch | None:
+    def take(self, batch: Batch, trainable: tuple[int, int] | None = None) -> Batch | None:
         """What of ``batch`` is new: None for a micro-batch already taken or one whose samples all were,
-        else the batch with already-trained samples made padding."""
+        else the batch with already-trained samples made padding.
+
+        ``trainable`` = (oldest, newest) policy version the trainer learns from now: only those samples
+        count as trained; the others stay in the batch for the trainer to mask and count as stale, and a
+        micro-batch with none of them is not remembered (a replay that arrives too late trains nothing)."""
+        lo, hi = trainable if trainable is not None else (-(2**62), 2**62)
         pending_batches = {b for _, b, _ in self._pending}
         pending_samples = {s for _, _, ss in self._pending for s in ss}
         rb, rs = self._pending_repeats
         if batch.batch_id in pending_batches or any(batch.batch_id in ids for ids in self.batches.values()):
             self._pending_repeats = (rb + 1, rs)
             return None
-        keep = [not (self._seen(self.samples, int(v), sid) or (int(v), sid) in pending_samples)
+        keep = [not (lo <= int(v) <= hi and (self._seen(self.samples, int(v), sid) or (int(v), sid) in pending_samples))
                 for sid, v in zip(batch.sample_ids, batch.policy_versions)]
         self._pending_repeats = (rb, rs + keep.count(False))
         out = drop_samples(batch, keep) if any(keep) else None
-        newest = int(batch.policy_versions.max()) if len(batch.policy_versions) else 0
-        self._pending.append((newest, batch.batch_id,
-                              [] if out is None else [(int(v), s) for s, v in zip(out.sample_ids, out.policy_versions)]))
+        fresh = [] if out is None else [(int(v), s) for s, v in zip(out.sample_ids, out.policy_versions)
+                                        if lo <= int(v) <= hi]
+        if fresh:
+            self._pending.append((max(v for v, _ in fresh), batch.batch_id, fresh))
         return out
 
     def commit(self) -> None:

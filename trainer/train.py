@@ -148,7 +148,7 @@ def train(model: Any, reference: Any, make_source: Callable[[dict[str, int] | No
             b = source.get(cfg.idle_timeout_s)
             if b is None:
                 break
-            if (b := trained.take(b)) is not None:
+            if (b := trained.take(b, (policy_version - cfg.max_policy_lag, policy_version))) is not None:
                 batches.append(b)
         if not dp.all_true(len(batches) == cfg.micro_batches_per_step):
             trained.discard()  # the partial step is not trained: its batches are read again by the next run
@@ -181,8 +181,11 @@ def train(model: Any, reference: Any, make_source: Callable[[dict[str, int] | No
         sums = dict(zip(["loss", "pg", "kl_tok", "clip_tok", "trunc_tok", "tokens", "on"], totals))
         sums["tokens"], sums["on"] = int(sums["tokens"]), int(sums["on"])
         lag_hist = dp.merge_counts(lag_hist)
-        batch_ids = dp.gather([b.batch_id for b in batches])
-        sample_ids = dp.gather([sid for b in batches for sid in b.sample_ids])
+        # what this step really trained on: samples within the policy lag (stale ones are masked)
+        lo = policy_version - cfg.max_policy_lag
+        batch_ids = dp.gather([b.batch_id for b in batches if any(lo <= v <= policy_version for v in b.policy_versions)])
+        sample_ids = dp.gather([sid for b in batches for sid, v in zip(b.sample_ids, b.policy_versions)
+                                if lo <= v <= policy_version])
         opt.step()
         step += 1
         trained.commit()
