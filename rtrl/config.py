@@ -186,7 +186,7 @@ class LoopSettings:
                                      "goes on from them and only serving stays on the last promotion)")
     seed: int = _setting(0, "seed of the tasks, sampling and the initial policy")
     checkpoint_every: int = _setting(8, "trainer steps between resumable checkpoints within a cycle (a restarted "
-                                     "trainer continues from the last one)", _positive)
+                                     "trainer continues from the last one; with loop.processes only)", _positive)
     processes: bool = _setting(False, "run each part (reward flow, batch flow, policy server, trainer) as its own "
                                "process under a supervisor that restarts any that dies; ClickHouse is then "
                                "served to them by rtrl.chserver")

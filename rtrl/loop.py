@@ -297,7 +297,9 @@ class Loop:
         self._progress = collections.deque()
         tc = TrainConfig(run_id=run_id, micro_batches_per_step=MICRO_BATCHES_PER_STEP, max_steps=10**9,
                          lr=s.trainer.lr, max_policy_lag=s.trainer.max_policy_lag, checkpoint_every=ls.checkpoint_every,
-                         checkpoint_dir=str(cycle_dir), idle_timeout_s=min(30.0, ls.cycle_max_s),
+                         # step checkpoints make a killed trainer resumable: only where it is its own process
+                         checkpoint_dir=str(cycle_dir) if self.server is None else "",
+                         idle_timeout_s=min(30.0, ls.cycle_max_s),
                          loss=LossConfig(kl_coef=s.trainer.kl_coef))
         deadline = time.monotonic() + ls.cycle_max_s
         train(self.model, self.reference, make_source, tc, policy_version=serving, resume=True, on_step=self._on_step,
