@@ -29,6 +29,14 @@ from rtrl.kafka import ensure_topics
 from rtrl.parts import PARTS
 
 
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Signal a part's whole process group (it leads its own session)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 class Supervisor:
     def __init__(self, settings: Settings, max_restarts: int = 5):
         self.settings, self.max_restarts = settings, max_restarts
@@ -67,8 +75,11 @@ class Supervisor:
 
     def start(self, name: str, *args: str) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - the child holds it
+        # each part in its own process group: a signal reaches the helpers it forks too (a checkpoint
+        # writer killed with its trainer would otherwise be left behind, orphaned)
         proc = subprocess.Popen([sys.executable, "-m", "rtrl.parts", name, *args], env=self.env, stdout=log,
-                                stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent)
+                                stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent,
+                                start_new_session=True)
         log.close()
         with self.lock:
             self.procs[name] = proc
@@ -84,7 +95,7 @@ class Supervisor:
         """Send ``sig`` to a part (kill -9 by default); the supervisor restarts it. Returns its pid."""
         with self.lock:
             proc = self.procs[name]
-        proc.send_signal(sig)
+        _signal_group(proc, sig)
         return proc.pid
 
     def log_tail(self, name: str, lines: int = 15) -> str:
@@ -133,12 +144,14 @@ class Supervisor:
             proc = procs.get(name)
             if proc is None or proc.poll() is not None:
                 continue
-            proc.send_signal(signal.SIGTERM)
+            _signal_group(proc, signal.SIGTERM)
             try:
                 proc.wait(30 if name == "serve" else 5)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                _signal_group(proc, signal.SIGKILL)
                 proc.wait()
+        for proc in procs.values():  # whatever a part forked and left behind
+            _signal_group(proc, signal.SIGKILL)
 
     def drain_rewards(self, timeout_s: float = 300.0) -> None:
         """Run the reward flow from its recovery state to the end of ``rtrl.events`` and close every

@@ -99,6 +99,25 @@ def test_kill_9_each_part_mid_cycle_loses_and_repeats_nothing(tmp_path):
         assert unrewarded == 0
     finally:
         sup.close()
+    assert _processes_of(tmp_path) == []  # nothing left behind, not even what a killed part had forked
+
+
+def _processes_of(data_dir) -> list[int]:
+    """Live processes whose environment points at ``data_dir`` (the parts and anything they forked)."""
+    import os
+    from pathlib import Path
+
+    marker = f"RTRL_DATA_DIR={data_dir}".encode()
+    found = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit() or int(p.name) == os.getpid():
+            continue
+        try:
+            if marker in (p / "environ").read_bytes().split(b"\0"):
+                found.append(int(p.name))
+        except OSError:
+            continue
+    return found
 
 
 def test_main_job_as_processes_prints_the_table_and_plots(tmp_path):
