@@ -28,10 +28,11 @@ import tempfile
 import threading
 import uuid
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
+
+from rtrl.clickhouse import on_engine_thread
 
 _INSERT = re.compile(r"^\s*INSERT\s+INTO\s+(?P<target>.+?)\s+FORMAT\s+(?P<fmt>\w+)\s*$", re.IGNORECASE | re.DOTALL)
 _INSERT_HEAD = re.compile(rb"^\s*INSERT\s+INTO\s+[^\n]+?\s+FORMAT\s+\w+[ \t]*(\r?\n|$)", re.IGNORECASE)
@@ -58,18 +59,18 @@ def decompress(data: bytes, encoding: str) -> bytes:
 
 
 class Engine:
-    """One chdb connection; every call runs on one thread (chdb wants Python-created threads, one at a time)."""
+    """One chdb connection; every call runs on the process's one chdb thread
+    (:func:`rtrl.clickhouse.on_engine_thread`: chdb wants Python-created threads, one at a time)."""
 
     def __init__(self, path: str):
         import chdb
 
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="rtrl-chdb")
-        self.conn = self.executor.submit(chdb.connect, str(Path(path).resolve())).result()
+        self.conn = on_engine_thread(chdb.connect, str(Path(path).resolve()))
         self.database: str | None = None
         self.spool = Path(tempfile.mkdtemp(prefix="rtrl-chserver-"))
 
     def run(self, sql: str, fmt: str, params: dict[str, str], database: str | None, data: bytes | None):
-        return self.executor.submit(self._run, sql, fmt, params, database, data).result()
+        return on_engine_thread(self._run, sql, fmt, params, database, data)
 
     def _run(self, sql: str, fmt: str, params: dict[str, str], database: str | None, data: bytes | None):
         if database and database != self.database:
@@ -89,8 +90,7 @@ class Engine:
             spool.unlink(missing_ok=True)
 
     def close(self) -> None:
-        self.executor.submit(self.conn.close).result()
-        self.executor.shutdown()
+        on_engine_thread(self.conn.close)
 
 
 class Handler(BaseHTTPRequestHandler):

@@ -90,24 +90,27 @@ class EngineThread:
     so all of a process's chdb calls are funnelled through one such thread.
     """
 
-    _executor: ThreadPoolExecutor | None = None
-    _lock = threading.Lock()
-
     def __init__(self, factory: Any):
-        self._client = self._call(factory)
-
-    @classmethod
-    def _call(cls, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        with cls._lock:
-            if cls._executor is None:
-                cls._executor = ThreadPoolExecutor(1, thread_name_prefix="rtrl-chdb")
-        if threading.current_thread().name.startswith("rtrl-chdb"):
-            return fn(*args, **kwargs)
-        return cls._executor.submit(fn, *args, **kwargs).result()
+        self._client = on_engine_thread(factory)
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._client, name)
-        return functools.partial(self._call, attr) if callable(attr) else attr
+        return functools.partial(on_engine_thread, attr) if callable(attr) else attr
+
+
+_ENGINE: ThreadPoolExecutor | None = None
+_ENGINE_LOCK = threading.Lock()
+
+
+def on_engine_thread(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn`` on this process's one chdb thread (see :class:`EngineThread`) and return its result."""
+    global _ENGINE
+    with _ENGINE_LOCK:
+        if _ENGINE is None:
+            _ENGINE = ThreadPoolExecutor(1, thread_name_prefix="rtrl-chdb")
+    if threading.current_thread().name.startswith("rtrl-chdb"):
+        return fn(*args, **kwargs)
+    return _ENGINE.submit(fn, *args, **kwargs).result()
 
 
 def connect(dsn: str, timeout_s: float = 10.0) -> Any:

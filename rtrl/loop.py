@@ -89,6 +89,34 @@ def loop_settings(settings: Settings) -> Settings:
     )
 
 
+def loop_model_config(settings: Settings):
+    """The tiny policy every part of the loop builds (trainer, reference, policy server)."""
+    return model_config(seq_length=SEQ_LEN, seed=1234 + settings.loop.seed)
+
+
+def policy_server(settings: Settings, bootstrap: str, client: RtrlClient, cfg, seed: int) -> PolicyServer:
+    """The loop's policy server (a candidate arm's model too in A/B mode)."""
+    ls = settings.loop
+    return PolicyServer(bootstrap, settings.kafka.topic_prefix, client, build_model(cfg),
+                        [f"org-{i}" for i in range(ls.orgs)], seed=seed, hard_share=ls.hard_share,
+                        compression=settings.kafka.compression,
+                        candidate_model=build_model(cfg) if ls.ab_share > 0 else None)
+
+
+def serve_until(server: PolicyServer, ls, stop: threading.Event) -> None:
+    """Serve ``loop.rate`` tasks/s with a quota of ``loop.samples_per_cycle`` per decision until ``stop``."""
+    server.run(stop, lambda m, p: checkpoint.load(p, m, restore_rng=False), ls.rate, ls.group_size,
+               quota=ls.samples_per_cycle, candidate_share=ls.ab_share)
+
+
+def cycle_progress(console: Console):
+    """The main job's progress bar over cycles (``info`` says what serves)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("cycles"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                    TimeElapsedColumn(), console=console)
+
+
 @dataclass
 class CycleResult:
     version: int
@@ -140,7 +168,7 @@ class Loop:
         self.ckpt_root = s.data_path / "loop" / "checkpoints"
         self.ckpt_root.mkdir(parents=True, exist_ok=True)
         self.state_path = s.data_path / "loop" / "state.json"
-        cfg = model_config(seq_length=SEQ_LEN, seed=1234 + ls.seed)
+        cfg = loop_model_config(s)
         init_parallel(cfg)
         torch.manual_seed(ls.seed)
         self.model, self.reference = build_model(cfg), build_model(cfg)
@@ -152,10 +180,7 @@ class Loop:
         self.server: PolicyServer | None = None
         if serve:
             self.client = RtrlClient.from_settings(s, bootstrap=bootstrap)
-            orgs = [f"org-{i}" for i in range(ls.orgs)]
-            self.server = PolicyServer(bootstrap, s.kafka.topic_prefix, self.client, build_model(cfg), orgs,
-                                       seed=ls.seed, hard_share=ls.hard_share, compression=s.kafka.compression,
-                                       candidate_model=build_model(cfg) if ls.ab_share > 0 else None)
+            self.server = policy_server(s, bootstrap, self.client, cfg, seed=ls.seed)
         self.version = self.serving = 0
         self.weights = self.ckpt_root / "v0"  # what the next cycle starts from
         self.trained = TrainedSet()  # micro-batches and samples already trained (replays are skipped)
@@ -259,11 +284,8 @@ class Loop:
     def start_server(self) -> None:
         if self.server is None:
             raise RuntimeError("this Loop was made with serve=False: the policy server runs elsewhere")
-        ls = self.settings.loop
-        t = threading.Thread(target=self.server.run, name="policy-server", daemon=True,
-                             args=(self.stop, lambda m, p: checkpoint.load(p, m, restore_rng=False), ls.rate,
-                                   ls.group_size),
-                             kwargs={"quota": ls.samples_per_cycle, "candidate_share": ls.ab_share})
+        t = threading.Thread(target=serve_until, name="policy-server", daemon=True,
+                             args=(self.server, self.settings.loop, self.stop))
         t.start()
         self.threads.append(t)
 
@@ -276,7 +298,7 @@ class Loop:
         serving, version = self.serving, self.version + 1
         run_id, cycle_dir = f"loop-{ls.seed}-v{version}", self.ckpt_root / "train" / f"v{version}"
         last = checkpoint.latest(cycle_dir)
-        resumed = json.loads((last / checkpoint.EXTRA).read_text())["step"] if last is not None else 0
+        resumed = checkpoint.read_extra(last)["step"] if last is not None else 0
         # steps after the checkpoint being resumed never reached weights that survive: forget them
         self.ch.command(f"DELETE FROM {self.db}.train_metrics WHERE run_id = '{run_id}' AND step > {int(resumed)}")
         self.cycle_on_policy = int(self.ch.query(
@@ -394,14 +416,6 @@ def announce(settings: Settings, ch, producer: Producer, ck: Checkpoint) -> None
 def run_loop(settings: Settings, console: Console | None = None) -> list[dict]:
     """The main job: ``loop.cycles`` cycles on the configured services, then the table and plots
     (with ``loop.processes``, every part in its own process: :func:`rtrl.supervise.run_processes`)."""
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-
     from rtrl.main import Services
 
     console = console or Console()
@@ -424,9 +438,7 @@ def run_loop(settings: Settings, console: Console | None = None) -> list[dict]:
                       f"{loop.evals[0]['broken_tool_call_rate']:.3f}")
         loop.start_flows()
         loop.start_server()
-        bar = Progress(TextColumn("cycles"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                       TimeElapsedColumn(), console=console)
-        with bar:
+        with cycle_progress(console) as bar:
             task = bar.add_task("loop", total=ls.cycles, info="")
             for _ in range(ls.cycles):
                 r = loop.cycle()

@@ -68,27 +68,18 @@ def serve(settings: Settings, bootstrap: str) -> None:
     import torch
 
     from client.sdk import RtrlClient
-    from rtrl.loop import SEQ_LEN
-    from simulator.policy import model_config
-    from simulator.serve import PolicyServer
-    from trainer import checkpoint
-    from trainer.model import build_model, init_parallel
+    from rtrl.loop import loop_model_config, policy_server, serve_until
+    from trainer.model import init_parallel
 
     torch.set_num_threads(1)
-    ls = settings.loop
-    cfg = model_config(seq_length=SEQ_LEN, seed=1234 + ls.seed)
+    cfg = loop_model_config(settings)
     init_parallel(cfg)
     client = RtrlClient.from_settings(settings, bootstrap=bootstrap)
     # a restarted server must not replay its predecessor's tasks: seed from the seed and the process
-    seed = ls.seed * 1_000_003 + os.getpid() + time.time_ns() % 1_000_000
-    server = PolicyServer(bootstrap, settings.kafka.topic_prefix, client, build_model(cfg),
-                          [f"org-{i}" for i in range(ls.orgs)], seed=seed, hard_share=ls.hard_share,
-                          compression=settings.kafka.compression,
-                          candidate_model=build_model(cfg) if ls.ab_share > 0 else None)
-    stop = _stop_on_term()
+    seed = settings.loop.seed * 1_000_003 + os.getpid() + time.time_ns() % 1_000_000
+    server = policy_server(settings, bootstrap, client, cfg, seed)
     try:
-        server.run(stop, lambda m, p: checkpoint.load(p, m, restore_rng=False), ls.rate, ls.group_size,
-                   quota=ls.samples_per_cycle, candidate_share=ls.ab_share)
+        serve_until(server, settings.loop, _stop_on_term())
     finally:
         server.close()
         client.close()

@@ -21,11 +21,10 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
-from rtrl import chserver, clickhouse
-from rtrl.broker import LocalBroker
+from rtrl import chserver
 from rtrl.config import Settings, as_env
 from rtrl.errors import ServiceUnavailable
-from rtrl.kafka import ensure_topics
+from rtrl.main import Services
 from rtrl.parts import PARTS
 
 
@@ -42,7 +41,7 @@ class Supervisor:
         self.settings, self.max_restarts = settings, max_restarts
         self.log_dir = settings.data_path / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.local_broker: LocalBroker | None = None
+        self.services: Services | None = None
         self.ch_proc: subprocess.Popen | None = None
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts: Counter[str] = Counter()
@@ -55,20 +54,16 @@ class Supervisor:
     # ------------------------------------------------------------ services
 
     def start_services(self) -> None:
+        """The embedded ClickHouse behind its server (unless a server is configured), then the broker,
+        topics and migrations as every job gets them (:class:`rtrl.main.Services`)."""
         s = self.settings
-        if s.kafka.bootstrap:
-            self.bootstrap = s.kafka.bootstrap
-        else:
-            self.local_broker = LocalBroker(s.data_path / "broker")
-            self.bootstrap = self.local_broker.up(timeout_s=max(30.0, s.kafka.timeout_s))
-        ensure_topics(self.bootstrap, s.kafka.topic_prefix, s.kafka.partitions, timeout_s=s.kafka.timeout_s)
         if s.clickhouse_dsn.startswith("chdb://"):
             self.ch_proc, self.dsn = chserver.spawn(s.clickhouse_dsn[len("chdb://"):], log=self.log_dir / "clickhouse.log")
         else:
             self.dsn = s.clickhouse_dsn
-        self.ch = clickhouse.setup(self.dsn, s.clickhouse.database, s.clickhouse.timeout_s)
+        self.services = Services(replace(s, clickhouse=replace(s.clickhouse, dsn=self.dsn)))
+        self.bootstrap, self.ch = self.services.bootstrap, self.services.ch
         child = replace(s, kafka=replace(s.kafka, bootstrap=self.bootstrap), clickhouse=replace(s.clickhouse, dsn=self.dsn))
-        self.child_settings = child
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")} | as_env(child)
 
     # ------------------------------------------------------------ parts
@@ -169,22 +164,14 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 self.ch_proc.kill()
             self.ch_proc = None
-        if self.local_broker is not None:
-            self.local_broker.down()
-            self.local_broker = None
+        if self.services is not None:
+            self.services.close()  # the local broker, if it started one
+            self.services = None
 
 
 def run_processes(settings: Settings, console) -> list[dict]:
     """The main job with every part in its own process: progress from ClickHouse, then the same table and plots."""
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-
-    from rtrl.loop import final_report, fresh_start
+    from rtrl.loop import cycle_progress, final_report, fresh_start
 
     console.rule("[bold]rtrl main job: the closed loop, one process per part")
     fresh_start(settings)
@@ -197,9 +184,7 @@ def run_processes(settings: Settings, console) -> list[dict]:
                       f"logs in {sup.log_dir}")
         sup.start_all()
         shown: set[int] = set()
-        bar = Progress(TextColumn("cycles"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                       TimeElapsedColumn(), console=console)
-        with bar:
+        with cycle_progress(console) as bar:
             task = bar.add_task("loop", total=ls.cycles, info="")
 
             def tick() -> None:

@@ -105,3 +105,13 @@ def test_only_samples_within_the_policy_lag_count_as_trained():
     again = t.take(packed("stale", [("z", 0)]), trainable=(2, 3))  # not remembered: comes through, trains nothing
     assert again is not None
     assert t.take(packed("old2", [("x", 1), ("y", 3)]), trainable=(2, 3)).sample_ids == ["x"]  # y is a repeat
+
+
+def test_step_ids_are_what_the_step_trains():
+    t = TrainedSet()
+    t.take(packed("a", [("x", 1), ("y", 3)]), trainable=(2, 3))
+    t.take(packed("b", [("z", 0)]), trainable=(2, 3))  # nothing trainable: not listed
+    t.take(packed("c", [("y", 3), ("w", 2)]), trainable=(2, 3))  # y repeats within the step
+    assert t.step_ids() == (["a", "c"], ["y", "w"])
+    t.commit()
+    assert t.step_ids() == ([], [])

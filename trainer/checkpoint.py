@@ -325,7 +325,12 @@ def load(
                 set_rng_state(saved["rng"])
             else:
                 log.info("checkpoint layout %s differs from %s: RNG states not restored", saved["layout"], _layout())
-    return json.loads((path / EXTRA).read_text())
+    return read_extra(path)
+
+
+def read_extra(path: str | os.PathLike) -> dict[str, Any]:
+    """The extra state saved with a checkpoint (step, offsets, ...) without loading any weights."""
+    return json.loads((Path(path) / EXTRA).read_text())
 
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:

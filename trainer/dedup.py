@@ -77,6 +77,10 @@ class TrainedSet:
             self._pending.append((max(v for v, _ in fresh), batch.batch_id, fresh))
         return out
 
+    def step_ids(self) -> tuple[list[str], list[str]]:
+        """The micro-batch ids and sample ids the current step trains on (taken, not yet committed)."""
+        return [b for _, b, _ in self._pending], [sid for _, _, ss in self._pending for _, sid in ss]
+
     def commit(self) -> None:
         for newest, batch_id, samples in self._pending:
             self.batches.setdefault(newest, set()).add(batch_id)

@@ -182,10 +182,8 @@ def train(model: Any, reference: Any, make_source: Callable[[dict[str, int] | No
         sums["tokens"], sums["on"] = int(sums["tokens"]), int(sums["on"])
         lag_hist = dp.merge_counts(lag_hist)
         # what this step really trained on: samples within the policy lag (stale ones are masked)
-        lo = policy_version - cfg.max_policy_lag
-        batch_ids = dp.gather([b.batch_id for b in batches if any(lo <= v <= policy_version for v in b.policy_versions)])
-        sample_ids = dp.gather([sid for b in batches for sid, v in zip(b.sample_ids, b.policy_versions)
-                                if lo <= v <= policy_version])
+        step_batches, step_samples = trained.step_ids()
+        batch_ids, sample_ids = dp.gather(step_batches), dp.gather(step_samples)
         opt.step()
         step += 1
         trained.commit()
