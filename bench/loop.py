@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/loop.py [--cycles 6] [--samples 2048]
 
-About 3 minutes on 2 vCPUs. Runs :class:`rtrl.loop.Loop` in this process on a fresh local broker and
+About 3 minutes on 2 vCPUs. Runs :class:`app.loop.Loop` in this process on a fresh local broker and
 embedded ClickHouse (reward v2, the main job's settings otherwise), then reads back what happened:
 
 1. **Cycle time by stage**: per cycle, the wall time the trainer spent until the samples trigger
@@ -32,10 +32,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from rtrl.config import load_settings  # noqa: E402
+from rtrl.settings import load_settings  # noqa: E402
 from rtrl.kafka import read_topic  # noqa: E402
-from rtrl.loop import Loop  # noqa: E402
-from rtrl.main import Services  # noqa: E402
+from app.loop import Loop  # noqa: E402
+from app.services import Services  # noqa: E402
 from schemas.codec import decode_batch  # noqa: E402
 from trainer.data import to_batch  # noqa: E402
 from trainer.loss import LossConfig  # noqa: E402

@@ -10,7 +10,7 @@ embedded chdb folder (separate databases per run). What each figure means:
    once (not timed) to a 4-partition topic. *Baseline*: a raw confluent-kafka Consumer (all
    partitions assigned from the beginning, ``consume(1000)`` until the high watermarks) + msgspec
    decode + ``to_arrow`` + ``insert_table`` into the events table every 20k rows, timed end to end.
-   *Flow*: ``flows.rewards.build_flow`` run in-process on one Bytewax worker (``run_main``,
+   *Flow*: ``flows.reward_flow.build_flow`` run in-process on one Bytewax worker (``run_main``,
    ``flow.tail=false`` so it stops at the end of the topic, 2 s epochs as ``-s 2`` in production)
    over the same topic into another database, timed end to end. The flow does strictly more than
    the baseline: it also windows every trajectory, computes rewards and trajectory summaries,
@@ -63,11 +63,11 @@ from bytewax.testing import run_main
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
 from client.sdk import RtrlClient
-from flows.rewards import build_flow
+from flows.reward_flow import build_flow
 from flows.windowing import PartitionWindows, WindowConfig
 from rtrl import clickhouse
-from rtrl.broker import LocalBroker
-from rtrl.config import SimulatorSettings, load_settings
+from devservices.broker import LocalBroker
+from rtrl.settings import SimulatorSettings, load_settings
 from rtrl.kafka import base_config, ensure_topics, producer_config
 from schemas.codec import Invalid, event_codec
 from schemas.records import EditProposed, EventBase, ToolCall, TrajectoryStarted

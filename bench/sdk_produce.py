@@ -19,8 +19,8 @@ import time
 from confluent_kafka import Producer
 
 from client.sdk import RtrlClient
-from rtrl.broker import LocalBroker
-from rtrl.config import SimulatorSettings
+from devservices.broker import LocalBroker
+from rtrl.settings import SimulatorSettings
 from rtrl.kafka import ensure_topics, producer_config
 from schemas.codec import event_codec
 from simulator.generate import generate

@@ -216,7 +216,7 @@ def main() -> None:
     import torch
     from confluent_kafka import Producer
 
-    from rtrl.broker import LocalBroker
+    from devservices.broker import LocalBroker
     from rtrl.kafka import ensure_topics, producer_config
     from schemas.codec import encode_batch
     from trainer.config import ModelConfig

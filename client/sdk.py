@@ -110,7 +110,7 @@ class RtrlClient:
 
     @classmethod
     def from_settings(cls, settings: Any, bootstrap: str | None = None) -> "RtrlClient":
-        """A client configured from :class:`rtrl.config.Settings` (``sdk`` and ``kafka`` sections)."""
+        """A client configured from :class:`rtrl.settings.Settings` (``sdk`` and ``kafka`` sections)."""
         s = settings.sdk
         return cls(
             bootstrap or settings.kafka.bootstrap,

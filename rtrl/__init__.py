@@ -1,3 +1,3 @@
-"""rtrl: shared infrastructure (settings, local services, Kafka and ClickHouse access, CLI)."""
+"""rtrl foundation: settings, errors, Kafka and ClickHouse access (imports only ``schemas``)."""
 
 __version__ = "0.1.0"

@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from rtrl.config import SimulatorSettings
+from rtrl.settings import SimulatorSettings
 from schemas.records import (
     ClarifyingQuestion,
     EditAccepted,

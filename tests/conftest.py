@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from rtrl.broker import LocalBroker
+from devservices.broker import LocalBroker
 from rtrl.clickhouse import connect, migrate
 from rtrl.kafka import ensure_topics
 

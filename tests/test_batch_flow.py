@@ -6,8 +6,8 @@ from __future__ import annotations
 from bytewax.testing import run_main
 from confluent_kafka import Producer
 
-from flows.batches import build_flow
-from rtrl.config import load_settings
+from flows.batch_flow import build_flow
+from rtrl.settings import load_settings
 from rtrl.kafka import ensure_topics, producer_config, read_topic
 from schemas.codec import JsonCodec, decode_batch
 from schemas.records import DeadLetter, Reward, Rollout

@@ -1,4 +1,4 @@
-"""The embedded ClickHouse as a server (rtrl.chserver): clickhouse-connect's HTTP client against the real
+"""The embedded ClickHouse as a server (devservices.chserver): clickhouse-connect's HTTP client against the real
 engine in another process, several writer processes at once, compressed bodies, errors, kill -9."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import clickhouse_connect
 import pytest
 
 from rtrl import clickhouse
-from rtrl.chserver import spawn
+from devservices.chserver import spawn
 from schemas.records import TrainStep
 
 

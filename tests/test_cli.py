@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-RTRL = [sys.executable, "-m", "rtrl.cli"]
+RTRL = [sys.executable, "-m", "app.cli"]
 
 
 def _run(args, env_extra, timeout=600):

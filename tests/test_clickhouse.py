@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from rtrl.clickhouse import TABLES, connect, insert, live_columns, migrate, migrations, select, verify
 from rtrl.errors import ConfigError, SchemaMismatch, ServiceUnavailable
-from rtrl.broker import free_port
+from devservices.broker import free_port
 from schemas.types import arrow_schema, columns, normalized
 from tests.strategies import records
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rtrl.config import ConfigError, describe, load_settings
+from rtrl.settings import ConfigError, describe, load_settings
 
 
 def test_defaults_are_valid_and_embedded():
@@ -78,9 +78,9 @@ def test_shipped_example_configs_load(tmp_path):
     """deploy/rtrl.example.toml lists every setting at its default; the production example is valid."""
     from pathlib import Path
 
-    from rtrl.config import Settings
+    from rtrl.settings import Settings
 
-    from rtrl.config import example_toml
+    from rtrl.settings import example_toml
 
     deploy = Path(__file__).resolve().parent.parent / "deploy"
     assert (deploy / "rtrl.example.toml").read_text() == example_toml(), "regenerate: rtrl config --example"

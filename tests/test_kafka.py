@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flows.kafka_io import kafka_source
-from rtrl.broker import LocalBroker, free_port
+from devservices.broker import LocalBroker, free_port
 from rtrl.errors import ServiceUnavailable
 from rtrl.kafka import check_broker, describe_topic, ensure_topics, producer_config, read_topic
 from schemas.codec import JsonCodec, decode_batch, encode_batch, event_codec

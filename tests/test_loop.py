@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from rtrl.loop import gate
+from app.loop import gate
 from tests.test_cli import _run
 
 EV = {"solve_rate": 0.30, "broken_tool_call_rate": 0.08, "clarify_rate": 0.10, "edit_rate": 0.80}

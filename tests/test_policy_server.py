@@ -9,9 +9,9 @@ import time
 from confluent_kafka import Producer
 
 from client.sdk import RtrlClient
-from rtrl.config import load_settings
+from rtrl.settings import load_settings
 from rtrl.kafka import producer_config, read_topic
-from rtrl.loop import SEQ_LEN
+from app.loop import SEQ_LEN
 from schemas.codec import JsonCodec
 from schemas.records import Checkpoint, Rollout
 from simulator.policy import model_config

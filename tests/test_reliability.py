@@ -1,4 +1,4 @@
-"""The closed loop as separate processes (rtrl.supervise): kill -9 each part mid-cycle - reward flow,
+"""The closed loop as separate processes (app.supervisor): kill -9 each part mid-cycle - reward flow,
 batch flow, trainer, policy server - and the loop goes on; ClickHouse then shows no reward lost or
 duplicated (the rewards equal an uninterrupted reference run over the same events) and no
 micro-batch or sample trained twice."""
@@ -10,12 +10,12 @@ from collections import defaultdict
 import pytest
 
 from flows.processor import Message, RewardProcessor
-from flows.rewards import window_config
+from flows.reward_flow import window_config
 from rtrl import clickhouse
-from rtrl.config import load_settings
+from rtrl.settings import load_settings
 from rtrl.kafka import read_topic
-from rtrl.loop import loop_settings
-from rtrl.supervise import Supervisor
+from app.loop import loop_settings
+from app.supervisor import Supervisor
 
 CYCLES = 5
 #: (part, cycle, trainer steps of that cycle done before the kill): each part once, while a cycle trains

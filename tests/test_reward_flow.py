@@ -23,12 +23,12 @@ from bytewax.testing import run_main
 from confluent_kafka import Producer
 
 from flows.processor import Message, RewardProcessor
-from flows.rewards import build_flow, window_config
+from flows.reward_flow import build_flow, window_config
 from flows.sinks import read_archive
 from rewards import compute
 from rtrl import clickhouse
-from rtrl.broker import free_port
-from rtrl.config import SimulatorSettings, load_settings
+from devservices.broker import free_port
+from rtrl.settings import SimulatorSettings, load_settings
 from rtrl.kafka import ensure_topics, producer_config, read_topic
 from schemas.codec import JsonCodec, event_codec
 from schemas.records import EventBase, Reward
@@ -230,7 +230,7 @@ def _env(bootstrap: str, prefix: str, data_dir, tail: bool) -> dict[str, str]:
 
 
 def _flow_cmd(recovery=None, extra=()) -> list[str]:
-    cmd = [sys.executable, "-m", "bytewax.run", "flows.rewards:flow", "-s", "1", "-b", "0"]
+    cmd = [sys.executable, "-m", "bytewax.run", "flows.reward_flow:flow", "-s", "1", "-b", "0"]
     if recovery is not None:
         cmd += ["-r", str(recovery)]
     return cmd + list(extra)

@@ -9,8 +9,8 @@ import msgspec
 import pytest
 
 from client import InvalidEvent, RtrlClient, hash_user
-from rtrl.broker import LocalBroker, free_port
-from rtrl.config import SimulatorSettings
+from devservices.broker import LocalBroker, free_port
+from rtrl.settings import SimulatorSettings
 from rtrl.kafka import ensure_topics, read_topic
 from schemas.codec import event_codec
 from schemas.records import EditPersisted, event_type

@@ -9,7 +9,7 @@ from functools import lru_cache
 
 import pytest
 
-from rtrl.config import SimulatorSettings
+from rtrl.settings import SimulatorSettings
 from schemas.codec import event_codec
 from schemas.records import (
     ClarifyingQuestion,

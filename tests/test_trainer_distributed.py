@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rtrl.broker import free_port
+from devservices.broker import free_port
 
 SCRIPT = str(Path(__file__).parent / "dist" / "train_run.py")
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")

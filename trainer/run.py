@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rtrl import clickhouse
-from rtrl.config import Settings
+from rtrl.settings import Settings
 from schemas.records import TrainStep
 from trainer.config import ModelConfig
 from trainer.data import BatchStream

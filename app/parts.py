@@ -1,18 +1,18 @@
 """One part of the closed loop as its own process (``loop.processes``): what the supervisor starts.
 
-    python -m rtrl.parts rewards|batches|serve|train      (settings from RTRL_* / RTRL_CONFIG)
-    python -m rtrl.parts rewards|batches --to-end         (a flow until the end of its topics, then exit)
+    python -m app.parts rewards|batches|serve|train      (settings from RTRL_* / RTRL_CONFIG)
+    python -m app.parts rewards|batches --to-end         (a flow until the end of its topics, then exit)
 
 ``rewards``, ``batches``  the reward and batch flows under Bytewax with recovery (a restart after
                           kill -9 resumes from the last snapshot; sinks are at-least-once and
                           ClickHouse replaces replayed rows, the trainer skips replayed micro-batches)
 ``serve``                 the policy server: follows ``rtrl.deployments``, serves ``loop.rate`` tasks/s
                           with backpressure per decision; a restart re-reads the deployments
-``train``                 the trainer and eval gate (:class:`rtrl.loop.Loop` without the other parts):
+``train``                 the trainer and eval gate (:class:`app.loop.Loop` without the other parts):
                           resumes from ``loop/state.json`` and the cycle's newest step checkpoint,
                           exits 0 once ``loop.cycles`` decisions are made
 
-Every part uses the loop's settings (:func:`rtrl.loop.loop_settings`), ``kafka.bootstrap`` and
+Every part uses the loop's settings (:func:`app.loop.loop_settings`), ``kafka.bootstrap`` and
 ``clickhouse.dsn`` (a server: chdb holds a folder in one process only).
 """
 
@@ -24,7 +24,7 @@ import threading
 from datetime import timedelta
 from pathlib import Path
 
-from rtrl.config import Settings, load_settings
+from rtrl.settings import Settings, load_settings
 
 PARTS = ("rewards", "batches", "serve", "train")
 
@@ -41,9 +41,9 @@ def run_flow(settings: Settings, name: str, bootstrap: str, workers: int = 1) ->
     from bytewax.run import cli_main
 
     if name == "rewards":
-        from flows.rewards import build_flow
+        from flows.reward_flow import build_flow
     else:
-        from flows.batches import build_flow
+        from flows.batch_flow import build_flow
     recovery = recovery_path(settings, name)
     if not recovery.exists() or not any(recovery.iterdir()):
         recovery.mkdir(parents=True, exist_ok=True)
@@ -68,7 +68,7 @@ def serve(settings: Settings, bootstrap: str) -> None:
     import torch
 
     from client.sdk import RtrlClient
-    from rtrl.loop import loop_model_config, policy_server, serve_until
+    from app.loop import loop_model_config, policy_server, serve_until
     from trainer.model import init_parallel
 
     torch.set_num_threads(1)
@@ -90,7 +90,7 @@ def train(settings: Settings, bootstrap: str) -> None:
     import torch
 
     from rtrl import clickhouse
-    from rtrl.loop import Loop
+    from app.loop import Loop
 
     torch.set_num_threads(1)
     ch = clickhouse.connect(settings.clickhouse_dsn, settings.clickhouse.timeout_s)
@@ -115,10 +115,10 @@ def main(argv: list[str] | None = None, settings: Settings | None = None) -> int
     argv = sys.argv[1:] if argv is None else argv
     to_end = argv[1:] == ["--to-end"]
     if not argv or argv[0] not in PARTS or (len(argv) > 1 and not (to_end and argv[0] in ("rewards", "batches"))):
-        print(f"usage: python -m rtrl.parts {'|'.join(PARTS)}  (flows: --to-end)", file=sys.stderr)
+        print(f"usage: python -m app.parts {'|'.join(PARTS)}  (flows: --to-end)", file=sys.stderr)
         return 2
-    from rtrl.broker import bootstrap_for
-    from rtrl.loop import loop_settings
+    from app.services import bootstrap_for
+    from app.loop import loop_settings
 
     settings = loop_settings(settings or load_settings())
     if to_end:

@@ -1,8 +1,8 @@
 """The closed loop as separate processes under a supervisor (``loop.processes = true``).
 
 The supervisor starts the services (the local broker unless ``kafka.bootstrap`` is set; the
-embedded ClickHouse behind :mod:`rtrl.chserver` unless ``clickhouse.dsn`` is a server), then one
-process per part (:mod:`rtrl.parts`: reward flow, batch flow, policy server, trainer), and restarts
+embedded ClickHouse behind :mod:`devservices.chserver` unless ``clickhouse.dsn`` is a server), then one
+process per part (:mod:`app.parts`: reward flow, batch flow, policy server, trainer), and restarts
 any part that dies - what systemd or Kubernetes does in production. Each part resumes by itself
 (Bytewax recovery, the trainer's state file and step checkpoints, the server re-reading
 ``rtrl.deployments``), so a kill -9 of any one of them costs time, not data. Logs go to
@@ -21,11 +21,10 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
-from rtrl import chserver
-from rtrl.config import Settings, as_env
+from rtrl.settings import Settings, as_env
 from rtrl.errors import ServiceUnavailable
-from rtrl.main import Services
-from rtrl.parts import PARTS
+from app.services import Services, chserver
+from app.parts import PARTS
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -55,7 +54,7 @@ class Supervisor:
 
     def start_services(self) -> None:
         """The embedded ClickHouse behind its server (unless a server is configured), then the broker,
-        topics and migrations as every job gets them (:class:`rtrl.main.Services`)."""
+        topics and migrations as every job gets them (:class:`app.services.Services`)."""
         s = self.settings
         if s.clickhouse_dsn.startswith("chdb://"):
             self.ch_proc, self.dsn = chserver.spawn(s.clickhouse_dsn[len("chdb://"):], log=self.log_dir / "clickhouse.log")
@@ -72,7 +71,7 @@ class Supervisor:
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - the child holds it
         # each part in its own process group: a signal reaches the helpers it forks too (a checkpoint
         # writer killed with its trainer would otherwise be left behind, orphaned)
-        proc = subprocess.Popen([sys.executable, "-m", "rtrl.parts", name, *args], env=self.env, stdout=log,
+        proc = subprocess.Popen([sys.executable, "-m", "app.parts", name, *args], env=self.env, stdout=log,
                                 stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent,
                                 start_new_session=True)
         log.close()
@@ -171,7 +170,7 @@ class Supervisor:
 
 def run_processes(settings: Settings, console) -> list[dict]:
     """The main job with every part in its own process: progress from ClickHouse, then the same table and plots."""
-    from rtrl.loop import cycle_progress, final_report, fresh_start
+    from app.loop import cycle_progress, final_report, fresh_start
 
     console.rule("[bold]rtrl main job: the closed loop, one process per part")
     fresh_start(settings)
@@ -180,7 +179,7 @@ def run_processes(settings: Settings, console) -> list[dict]:
     try:
         sup.start_services()
         db, ls = settings.clickhouse.database, settings.loop
-        console.print(f"broker {sup.bootstrap} · ClickHouse {sup.dsn} (rtrl.chserver) · parts: {', '.join(PARTS)} · "
+        console.print(f"broker {sup.bootstrap} · ClickHouse {sup.dsn} (devservices.chserver) · parts: {', '.join(PARTS)} · "
                       f"logs in {sup.log_dir}")
         sup.start_all()
         shown: set[int] = set()

@@ -3,7 +3,7 @@
 By default one process runs every part: the reward flow and the batch flow as in-process Bytewax
 runs (threads, stopped cleanly at the end), the policy server (:mod:`simulator.serve`) and the
 trainer (:func:`trainer.train.train`) on the main thread. With ``loop.processes`` each part is its
-own process (:mod:`rtrl.parts`) under :mod:`rtrl.supervise`; :class:`Loop` is then the trainer's.
+own process (:mod:`app.parts`) under :mod:`app.supervisor`; :class:`Loop` is then the trainer's.
 A cycle:
 
 1. the policy server (a thread) serves ``loop.rate`` tasks per second without pause,
@@ -47,12 +47,12 @@ from confluent_kafka import Producer
 from rich.console import Console
 
 from client.sdk import RtrlClient
-from flows.batches import build_flow as batch_flow
-from flows.rewards import build_flow as reward_flow
+from flows.batch_flow import build_flow as batch_flow
+from flows.reward_flow import build_flow as reward_flow
 from monitors.alerts import AlertRule, evaluate
 from monitors.queries import check_promotion
 from rtrl import clickhouse
-from rtrl.config import Settings
+from rtrl.settings import Settings
 from rtrl.kafka import producer_config
 from schemas.codec import JsonCodec
 from schemas.records import Checkpoint, TrainStep
@@ -415,12 +415,12 @@ def announce(settings: Settings, ch, producer: Producer, ck: Checkpoint) -> None
 
 def run_loop(settings: Settings, console: Console | None = None) -> list[dict]:
     """The main job: ``loop.cycles`` cycles on the configured services, then the table and plots
-    (with ``loop.processes``, every part in its own process: :func:`rtrl.supervise.run_processes`)."""
-    from rtrl.main import Services
+    (with ``loop.processes``, every part in its own process: :func:`app.supervisor.run_processes`)."""
+    from app.services import Services
 
     console = console or Console()
     if settings.loop.processes:
-        from rtrl.supervise import run_processes
+        from app.supervisor import run_processes
 
         return run_processes(settings, console)
     console.rule("[bold]rtrl main job: the closed loop")
@@ -464,7 +464,7 @@ def fresh_start(settings: Settings) -> None:
 
 def final_report(settings: Settings, ch, console: Console, t0: float) -> list[dict]:
     """The table per checkpoint from ClickHouse and the PNG plots: how the main job ends."""
-    from rtrl import report
+    from app import report
 
     rv = settings.batches.reward_version
     rows = report.checkpoint_rows(ch, settings.clickhouse.database, rv)

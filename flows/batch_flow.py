@@ -1,6 +1,6 @@
 """The batch flow: Kafka ``rtrl.rollouts`` + ``rtrl.rewards`` -> packed micro-batches on ``rtrl.batches``.
 
-    python -m bytewax.run flows.batches:flow -r <recovery dir> -s 2      (or: rtrl flow batches)
+    python -m bytewax.run flows.batch_flow:flow -r <recovery dir> -s 2      (or: rtrl flow batches)
 
 Steps (stable step ids key the recovery state):
 
@@ -33,7 +33,8 @@ from flows.batching import BatchBuilder, BatchConfig
 from flows.kafka_io import kafka_source
 from flows.processor import Message
 from flows.sinks import ClickHouseSink, KafkaSink
-from rtrl.config import Settings, load_settings
+from rtrl.errors import ConfigError
+from rtrl.settings import Settings, load_settings
 from schemas.codec import Invalid, JsonCodec, dead_letter, encode_batch
 from schemas.records import BatchStats, DeadLetter, MicroBatch, Reward, Rollout
 
@@ -110,10 +111,10 @@ def _parser(codec: JsonCodec, kind: str, source: str):
 def build_flow(settings: Settings, bootstrap: str | None = None, stop: threading.Event | None = None) -> Dataflow:
     """The batch flow for ``settings`` (``bootstrap`` overrides ``kafka.bootstrap``; setting ``stop`` ends
     an in-process run cleanly)."""
+    bootstrap = bootstrap or settings.kafka.bootstrap
     if not bootstrap:
-        from rtrl.broker import bootstrap_for
-
-        bootstrap = bootstrap_for(settings)
+        raise ConfigError("kafka.bootstrap is empty and no broker address was given; fix: set kafka.bootstrap "
+                          "(RTRL_KAFKA__BOOTSTRAP), or run the flow with `rtrl flow NAME`, which starts the local broker")
     cfg, bs, k = batch_config(settings), settings.batches, settings.kafka
     flow = Dataflow("rtrl_batches")
     parsed = []
@@ -153,7 +154,7 @@ def build_flow(settings: Settings, bootstrap: str | None = None, stop: threading
 
 
 def __getattr__(name: str) -> Dataflow:
-    """``flows.batches:flow`` is built on first access from the environment's settings."""
+    """``flows.batch_flow:flow`` is built on first access from the environment's settings."""
     if name == "flow":
         return build_flow(load_settings())
     raise AttributeError(name)

@@ -115,10 +115,3 @@ class LocalBroker:
 def _tail(text: str, n: int = 5) -> str:
     lines = [line for line in text.strip().splitlines() if "GLIBC" not in line]
     return " | ".join(lines[-n:])
-
-
-def bootstrap_for(settings) -> str:
-    """``kafka.bootstrap`` if set, else the local broker under ``data_dir/broker`` (started or reused)."""
-    if settings.kafka.bootstrap:
-        return settings.kafka.bootstrap
-    return LocalBroker(settings.data_path / "broker").up(timeout_s=max(30.0, settings.kafka.timeout_s))

@@ -1,6 +1,6 @@
 """The reward flow: Kafka ``rtrl.events`` -> per-trajectory rewards in ClickHouse and Kafka.
 
-    python -m bytewax.run flows.rewards:flow -r <recovery dir> -s 2      (or: rtrl flow rewards)
+    python -m bytewax.run flows.reward_flow:flow -r <recovery dir> -s 2      (or: rtrl flow rewards)
 
 Steps (stable step ids key the recovery state):
 
@@ -11,7 +11,7 @@ Steps (stable step ids key the recovery state):
                 raw events by date (for backfill)
 ``kafka``       rtrl.rewards and rtrl.dead_letters topics
 
-Settings come from :func:`rtrl.config.load_settings` (file + RTRL_* environment), section [flow].
+Settings come from :func:`rtrl.settings.load_settings` (file + RTRL_* environment), section [flow].
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from flows.kafka_io import kafka_source
 from flows.processor import FlowOutput, RewardProcessor
 from flows.sinks import ClickHouseSink, KafkaSink
 from flows.windowing import PartitionWindows, WindowConfig
-from rtrl.config import Settings, load_settings
+from rtrl.errors import ConfigError
+from rtrl.settings import Settings, load_settings
 from schemas.codec import JsonCodec
 from schemas.records import DeadLetter, Reward
 
@@ -59,10 +60,10 @@ class _PartitionLogic(StatefulBatchLogic):
 def build_flow(settings: Settings, bootstrap: str | None = None, stop: threading.Event | None = None) -> Dataflow:
     """The reward flow for ``settings`` (``bootstrap`` overrides ``kafka.bootstrap``; setting ``stop`` ends
     an in-process run cleanly)."""
+    bootstrap = bootstrap or settings.kafka.bootstrap
     if not bootstrap:
-        from rtrl.broker import bootstrap_for
-
-        bootstrap = bootstrap_for(settings)
+        raise ConfigError("kafka.bootstrap is empty and no broker address was given; fix: set kafka.bootstrap "
+                          "(RTRL_KAFKA__BOOTSTRAP), or run the flow with `rtrl flow NAME`, which starts the local broker")
     source_topic = settings.topic("events")
     cfg, fs = window_config(settings), settings.flow
     versions = fs.versions
@@ -107,8 +108,8 @@ def build_flow(settings: Settings, bootstrap: str | None = None, stop: threading
 
 
 def __getattr__(name: str) -> Dataflow:
-    """``flows.rewards:flow`` is built on first access from the environment's settings, so importing
-    this module does no I/O but ``python -m bytewax.run flows.rewards:flow`` works."""
+    """``flows.reward_flow:flow`` is built on first access from the environment's settings, so importing
+    this module does no I/O but ``python -m bytewax.run flows.reward_flow:flow`` works."""
     if name == "flow":
         return build_flow(load_settings())
     raise AttributeError(name)

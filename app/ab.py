@@ -1,9 +1,9 @@
-"""``rtrl ab``: two simulated behaviour profiles side by side, and the local services every job uses.
+"""``rtrl ab``: two simulated behaviour profiles side by side through the reward flow.
 
 Simulated users of two policy profiles -> client SDK -> Kafka ``rtrl.events`` -> the reward flow
 (Bytewax: windows, versioned rewards) -> ClickHouse ``events``/``rewards``/``trajectories``, then
 behaviour and reward per policy version from the monitors' views, as a table with 95% intervals and
-PNG plots. (The main job, the closed loop, is :mod:`rtrl.loop`.)
+PNG plots. (The main job, the closed loop, is :mod:`app.loop`.)
 """
 
 from __future__ import annotations
@@ -16,40 +16,16 @@ from bytewax.testing import run_main
 from rich.console import Console
 
 from client.sdk import RtrlClient
-from flows.rewards import build_flow
-from rtrl import clickhouse, report
-from rtrl.broker import LocalBroker
-from rtrl.config import Settings
-from rtrl.kafka import ensure_topics
+from flows.reward_flow import build_flow
+from app import report
+from app.services import Services
+from rtrl import clickhouse
+from rtrl.settings import Settings
 from simulator.drive import drive
 from simulator.generate import generate, stats
 
 #: Policy versions the run simulates side by side (their behaviour comes from simulator profiles).
 SIMULATED_VERSIONS = (0, 1)
-
-
-class Services:
-    """The broker (local noida-db unless ``kafka.bootstrap`` is set) and ClickHouse, set up and migrated."""
-
-    def __init__(self, settings: Settings):
-        self.local_broker: LocalBroker | None = None
-        if settings.kafka.bootstrap:
-            self.bootstrap = settings.kafka.bootstrap
-        else:
-            self.local_broker = LocalBroker(settings.data_path / "broker")
-            self.bootstrap = self.local_broker.up(timeout_s=max(30.0, settings.kafka.timeout_s))
-        try:
-            ensure_topics(self.bootstrap, settings.kafka.topic_prefix, settings.kafka.partitions,
-                          timeout_s=settings.kafka.timeout_s)
-            self.ch = clickhouse.setup(settings.clickhouse_dsn, settings.clickhouse.database, settings.clickhouse.timeout_s)
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        if self.local_broker is not None:
-            self.local_broker.down()
-            self.local_broker = None
 
 
 def run(settings: Settings, console: Console | None = None) -> list[dict]:

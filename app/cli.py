@@ -1,8 +1,8 @@
 """``rtrl`` command line: one entry point per job.
 
-    rtrl run                 the main job: the closed loop (see rtrl.loop)
+    rtrl run                 the main job: the closed loop (see app.loop)
     rtrl rollback V          mark version V rolled back and re-promote its parent (deployments + ClickHouse)
-    rtrl ab                  two simulated policy profiles through the reward flow, compared (rtrl.main)
+    rtrl ab                  two simulated policy profiles through the reward flow, compared (app.ab)
     rtrl broker up|down|status   the local Kafka-protocol broker under data_dir/broker
     rtrl topics              create the Kafka topics (idempotent)
     rtrl migrate             apply ClickHouse migrations and verify the tables
@@ -26,26 +26,26 @@ import sys
 
 from rich.console import Console
 
-from rtrl.config import Settings, describe, load_settings
+from rtrl.settings import Settings, describe, load_settings
 from rtrl.errors import RtrlError
 
 
 def _bootstrap(settings: Settings) -> str:
-    from rtrl.broker import bootstrap_for
+    from app.services import bootstrap_for
 
     return bootstrap_for(settings)
 
 
 def cmd_run(settings: Settings, args: argparse.Namespace, console: Console) -> int:
-    from rtrl.loop import run_loop
+    from app.loop import run_loop
 
     run_loop(settings, console)
     return 0
 
 
 def cmd_rollback(settings: Settings, args: argparse.Namespace, console: Console) -> int:
-    from rtrl.loop import rollback
-    from rtrl.main import Services
+    from app.loop import rollback
+    from app.services import Services
 
     services = Services(settings)
     try:
@@ -57,14 +57,14 @@ def cmd_rollback(settings: Settings, args: argparse.Namespace, console: Console)
 
 
 def cmd_ab(settings: Settings, args: argparse.Namespace, console: Console) -> int:
-    from rtrl.main import run
+    from app.ab import run
 
     run(settings, console)
     return 0
 
 
 def cmd_broker(settings: Settings, args: argparse.Namespace, console: Console) -> int:
-    from rtrl.broker import LocalBroker
+    from app.services import LocalBroker
 
     broker = LocalBroker(settings.data_path / "broker", port=args.port)
     if args.action == "up":
@@ -99,17 +99,17 @@ def cmd_migrate(settings: Settings, args: argparse.Namespace, console: Console) 
 
 
 def cmd_clickhouse(settings: Settings, args: argparse.Namespace, console: Console) -> int:
-    from rtrl.chserver import main as serve
+    from app.services import chserver
 
     dsn = settings.clickhouse_dsn
     if not dsn.startswith("chdb://"):
         console.print(f"clickhouse.dsn is already a server ({dsn}); nothing to serve")
         return 2
-    return serve([dsn[len("chdb://"):], "--port", str(args.port)])
+    return chserver.main([dsn[len("chdb://"):], "--port", str(args.port)])
 
 
 def cmd_part(settings: Settings, args: argparse.Namespace, console: Console) -> int:
-    from rtrl.parts import main as part
+    from app.parts import main as part
 
     return part([args.name] + (["--to-end"] if args.to_end else []), settings)
 
@@ -131,7 +131,7 @@ def cmd_simulate(settings: Settings, args: argparse.Namespace, console: Console)
 
 
 def cmd_flow(settings: Settings, args: argparse.Namespace, console: Console) -> int:
-    from rtrl.parts import recovery_path, run_flow
+    from app.parts import recovery_path, run_flow
 
     tail = settings.flow.tail if args.name == "rewards" else settings.batches.tail
     console.print(f"{args.name} flow: recovery in {recovery_path(settings, args.name)}, snapshot "
@@ -149,7 +149,7 @@ def cmd_train(settings: Settings, args: argparse.Namespace, console: Console) ->
 
 def cmd_config(settings: Settings, args: argparse.Namespace, console: Console) -> int:
     if args.example:
-        from rtrl.config import example_toml
+        from rtrl.settings import example_toml
 
         sys.stdout.write(example_toml())
         return 0

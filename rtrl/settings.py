@@ -189,7 +189,7 @@ class LoopSettings:
                                      "trainer continues from the last one; with loop.processes only)", _positive)
     processes: bool = _setting(False, "run each part (reward flow, batch flow, policy server, trainer) as its own "
                                "process under a supervisor that restarts any that dies; ClickHouse is then "
-                               "served to them by rtrl.chserver")
+                               "served to them by devservices.chserver")
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The embedded ClickHouse as a server: ClickHouse's HTTP interface in front of one chdb folder.
 
-    rtrl clickhouse serve [--port P]       (python -m rtrl.chserver DIR PORT)
+    rtrl clickhouse serve [--port P]       (python -m devservices.chserver DIR PORT)
 
 chdb holds a data folder in one process only, so parts of the loop that run as separate processes
 (reward flow, batch flow, trainer) cannot each open it. This process owns the folder and answers
@@ -198,13 +198,13 @@ class ClickHouseServer:
 
 
 def spawn(path: str | Path, ready_timeout_s: float = 60.0, log: Path | None = None):
-    """Start ``python -m rtrl.chserver path`` as a child process; returns (Popen, dsn) once it answers."""
+    """Start ``python -m devservices.chserver path`` as a child process; returns (Popen, dsn) once it answers."""
     import subprocess
     import time
 
     ready = Path(tempfile.mkdtemp(prefix="rtrl-chserver-ready-")) / "dsn"
     out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - the child keeps it
-    proc = subprocess.Popen([sys.executable, "-m", "rtrl.chserver", str(path), "--ready-file", str(ready)],
+    proc = subprocess.Popen([sys.executable, "-m", "devservices.chserver", str(path), "--ready-file", str(ready)],
                             stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + ready_timeout_s
     while not ready.exists():
@@ -219,7 +219,7 @@ def spawn(path: str | Path, ready_timeout_s: float = 60.0, log: Path | None = No
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rtrl.chserver", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m devservices.chserver", description=__doc__.splitlines()[0])
     p.add_argument("path", help="chdb data folder this server owns")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 = a free port")

@@ -1,0 +1,182 @@
+"""The import order of rtrl's packages: floors that only look down.
+
+Contract pinned here (every module's imports are parsed, including imports inside functions):
+
+- ``ORDER`` ranks the top-level packages from the bottom: records, the foundation, the data plane
+  (pure logic first), the application. A package may import only packages ranked at or below it.
+- No cycle exists between top-level packages (a strictly ranked order already forbids one; the
+  cycle check reports the path, which is what a reader needs when the order test fails).
+- ``devservices`` (the local broker wrapper, the embedded ClickHouse HTTP front) is dev-only: it
+  may import the foundation and records, and only ``app.services`` (the embedded defaults), tests
+  and benchmarks may import it - no production code path does.
+- Pure modules (windows, rewards, batching, loss, dedup, alerts, the eval gate) import no I/O
+  library.
+- The README's architecture section lists the layers in the same order.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: bottom to top; a package may import itself and anything earlier in this list
+ORDER = [
+    # records
+    "schemas",
+    # foundation: settings, errors, Kafka and ClickHouse access
+    "rtrl",
+    # data plane
+    "rewards",
+    "monitors",
+    "evalgate",
+    "client",
+    "flows",
+    "trainer",
+    "simulator",
+    # application: CLI, loop, parts, supervisor, report, A/B
+    "app",
+]
+LAYERS = {
+    "records": ["schemas"],
+    "foundation": ["rtrl"],
+    "data plane": ["rewards", "monitors", "evalgate", "client", "flows", "trainer", "simulator"],
+    "application": ["app"],
+}
+DEV = "devservices"
+DEV_MAY_IMPORT = {"schemas", "rtrl"}
+DEV_IMPORTERS = {"app.services"}
+PURE = ["flows.windowing", "flows.batching", "flows.processor", "rewards", "trainer.loss", "trainer.dedup",
+        "monitors.alerts", "evalgate"]
+IO_LIBS = {"confluent_kafka", "clickhouse_connect", "chdb", "socket", "subprocess", "requests", "urllib",
+           "http", "bytewax", "noida_db"}
+PACKAGES = ORDER + [DEV]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def _imports(module: str, path: Path) -> list[tuple[str, int]]:
+    """Every absolute module name ``module`` imports (top of file or inside functions), with its line."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against the module's package
+                base = module.split(".")
+                if path.name != "__init__.py":
+                    base = base[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            found.append((name, node.lineno))
+            found += [(f"{name}.{a.name}", node.lineno) for a in node.names]  # `from pkg import module`
+    return found
+
+
+MODULES = _modules()
+
+
+def _edges() -> dict[str, dict[str, list[str]]]:
+    """package -> imported package -> ["module:line", ...] (only imports of our own packages)."""
+    edges: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for module, path in MODULES.items():
+        src = module.split(".")[0]
+        for name, line in _imports(module, path):
+            dst = name.split(".")[0]
+            if dst in PACKAGES and dst != src:
+                edges[src][dst].append(f"{module}:{line}")
+    return edges
+
+
+def test_every_package_is_placed():
+    """Each top-level Python package of the project appears in the order (a new one must be placed)."""
+    on_disk = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests"}
+    assert on_disk == set(PACKAGES), f"place these packages in tests/test_architecture.py: {on_disk ^ set(PACKAGES)}"
+    assert [p for layer in LAYERS.values() for p in layer] == ORDER
+
+
+def test_imports_follow_the_order():
+    rank = {p: i for i, p in enumerate(ORDER)}
+    wrong = [
+        f"{src} imports {dst} ({', '.join(where)})"
+        for src, dsts in _edges().items() if src in rank
+        for dst, where in dsts.items() if dst in rank and rank[dst] > rank[src]
+    ]
+    assert not wrong, "imports against the order (a lower floor may not import a higher one):\n" + "\n".join(wrong)
+
+
+def test_no_cycles_between_packages():
+    edges = {src: set(dsts) for src, dsts in _edges().items()}
+
+    def cycle_from(start: str) -> list[str] | None:
+        stack = [(start, [start])]
+        while stack:
+            node, path = stack.pop()
+            for nxt in edges.get(node, ()):
+                if nxt == start:
+                    return path + [start]
+                if nxt not in path:
+                    stack.append((nxt, path + [nxt]))
+        return None
+
+    cycles = {" -> ".join(c) for p in PACKAGES if (c := cycle_from(p))}
+    assert not cycles, "import cycles between packages:\n" + "\n".join(sorted(cycles))
+
+
+def test_dev_services_stay_apart():
+    edges = _edges()
+    bad = [f"devservices imports {dst} ({', '.join(w)})" for dst, w in edges[DEV].items() if dst not in DEV_MAY_IMPORT]
+    for module, path in MODULES.items():
+        if module.split(".")[0] == DEV or module in DEV_IMPORTERS:
+            continue
+        bad += [f"{module}:{line} imports {name}" for name, line in _imports(module, path)
+                if name.split(".")[0] == DEV]
+    assert not bad, "dev-only services reached from production code:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("pure", PURE)
+def test_pure_modules_do_no_io(pure):
+    mods = {m: p for m, p in MODULES.items() if m == pure or m.startswith(pure + ".")}
+    assert mods, f"{pure} not found"
+    bad = [f"{m}:{line} imports {name}" for m, p in mods.items() for name, line in _imports(m, p)
+           if name.split(".")[0] in IO_LIBS]
+    assert not bad, "pure logic must stay free of I/O:\n" + "\n".join(bad)
+
+
+def test_readme_shows_the_same_order():
+    """The README's architecture section names the layers top-down with their packages, in this order."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Architecture"):]
+    section = section[: section.index("\n## ", 4)]
+    positions = []
+    for layer, pkgs in reversed(list(LAYERS.items())):
+        m = re.search(rf"^{re.escape(layer)}\s+(.*)$", section, re.MULTILINE)
+        assert m, f"README architecture section has no line for the {layer} layer"
+        for pkg in pkgs:
+            assert re.search(rf"\b{pkg}/", m.group(1)), f"README's {layer} line does not name {pkg}/"
+        positions.append(m.start())
+    assert positions == sorted(positions), "README lists the layers in another order than tests/test_architecture.py"
+
+
+def test_the_walker_sees_imports_inside_functions(tmp_path):
+    """The parser is what the other tests trust: it must see function-level and relative imports."""
+    f = tmp_path / "m.py"
+    f.write_text("def f():\n    from app.loop import Loop\n    import flows.windowing\nfrom . import sibling\n")
+    names = {n for n, _ in _imports("trainer.m", f)}
+    assert {"app.loop", "flows.windowing", "trainer.sibling"} <= names
