@@ -9,7 +9,6 @@ PNG plots. (The main job, the closed loop, is :mod:`app.loop`.)
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from bytewax.testing import run_main
@@ -44,7 +43,7 @@ def run(settings: Settings, console: Console | None = None) -> list[dict]:
         start_ms = sim.start_ms or time.time_ns() // 1_000_000
         emissions = []
         for v in SIMULATED_VERSIONS:  # versions served side by side, as in an A/B test
-            part = generate(replace(sim, seed=sim.seed + v, start_ms=start_ms), settings.sdk.salt, policy_version=v,
+            part = generate(sim.model_copy(update={"seed": sim.seed + v, "start_ms": start_ms}), settings.sdk.salt, policy_version=v,
                             arm="control" if v == SIMULATED_VERSIONS[0] else "candidate")
             s = stats(part)
             console.print(f"policy v{v}: {s['trajectories']:,} trajectories, {s['emissions']:,} events "
@@ -58,13 +57,13 @@ def run(settings: Settings, console: Console | None = None) -> list[dict]:
                       f"{final.failed} failed, {final.dropped} dropped")
         with console.status("reward flow: windows -> rewards -> ClickHouse ..."):
             t = time.monotonic()
-            run_main(build_flow(replace(settings, flow=replace(settings.flow, tail=False)), bootstrap=services.bootstrap))
+            run_main(build_flow(settings.updated({"flow.tail": False}), bootstrap=services.bootstrap))
         counts = {t_: services.ch.query(f"SELECT count() FROM {db}.{t_} FINAL").result_rows[0][0]
                   for t_ in ("events", "rewards", "trajectories", "dead_letters")}
         console.print(f"reward flow: {time.monotonic() - t:.1f}s; " + ", ".join(f"{k} {v:,}" for k, v in counts.items()))
-        rows = report.version_rows(services.ch, db, settings.flow.versions[0])
+        rows = report.version_rows(services.ch, db, settings.rewards.versions[0])
         ab = report.comparison(services.ch, db, rows)
-        title = (f"Behaviour and reward ({settings.flow.versions[0]}) per policy version — simulated profiles, "
+        title = (f"Behaviour and reward ({settings.rewards.versions[0]}) per policy version — simulated profiles, "
                  "from ClickHouse; change vs the first version [95% CI]")
         console.print(report.table(rows, title, ab))
         png = report.plot(rows, Path(settings.data_path) / "reports" / "behaviour.png", "Behaviour per policy version")

@@ -83,7 +83,8 @@ def cmd_topics(settings: Settings, args: argparse.Namespace, console: Console) -
     from rtrl.kafka import ensure_topics
 
     created = ensure_topics(_bootstrap(settings), settings.kafka.topic_prefix, settings.kafka.partitions,
-                            timeout_s=settings.kafka.timeout_s)
+                            timeout_s=settings.kafka.timeout_s, replication_factor=settings.kafka.replication_factor,
+                            min_insync_replicas=settings.kafka.min_insync_replicas)
     console.print(f"created: {', '.join(created) or 'nothing (all exist)'}")
     return 0
 
@@ -133,7 +134,7 @@ def cmd_simulate(settings: Settings, args: argparse.Namespace, console: Console)
 def cmd_flow(settings: Settings, args: argparse.Namespace, console: Console) -> int:
     from app.parts import recovery_path, run_flow
 
-    tail = settings.flow.tail if args.name == "rewards" else settings.batches.tail
+    tail = settings.flow.tail if args.name == "rewards" else settings.batching.tail
     console.print(f"{args.name} flow: recovery in {recovery_path(settings, args.name)}, snapshot "
                   f"every {settings.flow.snapshot_s:g}s ({'following the topics' if tail else 'until the end of the topics'})")
     run_flow(settings, args.name, _bootstrap(settings), workers=args.workers)
@@ -153,10 +154,8 @@ def cmd_config(settings: Settings, args: argparse.Namespace, console: Console) -
 
         sys.stdout.write(example_toml())
         return 0
-    for name, _default, help_text in describe():
-        section, _, key = name.rpartition(".")
-        value = getattr(getattr(settings, section), key) if section else getattr(settings, key)
-        console.print(f"[bold]{name}[/] = {value!r}  [dim]# {help_text}[/]")
+    for name, value, help_text in describe(settings):  # secrets redacted
+        console.print(f"[bold]{name}[/] = {value!r}  [dim]# {help_text}[/]", highlight=False)
     return 0
 
 

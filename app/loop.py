@@ -47,22 +47,23 @@ from confluent_kafka import Producer
 from rich.console import Console
 
 from client.sdk import RtrlClient
+from evalgate import EvalSuite, GateRules, decide
 from flows.batch_flow import build_flow as batch_flow
 from flows.reward_flow import build_flow as reward_flow
-from monitors.alerts import AlertRule, evaluate
 from monitors.queries import check_promotion
 from rtrl import clickhouse
-from rtrl.settings import Settings
+from rtrl.settings import Settings, refuse_overrides
 from rtrl.kafka import producer_config
 from schemas.codec import JsonCodec
 from schemas.records import Checkpoint, TrainStep
-from simulator.policy import greedy, model_config, sample, warm_start
+from simulator.evalsuite import HeldOutTasks
+from simulator.policy import warm_start
 from simulator.serve import PolicyServer
-from simulator.tasks import COMPLETION_LEN, PROMPT_LEN, held_out, sample_task, score
+from simulator.tasks import COMPLETION_LEN, PROMPT_LEN, VOCAB, sample_task
 from trainer import checkpoint
 from trainer.data import BatchStream
 from trainer.dedup import TrainedSet
-from trainer.loss import LossConfig
+from trainer.config import model_config
 from trainer.model import build_model, init_parallel
 from trainer.train import TrainConfig, train
 
@@ -70,28 +71,36 @@ from trainer.train import TrainConfig, train
 SEQ_LEN, ROWS, MICRO_BATCHES_PER_STEP = 64, 2, 4
 SAMPLES_PER_STEP = (SEQ_LEN // (PROMPT_LEN + COMPLETION_LEN)) * ROWS * MICRO_BATCHES_PER_STEP
 
-#: the eval gate's behaviour rules on sampled held-out completions (rates of 0..1)
-EVAL_RULES: tuple[AlertRule, ...] = (
-    AlertRule("broken_tool_call_rate", "increase", 0.25, floor=0.03),
-    AlertRule("clarify_rate", "increase", 0.5, floor=0.05),
-    AlertRule("edit_rate", "decrease", 0.1, floor=0.05),
-)
+
+#: what the loop's tiny task world needs, and why; a user value that differs is refused, never changed
+LOOP_FIXED: dict[str, tuple[object, str]] = {
+    "flow.tail": (True, "the loop's flows follow the topics while it runs"),
+    "flow.grace_s": (0.2, "the simulated users' events arrive in order within 0.2 s of event time"),
+    "flow.batch_seconds": (0.2, "rewards must reach ClickHouse within a cycle"),
+    "batching.tail": (True, "the loop's flows follow the topics while it runs"),
+    "batching.seq_len": (SEQ_LEN, "the loop's policy is built for rows of this many tokens"),
+    "batching.rows": (ROWS, "micro-batches of the loop's tiny tasks"),
+    "batching.flush_s": (0.5, "a cycle lasts seconds: samples may not wait longer for a full micro-batch"),
+    "batching.group_wait_s": (2.0, "a cycle lasts seconds: groups may not wait longer for their samples"),
+    "batching.idle_flush_s": (0.5, "a cycle lasts seconds"),
+    "train.micro_batches_per_step": (MICRO_BATCHES_PER_STEP, "the samples trigger counts whole steps of this size"),
+    "model.vocab_size": (VOCAB, "the simulator's task vocabulary"),
+    "model.seq_length": (SEQ_LEN, "the packed rows of the batch flow (batching.seq_len)"),
+    "parallel.pp": (1, "the loop trains in one process"),
+}
 
 
 def loop_settings(settings: Settings) -> Settings:
-    """The settings the loop runs with: rows, sequence length and waits fitted to its tiny tasks."""
-    return replace(
-        settings,
-        flow=replace(settings.flow, tail=True, grace_s=min(settings.flow.grace_s, 0.2), batch_seconds=0.2),
-        batches=replace(settings.batches, tail=True, seq_len=SEQ_LEN, rows=ROWS, flush_s=0.5, group_wait_s=2.0,
-                        idle_flush_s=0.5),
-        trainer=replace(settings.trainer, micro_batches_per_step=MICRO_BATCHES_PER_STEP),
-    )
+    """The settings the loop runs with: rows, sequence length and waits fitted to its tiny tasks
+    (:data:`LOOP_FIXED`). A setting the user gave another value is refused with the reason."""
+    return refuse_overrides(settings, LOOP_FIXED, "the closed loop (rtrl run)")
 
 
 def loop_model_config(settings: Settings):
-    """The tiny policy every part of the loop builds (trainer, reference, policy server)."""
-    return model_config(seq_length=SEQ_LEN, seed=1234 + settings.loop.seed)
+    """The policy every part of the loop builds (trainer, reference, policy server): the settings'
+    ``model`` section (the tiny CPU model by default) over the simulator's vocabulary."""
+    cfg, _ = model_config(loop_settings(settings))
+    return replace(cfg, seed=cfg.seed + settings.loop.seed)
 
 
 def policy_server(settings: Settings, bootstrap: str, client: RtrlClient, cfg, seed: int) -> PolicyServer:
@@ -128,30 +137,6 @@ class CycleResult:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-def eval_suite(model, tasks, seed: int) -> dict[str, float]:
-    """Greedy solve rates plus the behaviour of sampled completions (same seed for every model)."""
-    out = {f"greedy_{k}": v for k, v in score(tasks, greedy(model, tasks)).items()}
-    comps, _ = sample(model, tasks * 2, torch.Generator().manual_seed(seed))
-    out |= score(tasks * 2, comps)
-    return out
-
-
-def gate(candidate: dict[str, float], parent: dict[str, float], root: dict[str, float], tolerance: float,
-         samples: int) -> tuple[bool, str]:
-    """Promote when the solve rate did not drop beyond ``tolerance`` and no behaviour rule fires
-    against the serving version or the first one (slow drift)."""
-    problems = []
-    if candidate["solve_rate"] < parent["solve_rate"] - tolerance:
-        problems.append(f"solve rate {candidate['solve_rate']:.3f} < {parent['solve_rate']:.3f} - {tolerance}")
-    for name, base in (("serving", parent), ("first", root)):
-        ev = evaluate(candidate | {"trajectories": samples}, base | {"trajectories": samples}, EVAL_RULES)
-        problems += [f"vs {name}: {a.message}" for a in ev.alerts]
-    if problems:
-        return False, "; ".join(problems)
-    return True, (f"solve rate {candidate['solve_rate']:.3f} (serving {parent['solve_rate']:.3f}); "
-                  f"broken {candidate['broken_tool_call_rate']:.3f}, clarify {candidate['clarify_rate']:.3f}")
-
-
 class Loop:
     """The loop's trainer and eval gate; in one process (``serve=True``) also the flows and the policy server.
 
@@ -159,9 +144,13 @@ class Loop:
     (``loop/state.json``: versions, evaluations, offsets, what was trained, an announcement not yet
     confirmed) is written at every decision and the trainer checkpoints every
     ``loop.checkpoint_every`` steps within a cycle, so a trainer killed at any point resumes where its
-    last checkpoint left off."""
+    last checkpoint left off.
 
-    def __init__(self, settings: Settings, bootstrap: str, ch, serve: bool = True):
+    ``suite`` scores candidates (default: :class:`simulator.evalsuite.HeldOutTasks` of ``loop.eval_tasks``
+    tasks) and ``rules`` judge the scores (default: :class:`evalgate.GateRules` with ``loop.solve_tolerance``)."""
+
+    def __init__(self, settings: Settings, bootstrap: str, ch, serve: bool = True, suite: EvalSuite | None = None,
+                 rules: GateRules | None = None):
         self.settings, self.bootstrap, self.ch = loop_settings(settings), bootstrap, ch
         s, ls = self.settings, self.settings.loop
         self.db = s.clickhouse.database
@@ -172,7 +161,8 @@ class Loop:
         init_parallel(cfg)
         torch.manual_seed(ls.seed)
         self.model, self.reference = build_model(cfg), build_model(cfg)
-        self.tasks = held_out(ls.eval_tasks, seed=7 + ls.seed)
+        self.suite: EvalSuite = suite if suite is not None else HeldOutTasks(ls.eval_tasks, ls.seed)
+        self.rules = rules if rules is not None else GateRules(solve_tolerance=ls.solve_tolerance)
         self.stop = threading.Event()
         self.threads: list[threading.Thread] = []
         self.offsets: dict[str, int] | None = None
@@ -227,7 +217,7 @@ class Loop:
                        right_easy=ls.warm_right_easy if ls.warm_right_easy >= 0 else None)
             checkpoint.save(path, self.model, extra={"version": 0})
         self.reference.load_state_dict(self.model.state_dict())  # the KL reference: version 0
-        self.evals[0] = eval_suite(self.model, self.tasks, ls.seed)
+        self.evals[0] = self.suite.evaluate(self.model)
         self._decide([self._checkpoint(0, None, [], "promoted", "initial policy (warm start)", self.evals[0], path)])
 
     # ------------------------------------------------------------ state (what a restarted trainer resumes)
@@ -317,12 +307,11 @@ class Loop:
         # ones met on the way are trained too (one version late, importance-corrected)
         wanted = int(0.98 * ls.samples_per_cycle)
         self._progress = collections.deque()
-        tc = TrainConfig(run_id=run_id, micro_batches_per_step=MICRO_BATCHES_PER_STEP, max_steps=10**9,
-                         lr=s.trainer.lr, max_policy_lag=s.trainer.max_policy_lag, checkpoint_every=ls.checkpoint_every,
-                         # step checkpoints make a killed trainer resumable: only where it is its own process
-                         checkpoint_dir=str(cycle_dir) if self.server is None else "",
-                         idle_timeout_s=min(30.0, ls.cycle_max_s),
-                         loss=LossConfig(kl_coef=s.trainer.kl_coef))
+        tc = TrainConfig.from_settings(s, run_id=run_id, max_steps=10**9, checkpoint_every=ls.checkpoint_every,
+                                       # step checkpoints make a killed trainer resumable: only where it is its
+                                       # own process
+                                       checkpoint_dir=str(cycle_dir) if self.server is None else "",
+                                       idle_timeout_s=min(30.0, ls.cycle_max_s))
         deadline = time.monotonic() + ls.cycle_max_s
         train(self.model, self.reference, make_source, tc, policy_version=serving, resume=True, on_step=self._on_step,
               should_stop=lambda: self._cycle_done(wanted, deadline), trained=self.trained, start=self.offsets)
@@ -335,8 +324,9 @@ class Loop:
         path = self.ckpt_root / f"v{version}"
         if not checkpoint.is_complete(path):  # (a resumed cycle may have written it before the crash)
             checkpoint.save(path, self.model, extra={"version": version, "offsets": self.offsets})
-        ev = eval_suite(self.model, self.tasks, ls.seed)
-        ok, reason = gate(ev, self.evals[serving], self.evals[0], ls.solve_tolerance, 2 * len(self.tasks))
+        ev = self.suite.evaluate(self.model)
+        verdict = decide(ev, self.evals[serving], self.evals[0], self.suite.samples, self.rules)
+        ok, reason = verdict.promote, verdict.reason
         if not steps:
             ok, reason = False, "no micro-batch arrived within the cycle's wall time"
         candidate = self._checkpoint(version, serving, steps, "candidate", "trained", ev, path)
@@ -352,7 +342,7 @@ class Loop:
             self.weights = self.ckpt_root / f"v{serving}"
         else:
             self.weights = path
-        self.trained.prune(self.serving - s.trainer.max_policy_lag)
+        self.trained.prune(self.serving - s.train.max_policy_lag)
         self._decide([candidate, self._checkpoint(version, serving, steps, status, reason, ev, path)])
         shutil.rmtree(cycle_dir, ignore_errors=True)  # decided: the cycle's step checkpoints are not needed
         times["eval"] = time.monotonic() - t
@@ -419,6 +409,7 @@ def run_loop(settings: Settings, console: Console | None = None) -> list[dict]:
     from app.services import Services
 
     console = console or Console()
+    settings = loop_settings(settings)  # refuses settings the loop cannot honour before anything starts
     if settings.loop.processes:
         from app.supervisor import run_processes
 
@@ -429,7 +420,7 @@ def run_loop(settings: Settings, console: Console | None = None) -> list[dict]:
     t0 = time.monotonic()
     services = Services(settings)
     loop = Loop(settings, services.bootstrap, services.ch)
-    ls, rv = loop.settings.loop, loop.settings.batches.reward_version
+    ls, rv = loop.settings.loop, loop.settings.rewards.train_version
     try:
         console.print(f"broker {services.bootstrap} · ClickHouse {clickhouse.redact(settings.clickhouse_dsn)} · "
                       f"training on reward {rv} · {ls.cycles} cycles of {ls.samples_per_cycle:,} samples")
@@ -466,7 +457,7 @@ def final_report(settings: Settings, ch, console: Console, t0: float) -> list[di
     """The table per checkpoint from ClickHouse and the PNG plots: how the main job ends."""
     from app import report
 
-    rv = settings.batches.reward_version
+    rv = settings.rewards.train_version
     rows = report.checkpoint_rows(ch, settings.clickhouse.database, rv)
     console.print(report.checkpoint_table(rows, f"Checkpoints (reward {rv}): eval gate, live behaviour from "
                                                 "ClickHouse, change vs v0"))

@@ -31,7 +31,7 @@ PARTS = ("rewards", "batches", "serve", "train")
 
 def recovery_path(settings: Settings, name: str) -> Path:
     """Bytewax recovery folder of flow ``name`` (its setting, else ``<data_dir>/recovery/<name>``)."""
-    setting = settings.flow.recovery_dir if name == "rewards" else settings.batches.recovery_dir
+    setting = settings.flow.recovery_dir if name == "rewards" else settings.batching.recovery_dir
     return Path(setting or settings.data_path / "recovery" / name)
 
 
@@ -110,8 +110,6 @@ def train(settings: Settings, bootstrap: str) -> None:
 
 
 def main(argv: list[str] | None = None, settings: Settings | None = None) -> int:
-    from dataclasses import replace
-
     argv = sys.argv[1:] if argv is None else argv
     to_end = argv[1:] == ["--to-end"]
     if not argv or argv[0] not in PARTS or (len(argv) > 1 and not (to_end and argv[0] in ("rewards", "batches"))):
@@ -122,7 +120,7 @@ def main(argv: list[str] | None = None, settings: Settings | None = None) -> int
 
     settings = loop_settings(settings or load_settings())
     if to_end:
-        settings = replace(settings, flow=replace(settings.flow, tail=False), batches=replace(settings.batches, tail=False))
+        settings = settings.updated({"flow.tail": False, "batching.tail": False})
     bootstrap = bootstrap_for(settings)
     name = argv[0]
     if name in ("rewards", "batches"):

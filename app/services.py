@@ -36,7 +36,8 @@ class Services:
             self.bootstrap = self.local_broker.up(timeout_s=max(30.0, settings.kafka.timeout_s))
         try:
             ensure_topics(self.bootstrap, settings.kafka.topic_prefix, settings.kafka.partitions,
-                          timeout_s=settings.kafka.timeout_s)
+                          timeout_s=settings.kafka.timeout_s, replication_factor=settings.kafka.replication_factor,
+                          min_insync_replicas=settings.kafka.min_insync_replicas)
             self.ch = clickhouse.setup(settings.clickhouse_dsn, settings.clickhouse.database, settings.clickhouse.timeout_s)
         except BaseException:
             self.close()

@@ -18,7 +18,6 @@ import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 from rtrl.settings import Settings, as_env
@@ -60,9 +59,9 @@ class Supervisor:
             self.ch_proc, self.dsn = chserver.spawn(s.clickhouse_dsn[len("chdb://"):], log=self.log_dir / "clickhouse.log")
         else:
             self.dsn = s.clickhouse_dsn
-        self.services = Services(replace(s, clickhouse=replace(s.clickhouse, dsn=self.dsn)))
+        self.services = Services(s.updated({"clickhouse.dsn": self.dsn}))
         self.bootstrap, self.ch = self.services.bootstrap, self.services.ch
-        child = replace(s, kafka=replace(s.kafka, bootstrap=self.bootstrap), clickhouse=replace(s.clickhouse, dsn=self.dsn))
+        child = s.updated({"kafka.bootstrap": self.bootstrap, "clickhouse.dsn": self.dsn})
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")} | as_env(child)
 
     # ------------------------------------------------------------ parts

@@ -104,8 +104,8 @@ def main() -> None:
         ids = [bid for st in r.steps for bid in st.batch_ids]
         mem = [to_batch(batches[b], 0, i) for i, b in enumerate(ids) if b in batches]
         loop.model.load_state_dict(loop.reference.state_dict())
-        tc = TrainConfig(micro_batches_per_step=4, max_steps=len(r.steps), lr=s.trainer.lr,
-                         max_policy_lag=10**6, loss=LossConfig(kl_coef=s.trainer.kl_coef))
+        tc = TrainConfig(micro_batches_per_step=4, max_steps=len(r.steps), lr=s.train.lr,
+                         max_policy_lag=10**6, loss=LossConfig(kl_coef=s.train.kl_coef))
         t = time.monotonic()
         train(loop.model, loop.reference, lambda _o, m=mem: MemorySource(m), tc, policy_version=r.parent, resume=False)
         base = time.monotonic() - t

@@ -69,6 +69,7 @@ from rtrl import clickhouse
 from devservices.broker import LocalBroker
 from rtrl.settings import SimulatorSettings, load_settings
 from rtrl.kafka import base_config, ensure_topics, producer_config
+from rtrl.kafka import produce as produce_one  # bench's own produce() sends a whole list
 from schemas.codec import Invalid, event_codec
 from schemas.records import EditProposed, EventBase, ToolCall, TrajectoryStarted
 from schemas.types import to_arrow
@@ -204,12 +205,7 @@ def print_cpu(groups: dict[str, float], wall: float) -> None:
 def produce(bootstrap: str, topic: str, payloads: list[tuple[bytes, bytes]]) -> None:
     p = Producer(producer_config(bootstrap))
     for key, value in payloads:
-        while True:
-            try:
-                p.produce(topic, key=key, value=value)
-                break
-            except BufferError:
-                p.poll(0.01)
+        produce_one(p, topic, value, key, poll_s=0.01)
         p.poll(0)
     assert p.flush(120) == 0
 

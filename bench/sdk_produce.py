@@ -21,7 +21,7 @@ from confluent_kafka import Producer
 from client.sdk import RtrlClient
 from devservices.broker import LocalBroker
 from rtrl.settings import SimulatorSettings
-from rtrl.kafka import ensure_topics, producer_config
+from rtrl.kafka import ensure_topics, produce, producer_config
 from schemas.codec import event_codec
 from simulator.generate import generate
 
@@ -32,12 +32,7 @@ def raw_round(bootstrap: str, topic: str, payloads: list[tuple[bytes, bytes]], c
     p = Producer(producer_config(bootstrap, compression))
     t = time.perf_counter()
     for key, value in payloads:
-        while True:
-            try:
-                p.produce(topic, value=value, key=key)
-                break
-            except BufferError:
-                p.poll(0.01)
+        produce(p, topic, value, key, poll_s=0.01)
         p.poll(0)
     assert p.flush(120) == 0
     return time.perf_counter() - t

@@ -25,7 +25,7 @@ from typing import Any, Literal
 from confluent_kafka import Producer
 
 from client.hashing import hash_user
-from rtrl.kafka import producer_config
+from rtrl.kafka import produce, producer_config
 from schemas.codec import DEFAULT_MAX_BYTES, Invalid, event_codec
 from schemas.records import (
     ClarifyingQuestion,
@@ -186,14 +186,11 @@ class RtrlClient:
         while True:
             self._wake.wait(0.05)
             self._wake.clear()
-            queue, produce, n = self._queue, producer.produce, 0
+            queue, topic, on_delivery, n = self._queue, self.topic, self._on_delivery, 0
             while queue:
                 key, value = queue[0]
-                try:
-                    produce(self.topic, value=value, key=key, on_delivery=self._on_delivery)
-                except BufferError:  # producer's own queue is full (e.g. broker down): wait, retry
-                    producer.poll(0.05)
-                    continue
+                # waits while the producer's own queue is full (e.g. broker down), never drops
+                produce(producer, topic, value, key, on_delivery, poll_s=0.05)
                 queue.popleft()
                 self._in_producer += 1
                 n += 1

@@ -17,18 +17,27 @@ emits the same micro-batches with the same ids. The one wall-clock rule: a cohor
 ready but no new input for ``batches.idle_flush_s`` sends them as a partial micro-batch instead
 of waiting for more data. The serving version against which lag is measured is the newest
 ``policy_version`` seen in the cohort's rollouts (the policy server samples with the promoted one).
+
+The inputs and the outputs are injectable: :func:`build_flow` takes ``sources`` (by input name, see
+:data:`INPUTS`) and ``sinks`` (by output name, see :data:`OUTPUTS`), so the flow runs in-process on
+Bytewax's ``TestingSource``/``TestingSink`` without a broker or ClickHouse. Left out, they are
+:func:`kafka_inputs` and :func:`service_outputs`.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 
 import bytewax.operators as op
 from bytewax.dataflow import Dataflow
+from bytewax.inputs import Source
 from bytewax.operators import StatefulBatchLogic
+from bytewax.outputs import Sink
 
+from rewards import check_versions
 from flows.batching import BatchBuilder, BatchConfig
 from flows.kafka_io import kafka_source
 from flows.processor import Message
@@ -38,10 +47,19 @@ from rtrl.settings import Settings, load_settings
 from schemas.codec import Invalid, JsonCodec, dead_letter, encode_batch
 from schemas.records import BatchStats, DeadLetter, MicroBatch, Reward, Rollout
 
+#: the flow's inputs: each yields :class:`flows.processor.Message` tuples (unkeyed)
+INPUTS = ("rollouts", "rewards")
+#: the flow's outputs: ``kafka`` takes ``("kafka", [(topic, key, value), ...])`` items (micro-batches
+#: and dead letters), ``clickhouse`` takes ``("clickhouse", (table, rows))`` items (batch_stats, dead_letters)
+OUTPUTS = ("kafka", "clickhouse")
+
 
 def batch_config(settings: Settings) -> BatchConfig:
-    b = settings.batches
-    return BatchConfig(reward_version=b.reward_version, max_policy_lag=settings.trainer.max_policy_lag,
+    """The ``batching`` section (with the trained reward version and the policy-lag limit) as the pure
+    builder's config: the one mapping of those settings."""
+    check_versions([settings.rewards.train_version], "rewards.train_version")
+    b = settings.batching
+    return BatchConfig(reward_version=settings.rewards.train_version, max_policy_lag=settings.train.max_policy_lag,
                        join_wait_ms=int(b.join_wait_s * 1000), group_wait_ms=int(b.group_wait_s * 1000),
                        seq_len=b.seq_len, rows=b.rows, flush_ms=int(b.flush_s * 1000), baseline_alpha=b.baseline_alpha)
 
@@ -108,20 +126,51 @@ def _parser(codec: JsonCodec, kind: str, source: str):
     return parse
 
 
-def build_flow(settings: Settings, bootstrap: str | None = None, stop: threading.Event | None = None) -> Dataflow:
-    """The batch flow for ``settings`` (``bootstrap`` overrides ``kafka.bootstrap``; setting ``stop`` ends
-    an in-process run cleanly)."""
+def _broker(settings: Settings, bootstrap: str | None) -> str:
     bootstrap = bootstrap or settings.kafka.bootstrap
     if not bootstrap:
         raise ConfigError("kafka.bootstrap is empty and no broker address was given; fix: set kafka.bootstrap "
                           "(RTRL_KAFKA__BOOTSTRAP), or run the flow with `rtrl flow NAME`, which starts the local broker")
-    cfg, bs, k = batch_config(settings), settings.batches, settings.kafka
+    return bootstrap
+
+
+def _injected(given: Mapping, names: tuple[str, ...], what: str) -> dict:
+    if set(given) != set(names):
+        raise ValueError(f"{what} must map exactly {list(names)}, got {sorted(given)}")
+    return dict(given)
+
+
+def kafka_inputs(settings: Settings, bootstrap: str | None = None,
+                 stop: threading.Event | None = None) -> dict[str, Source]:
+    """The flow's default inputs (after a bounded broker check): rtrl.rollouts and rtrl.rewards."""
+    bootstrap, k, tail = _broker(settings, bootstrap), settings.kafka, settings.batching.tail
+    return {name: kafka_source(bootstrap, [settings.topic(name)], k.timeout_s, tail=tail, idle_s=k.idle_backoff_s,
+                               stop=stop) for name in INPUTS}
+
+
+def service_outputs(settings: Settings, bootstrap: str | None = None) -> dict[str, Sink]:
+    """The flow's default outputs: the Kafka topics and the ClickHouse tables."""
+    return {"kafka": KafkaSink(_broker(settings, bootstrap), settings.sdk.delivery_timeout_s, settings.kafka.compression),
+            "clickhouse": ClickHouseSink(settings.clickhouse_dsn, settings.clickhouse.database, 1000, 1.0,
+                                         settings.clickhouse.timeout_s)}
+
+
+def build_flow(settings: Settings, bootstrap: str | None = None, stop: threading.Event | None = None, *,
+               sources: Mapping[str, Source] | None = None, sinks: Mapping[str, Sink] | None = None) -> Dataflow:
+    """The batch flow for ``settings``.
+
+    ``sources`` maps each name of :data:`INPUTS` to a Bytewax source and ``sinks`` each name of
+    :data:`OUTPUTS` to a sink; left out, they are :func:`kafka_inputs` / :func:`service_outputs`
+    (``bootstrap`` overrides ``kafka.bootstrap``; setting ``stop`` ends an in-process run cleanly).
+    With both given the flow touches neither Kafka nor ClickHouse."""
+    cfg, bs = batch_config(settings), settings.batching  # bad settings fail before any I/O
+    sources = kafka_inputs(settings, bootstrap, stop) if sources is None else _injected(sources, INPUTS, "sources")
+    sinks = service_outputs(settings, bootstrap) if sinks is None else _injected(sinks, OUTPUTS, "sinks")
     flow = Dataflow("rtrl_batches")
     parsed = []
     for name, cls in (("rollouts", Rollout), ("rewards", Reward)):
         topic = settings.topic(name)
-        src = op.input(f"{name}_in", flow, kafka_source(bootstrap, [topic], k.timeout_s, tail=bs.tail,
-                                                         idle_s=k.idle_backoff_s, stop=stop))
+        src = op.input(f"{name}_in", flow, sources[name])
         parsed.append(op.flat_map(f"parse_{name}", src, _parser(JsonCodec(cls), name[:-1], topic)))
     items = op.merge("merge", *parsed)
     split = op.branch("split_dead", items, lambda kv: kv[0] != "dead")
@@ -143,13 +192,11 @@ def build_flow(settings: Settings, bootstrap: str | None = None, stop: threading
         d = kv[1]
         return [("kafka", [(dl_topic, d.source.encode(), dl_codec.encode(d))])]
 
-    sink = KafkaSink(bootstrap, settings.sdk.delivery_timeout_s, k.compression)
     op.output("kafka", op.merge("to_kafka", op.flat_map("batches_to_kafka", out, to_kafka),
-                                op.flat_map("dead_to_kafka", split.falses, dead_to_kafka)), sink)
+                                op.flat_map("dead_to_kafka", split.falses, dead_to_kafka)), sinks["kafka"])
     to_ch = op.merge("to_clickhouse", op.map("stats", out, lambda kv: ("clickhouse", ("batch_stats", [kv[1][1]]))),
                      op.map("dead_to_clickhouse", split.falses, lambda kv: ("clickhouse", ("dead_letters", [kv[1]]))))
-    op.output("clickhouse", to_ch,
-              ClickHouseSink(settings.clickhouse_dsn, settings.clickhouse.database, 1000, 1.0, settings.clickhouse.timeout_s))
+    op.output("clickhouse", to_ch, sinks["clickhouse"])
     return flow
 
 

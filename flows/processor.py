@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple
 
 from flows.windowing import Closed, PartitionWindows, Rejected, WindowConfig
-from rewards import REWARD_VERSIONS, features, get_config, reward
+from rewards import check_versions, features, get_config, reward
 from rewards.features import TrajectoryFeatures
 from schemas.codec import Invalid, dead_letter, event_codec
 from schemas.records import DeadLetter, EventBase, Reward, TrajectorySummary
@@ -79,9 +79,7 @@ class RewardProcessor:
         max_event_bytes: int = 64 * 1024,
         state: PartitionWindows | None = None,
     ):
-        unknown = [v for v in reward_versions if v not in REWARD_VERSIONS]
-        if unknown:
-            raise ValueError(f"unknown reward versions {unknown}; known: {sorted(REWARD_VERSIONS)} (setting flow.reward_versions)")
+        check_versions(reward_versions)  # ConfigError naming rewards.versions
         self.source = source
         self.versions = [(v, get_config(v)) for v in reward_versions]
         self.codec = event_codec(max_event_bytes)

@@ -12,16 +12,24 @@ Steps (stable step ids key the recovery state):
 ``kafka``       rtrl.rewards and rtrl.dead_letters topics
 
 Settings come from :func:`rtrl.settings.load_settings` (file + RTRL_* environment), section [flow].
+
+The input and the outputs are injectable: :func:`build_flow` takes ``sources`` (by input name, see
+:data:`INPUTS`) and ``sinks`` (by output name, see :data:`OUTPUTS`), so the flow runs in-process on
+Bytewax's ``TestingSource``/``TestingSink`` without a broker or ClickHouse. Left out, they are
+:func:`kafka_inputs` and :func:`service_outputs`.
 """
 
 from __future__ import annotations
 
 import gc
 import threading
+from collections.abc import Mapping
 
 import bytewax.operators as op
 from bytewax.dataflow import Dataflow
+from bytewax.inputs import Source
 from bytewax.operators import StatefulBatchLogic
+from bytewax.outputs import Sink
 
 from flows.kafka_io import kafka_source
 from flows.processor import FlowOutput, RewardProcessor
@@ -31,6 +39,12 @@ from rtrl.errors import ConfigError
 from rtrl.settings import Settings, load_settings
 from schemas.codec import JsonCodec
 from schemas.records import DeadLetter, Reward
+
+#: the flow's input: ``events`` yields ``(str(partition), Message)`` pairs, one key per Kafka partition
+INPUTS = ("events",)
+#: the flow's outputs: ``clickhouse`` takes ``("clickhouse", (table, rows))`` items, ``kafka`` takes
+#: ``("kafka", [(topic, key, value), ...])`` items
+OUTPUTS = ("clickhouse", "kafka")
 
 
 def window_config(settings: Settings) -> WindowConfig:
@@ -57,17 +71,51 @@ class _PartitionLogic(StatefulBatchLogic):
         return self.processor.windows
 
 
-def build_flow(settings: Settings, bootstrap: str | None = None, stop: threading.Event | None = None) -> Dataflow:
-    """The reward flow for ``settings`` (``bootstrap`` overrides ``kafka.bootstrap``; setting ``stop`` ends
-    an in-process run cleanly)."""
+def _broker(settings: Settings, bootstrap: str | None) -> str:
     bootstrap = bootstrap or settings.kafka.bootstrap
     if not bootstrap:
         raise ConfigError("kafka.bootstrap is empty and no broker address was given; fix: set kafka.bootstrap "
                           "(RTRL_KAFKA__BOOTSTRAP), or run the flow with `rtrl flow NAME`, which starts the local broker")
+    return bootstrap
+
+
+def _injected(given: Mapping, names: tuple[str, ...], what: str) -> dict:
+    if set(given) != set(names):
+        raise ValueError(f"{what} must map exactly {list(names)}, got {sorted(given)}")
+    return dict(given)
+
+
+def kafka_inputs(settings: Settings, bootstrap: str | None = None,
+                 stop: threading.Event | None = None) -> dict[str, Source]:
+    """The flow's default input (after a bounded broker check): rtrl.events, keyed by Kafka partition."""
+    bootstrap, fs = _broker(settings, bootstrap), settings.flow
+    return {"events": kafka_source(bootstrap, [settings.topic("events")], settings.kafka.timeout_s, tail=fs.tail,
+                                   idle_s=settings.kafka.idle_backoff_s, keyed=True, stop=stop)}
+
+
+def service_outputs(settings: Settings, bootstrap: str | None = None) -> dict[str, Sink]:
+    """The flow's default outputs: the ClickHouse tables (+ the Parquet archive) and the Kafka topics."""
+    fs = settings.flow
+    archive_root = fs.archive_dir or str(settings.data_path / "archive" / "events")
+    return {"clickhouse": ClickHouseSink(settings.clickhouse_dsn, settings.clickhouse.database, fs.batch_rows,
+                                         fs.batch_seconds, settings.clickhouse.timeout_s, archive=archive_root),
+            "kafka": KafkaSink(_broker(settings, bootstrap), settings.sdk.delivery_timeout_s, settings.kafka.compression)}
+
+
+def build_flow(settings: Settings, bootstrap: str | None = None, stop: threading.Event | None = None, *,
+               sources: Mapping[str, Source] | None = None, sinks: Mapping[str, Sink] | None = None) -> Dataflow:
+    """The reward flow for ``settings``.
+
+    ``sources`` maps each name of :data:`INPUTS` to a Bytewax source and ``sinks`` each name of
+    :data:`OUTPUTS` to a sink; left out, they are :func:`kafka_inputs` / :func:`service_outputs`
+    (``bootstrap`` overrides ``kafka.bootstrap``; setting ``stop`` ends an in-process run cleanly).
+    With both given the flow touches neither Kafka nor ClickHouse."""
     source_topic = settings.topic("events")
-    cfg, fs = window_config(settings), settings.flow
-    versions = fs.versions
+    cfg = window_config(settings)
+    versions = settings.rewards.versions
     RewardProcessor(source_topic, cfg, versions)  # fail fast on unknown reward versions, before any I/O
+    sources = kafka_inputs(settings, bootstrap, stop) if sources is None else _injected(sources, INPUTS, "sources")
+    sinks = service_outputs(settings, bootstrap) if sinks is None else _injected(sinks, OUTPUTS, "sinks")
 
     def build(resume: PartitionWindows | None) -> _PartitionLogic:
         return _PartitionLogic(RewardProcessor(source_topic, cfg, versions, settings.sdk.max_event_bytes, resume))
@@ -79,8 +127,7 @@ def build_flow(settings: Settings, bootstrap: str | None = None, stop: threading
     gc.set_threshold(max(gen0, 50_000), gen1, gen2)
     flow = Dataflow("rtrl_rewards")
     # keyed by Kafka partition at the source: one partition = one event-time clock
-    keyed = op.input("events_in", flow, kafka_source(bootstrap, [source_topic], settings.kafka.timeout_s, tail=fs.tail,
-                                                     idle_s=settings.kafka.idle_backoff_s, keyed=True, stop=stop))
+    keyed = op.input("events_in", flow, sources["events"])
     out = op.stateful_batch("rewards", keyed, build)
 
     def to_clickhouse(kv: tuple[str, FlowOutput]) -> list[tuple[str, tuple[str, list]]]:
@@ -98,12 +145,8 @@ def build_flow(settings: Settings, bootstrap: str | None = None, stop: threading
         batch += [(dl_topic, d.source.encode(), dl_codec.encode(d)) for d in o.dead_letters]
         return [("kafka", batch)] if batch else []
 
-    archive_root = fs.archive_dir or str(settings.data_path / "archive" / "events")
-    op.output("clickhouse", op.flat_map("to_clickhouse", out, to_clickhouse),
-              ClickHouseSink(settings.clickhouse_dsn, settings.clickhouse.database, fs.batch_rows, fs.batch_seconds,
-                             settings.clickhouse.timeout_s, archive=archive_root))
-    op.output("kafka", op.flat_map("to_kafka", out, to_kafka), KafkaSink(bootstrap, settings.sdk.delivery_timeout_s,
-                                                                              settings.kafka.compression))
+    op.output("clickhouse", op.flat_map("to_clickhouse", out, to_clickhouse), sinks["clickhouse"])
+    op.output("kafka", op.flat_map("to_kafka", out, to_kafka), sinks["kafka"])
     return flow
 
 

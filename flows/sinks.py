@@ -30,7 +30,7 @@ from bytewax.outputs import FixedPartitionedSink, StatefulSinkPartition
 from confluent_kafka import Producer
 
 from rtrl import clickhouse
-from rtrl.kafka import producer_config
+from rtrl.kafka import produce, producer_config
 from schemas.records import EventBase
 from schemas.types import to_arrow
 
@@ -217,13 +217,8 @@ class _KafkaPart(StatefulSinkPartition):
 
     def write_batch(self, items: list[list[tuple[str, bytes, bytes]]]) -> None:
         for batch in items:
-            for topic, key, value in batch:
-                while True:
-                    try:
-                        self.producer.produce(topic, value=value, key=key, on_delivery=self._on_delivery)
-                        break
-                    except BufferError:  # the producer's queue is full: let it deliver (backpressure)
-                        self.producer.poll(0.1)
+            for topic, key, value in batch:  # a full producer queue waits for deliveries (backpressure)
+                produce(self.producer, topic, value, key, self._on_delivery, poll_s=0.1)
         self.producer.poll(0)  # serve delivery callbacks
 
     def _flush(self) -> None:

@@ -69,10 +69,6 @@ class TrajectoryFeatures:
         """Asked a clarifying question and proposed no edit: the 'ask instead of edit' pattern."""
         return self.clarifying_questions > 0 and self.edits_proposed == 0
 
-    @property
-    def mean_persisted(self) -> float | None:
-        return sum(self.persisted.values()) / len(self.persisted) if self.persisted else None
-
 
 def features(events: Iterable[EventBase]) -> TrajectoryFeatures:
     """Features of one trajectory's events (any order, duplicates allowed; at least one event)."""

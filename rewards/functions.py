@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from rewards.features import TrajectoryFeatures, features
+from rtrl.errors import ConfigError
 from schemas.records import EventBase
 
 COMPONENTS: tuple[str, ...] = (
@@ -263,3 +264,11 @@ def get_config(version: str) -> RewardConfig:
 def compute(events: Iterable[EventBase], version: str = CURRENT_VERSION) -> RewardResult | None:
     """Features of ``events`` (any order, duplicates allowed) scored under ``version``."""
     return reward(features(events), get_config(version))
+
+
+def check_versions(names: list[str], setting: str = "rewards.versions") -> None:
+    """Raise :class:`rtrl.errors.ConfigError` naming ``setting`` when a name is not a reward version."""
+    unknown = [v for v in names if v not in REWARD_VERSIONS]
+    if unknown:
+        raise ConfigError(f"setting {setting} = {names} names unknown reward versions {unknown}; fix: use "
+                          f"{', '.join(sorted(REWARD_VERSIONS))} (RTRL_{setting.upper().replace('.', '__')})")

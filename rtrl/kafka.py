@@ -1,4 +1,4 @@
-"""Kafka access: bounded reachability checks, idempotent topic creation, client configs.
+"""Kafka access: bounded reachability checks, idempotent topic creation, client configs, produce with backpressure.
 
 Every call that talks to the broker has a deadline, so an unreachable broker is reported with its
 address within ``kafka.timeout_s`` instead of hanging (Bytewax's KafkaSource lists partitions
@@ -8,12 +8,13 @@ with no deadline; flows call :func:`check_broker` before building one).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
-from rtrl.errors import ServiceUnavailable
+from rtrl.errors import ConfigError, SchemaMismatch, ServiceUnavailable
 from schemas.topics import TOPICS, TopicSpec
 
 log = logging.getLogger("rtrl.kafka")
@@ -50,15 +51,48 @@ def check_broker(bootstrap: str, timeout_s: float = 10.0) -> Any:
 
 
 def ensure_topics(
-    bootstrap: str, prefix: str, default_partitions: int, specs: tuple[TopicSpec, ...] = TOPICS, timeout_s: float = 10.0
+    bootstrap: str,
+    prefix: str,
+    default_partitions: int,
+    specs: tuple[TopicSpec, ...] = TOPICS,
+    timeout_s: float = 10.0,
+    replication_factor: int = 1,
+    min_insync_replicas: int = 1,
 ) -> list[str]:
-    """Create missing topics with their partitions and retention; return the names created now."""
+    """Create missing topics; check existing ones; return the names created now.
+
+    New topics get their partitions (``spec.partitions`` or ``default_partitions``), retention,
+    ``replication_factor`` replicas and, when ``min_insync_replicas`` > 1, the topic config
+    ``min.insync.replicas`` (at 1 the cluster's own default is left in place: it can only be higher).
+    Topics that exist already must have those partitions and that replication factor (and at least
+    ``min_insync_replicas`` when it is > 1), else SchemaMismatch lists every difference and its fix:
+    nothing is created then. A cluster with fewer brokers than ``replication_factor`` is a ConfigError.
+    """
+    if replication_factor < 1:
+        raise ConfigError(f"kafka.replication_factor = {replication_factor} must be >= 1; "
+                          "fix: set kafka.replication_factor (RTRL_KAFKA__REPLICATION_FACTOR)")
+    if not 1 <= min_insync_replicas <= replication_factor:
+        raise ConfigError(
+            f"kafka.min_insync_replicas = {min_insync_replicas} must be between 1 and kafka.replication_factor "
+            f"= {replication_factor} (with more, every acks=all write fails with NOT_ENOUGH_REPLICAS); fix: set "
+            f"kafka.min_insync_replicas (RTRL_KAFKA__MIN_INSYNC_REPLICAS) to at most {replication_factor}, "
+            "or raise kafka.replication_factor"
+        )
     meta = check_broker(bootstrap, timeout_s)
     admin = AdminClient(base_config(bootstrap))
+    partitions = {prefix + s.name: s.partitions or default_partitions for s in specs}
+    existing = [name for name in partitions if name in meta.topics]
+    problems = _topic_mismatches(admin, meta, existing, partitions, {s.name: s for s in specs}, prefix,
+                                 replication_factor, min_insync_replicas, timeout_s)
+    if problems:
+        raise SchemaMismatch(f"Kafka topics on {bootstrap} differ from what rtrl wants:\n  - " + "\n  - ".join(problems))
+    missing = [s for s in specs if prefix + s.name not in meta.topics]
+    if missing and replication_factor > len(meta.brokers):
+        raise _too_few_brokers(bootstrap, replication_factor, len(meta.brokers))
+    topic_config = {"min.insync.replicas": str(min_insync_replicas)} if min_insync_replicas > 1 else {}
     wanted = [
-        NewTopic(prefix + s.name, s.partitions or default_partitions, 1, config=s.configs())
-        for s in specs
-        if prefix + s.name not in meta.topics
+        NewTopic(prefix + s.name, partitions[prefix + s.name], replication_factor, config=s.configs() | topic_config)
+        for s in missing
     ]
     created = []
     if wanted:
@@ -67,23 +101,110 @@ def ensure_topics(
                 fut.result(timeout=timeout_s)
                 created.append(name)
             except KafkaException as e:
-                if e.args[0].name() != "TOPIC_ALREADY_EXISTS":  # lost a race with another creator: fine
-                    raise ServiceUnavailable(f"could not create topic {name} on {bootstrap}: {e}") from None
+                if e.args[0].name() == "TOPIC_ALREADY_EXISTS":  # lost a race with another creator: fine
+                    continue
+                if e.args[0].name() == "INVALID_REPLICATION_FACTOR":  # brokers left since the metadata
+                    raise _too_few_brokers(bootstrap, replication_factor, len(meta.brokers), e) from None
+                raise ServiceUnavailable(f"could not create topic {name} on {bootstrap}: {e}") from None
     return created
 
 
+def _too_few_brokers(bootstrap: str, replication_factor: int, brokers: int, err: Any = None) -> ConfigError:
+    said = f" (broker: {err.args[0].str()})" if err is not None else ""
+    return ConfigError(
+        f"kafka.replication_factor = {replication_factor} but the cluster at {bootstrap} has {brokers} broker(s) "
+        f"registered{said}; fix: set kafka.replication_factor (RTRL_KAFKA__REPLICATION_FACTOR) to at most "
+        f"{brokers} (and kafka.min_insync_replicas no higher), or start the missing brokers"
+    )
+
+
+def _topic_mismatches(
+    admin: AdminClient, meta: Any, names: list[str], partitions: dict[str, int], specs: dict[str, TopicSpec],
+    prefix: str, replication_factor: int, min_insync_replicas: int, timeout_s: float,
+) -> list[str]:
+    """One line per difference between the existing topics ``names`` and what is wanted, with its fix."""
+    problems = []
+    for name in names:
+        found = meta.topics[name].partitions
+        want = partitions[name]
+        setting = "kafka.partitions" if specs[name[len(prefix):]].partitions is None else "schemas/topics.py"
+        if len(found) != want:
+            if len(found) < want:
+                fix = (f"add partitions (kafka-topics.sh --alter --topic {name} --partitions {want}; keys then map "
+                       f"to other partitions), set {setting} to {len(found)}, or delete and recreate the topic")
+            else:
+                fix = (f"set {setting} to {len(found)}, or delete and recreate the topic "
+                       "(Kafka can only add partitions, never remove them)")
+            problems.append(f"topic {name} has {len(found)} partitions, {setting} wants {want}; fix: {fix}")
+        factors = sorted({len(p.replicas) for p in found.values()})
+        if factors and factors != [replication_factor]:
+            problems.append(
+                f"topic {name} has replication factor {'/'.join(map(str, factors))}, kafka.replication_factor wants "
+                f"{replication_factor}; fix: set kafka.replication_factor to {factors[0]}, change the topic's "
+                "replicas with kafka-reassign-partitions.sh, or delete and recreate it"
+            )
+    if min_insync_replicas > 1 and names:
+        resources = [ConfigResource("topic", name) for name in names]
+        for res, fut in admin.describe_configs(resources, request_timeout=timeout_s).items():
+            cfg = fut.result(timeout=timeout_s)
+            if "min.insync.replicas" in cfg and int(cfg["min.insync.replicas"].value) < min_insync_replicas:
+                problems.append(
+                    f"topic {res.name} has min.insync.replicas {cfg['min.insync.replicas'].value}, "
+                    f"kafka.min_insync_replicas wants {min_insync_replicas}; fix: kafka-configs.sh --alter "
+                    f"--entity-type topics --entity-name {res.name} --add-config "
+                    f"min.insync.replicas={min_insync_replicas}, or lower kafka.min_insync_replicas"
+                )
+    return problems
+
+
 def describe_topic(bootstrap: str, topic: str, timeout_s: float = 10.0) -> dict[str, Any]:
-    """Partitions and retention settings of a topic, as the broker reports them."""
+    """Partitions, replication factor, retention and ``min.insync.replicas``, as the broker reports them.
+
+    ``replication_factor`` is the smallest replica count over the topic's partitions (they differ only
+    during a reassignment).
+    """
     meta = check_broker(bootstrap, timeout_s)
     if topic not in meta.topics:
         raise ServiceUnavailable(f"topic {topic} does not exist on {bootstrap}")
     admin = AdminClient(base_config(bootstrap))
     fut = admin.describe_configs([ConfigResource("topic", topic)])[ConfigResource("topic", topic)]
     cfg = fut.result(timeout=timeout_s)
+    parts = meta.topics[topic].partitions
     return {
-        "partitions": len(meta.topics[topic].partitions),
-        **{k: cfg[k].value for k in ("retention.ms", "cleanup.policy") if k in cfg},
+        "partitions": len(parts),
+        "replication_factor": min((len(p.replicas) for p in parts.values()), default=0),
+        **{k: cfg[k].value for k in ("retention.ms", "cleanup.policy", "min.insync.replicas") if k in cfg},
     }
+
+
+def produce(
+    producer: Any,
+    topic: str,
+    value: bytes | None,
+    key: bytes | None = None,
+    on_delivery: Callable[[Any, Any], None] | None = None,
+    poll_s: float = 0.05,
+    stop: Callable[[], bool] | Any | None = None,
+) -> bool:
+    """Hand one message to ``producer``, waiting while its local queue is full; never drops it.
+
+    confluent-kafka raises BufferError when the producer's queue (``queue.buffering.max.messages`` /
+    ``.kbytes``) is full, e.g. while the broker is down or slower than the caller. This serves delivery
+    callbacks with ``producer.poll(poll_s)`` (which frees the queue as the broker acknowledges) and
+    retries: the caller is held back (backpressure) for as long as it takes. ``stop``, a callable or a
+    ``threading.Event``, is asked before each wait: when true this gives up and returns False, the
+    message not produced. Returns True once the producer took the message (its delivery is reported to
+    ``on_delivery`` later, from a ``poll``/``flush``); the fast path costs one ``produce`` call.
+    """
+    stopped = getattr(stop, "is_set", stop)
+    while True:
+        try:
+            producer.produce(topic, value=value, key=key, on_delivery=on_delivery)
+            return True
+        except BufferError:
+            if stopped is not None and stopped():
+                return False
+            producer.poll(poll_s)
 
 
 def read_topic(bootstrap: str, topic: str, timeout_s: float = 30.0, batch: int = 1000):

@@ -1,20 +1,33 @@
-"""One typed configuration for every rtrl job.
+"""One typed settings tree for every rtrl component (pydantic-settings).
 
-Sources, later ones winning: built-in defaults, a TOML file (``--config`` or ``RTRL_CONFIG``),
-then environment variables ``RTRL_<SECTION>__<KEY>`` (e.g. ``RTRL_KAFKA__BOOTSTRAP``).
-Unknown keys and bad values raise :class:`ConfigError` naming the setting, where it came
-from, and how to fix it.
+Sources, later ones winning: built-in defaults, a TOML file (``--config`` or ``RTRL_CONFIG``), then
+environment variables ``RTRL_<SECTION>__<KEY>`` (e.g. ``RTRL_KAFKA__BOOTSTRAP``). Every section is
+one component's configuration; the component's factory sits next to the component and reads its
+section (``trainer.config.model_config``, ``trainer.train.TrainConfig.from_settings``,
+``flows.batch_flow.batch_config`` ...), so no mapping from settings to a component is written twice.
+
+Errors name the setting, where its value came from, and the fix. Unknown keys are errors (a typo
+never silently falls back to a default). Secrets (``sdk.salt``, passwords in DSNs) are redacted
+whenever settings are shown (:func:`describe`, ``repr``).
+
+Why pydantic-settings: typed coercion of TOML and environment strings, nested ``__`` variables,
+constraints, and source priority are what it does; this module only adds the wording of errors
+(which setting, which source, which fix), the ``did you mean`` for misspelt keys, and redaction.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import os
+import re
 import tomllib
-from dataclasses import dataclass, field
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Annotated, Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from rtrl.errors import ConfigError
 
@@ -22,203 +35,324 @@ ENV_PREFIX = "RTRL_"
 ENV_CONFIG_FILE = "RTRL_CONFIG"
 #: Kafka producer codecs librdkafka supports (``compression.type``)
 COMPRESSIONS = ("none", "gzip", "snappy", "lz4", "zstd")
+#: settings whose values are secrets: shown as ``***`` by describe() and repr
+SECRETS = ("sdk.salt",)
 
 
-def _setting(default: Any, help: str, check: Callable[[Any], str | None] | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "check": check})
+def _s(default: Any, help: str, **constraints: Any) -> Any:
+    """A setting: its default, its help text (shown by ``rtrl config``) and pydantic constraints."""
+    return Field(default, description=help, **constraints)
 
 
-def _positive(v: Any) -> str | None:
-    return None if v > 0 else "must be > 0"
+def redact_dsn(dsn: str) -> str:
+    """A DSN with any password replaced by ``***`` (``https://user:***@host:8443``)."""
+    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", dsn)
 
 
-def _non_negative(v: Any) -> str | None:
-    return None if v >= 0 else "must be >= 0"
+class Section(BaseModel):
+    """One component's settings: unknown keys are errors; assignments are validated too."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-def _probability(v: Any) -> str | None:
-    return None if 0.0 <= v <= 1.0 else "must be a probability between 0 and 1"
+# ---------------------------------------------------------------- foundation: services
 
 
-def _dsn(v: str) -> str | None:
-    if v == "" or v.startswith(("chdb://", "http://", "https://")):
-        return None
-    return "must be empty (embedded chdb under data_dir), chdb:///abs/path, chdb://memory or http(s)://host:port"
+class KafkaSettings(Section):
+    bootstrap: str = _s("", "host:port list of the Kafka brokers; empty = start a local noida-db broker")
+    topic_prefix: str = _s("rtrl.", "prefix of every topic name (rtrl.events, ...)", pattern=r"^[A-Za-z0-9._-]+$")
+    partitions: int = _s(4, "partitions of the keyed data topics when rtrl creates them", gt=0)
+    replication_factor: int = _s(1, "replicas of every topic rtrl creates (production: 3); existing topics are "
+                                    "checked against it", gt=0)
+    min_insync_replicas: int = _s(1, "min.insync.replicas of every topic rtrl creates (production: 2): with "
+                                     "acks=all a write needs this many replicas", gt=0)
+    timeout_s: float = _s(10.0, "seconds to wait for the broker before reporting it unreachable", gt=0)
+    idle_backoff_s: float = _s(0.1, "how long a flow's reader of an empty partition pauses before fetching again "
+                                    "(extra latency after a quiet spell)", gt=0)
+    compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = _s(
+        "zstd", "codec of every rtrl producer (none, gzip, snappy, lz4, zstd); JSON batches shrink several-fold")
+
+    @field_validator("bootstrap")
+    @classmethod
+    def _bootstrap(cls, v: str) -> str:
+        for part in v.split(",") if v else []:
+            host, _, port = part.strip().rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"must be host:port[,host:port...]; {part.strip()!r} is not")
+        return v
+
+    @model_validator(mode="after")
+    def _isr(self) -> "KafkaSettings":
+        if self.min_insync_replicas > self.replication_factor:
+            raise ValueError(f"kafka.min_insync_replicas = {self.min_insync_replicas} exceeds kafka.replication_factor "
+                             f"= {self.replication_factor}: no write could ever be acknowledged")
+        return self
 
 
-def _bootstrap(v: str) -> str | None:
-    if v == "":
-        return None
-    for part in v.split(","):
-        host, _, port = part.strip().rpartition(":")
-        if not host or not port.isdigit():
-            return f"must be host:port[,host:port...]; {part.strip()!r} is not"
-    return None
+class ClickHouseSettings(Section):
+    dsn: str = _s("", "ClickHouse DSN; empty = embedded chdb:///<data_dir>/clickhouse")
+    database: str = _s("rtrl", "database holding rtrl's tables", pattern=r"^[A-Za-z0-9_]+$")
+    timeout_s: float = _s(10.0, "seconds to wait for a ClickHouse server before reporting it unreachable", gt=0)
+
+    @field_validator("dsn")
+    @classmethod
+    def _dsn(cls, v: str) -> str:
+        if v == "" or v.startswith(("chdb://", "http://", "https://")):
+            return v
+        raise ValueError("must be empty (embedded chdb under data_dir), chdb:///abs/path, chdb://memory or "
+                         "http(s)://host:port")
+
+    def __repr_args__(self):  # a password in the DSN never reaches a log
+        for k, v in super().__repr_args__():
+            yield k, redact_dsn(v) if k == "dsn" else v
 
 
-def _compression(v: str) -> str | None:
-    return None if v in COMPRESSIONS else f"must be one of {', '.join(COMPRESSIONS)}"
+class SdkSettings(Section):
+    salt: str = _s("rtrl-local-dev-salt", "secret salt for hashing user ids; set your own in production",
+                   min_length=8, repr=False)
+    queue_size: int = _s(100_000, "events the SDK buffers before it drops (and counts) new ones", gt=0)
+    linger_ms: int = _s(5, "producer linger: how long to wait to fill a batch", ge=0)
+    delivery_timeout_s: float = _s(300.0, "how long the producer retries an event before reporting it failed", gt=0)
+    max_event_bytes: int = _s(64 * 1024, "largest encoded event accepted anywhere in rtrl", gt=0)
 
 
-def _prefix(v: str) -> str | None:
-    ok = all(c.isalnum() or c in "._-" for c in v)
-    return None if ok and v else "may only contain letters, digits, '.', '_' and '-'"
+# ---------------------------------------------------------------- data plane: streams
 
 
-@dataclass
-class KafkaSettings:
-    bootstrap: str = _setting(
-        "", "host:port list of the Kafka brokers; empty = start a local noida-db broker", _bootstrap
-    )
-    topic_prefix: str = _setting("rtrl.", "prefix of every topic name (rtrl.events, ...)", _prefix)
-    partitions: int = _setting(4, "partitions of the keyed data topics when rtrl creates them", _positive)
-    timeout_s: float = _setting(10.0, "seconds to wait for the broker before reporting it unreachable", _positive)
-    idle_backoff_s: float = _setting(
-        0.1, "how long a flow's reader of an empty partition pauses before fetching again (extra latency after a quiet spell)",
-        _positive,
-    )
-    compression: str = _setting(
-        "zstd", "codec of every rtrl producer (none, gzip, snappy, lz4, zstd); JSON batches shrink several-fold", _compression
-    )
+class FlowSettings(Section):
+    """The reward flow's windows and sinks."""
+
+    deadline_s: float = _s(3600.0, "event time from a trajectory's first event to a forced close", gt=0)
+    grace_s: float = _s(10.0, "event time to wait after a trajectory ends for overtaken events", ge=0)
+    allowed_lateness_s: float = _s(86400.0, "how long after its deadline a late event still revises a reward", ge=0)
+    max_future_s: float = _s(86400.0, "events further ahead of the partition watermark are rejected", gt=0)
+    batch_rows: int = _s(20_000, "rows buffered per ClickHouse table / archive before a write", gt=0)
+    batch_seconds: float = _s(1.0, "longest a row waits in a sink buffer before a write", gt=0)
+    archive_dir: str = _s("", "Parquet archive of raw events; empty = <data_dir>/archive")
+    recovery_dir: str = _s("", "Bytewax recovery folder; empty = <data_dir>/recovery/rewards")
+    snapshot_s: float = _s(2.0, "Bytewax snapshot (epoch) interval: the most work replayed after a crash", gt=0)
+    tail: bool = _s(True, "keep waiting for new events at the end of the topic (false = stop at the end)")
 
 
-@dataclass
-class ClickHouseSettings:
-    dsn: str = _setting("", "ClickHouse DSN; empty = embedded chdb:///<data_dir>/clickhouse", _dsn)
-    database: str = _setting("rtrl", "database holding rtrl's tables", _prefix)
-    timeout_s: float = _setting(10.0, "seconds to wait for a ClickHouse server before reporting it unreachable", _positive)
+class RewardSettings(Section):
+    """Which reward versions exist in the stream, and which one trains (names: rewards.REWARD_VERSIONS)."""
+
+    versions: Annotated[list[str], NoDecode] = _s(
+        ["v2"], "reward versions the reward flow computes (comma-separated in the environment)", min_length=1)
+    train_version: str = _s("v2", "reward version the batch flow trains on; the reward flow must compute it")
+
+    @field_validator("versions", mode="before")
+    @classmethod
+    def _split(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = [x.strip() for x in v.split(",") if x.strip()]
+        return v
+
+    @model_validator(mode="after")
+    def _trained_is_computed(self) -> "RewardSettings":
+        if self.train_version not in self.versions:
+            raise ValueError(f"rewards.train_version = {self.train_version!r} is not among rewards.versions = "
+                             f"{self.versions}: the batch flow would wait for rewards nobody computes; fix: add it "
+                             "to rewards.versions")
+        return self
 
 
-@dataclass
-class SdkSettings:
-    salt: str = _setting(
-        "rtrl-local-dev-salt", "secret salt for hashing user ids; set your own in production", lambda v: None if len(v) >= 8 else "must be at least 8 characters"
-    )
-    queue_size: int = _setting(100_000, "events the SDK buffers before it drops (and counts) new ones", _positive)
-    linger_ms: int = _setting(5, "producer linger: how long to wait to fill a batch", _non_negative)
-    delivery_timeout_s: float = _setting(300.0, "how long the producer retries an event before reporting it failed", _positive)
-    max_event_bytes: int = _setting(64 * 1024, "largest encoded event accepted anywhere in rtrl", _positive)
+class BatchingSettings(Section):
+    """The batch flow: join, staleness, advantages, packing."""
+
+    join_wait_s: float = _s(60.0, "how long a rollout waits for its reward, and a reward for its rollout", ge=0)
+    group_wait_s: float = _s(10.0, "how long a group waits for all its samples before it is used as it is", ge=0)
+    seq_len: int = _s(128, "tokens per packed row; longer samples are dropped and counted", gt=0)
+    rows: int = _s(8, "rows per micro-batch (token budget = rows x seq_len)", gt=0)
+    flush_s: float = _s(2.0, "longest a sample waits for a full micro-batch before a partial one is sent", ge=0)
+    idle_flush_s: float = _s(2.0, "wall-clock quiet time after which a cohort's clock moves on by itself", gt=0)
+    baseline_alpha: float = _s(0.2, "step of the per-cohort running reward mean used for groups of one", gt=0, le=1)
+    recovery_dir: str = _s("", "Bytewax recovery folder; empty = <data_dir>/recovery/batches")
+    tail: bool = _s(True, "keep waiting at the end of the topics (false = stop at the end)")
 
 
-@dataclass
-class SimulatorSettings:
-    seed: int = _setting(0, "random seed; the same seed gives the same events")
-    trajectories: int = _setting(2000, "trajectories to simulate in one run", _positive)
-    orgs: int = _setting(6, "simulated organisations", _positive)
-    users_per_org: int = _setting(20, "simulated users in each organisation", _positive)
-    rate: float = _setting(0.0, "events per second sent through the SDK; 0 = as fast as possible", _non_negative)
-    start_ms: int = _setting(0, "event time of the first trajectory (ms since epoch); 0 = now", _non_negative)
-    duplicate_rate: float = _setting(0.01, "fraction of events the client sends twice", _probability)
-    reorder_rate: float = _setting(0.02, "fraction of events delivered after their successor", _probability)
-    late_check_rate: float = _setting(0.05, "fraction of persistence checks that arrive hours late", _probability)
+# ---------------------------------------------------------------- data plane: trainer
 
 
-def _versions(v: str) -> str | None:
-    names = [x.strip() for x in v.split(",") if x.strip()]
-    return None if names else "must name at least one reward version, e.g. 'v2' or 'v2,v1-discard-broken'"
+class LossSettings(Section):
+    """Dr. GRPO clipped ratio, truncated importance weights, k3 KL."""
+
+    eps_low: float = _s(0.2, "clip range below a ratio of 1", gt=0, lt=1)
+    eps_high: float = _s(0.28, "clip range above a ratio of 1 (clip-higher)", gt=0)
+    is_cap: float = _s(2.0, "cap of an off-policy token's importance weight", ge=1)
+    kl_coef: float = _s(0.01, "weight of the k3 KL term to the reference model (0 = off)", ge=0)
+    norm_tokens: int = _s(0, "constant loss normaliser (Dr. GRPO); 0 = micro-batches x rows x seq_len of a step", ge=0)
 
 
-@dataclass
-class FlowSettings:
-    reward_versions: str = _setting("v2", "comma-separated reward versions the reward flow computes", _versions)
-    deadline_s: float = _setting(3600.0, "event time from a trajectory's first event to a forced close", _positive)
-    grace_s: float = _setting(10.0, "event time to wait after a trajectory ends for overtaken events", _non_negative)
-    allowed_lateness_s: float = _setting(86400.0, "how long after its deadline a late event still revises a reward", _non_negative)
-    max_future_s: float = _setting(86400.0, "events further ahead of the partition watermark are rejected", _positive)
-    batch_rows: int = _setting(20_000, "rows buffered per ClickHouse table / archive before a write", _positive)
-    batch_seconds: float = _setting(1.0, "longest a row waits in a sink buffer before a write", _positive)
-    archive_dir: str = _setting("", "Parquet archive of raw events; empty = <data_dir>/archive")
-    recovery_dir: str = _setting("", "Bytewax recovery folder; empty = <data_dir>/recovery/<flow>")
-    snapshot_s: float = _setting(2.0, "Bytewax snapshot (epoch) interval: the most work replayed after a crash", _positive)
-    tail: bool = _setting(True, "keep waiting for new events at the end of the topic (false = stop at the end)")
+class TrainSettings(Section):
+    """The optimizer and the training run."""
 
-    @property
-    def versions(self) -> list[str]:
-        return [x.strip() for x in self.reward_versions.split(",") if x.strip()]
-
-
-def _reward_version(v: str) -> str | None:
-    from rewards import REWARD_VERSIONS
-
-    return None if v in REWARD_VERSIONS else f"must be one of {', '.join(sorted(REWARD_VERSIONS))}"
+    run_id: str = _s("", "training run id kept across resumes; empty = derived from the checkpoint folder")
+    steps: int = _s(20, "optimizer steps to take (a resumed run continues to this total)", gt=0)
+    micro_batches_per_step: int = _s(2, "micro-batches accumulated into one optimizer step", gt=0)
+    lr: float = _s(1e-3, "AdamW peak learning rate", gt=0)
+    beta1: float = _s(0.9, "AdamW beta1", ge=0, lt=1)
+    beta2: float = _s(0.999, "AdamW beta2", ge=0, lt=1)
+    weight_decay: float = _s(0.0, "AdamW decoupled weight decay", ge=0)
+    warmup_steps: int = _s(0, "steps of linear learning-rate warm-up from 0 to lr", ge=0)
+    grad_clip: float = _s(1.0, "clip the global gradient norm to this (0 = off); on by default", ge=0)
+    max_policy_lag: int = _s(1, "samples older than this many policy versions are dropped (counted)", ge=0)
+    checkpoint_every: int = _s(10, "steps between checkpoints (one is also written at the end)", gt=0)
+    checkpoint_dir: str = _s("", "where checkpoints go; empty = <data_dir>/checkpoints")
+    idle_timeout_s: float = _s(30.0, "stop when no micro-batch arrives for this long", gt=0)
+    torch_threads: int = _s(0, "CPU threads for torch; 0 = auto: all cores but one on a CPU-only machine "
+                               "(the broker needs one)", ge=0)
 
 
-@dataclass
-class BatchSettings:
-    reward_version: str = _setting("v2", "reward version the batch flow trains on (the reward flow must compute it)",
-                                   _reward_version)
-    join_wait_s: float = _setting(60.0, "how long a rollout waits for its reward, and a reward for its rollout", _non_negative)
-    group_wait_s: float = _setting(10.0, "how long a group waits for all its samples before it is used as it is", _non_negative)
-    seq_len: int = _setting(128, "tokens per packed row; longer samples are dropped and counted", _positive)
-    rows: int = _setting(8, "rows per micro-batch (token budget = rows x seq_len)", _positive)
-    flush_s: float = _setting(2.0, "longest a sample waits for a full micro-batch before a partial one is sent", _non_negative)
-    idle_flush_s: float = _setting(2.0, "wall-clock quiet time after which a cohort's clock moves on by itself", _positive)
-    baseline_alpha: float = _setting(0.2, "step of the per-cohort running reward mean used for groups of one",
-                                     lambda v: None if 0 < v <= 1 else "must be in (0, 1]")
-    recovery_dir: str = _setting("", "Bytewax recovery folder; empty = <data_dir>/recovery/batches")
-    tail: bool = _setting(True, "keep waiting at the end of the topics (false = stop at the end)")
+class ModelSettings(Section):
+    """The policy's architecture (a megatron-core GPTModel). Defaults: the tiny CPU model."""
+
+    num_layers: int = _s(2, "transformer layers", gt=0)
+    hidden_size: int = _s(64, "model width", gt=0)
+    num_attention_heads: int = _s(4, "attention heads", gt=0)
+    num_query_groups: int = _s(0, "key/value heads for grouped-query attention; 0 = one per attention head", ge=0)
+    ffn_hidden_size: int = _s(0, "MLP width; 0 = 4 x hidden_size", ge=0)
+    vocab_size: int = _s(256, "vocabulary size", gt=0)
+    seq_length: int = _s(64, "longest sequence (packed micro-batch row) the model is built for", gt=0)
+    normalization: Literal["LayerNorm", "RMSNorm"] = _s("LayerNorm", "LayerNorm or RMSNorm")
+    activation: Literal["gelu", "swiglu"] = _s("gelu", "MLP activation: gelu, or swiglu (gated SiLU)")
+    position_embedding_type: Literal["rope", "learned_absolute"] = _s("rope", "rope or learned_absolute")
+    rope_base: float = _s(10000.0, "RoPE base frequency (theta)", gt=0)
+    tie_embeddings: bool = _s(False, "share the input embedding and output layer weights")
+    qkv_bias: bool = _s(False, "bias on the query/key/value projections (Qwen2 style)")
+    linear_bias: bool = _s(True, "biases on the other linear layers (GPT-2 style; Llama and Qwen: false)")
+    hidden_dropout: float = _s(0.0, "dropout after attention and MLP (RL compares log-probs: keep 0)", ge=0, lt=1)
+    attention_dropout: float = _s(0.0, "dropout of attention probabilities", ge=0, lt=1)
+    init_method_std: float = _s(0.02, "standard deviation of the weight init", gt=0)
+    seed: int = _s(1234, "seed of the weight init and megatron's RNG tracker")
 
 
-@dataclass
-class LoopSettings:
-    cycles: int = _setting(24, "training cycles the main job runs (candidate -> eval gate -> promote or reject)", _positive)
-    rate: float = _setting(100.0, "tasks per second the policy server serves (each sampled group_size times)", _positive)
-    samples_per_cycle: int = _setting(2048, "samples the trainer uses per cycle (the samples trigger)", _positive)
-    group_size: int = _setting(4, "completions sampled per task (group-relative advantages need >= 2)", _positive)
-    orgs: int = _setting(3, "simulated organisations (cohorts are org x task kind)", _positive)
-    hard_share: float = _setting(0.5, "share of hard tasks", _probability)
-    cycle_max_s: float = _setting(120.0, "wall-time trigger: a cycle ends after this long even with fewer samples "
-                                  "(production: 5 hours)", _positive)
-    warm_start_steps: int = _setting(300, "supervised steps that make the initial policy (version 0)", _non_negative)
-    warm_right_easy: float = _setting(-1.0, "share of right edits on easy tasks in what the initial policy imitates "
+class ParallelSettings(Section):
+    """How one model replica is split over ranks: world size = tp x pp x dp."""
+
+    tp: int = _s(1, "tensor-parallel size: each matmul and the vocabulary split over this many ranks", gt=0)
+    pp: int = _s(1, "pipeline-parallel size: the layers split into this many stages", gt=0)
+    dp: int = _s(0, "data-parallel size; 0 = derived as world_size / (tp x pp)", ge=0)
+    sequence_parallel: bool = _s(False, "split layer-norm and dropout activations along the sequence over the "
+                                        "tensor-parallel ranks (needs tp > 1)")
+
+    @model_validator(mode="after")
+    def _sp(self) -> "ParallelSettings":
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("parallel.sequence_parallel needs parallel.tp > 1; fix: raise parallel.tp or turn it off")
+        return self
+
+
+class PrecisionSettings(Section):
+    """Number formats. FP8 needs Transformer Engine and a GPU (the trainer refuses it otherwise)."""
+
+    bf16: bool = _s(False, "parameters and activations in bfloat16 (on CPU ~10x slower than fp32)")
+    fp8: Literal["", "hybrid", "e4m3"] = _s("", "FP8 GEMMs through Transformer Engine: hybrid (e4m3 forward, e5m2 "
+                                                "backward) or e4m3; empty = off")
+    fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = _s(
+        "delayed", "FP8 scaling recipe (mxfp8 needs Blackwell); read only when fp8 is set")
+
+    @model_validator(mode="after")
+    def _fp8_needs_bf16(self) -> "PrecisionSettings":
+        if self.fp8 and not self.bf16:
+            raise ValueError(f"precision.fp8 = {self.fp8!r} needs precision.bf16 = true (FP8 training keeps bf16 "
+                             "parameters); fix: set precision.bf16 = true")
+        return self
+
+
+# ---------------------------------------------------------------- application
+
+
+class LoopSettings(Section):
+    cycles: int = _s(24, "training cycles the main job runs (candidate -> eval gate -> promote or reject)", gt=0)
+    rate: float = _s(100.0, "tasks per second the policy server serves (each sampled group_size times)", gt=0)
+    samples_per_cycle: int = _s(2048, "samples the trainer uses per cycle (the samples trigger)", gt=0)
+    group_size: int = _s(4, "completions sampled per task (group-relative advantages need >= 2)", gt=0)
+    orgs: int = _s(3, "simulated organisations (cohorts are org x task kind)", gt=0)
+    hard_share: float = _s(0.5, "share of hard tasks", ge=0, le=1)
+    cycle_max_s: float = _s(120.0, "wall-time trigger: a cycle ends after this long even with fewer samples "
+                                   "(production: 5 hours)", gt=0)
+    warm_start_steps: int = _s(300, "supervised steps that make the initial policy (version 0)", ge=0)
+    warm_right_easy: float = _s(-1.0, "share of right edits on easy tasks in what the initial policy imitates "
                                       "(-1 = like hard ones, 0.35): near 1 makes a policy whose failures are "
-                                      "predictable from the prompt, where the v1 reward hack shows fastest",
-                                      lambda v: None if v == -1 or 0 <= v <= 1 else "must be -1 (off) or within 0..1")
-    eval_tasks: int = _setting(200, "held-out tasks of the eval suite", _positive)
-    solve_tolerance: float = _setting(0.03, "largest tolerated drop of the held-out solve rate before a rejection",
-                                      _non_negative)
-    ab_share: float = _setting(0.0, "A/B mode: share of traffic a candidate that passed the evals serves before the "
-                               "decision; its live behaviour is compared with the serving version's in ClickHouse "
-                               "and an alert rejects it (0 = off)", _probability)
-    ab_trajectories: int = _setting(400, "A/B mode: candidate trajectories with rewards needed before the comparison",
-                                    _positive)
-    reset_on_reject: bool = _setting(True, "a rejected candidate's weights are dropped (false: the training run "
-                                     "goes on from them and only serving stays on the last promotion)")
-    seed: int = _setting(0, "seed of the tasks, sampling and the initial policy")
-    checkpoint_every: int = _setting(8, "trainer steps between resumable checkpoints within a cycle (a restarted "
-                                     "trainer continues from the last one; with loop.processes only)", _positive)
-    processes: bool = _setting(False, "run each part (reward flow, batch flow, policy server, trainer) as its own "
-                               "process under a supervisor that restarts any that dies; ClickHouse is then "
-                               "served to them by devservices.chserver")
+                                      "predictable from the prompt, where the v1 reward hack shows fastest")
+    eval_tasks: int = _s(200, "held-out tasks of the eval suite", gt=0)
+    solve_tolerance: float = _s(0.03, "largest tolerated drop of the held-out solve rate before a rejection", ge=0)
+    ab_share: float = _s(0.0, "A/B mode: share of traffic a candidate that passed the evals serves before the "
+                              "decision; its live behaviour is compared with the serving version's in ClickHouse "
+                              "and an alert rejects it (0 = off)", ge=0, le=1)
+    ab_trajectories: int = _s(400, "A/B mode: candidate trajectories with rewards needed before the comparison", gt=0)
+    reset_on_reject: bool = _s(True, "a rejected candidate's weights are dropped (false: the training run goes on "
+                                     "from them and only serving stays on the last promotion)")
+    seed: int = _s(0, "seed of the tasks, sampling and the initial policy")
+    checkpoint_every: int = _s(8, "trainer steps between resumable checkpoints within a cycle (a restarted trainer "
+                                  "continues from the last one; with loop.processes only)", gt=0)
+    processes: bool = _s(False, "run each part (reward flow, batch flow, policy server, trainer) as its own process "
+                                "under a supervisor that restarts any that dies; ClickHouse is then served to them "
+                                "by devservices.chserver")
+
+    @field_validator("warm_right_easy")
+    @classmethod
+    def _warm(cls, v: float) -> float:
+        if v != -1 and not 0 <= v <= 1:
+            raise ValueError("must be -1 (off) or within 0..1")
+        return v
 
 
-@dataclass
-class TrainerSettings:
-    run_id: str = _setting("", "training run id kept across resumes; empty = derived from the checkpoint folder")
-    steps: int = _setting(20, "optimizer steps to take (a resumed run continues to this total)", _positive)
-    micro_batches_per_step: int = _setting(2, "micro-batches accumulated into one optimizer step", _positive)
-    lr: float = _setting(1e-3, "AdamW learning rate", _positive)
-    max_policy_lag: int = _setting(1, "samples older than this many policy versions are dropped (counted)", _non_negative)
-    kl_coef: float = _setting(0.01, "weight of the k3 KL term to the reference model", _non_negative)
-    checkpoint_every: int = _setting(10, "steps between checkpoints (one is also written at the end)", _positive)
-    checkpoint_dir: str = _setting("", "where checkpoints go; empty = <data_dir>/checkpoints")
-    idle_timeout_s: float = _setting(30.0, "stop when no micro-batch arrives for this long", _positive)
-    torch_threads: int = _setting(
-        0, "CPU threads for torch; 0 = auto: all cores but one on a CPU-only machine (the broker needs one)",
-        _non_negative)
+class SimulatorSettings(Section):
+    seed: int = _s(0, "random seed; the same seed gives the same events")
+    trajectories: int = _s(2000, "trajectories to simulate in one run", gt=0)
+    orgs: int = _s(6, "simulated organisations", gt=0)
+    users_per_org: int = _s(20, "simulated users in each organisation", gt=0)
+    rate: float = _s(0.0, "events per second sent through the SDK; 0 = as fast as possible", ge=0)
+    start_ms: int = _s(0, "event time of the first trajectory (ms since epoch); 0 = now", ge=0)
+    duplicate_rate: float = _s(0.01, "fraction of events the client sends twice", ge=0, le=1)
+    reorder_rate: float = _s(0.02, "fraction of events delivered after their successor", ge=0, le=1)
+    late_check_rate: float = _s(0.05, "fraction of persistence checks that arrive hours late", ge=0, le=1)
 
 
-@dataclass
-class Settings:
-    data_dir: str = _setting(".rtrl", "folder for local state: broker data, embedded ClickHouse, reports")
-    kafka: KafkaSettings = field(default_factory=KafkaSettings)
-    clickhouse: ClickHouseSettings = field(default_factory=ClickHouseSettings)
-    sdk: SdkSettings = field(default_factory=SdkSettings)
-    simulator: SimulatorSettings = field(default_factory=SimulatorSettings)
-    flow: FlowSettings = field(default_factory=FlowSettings)
-    batches: BatchSettings = field(default_factory=BatchSettings)
-    loop: LoopSettings = field(default_factory=LoopSettings)
-    trainer: TrainerSettings = field(default_factory=TrainerSettings)
+# ---------------------------------------------------------------- the tree
+
+_ENV: ContextVar[Mapping[str, str] | None] = ContextVar("rtrl_settings_env", default=None)
+
+
+class _Env(EnvSettingsSource):
+    """pydantic-settings' environment source over the mapping given to :func:`load_settings`."""
+
+    def _load_env_vars(self):
+        env = _ENV.get()
+        if env is None:
+            return super()._load_env_vars()
+        return {k.lower(): v for k, v in env.items()}
+
+
+class Settings(BaseSettings):
+    """Every rtrl setting; a section per component."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid",
+                                      validate_assignment=True, case_sensitive=False)
+
+    data_dir: str = _s(".rtrl", "folder for local state: broker data, embedded ClickHouse, reports")
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+    clickhouse: ClickHouseSettings = Field(default_factory=ClickHouseSettings)
+    sdk: SdkSettings = Field(default_factory=SdkSettings)
+    flow: FlowSettings = Field(default_factory=FlowSettings)
+    rewards: RewardSettings = Field(default_factory=RewardSettings)
+    batching: BatchingSettings = Field(default_factory=BatchingSettings)
+    loss: LossSettings = Field(default_factory=LossSettings)
+    train: TrainSettings = Field(default_factory=TrainSettings)
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    parallel: ParallelSettings = Field(default_factory=ParallelSettings)
+    precision: PrecisionSettings = Field(default_factory=PrecisionSettings)
+    loop: LoopSettings = Field(default_factory=LoopSettings)
+    simulator: SimulatorSettings = Field(default_factory=SimulatorSettings)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource):
+        # the environment wins over what load_settings passes in (the TOML file), which wins over defaults
+        return (_Env(settings_cls), init_settings)
 
     @property
     def data_path(self) -> Path:
@@ -232,105 +366,94 @@ class Settings:
         """Full topic name for a logical name such as ``events``."""
         return f"{self.kafka.topic_prefix}{name}"
 
-
-def _section_classes() -> dict[str, type]:
-    return {f.name: type(getattr(Settings(), f.name)) for f in dataclasses.fields(Settings) if f.name != "data_dir"}
-
-
-def _coerce(name: str, raw: Any, typ: type, source: str) -> Any:
-    """Convert ``raw`` (TOML value or environment string) to ``typ`` or raise a ConfigError."""
-    try:
-        if typ is bool:
-            if isinstance(raw, bool):
-                return raw
-            if isinstance(raw, str) and raw.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-                return raw.lower() in ("1", "true", "yes", "on")
-            raise ValueError
-        if typ is int:
-            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
-                raise ValueError
-            return int(raw)
-        if typ is float:
-            if isinstance(raw, bool):
-                raise ValueError
-            return float(raw)
-        if typ is str:
-            if not isinstance(raw, (str, int, float)) or isinstance(raw, bool):
-                raise ValueError
-            return str(raw)
-    except (TypeError, ValueError):
-        pass
-    else:
-        raise AssertionError(f"unsupported setting type {typ}")
-    raise ConfigError(
-        f"setting {name} = {raw!r} (from {source}) is not a valid {typ.__name__}; "
-        f"fix: give {name} a {typ.__name__} value"
-    )
+    def updated(self, changes: Mapping[str, Any]) -> "Settings":
+        """A validated copy with ``{"section.key": value}`` changed (how a job derives a child's settings)."""
+        doc = self.model_dump()
+        for name, value in changes.items():
+            sec, _, key = name.rpartition(".")
+            target = doc[sec] if sec else doc
+            if key not in target:
+                raise _unknown(name, _all_names(), "Settings.updated")
+            target[key] = value
+        out = _validate(lambda: Settings.model_validate(doc), "Settings.updated", {})
+        for sec in SECTIONS:  # what the user set stays marked as set (the loop refuses to override it)
+            getattr(out, sec).__pydantic_fields_set__ = set(getattr(self, sec).model_fields_set) | {
+                k.partition(".")[2] for k in changes if k.startswith(sec + ".")}
+        return out
 
 
-def _unknown(name: str, choices: list[str], source: str) -> ConfigError:
-    close = difflib.get_close_matches(name, choices, n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    return ConfigError(
-        f"unknown setting {name!r} (from {source}); {hint}known settings: {', '.join(sorted(choices))}"
-    )
+SECTIONS: tuple[str, ...] = tuple(n for n, f in Settings.model_fields.items() if n != "data_dir")
+
+
+def _fields(cls: type[BaseModel]) -> dict[str, FieldInfo]:
+    return dict(cls.model_fields)
 
 
 def _all_names() -> list[str]:
     names = ["data_dir"]
-    for sec, cls in _section_classes().items():
-        names += [f"{sec}.{f.name}" for f in dataclasses.fields(cls)]
+    for sec in SECTIONS:
+        names += [f"{sec}.{k}" for k in _fields(Settings.model_fields[sec].annotation)]  # type: ignore[arg-type]
     return names
 
 
-def _apply(settings: Settings, name: str, raw: Any, source: str) -> None:
-    if name == "data_dir":
-        settings.data_dir = _coerce(name, raw, str, source)
-        return
-    sec, _, key = name.partition(".")
-    classes = _section_classes()
-    if sec not in classes or key not in {f.name for f in dataclasses.fields(classes[sec])}:
-        raise _unknown(name, _all_names(), source)
-    target = getattr(settings, sec)
-    f = next(f for f in dataclasses.fields(target) if f.name == key)
-    typ = {"int": int, "float": float, "str": str, "bool": bool}[f.type] if isinstance(f.type, str) else f.type
-    setattr(target, key, _coerce(name, raw, typ, source))
+def _unknown(name: str, choices: list[str], source: str) -> ConfigError:
+    close = difflib.get_close_matches(name, choices, n=1)
+    sec = name.partition(".")[0]
+    if "." in name and sec in SECTIONS:  # a known section: list its keys only
+        choices = [c for c in choices if c.startswith(sec + ".")]
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return ConfigError(f"unknown setting {name!r} (from {source}); {hint}known settings: {', '.join(sorted(choices))}")
 
 
-def _flatten(doc: Mapping[str, Any], source: str) -> list[tuple[str, Any]]:
-    out: list[tuple[str, Any]] = []
-    classes = _section_classes()
-    for key, value in doc.items():
-        if isinstance(value, dict):
-            if key not in classes:
-                raise _unknown(key, list(classes), source)
-            out += [(f"{key}.{k}", v) for k, v in value.items()]
+def env_name(name: str) -> str:
+    """``kafka.bootstrap`` -> ``RTRL_KAFKA__BOOTSTRAP``."""
+    return ENV_PREFIX + name.upper().replace(".", "__")
+
+
+_MESSAGES = {
+    "greater_than": "must be > {gt}", "greater_than_equal": "must be >= {ge}", "less_than": "must be < {lt}",
+    "less_than_equal": "must be <= {le}", "int_parsing": "is not a valid int", "int_from_float": "is not a valid int",
+    "int_type": "is not a valid int", "float_parsing": "is not a valid float", "float_type": "is not a valid float",
+    "bool_parsing": "is not a valid bool (true/false)", "bool_type": "is not a valid bool (true/false)",
+    "string_type": "is not a valid str", "string_too_short": "must be at least {min_length} characters",
+    "too_short": "must have at least {min_length} item(s)", "string_pattern_mismatch": "may only contain letters, "
+    "digits, '.', '_' and '-'", "literal_error": "must be one of {expected}",
+}
+
+
+def _validate(build, source_of: Any, sources: Mapping[str, str]) -> "Settings":
+    """Run ``build()``; turn a pydantic ValidationError into a ConfigError naming setting, source and fix."""
+    try:
+        return build()
+    except ValidationError as exc:
+        e = exc.errors(include_url=False)[0]
+        loc = [str(p) for p in e["loc"]]
+        name = ".".join(loc[:2])
+        if e["type"] == "extra_forbidden":
+            raise _unknown(name, _all_names(), sources.get(name, str(source_of))) from None
+        if e["type"] == "value_error":
+            text = str(e.get("ctx", {}).get("error", e["msg"]))
         else:
-            out.append((key, value))
-    return out
-
-
-def validate(settings: Settings) -> Settings:
-    """Run every setting's check; raise ConfigError naming the first bad one."""
-    for sec, cls in _section_classes().items():
-        obj = getattr(settings, sec)
-        for f in dataclasses.fields(cls):
-            check = f.metadata.get("check")
-            problem = check(getattr(obj, f.name)) if check else None
-            if problem:
-                env = f"{ENV_PREFIX}{sec.upper()}__{f.name.upper()}"
-                raise ConfigError(
-                    f"setting {sec}.{f.name} = {getattr(obj, f.name)!r} {problem}; "
-                    f"fix it in the config file under [{sec}] or with {env} ({f.metadata['help']})"
-                )
-    return settings
+            text = _MESSAGES.get(e["type"], e["msg"]).format(**e.get("ctx", {}))
+        if not loc[1:]:  # a check across the section's settings: its message names them
+            raise ConfigError(f"settings [{loc[0]}]: {text} (from {sources.get(loc[0], source_of)})") from None
+        value = e.get("input")
+        shown = "***" if name in SECRETS else redact_dsn(value) if isinstance(value, str) else value
+        helps = Settings.model_fields[loc[0]].annotation.model_fields.get(loc[1]) if loc[0] in SECTIONS else None
+        raise ConfigError(
+            f"setting {name} = {shown!r} {text} (from {sources.get(name, source_of)}); fix: give {name} a valid "
+            f"value in the config file under [{loc[0]}] or with {env_name(name)}"
+            + (f" ({helps.description})" if helps is not None and helps.description else "")
+        ) from None
 
 
 def load_settings(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None) -> Settings:
     """Defaults, then the TOML file, then ``RTRL_*`` environment variables; validated."""
     env = os.environ if env is None else env
-    settings = Settings()
     path = path or env.get(ENV_CONFIG_FILE) or None
+    doc: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    known = _all_names()
     if path is not None:
         p = Path(path)
         try:
@@ -339,35 +462,66 @@ def load_settings(path: str | os.PathLike | None = None, env: Mapping[str, str] 
             raise ConfigError(f"config file {p} does not exist; fix: pass an existing file or unset {ENV_CONFIG_FILE}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
-        for name, value in _flatten(doc, f"file {p}"):
-            _apply(settings, name, value, f"file {p}")
+        for key, value in doc.items():
+            if isinstance(value, dict):
+                if key not in SECTIONS:
+                    raise _unknown(key, list(SECTIONS), f"file {p}")
+                for k in value:
+                    if f"{key}.{k}" not in known:
+                        raise _unknown(f"{key}.{k}", known, f"file {p}")
+                    sources[f"{key}.{k}"] = f"file {p}"
+                sources[key] = f"file {p}"
+            elif key not in known:
+                raise _unknown(key, known, f"file {p}")
+            else:
+                sources[key] = f"file {p}"
+    ours: dict[str, str] = {}
     for var, value in env.items():
-        if not var.startswith(ENV_PREFIX) or var == ENV_CONFIG_FILE:
+        if not var.upper().startswith(ENV_PREFIX) or var.upper() == ENV_CONFIG_FILE:
             continue
         name = var[len(ENV_PREFIX):].lower().replace("__", ".")
-        _apply(settings, name, value, f"environment variable {var}")
-    return validate(settings)
+        if name not in known:
+            raise _unknown(name, known, f"environment variable {var}")
+        sources[name] = f"environment variable {var}"
+        sources.setdefault(name.partition(".")[0], f"environment variable {var}")
+        ours[var] = value
+    token = _ENV.set(ours)
+    try:
+        return _validate(lambda: Settings(**doc), "defaults", sources)
+    finally:
+        _ENV.reset(token)
 
 
 def as_env(settings: Settings) -> dict[str, str]:
     """Every setting as an ``RTRL_*`` variable: how a parent hands its exact settings to child processes."""
     def text(v: Any) -> str:
-        return ("true" if v else "false") if isinstance(v, bool) else repr(v) if isinstance(v, float) else str(v)
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, list):
+            return ",".join(map(str, v))
+        return repr(v) if isinstance(v, float) else str(v)
 
     out = {f"{ENV_PREFIX}DATA_DIR": settings.data_dir}
-    for sec in _section_classes():
-        obj = getattr(settings, sec)
-        for f in dataclasses.fields(obj):
-            out[f"{ENV_PREFIX}{sec.upper()}__{f.name.upper()}"] = text(getattr(obj, f.name))
+    for sec in SECTIONS:
+        for key, value in getattr(settings, sec).model_dump().items():
+            out[env_name(f"{sec}.{key}")] = text(value)
     return out
 
 
-def describe() -> list[tuple[str, Any, str]]:
-    """(name, default, help) for every setting; used by ``rtrl config --help-settings`` and docs."""
-    rows: list[tuple[str, Any, str]] = [("data_dir", Settings().data_dir, "folder for local state")]
-    for sec, cls in _section_classes().items():
-        for f in dataclasses.fields(cls):
-            rows.append((f"{sec}.{f.name}", f.default, f.metadata["help"]))
+def _shown(name: str, value: Any) -> Any:
+    if name in SECRETS:
+        return "***"
+    return redact_dsn(value) if isinstance(value, str) and "://" in value else value
+
+
+def describe(settings: Settings | None = None) -> list[tuple[str, Any, str]]:
+    """(name, value, help) for every setting, secrets redacted; defaults when ``settings`` is None."""
+    settings = settings or Settings.model_construct()
+    rows: list[tuple[str, Any, str]] = [("data_dir", settings.data_dir, Settings.model_fields["data_dir"].description or "")]
+    for sec in SECTIONS:
+        obj = getattr(settings, sec)
+        for key, f in _fields(type(obj)).items():
+            rows.append((f"{sec}.{key}", _shown(f"{sec}.{key}", getattr(obj, key)), f.description or ""))
     return rows
 
 
@@ -380,13 +534,36 @@ def example_toml() -> str:
         "",
     ]
     section = None
-    for name, default, help_text in describe():
+    defaults = Settings.model_construct()
+    for name, _, help_text in describe(defaults):
         sec, _, key = name.rpartition(".")
+        value = getattr(getattr(defaults, sec), key) if sec else getattr(defaults, key)
         if sec != section:
             if sec:
                 lines.append(f"\n[{sec}]")
             section = sec
-        value = ("true" if default else "false") if isinstance(default, bool) else (
-            f'"{default}"' if isinstance(default, str) else repr(default))
-        lines += [f"# {help_text}", f"{key} = {value}"]
+        lines += [f"# {help_text}", f"{key} = {_toml(value)}"]
     return "\n".join(lines) + "\n"
+
+
+def _toml(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return f'"{v}"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml(x) for x in v) + "]"
+    return repr(v)
+
+
+def refuse_overrides(settings: Settings, fixed: Mapping[str, tuple[Any, str]], who: str) -> Settings:
+    """``settings`` with each ``{"section.key": (value, why)}`` applied - unless the user set that key to
+    something else, which is refused with a ConfigError saying why (never silently changed)."""
+    for name, (value, why) in fixed.items():
+        sec, _, key = name.partition(".")
+        current = getattr(getattr(settings, sec), key)
+        if key in getattr(settings, sec).model_fields_set and current != value:
+            raise ConfigError(f"setting {name} = {current!r} cannot be used by {who}: it needs {name} = {value!r} "
+                              f"({why}); fix: remove {name} from the config file and {env_name(name)} from the "
+                              "environment, or set it to that value")
+    return settings.updated({name: value for name, (value, _) in fixed.items()})

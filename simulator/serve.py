@@ -20,7 +20,7 @@ import torch
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from client.sdk import RtrlClient
-from rtrl.kafka import base_config, producer_config
+from rtrl.kafka import base_config, produce, producer_config
 from schemas.codec import Invalid, JsonCodec
 from schemas.records import Checkpoint, Rollout
 from simulator.policy import sample
@@ -163,12 +163,7 @@ class PolicyServer:
             stop.wait(max(0.0, burst_s - (time.monotonic() - t)))
 
     def _produce(self, ro: Rollout) -> None:
-        while True:
-            try:
-                self.producer.produce(self.rollouts_topic, key=ro.trajectory_id.encode(), value=self.rollout_codec.encode(ro))
-                return
-            except BufferError:
-                self.producer.poll(0.1)
+        produce(self.producer, self.rollouts_topic, self.rollout_codec.encode(ro), ro.trajectory_id.encode(), poll_s=0.1)
 
     def close(self) -> None:
         self.producer.flush(30)

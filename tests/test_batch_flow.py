@@ -49,8 +49,8 @@ def test_batch_flow_end_to_end(broker, topic_prefix, ch_dsn, ch_client, ch_db, t
     _produce(broker.bootstrap, topic_prefix + "rewards",
              [(r.trajectory_id.encode(), wc.encode(r)) for r in rewards] + [(b"y", b'{"trajectory_id": 5}')])
     env = {"RTRL_KAFKA__BOOTSTRAP": broker.bootstrap, "RTRL_KAFKA__TOPIC_PREFIX": topic_prefix,
-           "RTRL_CLICKHOUSE__DSN": ch_dsn, "RTRL_CLICKHOUSE__DATABASE": ch_db, "RTRL_BATCHES__TAIL": "false",
-           "RTRL_BATCHES__SEQ_LEN": "16", "RTRL_BATCHES__ROWS": "2", "RTRL_TRAINER__MAX_POLICY_LAG": "1",
+           "RTRL_CLICKHOUSE__DSN": ch_dsn, "RTRL_CLICKHOUSE__DATABASE": ch_db, "RTRL_BATCHING__TAIL": "false",
+           "RTRL_BATCHING__SEQ_LEN": "16", "RTRL_BATCHING__ROWS": "2", "RTRL_TRAIN__MAX_POLICY_LAG": "1",
            "RTRL_DATA_DIR": str(tmp_path)}
     run_main(build_flow(load_settings(env=env)))
 

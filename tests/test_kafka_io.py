@@ -54,7 +54,7 @@ def test_paused_readers_deliver_every_message_once_in_order(broker, topic_prefix
     """Bursts separated by quiet spells longer than the idle backoff: the reader pauses between
     them (no fetching while idle) and still yields every message exactly once, in offset order, as
     Message tuples whose offset is the recovery state's next offset minus one."""
-    ensure_topics(broker.bootstrap, topic_prefix, 1)
+    ensure_topics(broker.bootstrap, topic_prefix, 2)  # the fixture made them with 2 partitions
     topic = topic_prefix + "events"
     src = kafka_source(broker.bootstrap, [topic], 5.0, tail=True, idle_s=0.05)
     part = src.build_part("events_in", f"0-{topic}", None)
@@ -76,7 +76,7 @@ def test_resume_state_and_bounded_run(broker, topic_prefix):
     """A reader built from a recovery offset starts there; with tail=False it ends (StopIteration)
     at the end of the partition even after quiet spells; a keyed source pairs each message with its
     partition."""
-    ensure_topics(broker.bootstrap, topic_prefix, 1)
+    ensure_topics(broker.bootstrap, topic_prefix, 2)  # the fixture made them with 2 partitions
     topic = topic_prefix + "events"
     sent = _produce_bursts(broker.bootstrap, topic, bursts=2, per_burst=50, gap_s=0)
     src = kafka_source(broker.bootstrap, [topic], 5.0, tail=False, idle_s=0.05)
@@ -96,7 +96,7 @@ def test_resume_state_and_bounded_run(broker, topic_prefix):
 def test_reader_of_an_empty_partition_pauses(broker, topic_prefix):
     """A reader of a partition that never had data pauses once the broker has answered (instead of
     re-fetching forever), and picks up the first message produced later."""
-    ensure_topics(broker.bootstrap, topic_prefix, 1)
+    ensure_topics(broker.bootstrap, topic_prefix, 2)  # the fixture made them with 2 partitions
     topic = topic_prefix + "events"
     part = kafka_source(broker.bootstrap, [topic], 5.0, tail=True, idle_s=0.05).build_part("in", f"0-{topic}", None)
     deadline = time.monotonic() + 30

@@ -30,7 +30,7 @@ def _reference_rewards(settings, bootstrap: str) -> dict[tuple, tuple]:
         by_partition[m.partition()].append(Message(m.key(), m.value(), m.partition(), m.offset()))
     out = {}
     for msgs in by_partition.values():
-        proc = RewardProcessor(topic, window_config(settings), settings.flow.versions)
+        proc = RewardProcessor(topic, window_config(settings), settings.rewards.versions)
         res = proc.process(sorted(msgs, key=lambda m: m.offset))
         res.rewards.extend(proc.finish().rewards)
         for r in res.rewards:
@@ -92,7 +92,7 @@ def test_kill_9_each_part_mid_cycle_loses_and_repeats_nothing(tmp_path):
         samples = ch.query(f"SELECT count(), uniqExact(s) FROM {db}.train_metrics FINAL ARRAY JOIN sample_ids AS s"
                            ).result_rows[0]
         assert batches[0] == batches[1] > 0 and samples[0] == samples[1] >= CYCLES * 400
-        rv = settings.batches.reward_version
+        rv = settings.rewards.train_version
         unrewarded = ch.query(f"SELECT count() FROM (SELECT s FROM {db}.train_metrics FINAL ARRAY JOIN sample_ids AS s) "
                               f"WHERE s NOT IN (SELECT trajectory_id FROM {db}.rewards FINAL WHERE reward_version = "
                               f"'{rv}')").result_rows[0][0]

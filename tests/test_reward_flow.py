@@ -52,7 +52,7 @@ def _produce(bootstrap: str, topic: str, payloads) -> None:
 
 
 def _settings(env: dict[str, str]):
-    return load_settings(env={"RTRL_SDK__SALT": SALT, "RTRL_FLOW__REWARD_VERSIONS": VERSIONS} | env)
+    return load_settings(env={"RTRL_SDK__SALT": SALT, "RTRL_REWARDS__VERSIONS": VERSIONS} | env)
 
 
 # ---------------------------------------------------------------- pure: the processor
@@ -226,7 +226,7 @@ def _env(bootstrap: str, prefix: str, data_dir, tail: bool) -> dict[str, str]:
     keep = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")}
     return keep | {"RTRL_KAFKA__BOOTSTRAP": bootstrap, "RTRL_KAFKA__TOPIC_PREFIX": prefix,
                    "RTRL_DATA_DIR": str(data_dir), "RTRL_FLOW__TAIL": "true" if tail else "false",
-                   "RTRL_SDK__SALT": SALT, "RTRL_FLOW__REWARD_VERSIONS": VERSIONS}
+                   "RTRL_SDK__SALT": SALT, "RTRL_REWARDS__VERSIONS": VERSIONS}
 
 
 def _flow_cmd(recovery=None, extra=()) -> list[str]:

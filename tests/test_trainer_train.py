@@ -120,8 +120,8 @@ def test_rtrl_train_records_metrics_in_clickhouse(broker, topic_prefix, tmp_path
     assert p.flush(10) == 0
     env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")} | {
         "RTRL_KAFKA__BOOTSTRAP": broker.bootstrap, "RTRL_KAFKA__TOPIC_PREFIX": topic_prefix,
-        "RTRL_DATA_DIR": str(tmp_path), "RTRL_TRAINER__STEPS": "3", "RTRL_TRAINER__IDLE_TIMEOUT_S": "5",
-        "RTRL_TRAINER__RUN_ID": "cli-run"}
+        "RTRL_DATA_DIR": str(tmp_path), "RTRL_TRAIN__STEPS": "3", "RTRL_TRAIN__IDLE_TIMEOUT_S": "5",
+        "RTRL_TRAIN__RUN_ID": "cli-run"}
     proc = subprocess.run([sys.executable, "-m", "app.cli", "train"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "trained 3 steps" in proc.stdout

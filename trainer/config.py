@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from rtrl.errors import ConfigError
+from rtrl.settings import Settings
 
 FP8_FORMATS = ("hybrid", "e4m3")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
@@ -41,12 +42,16 @@ class ParallelConfig:
     """Pipeline-parallel size: the layers are split into this many stages."""
     dp: Optional[int] = None
     """Data-parallel size; ``None`` = derived as ``world_size // (tp * pp)`` at init."""
+    sequence_parallel: bool = False
+    """Split layer-norm/dropout activations along the sequence over the tp ranks (needs tp > 1)."""
 
     def __post_init__(self) -> None:
         _positive_int("parallel.tp", self.tp)
         _positive_int("parallel.pp", self.pp)
         if self.dp is not None:
             _positive_int("parallel.dp", self.dp)
+        if self.sequence_parallel and self.tp == 1:
+            _fail("parallel.sequence_parallel", True, "needs parallel.tp > 1")
 
     def resolve_dp(self, world_size: int) -> int:
         """The data-parallel size for ``world_size`` ranks; error if the layout does not fit."""
@@ -106,6 +111,15 @@ class ModelConfig:
     num_query_groups: Optional[int] = None
     """Grouped-query attention: number of KV heads; ``None`` = one per attention head."""
     position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
+    rope_base: float = 10000.0
+    """RoPE base frequency (theta)."""
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    activation: Literal["gelu", "swiglu"] = "gelu"
+    """MLP activation: gelu, or swiglu (a gated SiLU MLP: Llama, Qwen)."""
+    qkv_bias: bool = False
+    """Bias on the query/key/value projections (Qwen2)."""
+    linear_bias: bool = True
+    """Biases on the other linear layers (Llama and Qwen have none)."""
     tie_embeddings: bool = False
     """Share the input embedding and the output layer weights."""
     hidden_dropout: float = 0.0
@@ -136,6 +150,12 @@ class ModelConfig:
                     self.num_query_groups,
                     f"must divide model.num_attention_heads = {self.num_attention_heads}",
                 )
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            _fail("model.normalization", self.normalization, "must be LayerNorm or RMSNorm")
+        if self.activation not in ("gelu", "swiglu"):
+            _fail("model.activation", self.activation, "must be gelu or swiglu")
+        if not self.rope_base > 0:
+            _fail("model.rope_base", self.rope_base, "must be > 0")
         if self.position_embedding_type not in POSITION_EMBEDDINGS:
             _fail("model.position_embedding_type", self.position_embedding_type, f"must be one of {POSITION_EMBEDDINGS}")
         for name in ("hidden_dropout", "attention_dropout"):
@@ -175,11 +195,31 @@ class ModelConfig:
         base.update(overrides)
         return cls(**base)
 
-    def with_parallel(self, tp: int = 1, pp: int = 1, dp: Optional[int] = None) -> "ModelConfig":
+    def with_parallel(self, tp: int = 1, pp: int = 1, dp: Optional[int] = None,
+                      sequence_parallel: bool = False) -> "ModelConfig":
         """A copy of this config with another parallel layout (checkpoints reshard between them)."""
         from dataclasses import replace
 
-        return replace(self, parallel=ParallelConfig(tp=tp, pp=pp, dp=dp))
+        return replace(self, parallel=ParallelConfig(tp=tp, pp=pp, dp=dp, sequence_parallel=sequence_parallel))
+
+
+def model_config(settings: Settings) -> tuple[ModelConfig, PrecisionConfig]:
+    """The trainer's model and precision from the settings' ``model``, ``parallel`` and ``precision``
+    sections: the one place those sections become a model (the trainer job, the loop and the
+    policy server all call it). Shape errors name the setting (``model.hidden_size`` ...)."""
+    m, p, pr = settings.model, settings.parallel, settings.precision
+    cfg = ModelConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn_hidden_size or None, vocab_size=m.vocab_size, seq_length=m.seq_length,
+        num_query_groups=m.num_query_groups or None, position_embedding_type=m.position_embedding_type,
+        rope_base=m.rope_base, normalization=m.normalization, activation=m.activation, qkv_bias=m.qkv_bias, linear_bias=m.linear_bias,
+        tie_embeddings=m.tie_embeddings, hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std, seed=m.seed,
+        parallel=ParallelConfig(tp=p.tp, pp=p.pp, dp=p.dp or None, sequence_parallel=p.sequence_parallel),
+    )
+    precision = PrecisionConfig(bf16=pr.bf16, fp8=pr.fp8 or None, fp8_recipe=pr.fp8_recipe)  # type: ignore[arg-type]
+    cfg.check_precision(precision)
+    return cfg, precision
 
 
 def world_from_env() -> tuple[int, int, int]:

@@ -82,7 +82,7 @@ def init_parallel(cfg: ModelConfig) -> ParallelInfo:
     Rank and world size come from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
     MASTER_ADDR, MASTER_PORT). A plain process with none of them set becomes rank 0 of 1
     through a ``file://`` rendezvous. Idempotent: a second call with the same layout only
-    reseeds; a different layout is an error (tear down with :func:`destroy_parallel`).
+    reseeds; a different layout is an error (a process trains one layout).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -115,7 +115,7 @@ def init_parallel(cfg: ModelConfig) -> ParallelInfo:
         if have != (p.tp, p.pp):
             raise ConfigError(
                 f"model parallel groups already exist with (tp, pp) = {have}, config asks for "
-                f"({p.tp}, {p.pp}); call trainer.model.destroy_parallel() first"
+                f"({p.tp}, {p.pp}); one process trains one layout: start a new process"
             )
     else:
         ps.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp)
@@ -161,25 +161,17 @@ def seed_everything(seed: int, torch_only: bool = False) -> None:
         pass
 
 
-def destroy_parallel() -> None:
-    """Tear down megatron's groups and the default process group (tests, layout changes)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    ps.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def transformer_config(cfg: ModelConfig, precision: PrecisionConfig):
     """The megatron ``TransformerConfig`` for ``cfg`` under ``precision`` (FP8 fields only set when asked)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if precision.bf16 else torch.float32
-    kwargs = {}
+    kwargs: dict = {}
     if precision.fp8 is not None:
         kwargs.update(fp8=precision.fp8, fp8_recipe=precision.fp8_recipe)
+    if cfg.activation == "swiglu":  # Llama/Qwen MLP: silu(x W_gate) * (x W_up)
+        kwargs.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=False)
     return TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -189,8 +181,12 @@ def transformer_config(cfg: ModelConfig, precision: PrecisionConfig):
         hidden_dropout=cfg.hidden_dropout,
         attention_dropout=cfg.attention_dropout,
         init_method_std=cfg.init_method_std,
+        normalization=cfg.normalization,
+        add_qkv_bias=cfg.qkv_bias,
+        add_bias_linear=cfg.linear_bias,
         tensor_model_parallel_size=cfg.parallel.tp,
         pipeline_model_parallel_size=cfg.parallel.pp,
+        sequence_parallel=cfg.parallel.sequence_parallel,
         bf16=precision.bf16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -201,7 +197,7 @@ def transformer_config(cfg: ModelConfig, precision: PrecisionConfig):
     )
 
 
-def layer_spec(precision: PrecisionConfig):
+def layer_spec(precision: PrecisionConfig, normalization: str = "LayerNorm"):
     """The local spec on CPU (or GPU without TE); the Transformer Engine spec on GPU with TE.
 
     FP8 requires the TE spec, so it requires TE (checked by :func:`require_transformer_engine`).
@@ -214,7 +210,7 @@ def layer_spec(precision: PrecisionConfig):
     require_transformer_engine(precision)
     if torch.cuda.is_available() and transformer_engine_status()[0]:
         return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec()
+    return get_gpt_layer_local_spec(normalization=normalization)
 
 
 def build_model(cfg: ModelConfig, precision: Optional[PrecisionConfig] = None):
@@ -233,7 +229,7 @@ def build_model(cfg: ModelConfig, precision: Optional[PrecisionConfig] = None):
 
     if not ps.model_parallel_is_initialized():
         raise ConfigError("megatron parallel state is not initialised; call trainer.model.init_parallel(cfg) first")
-    spec = layer_spec(precision)
+    spec = layer_spec(precision, cfg.normalization)
     seed_everything(cfg.seed, torch_only=True)
     model = GPTModel(
         config=transformer_config(cfg, precision),
@@ -245,6 +241,7 @@ def build_model(cfg: ModelConfig, precision: Optional[PrecisionConfig] = None):
         parallel_output=True,
         share_embeddings_and_output_weights=cfg.tie_embeddings,
         position_embedding_type=cfg.position_embedding_type,
+        rotary_base=int(cfg.rope_base) if float(cfg.rope_base).is_integer() else cfg.rope_base,
     )
     if precision.bf16:
         # What Megatron-LM's Float16Module does to the wrapped model: every parameter and float

@@ -1,6 +1,6 @@
 """The trainer job: ``rtrl train`` (one process) or ``torchrun --nproc_per_node N -m trainer`` (DP/TP).
 
-Builds the tiny CPU model (or the configured one), reads ``rtrl.batches`` for this rank's data-parallel
+Builds the model the settings describe (architecture, parallel layout, precision), reads ``rtrl.batches`` for this rank's data-parallel
 share, trains with Dr. GRPO + KL, checkpoints with the consumed offsets, and records one
 ``train_metrics`` row per step in ClickHouse (rank 0) while showing progress on the console.
 """
@@ -18,9 +18,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rtrl import clickhouse
 from rtrl.settings import Settings
 from schemas.records import TrainStep
-from trainer.config import ModelConfig
+from rtrl.errors import ConfigError
+from trainer.config import ModelConfig, model_config
 from trainer.data import BatchStream
-from trainer.loss import LossConfig
 from trainer.model import build_model, init_parallel
 from trainer.train import TrainConfig, train
 
@@ -36,21 +36,39 @@ def torch_threads(setting: int) -> int:
     return max(1, (os.cpu_count() or 2) - 1)
 
 
-def run(settings: Settings, bootstrap: str, model_cfg: ModelConfig | None = None,
-        console: Console | None = None) -> list[TrainStep]:
+def check_pipeline(cfg: ModelConfig) -> None:
+    """The RL loss needs every token's log-prob under the policy and the reference on one rank; the
+    trainer's step runs whole models (:func:`trainer.model.forward_logprobs`), not megatron's pipeline
+    schedule, so pp > 1 is refused here - before any rank builds a model - instead of failing mid-step."""
+    if cfg.parallel.pp > 1:
+        raise ConfigError(
+            f"parallel.pp = {cfg.parallel.pp}: the RL trainer does not run a pipeline schedule yet (its loss needs "
+            "per-token log-probs of the policy and the reference on the last stage; megatron-core's 1F1B itself "
+            "runs on CPU over gloo, the trainer step does not drive it); fix: set parallel.pp = 1 and use "
+            "parallel.tp / data parallelism")
+
+
+def run(settings: Settings, bootstrap: str, console: Console | None = None) -> list[TrainStep]:
+    """Train on ``rtrl.batches`` with the model, layout and precision of the settings (``model``,
+    ``parallel``, ``precision``) and the optimizer and loss of ``train`` and ``loss``."""
     console = console or Console()
-    ts = settings.trainer
+    ts = settings.train
     torch.set_num_threads(torch_threads(ts.torch_threads))
-    cfg = model_cfg or ModelConfig()
+    cfg, precision = model_config(settings)
+    check_pipeline(cfg)
     info = init_parallel(cfg)
-    model, reference = build_model(cfg), build_model(cfg)
+    model, reference = build_model(cfg, precision), build_model(cfg, precision)
     reference.load_state_dict(model.state_dict())  # the KL reference: the run's initial weights
     ckpt = Path(ts.checkpoint_dir or settings.data_path / "checkpoints")
-    tc = TrainConfig(run_id=ts.run_id or ckpt.name, micro_batches_per_step=ts.micro_batches_per_step,
-                     max_steps=ts.steps, lr=ts.lr, max_policy_lag=ts.max_policy_lag,
-                     checkpoint_every=ts.checkpoint_every, checkpoint_dir=str(ckpt), idle_timeout_s=ts.idle_timeout_s,
-                     loss=LossConfig(kl_coef=ts.kl_coef))
+    tc = TrainConfig.from_settings(settings, run_id=ts.run_id or ckpt.name, checkpoint_dir=str(ckpt))
     lead = info.rank == 0
+    if lead:
+        p = cfg.parallel
+        console.print(f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads "
+                      f"({cfg.num_query_groups or cfg.num_attention_heads} kv), {cfg.normalization}, {cfg.activation}; "
+                      f"tp {p.tp} pp {p.pp} dp {info.dp}{' sp' if p.sequence_parallel else ''}; "
+                      f"{'bf16' if precision.bf16 else 'fp32'}{' fp8 ' + precision.fp8 if precision.fp8 else ''}; "
+                      f"{sum(x.numel() for x in model.parameters()):,} parameters on this rank")
     ch = clickhouse.setup(settings.clickhouse_dsn, settings.clickhouse.database) if lead else None
     streams: list[BatchStream] = []
 

@@ -22,6 +22,7 @@ from trainer.data import Batch
 from trainer.dedup import TrainedSet
 from trainer.loss import LossConfig, policy_loss
 from trainer.model import forward_logprobs
+from rtrl.settings import Settings
 from schemas.records import TrainStep
 
 
@@ -60,7 +61,12 @@ class TrainConfig:
     micro_batches_per_step: int = 2
     max_steps: int = 10
     lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up from 0 to ``lr`` over this many steps."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm (over every rank's shard) to this; 0 = off."""
     max_policy_lag: int = 4
     norm_tokens: int = 0
     """Constant loss normaliser (Dr. GRPO); 0 = micro_batches_per_step x rows x seq_len of the first batch."""
@@ -68,6 +74,23 @@ class TrainConfig:
     checkpoint_dir: str = ""
     idle_timeout_s: float = 30.0
     loss: LossConfig = field(default_factory=LossConfig)
+
+    @classmethod
+    def from_settings(cls, settings: Settings, **run: Any) -> "TrainConfig":
+        """The ``train`` and ``loss`` sections as a TrainConfig: the one mapping from settings to the training
+        loop (the trainer job and the closed loop both use it). ``run`` sets what a caller owns: run_id,
+        max_steps, checkpoint_dir, idle_timeout_s ... - never the optimizer or the loss."""
+        owned = {"run_id", "max_steps", "checkpoint_dir", "checkpoint_every", "idle_timeout_s"}
+        if set(run) - owned:
+            raise TypeError(f"TrainConfig.from_settings: {sorted(set(run) - owned)} come from settings only")
+        ts, ls = settings.train, settings.loss
+        return cls(**{
+            "micro_batches_per_step": ts.micro_batches_per_step, "max_steps": ts.steps, "lr": ts.lr,
+            "betas": (ts.beta1, ts.beta2), "weight_decay": ts.weight_decay, "warmup_steps": ts.warmup_steps,
+            "grad_clip": ts.grad_clip, "max_policy_lag": ts.max_policy_lag, "norm_tokens": ls.norm_tokens,
+            "checkpoint_every": ts.checkpoint_every, "idle_timeout_s": ts.idle_timeout_s,
+            "loss": LossConfig(eps_low=ls.eps_low, eps_high=ls.eps_high, is_cap=ls.is_cap, kl_coef=ls.kl_coef),
+        } | run)
 
 
 @dataclass(frozen=True)
@@ -130,7 +153,7 @@ def train(model: Any, reference: Any, make_source: Callable[[dict[str, int] | No
     weights). ``trained`` (kept in every checkpoint) skips micro-batches and samples already trained:
     the batch flow may send some again after a crash (:mod:`trainer.dedup`).
     """
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     step, offsets = 0, start
     trained = trained if trained is not None else TrainedSet()
     if resume and cfg.checkpoint_dir and (last := checkpoint.latest(cfg.checkpoint_dir)) is not None:
@@ -176,6 +199,10 @@ def train(model: Any, reference: Any, make_source: Callable[[dict[str, int] | No
             for lag in p.lags.tolist():
                 lag_hist[str(lag)] = lag_hist.get(str(lag), 0) + 1
         dp.reduce_gradients(model)
+        if cfg.grad_clip > 0:
+            clip_grad_norm(model, cfg.grad_clip)
+        for group in opt.param_groups:  # linear warm-up (by optimizer step, so a resumed run continues it)
+            group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
         totals = dp.sum([sums["loss"], sums["pg"], sums["kl_tok"], sums["clip_tok"], sums["trunc_tok"],
                          sums["tokens"], sums["on"]])
         sums = dict(zip(["loss", "pg", "kl_tok", "clip_tok", "trunc_tok", "tokens", "on"], totals))
@@ -204,6 +231,37 @@ def train(model: Any, reference: Any, make_source: Callable[[dict[str, int] | No
     if cfg.checkpoint_dir and steps and step % cfg.checkpoint_every:
         save(model, opt, source, cfg, step, policy_version, trained)  # the end of a run is always resumable
     return steps
+
+
+def clip_grad_norm(model: Any, max_norm: float) -> float:
+    """Scale every gradient so that the global norm is at most ``max_norm``; return the norm before.
+
+    Under tensor parallelism a sharded parameter (megatron marks it ``tensor_model_parallel``) holds
+    a slice of the gradient on each rank, a replicated one (layer norms, some biases) the whole of
+    it: the squared norms of the shards are summed over the tensor-parallel group, the replicated
+    ones counted once - every rank then computes the same norm and the same scale (what
+    ``torch.nn.utils.clip_grad_norm_`` on an unsharded model gives)."""
+    from megatron.core import parallel_state as ps
+
+    grads = [(p.grad, bool(getattr(p, "tensor_model_parallel", False))) for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    sharded = torch.zeros((), dtype=torch.float64)
+    replicated = torch.zeros((), dtype=torch.float64)
+    for g, is_shard in grads:
+        sq = g.detach().double().pow(2).sum()
+        if is_shard:
+            sharded += sq
+        else:
+            replicated += sq
+    if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(sharded, group=ps.get_tensor_model_parallel_group())
+    norm = float((sharded + replicated).sqrt())
+    if norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for g, _ in grads:
+            g.mul_(scale)
+    return norm
 
 
 class DataParallel:

@@ -1,0 +1,110 @@
+"""The promotion gate's rules and decision: pure functions of score rows, no I/O, no models.
+
+A candidate is promoted when its solve metric did not drop by more than ``solve_tolerance`` below
+the serving version's and no behaviour rule (:class:`monitors.alerts.AlertRule`) fires against the
+serving version - nor, with ``compare_with_first``, against the first version (v0), which catches
+slow drift: many small steps, each within the limits of its parent, that add up.
+
+The behaviour metrics are rates over ``samples`` sampled completions; every rule's sample-count
+column (``trajectories`` for the default rules) is set to ``samples`` on both sides, so a rule with
+``min_samples`` above it is skipped rather than fired (as :func:`monitors.alerts.evaluate` does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from monitors.alerts import AlertRule, evaluate
+
+#: the eval gate's behaviour rules on sampled held-out completions (rates of 0..1)
+EVAL_RULES: tuple[AlertRule, ...] = (
+    AlertRule("broken_tool_call_rate", "increase", 0.25, floor=0.03),
+    AlertRule("clarify_rate", "increase", 0.5, floor=0.05),
+    AlertRule("edit_rate", "decrease", 0.1, floor=0.05),
+)
+
+#: (label, metric) pairs a promotion's reason quotes from the candidate's scores, when it has them
+SUMMARY_METRICS: tuple[tuple[str, str], ...] = (("broken", "broken_tool_call_rate"), ("clarify", "clarify_rate"))
+
+
+@dataclass(frozen=True)
+class GateRules:
+    """What the gate checks."""
+
+    solve_metric: str = "solve_rate"
+    """Score that may not drop beyond ``solve_tolerance`` below the serving version's."""
+    solve_tolerance: float = 0.03
+    """Largest tolerated absolute drop of ``solve_metric``."""
+    behaviour: tuple[AlertRule, ...] = EVAL_RULES
+    """Behaviour rules judged against the serving version (and the first one)."""
+    compare_with_first: bool = True
+    """Also judge the behaviour rules against the first version (slow drift)."""
+    summary: tuple[tuple[str, str], ...] = SUMMARY_METRICS
+    """(label, metric) pairs a promotion's reason quotes; metrics the scores lack are left out."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "behaviour", tuple(self.behaviour))
+        object.__setattr__(self, "summary", tuple(tuple(p) for p in self.summary))
+        if not self.solve_metric:
+            raise ValueError("GateRules.solve_metric must name a score")
+        if not self.solve_tolerance >= 0:
+            raise ValueError(f"GateRules.solve_tolerance must be >= 0, not {self.solve_tolerance!r}")
+        bad = [r for r in self.behaviour if not isinstance(r, AlertRule)]
+        if bad:
+            raise ValueError(f"GateRules.behaviour takes monitors.alerts.AlertRule only, not {bad!r}")
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        """Every score the gate reads: the solve metric, then each behaviour rule's metric."""
+        return tuple(dict.fromkeys((self.solve_metric, *(r.metric for r in self.behaviour))))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The gate's verdict: promote or not, the reason recorded with the checkpoint, and the problems
+    (empty when promoted) the reason joins."""
+
+    promote: bool
+    reason: str
+    problems: tuple[str, ...] = ()
+
+
+def _require(scores: Mapping[str, float], metrics: list[str], side: str) -> None:
+    missing = [m for m in metrics if m not in scores]
+    if missing:
+        names = ", ".join(repr(m) for m in missing)
+        raise ValueError(f"the {side} scores have no {names} (the gate's rules need them; "
+                         f"the scores have {sorted(scores)}): make the eval suite return them or change GateRules")
+
+
+def decide(candidate: Mapping[str, float], serving: Mapping[str, float], first: Mapping[str, float],
+           samples: int, rules: GateRules = GateRules()) -> Decision:
+    """Promote when the solve metric did not drop beyond the tolerance and no behaviour rule fires
+    against the serving version or (``compare_with_first``) the first one.
+
+    ``samples``: how many completions the behaviour rates were computed from. A score a rule needs
+    that a row lacks raises ValueError naming it."""
+    behaviour = [r.metric for r in rules.behaviour]
+    _require(candidate, [rules.solve_metric, *behaviour], "candidate")
+    _require(serving, [rules.solve_metric, *behaviour], "serving")
+    bases = [("serving", serving)]
+    if rules.compare_with_first:
+        _require(first, behaviour, "first")
+        bases.append(("first", first))
+    label = rules.solve_metric.replace("_", " ")
+    c, p, tol = candidate[rules.solve_metric], serving[rules.solve_metric], rules.solve_tolerance
+    problems: list[str] = []
+    if c < p - tol:
+        problems.append(f"{label} {c:.3f} < {p:.3f} - {tol}")
+    counts: dict[str, float] = {r.samples: samples for r in rules.behaviour}
+    for name, base in bases:
+        ev = evaluate(dict(candidate) | counts, dict(base) | counts, rules.behaviour)
+        problems += [f"vs {name}: {a.message}" for a in ev.alerts]
+    if problems:
+        return Decision(False, "; ".join(problems), tuple(problems))
+    reason = f"{label} {c:.3f} (serving {p:.3f})"
+    quoted = [f"{lab} {candidate[m]:.3f}" for lab, m in rules.summary if m in candidate]
+    if quoted:
+        reason += "; " + ", ".join(quoted)
+    return Decision(True, reason, ())

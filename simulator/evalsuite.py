@@ -1,0 +1,34 @@
+"""The loop's default eval suite (:class:`evalgate.suite.EvalSuite`): the simulator's held-out tasks.
+
+Scores are greedy solve/behaviour rates prefixed ``greedy_``, plus the same rates of sampled
+completions over every task twice (``samples = 2 * len(tasks)``), sampled with a generator seeded by
+``seed`` so every model is judged on the same draws and the same model always scores the same.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from simulator.policy import greedy, sample
+from simulator.tasks import Task, held_out, score
+
+
+class HeldOutTasks:
+    """``n_tasks`` held-out tasks (``held_out(n_tasks, seed=7 + seed)``, a seed no training round uses)."""
+
+    name = "held-out-tasks"
+
+    def __init__(self, n_tasks: int, seed: int):
+        self.seed = seed
+        self.tasks: list[Task] = held_out(n_tasks, seed=7 + seed)
+        self.samples = 2 * len(self.tasks)
+
+    def evaluate(self, model) -> dict[str, float]:
+        """Greedy solve rates plus the behaviour of sampled completions (same seed for every model)."""
+        out = {f"greedy_{k}": v for k, v in score(self.tasks, greedy(model, self.tasks)).items()}
+        comps, _ = sample(model, self.tasks * 2, torch.Generator().manual_seed(self.seed))
+        out |= score(self.tasks * 2, comps)
+        return out
+
+    def __repr__(self) -> str:
+        return f"HeldOutTasks(n_tasks={len(self.tasks)}, seed={self.seed})"

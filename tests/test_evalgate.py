@@ -1,0 +1,168 @@
+"""The eval gate (evalgate): the promotion decision as a pure function of score rows, the eval suite
+injected through a Protocol (a user's own benchmark drives the same gate), and the loop's default
+suite on the simulator's held-out tasks scoring the same model the same way every time."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from evalgate import EVAL_RULES, Decision, EvalSuite, GateRules, decide, run_gate
+from monitors.alerts import AlertRule
+
+EV = {"solve_rate": 0.30, "broken_tool_call_rate": 0.08, "clarify_rate": 0.10, "edit_rate": 0.80}
+RULES = GateRules(solve_tolerance=0.02)
+
+
+def _gate(candidate, serving, first, rules=RULES, samples=400) -> Decision:
+    return decide(candidate, serving, first, samples, rules)
+
+
+# ---------------------------------------------------------------- decide(): pure
+
+def test_defaults_are_the_loops_gate():
+    r = GateRules()
+    assert (r.solve_metric, r.solve_tolerance, r.behaviour, r.compare_with_first) == ("solve_rate", 0.03, EVAL_RULES, True)
+    assert [(a.metric, a.direction, a.threshold, a.floor) for a in EVAL_RULES] == [
+        ("broken_tool_call_rate", "increase", 0.25, 0.03), ("clarify_rate", "increase", 0.5, 0.05),
+        ("edit_rate", "decrease", 0.1, 0.05)]
+    assert r.metrics == ("solve_rate", "broken_tool_call_rate", "clarify_rate", "edit_rate")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.solve_tolerance = 1.0  # type: ignore[misc]
+    with pytest.raises(ValueError, match="solve_tolerance"):
+        GateRules(solve_tolerance=-0.1)
+    assert GateRules(behaviour=list(EVAL_RULES)).behaviour == EVAL_RULES  # a list becomes a tuple (hashable)
+
+
+def test_promotes_without_regressions():
+    d = _gate(EV | {"solve_rate": 0.31}, EV, EV)
+    assert d == Decision(True, "solve rate 0.310 (serving 0.300); broken 0.080, clarify 0.100", ())
+    # a drop within the tolerance still promotes (today's boundary: strictly below parent - tolerance rejects)
+    assert _gate(EV | {"solve_rate": 0.29}, EV, EV).promote
+    assert _gate(EV, EV, EV).promote
+
+
+def test_solve_drop_beyond_tolerance_rejects():
+    d = _gate(EV | {"solve_rate": 0.25}, EV, EV)
+    assert not d.promote and "solve rate 0.250 < 0.300" in d.reason
+    assert d.problems == ("solve rate 0.250 < 0.300 - 0.02",) and d.reason == d.problems[0]
+    assert _gate(EV | {"solve_rate": 0.25}, EV, EV, GateRules(solve_tolerance=0.1)).promote
+
+
+def test_behaviour_alert_against_serving():
+    d = _gate(EV | {"broken_tool_call_rate": 0.2}, EV, EV)
+    assert not d.promote and "broken_tool_call_rate" in d.reason and "vs serving" in d.reason
+    # the same alert fires against the first version too (serving == first here): one problem each
+    assert [p.split(":")[0] for p in d.problems] == ["vs serving", "vs first"]
+    assert d.reason == "; ".join(d.problems)
+    d = _gate(EV | {"clarify_rate": 0.3, "edit_rate": 0.6}, EV, EV)
+    assert not d.promote and "clarify_rate" in d.reason and "edit_rate" in d.reason
+
+
+def test_slow_drift_is_caught_against_the_first_version_only():
+    drifted = EV | {"broken_tool_call_rate": 0.15}
+    d = _gate(drifted | {"broken_tool_call_rate": 0.16}, drifted, EV)
+    assert not d.promote and "vs first" in d.reason and "vs serving" not in d.reason
+    assert len(d.problems) == 1 and d.problems[0].startswith("vs first: broken_tool_call_rate rose")
+
+
+def test_compare_with_first_off_ignores_drift_and_the_first_row():
+    drifted = EV | {"broken_tool_call_rate": 0.15}
+    no_first = GateRules(solve_tolerance=0.02, compare_with_first=False)
+    assert _gate(drifted | {"broken_tool_call_rate": 0.16}, drifted, EV, no_first).promote
+    assert _gate(EV, EV, {}, no_first).promote  # the first row is not read at all
+    assert not _gate(EV | {"broken_tool_call_rate": 0.2}, EV, {}, no_first).promote
+
+
+def test_too_few_samples_skip_the_behaviour_rules():
+    """Rates from fewer completions than a rule's min_samples are not judged (skipped, not fired)."""
+    bad = EV | {"broken_tool_call_rate": 0.5}
+    assert not _gate(bad, EV, EV, samples=200).promote
+    assert _gate(bad, EV, EV, samples=199).promote
+    strict = GateRules(behaviour=(AlertRule("broken_tool_call_rate", "increase", 0.25, min_samples=1000),))
+    assert _gate(bad, EV, EV, strict, samples=400).promote
+
+
+@pytest.mark.parametrize("side", ["candidate", "serving", "first"])
+@pytest.mark.parametrize("metric", ["solve_rate", "clarify_rate"])
+def test_a_missing_metric_is_a_clear_error(side, metric):
+    rows = {"candidate": dict(EV), "serving": dict(EV), "first": dict(EV)}
+    del rows[side][metric]
+    if side == "first" and metric == "solve_rate":  # the first row is only read for behaviour
+        assert _gate(rows["candidate"], rows["serving"], rows["first"]).promote
+        return
+    with pytest.raises(ValueError, match=f"{side} scores have no '{metric}'"):
+        _gate(rows["candidate"], rows["serving"], rows["first"])
+
+
+def test_reasons_name_the_metric():
+    rules = GateRules(solve_metric="pass_at_1", solve_tolerance=0.0,
+                      behaviour=(AlertRule("lint_errors", "increase", 0.1, floor=1.0, min_samples=10),), summary=())
+    base = {"pass_at_1": 0.5, "lint_errors": 2.0}
+    d = decide({"pass_at_1": 0.4, "lint_errors": 4.0}, base, base, 10, rules)
+    assert not d.promote
+    assert d.problems[0] == "pass at 1 0.400 < 0.500 - 0.0"
+    assert all("lint_errors rose 100.0%" in p for p in d.problems[1:]) and len(d.problems) == 3
+    assert decide(base, base, base, 10, rules) == Decision(True, "pass at 1 0.500 (serving 0.500)", ())
+    with pytest.raises(ValueError, match="'lint_errors'"):
+        decide({"pass_at_1": 0.5}, base, base, 10, rules)
+
+
+# ---------------------------------------------------------------- an injected suite
+
+class FixedSuite:
+    """A user's benchmark: fixed scores per (dummy) model, 500 completions behind each rate."""
+
+    name = "fixed"
+    samples = 500
+
+    def __init__(self, scores: dict[str, dict[str, float]]):
+        self.scores, self.calls = scores, []
+
+    def evaluate(self, model) -> dict[str, float]:
+        self.calls.append(model)
+        return dict(self.scores[model])
+
+
+def test_a_user_supplied_suite_drives_the_gate():
+    suite = FixedSuite({"good": EV | {"solve_rate": 0.35}, "hacked": EV | {"broken_tool_call_rate": 0.3}})
+    assert isinstance(suite, EvalSuite)
+    first = serving = EV
+    scores, d = run_gate(suite, "good", serving, first, RULES)
+    assert scores == EV | {"solve_rate": 0.35} and d.promote
+    scores, d = run_gate(suite, "hacked", serving, first, RULES)
+    assert scores["broken_tool_call_rate"] == 0.3 and not d.promote and "vs serving: broken_tool_call_rate" in d.reason
+    assert suite.calls == ["good", "hacked"]
+    # the suite's sample count is what the rules' min_samples see
+    few = FixedSuite({"hacked": EV | {"broken_tool_call_rate": 0.3}})
+    few.samples = 100
+    assert run_gate(few, "hacked", serving, first, RULES)[1].promote
+    # default rules when none are given
+    assert run_gate(suite, "good", serving, first)[1].promote
+
+
+# ---------------------------------------------------------------- the loop's default suite
+
+def test_held_out_tasks_score_a_real_model_deterministically():
+    import torch
+
+    from simulator.evalsuite import HeldOutTasks
+    from simulator.policy import model_config
+    from simulator.tasks import held_out
+    from trainer.model import build_model, init_parallel
+
+    cfg = model_config(seq_length=32)
+    init_parallel(cfg)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    suite = HeldOutTasks(20, seed=3)
+    assert isinstance(suite, EvalSuite)
+    assert suite.tasks == held_out(20, seed=10) and suite.samples == 40
+    first = suite.evaluate(model)
+    assert suite.evaluate(model) == first
+    assert HeldOutTasks(20, seed=3).evaluate(model) == first
+    assert set(GateRules().metrics) <= set(first)
+    assert {f"greedy_{m}" for m in ("solve_rate", "broken_tool_call_rate")} <= set(first)
+    assert all(0.0 <= v <= 1.0 for v in first.values())
+    assert decide(first, first, first, suite.samples, GateRules()).promote  # a model never regresses against itself

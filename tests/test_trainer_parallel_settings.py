@@ -1,0 +1,200 @@
+"""A production run configures the trainer from settings alone: architecture, parallel layout,
+precision, optimizer.
+
+Contract pinned here:
+- ``trainer.config.model_config(settings)`` is the one mapping from the ``model``/``parallel``/
+  ``precision`` sections to the model, and every setting of those sections reaches it;
+  ``trainer.train.TrainConfig.from_settings`` is the one mapping of ``train`` and ``loss``.
+- The architecture settings build what they say (RMSNorm, SwiGLU, GQA, QKV bias, tied embeddings,
+  RoPE base) as a real megatron-core GPTModel.
+- Gradient-norm clipping is on by default and clips like ``torch.nn.utils.clip_grad_norm_``.
+- ``torchrun --nproc_per_node 2 -m trainer`` with a settings file asking TP=2 builds the sharded model
+  from Kafka input and trains; PP=2 is refused with a precise error; FP8 on a CPU machine fails with
+  the clear Transformer Engine error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from confluent_kafka import Producer
+
+from devservices.broker import free_port
+from rtrl.kafka import producer_config
+from rtrl.settings import ModelSettings, ParallelSettings, PrecisionSettings, load_settings
+from schemas.codec import encode_batch
+from tests.dist.train_run import synthetic_batches
+from tests.test_trainer_train import _to_micro
+from trainer.config import model_config
+from trainer.train import TrainConfig, clip_grad_norm
+
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+ARCH = {"RTRL_MODEL__NUM_LAYERS": "2", "RTRL_MODEL__HIDDEN_SIZE": "64", "RTRL_MODEL__NUM_ATTENTION_HEADS": "4",
+        "RTRL_MODEL__NUM_QUERY_GROUPS": "2", "RTRL_MODEL__FFN_HIDDEN_SIZE": "128", "RTRL_MODEL__NORMALIZATION": "RMSNorm",
+        "RTRL_MODEL__ACTIVATION": "swiglu", "RTRL_MODEL__ROPE_BASE": "500000", "RTRL_MODEL__QKV_BIAS": "true",
+        "RTRL_MODEL__LINEAR_BIAS": "false", "RTRL_MODEL__TIE_EMBEDDINGS": "true"}
+
+
+def test_every_model_parallel_precision_setting_reaches_the_model_config():
+    """Each field of the three sections is carried by model_config (0 = derived values resolve)."""
+    s = load_settings(env=ARCH | {"RTRL_PARALLEL__TP": "2", "RTRL_PARALLEL__SEQUENCE_PARALLEL": "true",
+                                  "RTRL_PRECISION__BF16": "true"})
+    cfg, precision = model_config(s)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.ffn_hidden_size) == \
+        (2, 64, 4, 2, 128)
+    assert (cfg.normalization, cfg.activation, cfg.rope_base, cfg.qkv_bias, cfg.linear_bias, cfg.tie_embeddings) == \
+        ("RMSNorm", "swiglu", 500000.0, True, False, True)
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.sequence_parallel) == (2, 1, None, True)
+    assert (precision.bf16, precision.fp8) == (True, None)
+    for section, obj in ((ModelSettings, cfg), (ParallelSettings, cfg.parallel), (PrecisionSettings, precision)):
+        missing = [f for f in section.model_fields if not hasattr(obj, f)]
+        assert not missing, f"settings not carried to the trainer: {missing}"
+    default, _ = model_config(load_settings(env={}))
+    assert default.ffn_hidden_size == 4 * default.hidden_size and default.num_query_groups is None
+
+
+def test_shape_errors_name_the_setting():
+    with pytest.raises(Exception, match="model.num_attention_heads.*parallel.tp = 3"):
+        model_config(load_settings(env={"RTRL_PARALLEL__TP": "3"}))
+    with pytest.raises(Exception, match="parallel.sequence_parallel needs parallel.tp > 1"):
+        load_settings(env={"RTRL_PARALLEL__SEQUENCE_PARALLEL": "true"})
+
+
+def test_train_and_loss_sections_make_the_train_config():
+    s = load_settings(env={"RTRL_TRAIN__LR": "0.0003", "RTRL_TRAIN__BETA2": "0.95", "RTRL_TRAIN__WEIGHT_DECAY": "0.1",
+                           "RTRL_TRAIN__WARMUP_STEPS": "5", "RTRL_LOSS__KL_COEF": "0.05", "RTRL_LOSS__IS_CAP": "3"})
+    tc = TrainConfig.from_settings(s, run_id="r", checkpoint_dir="/tmp/x")
+    assert (tc.lr, tc.betas, tc.weight_decay, tc.warmup_steps, tc.grad_clip) == (0.0003, (0.9, 0.95), 0.1, 5, 1.0)
+    assert (tc.loss.kl_coef, tc.loss.is_cap, tc.run_id, tc.checkpoint_dir) == (0.05, 3.0, "r", "/tmp/x")
+    with pytest.raises(TypeError, match="come from settings only"):
+        TrainConfig.from_settings(s, lr=1.0)
+
+
+def test_architecture_settings_build_that_model():
+    """RMSNorm, SwiGLU, GQA, QKV bias without other biases, tied embeddings and the RoPE base, as a real
+    megatron-core GPTModel on CPU."""
+    from trainer.model import build_model, forward_logprobs, init_parallel
+
+    cfg, precision = model_config(load_settings(env=ARCH))
+    init_parallel(cfg)
+    model = build_model(cfg, precision)
+    params = dict(model.named_parameters())
+    layer = model.decoder.layers[0]
+    assert type(layer.input_layernorm).__name__ in ("RMSNorm", "WrappedTorchNorm", "FusedLayerNorm") and \
+        "decoder.layers.0.input_layernorm.bias" not in params  # RMSNorm has no bias
+    assert params["decoder.layers.0.mlp.linear_fc1.weight"].shape == (2 * 128, 64)  # gate and up projections
+    head_dim = 64 // 4
+    assert params["decoder.layers.0.self_attention.linear_qkv.weight"].shape == ((4 + 2 * 2) * head_dim, 64)  # GQA
+    assert "decoder.layers.0.self_attention.linear_qkv.bias" in params
+    assert "decoder.layers.0.mlp.linear_fc2.bias" not in params
+    assert "output_layer.weight" not in params  # tied to the embedding
+    inv_freq = model.rotary_pos_emb.inv_freq
+    assert torch.allclose(inv_freq[1], torch.tensor(500000.0 ** (-2 / head_dim)), rtol=1e-4)
+    tokens = torch.randint(0, 256, (2, 16))
+    lp = forward_logprobs(model, tokens, torch.arange(16).expand(2, 16), tokens)
+    assert lp.shape == (2, 16) and torch.isfinite(lp).all()
+
+
+def test_gradient_clipping_is_on_by_default_and_matches_torch():
+    assert load_settings(env={}).train.grad_clip == 1.0 and TrainConfig().grad_clip == 1.0
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(4, 8) * 100
+    for m in (a, b):
+        m(x).pow(2).sum().backward()
+    before = clip_grad_norm(a, 1.0)
+    want = torch.nn.utils.clip_grad_norm_(b.parameters(), 1.0)
+    assert before == pytest.approx(float(want), rel=1e-6) and before > 1.0
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad)
+
+
+def _settings_file(tmp_path: Path, broker, topic_prefix: str, **sections: dict) -> Path:
+    doc = {"data_dir": str(tmp_path / "data"), "kafka": {"bootstrap": broker.bootstrap, "topic_prefix": topic_prefix},
+           "train": {"steps": 3, "idle_timeout_s": 5.0, "run_id": "tp-run", "micro_batches_per_step": 2}} | sections
+    lines = []
+    for k, v in doc.items():
+        if not isinstance(v, dict):
+            lines.append(f"{k} = {json.dumps(v)}")
+    for sec, kv in doc.items():
+        if isinstance(kv, dict):
+            lines.append(f"[{sec}]")
+            lines += [f"{k} = {json.dumps(v)}" for k, v in kv.items()]
+    f = tmp_path / "rtrl.toml"
+    f.write_text("\n".join(lines) + "\n")
+    return f
+
+
+def _torchrun(config: Path, nproc: int = 2) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")} | {"OMP_NUM_THREADS": "1"}
+    return subprocess.run([TORCHRUN, "--nproc_per_node", str(nproc), "--master_port", str(free_port()), "-m",
+                           "trainer", "--config", str(config)], env=env, capture_output=True, text=True, timeout=600)
+
+
+MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2, "ffn_hidden_size": 128,
+         "normalization": "RMSNorm", "activation": "swiglu", "qkv_bias": True, "linear_bias": False}
+
+
+@pytest.mark.slow
+def test_torchrun_tp2_from_a_settings_file_trains(broker, topic_prefix, tmp_path):
+    """Two ranks, tensor parallel 2 (one data-parallel replica): every rank holds half of each sharded matrix,
+    reads rtrl.batches from Kafka, takes 3 optimizer steps, writes train_metrics and a checkpoint that loads
+    into the same architecture at TP=1 with trained (changed) weights."""
+    p = Producer(producer_config(broker.bootstrap))
+    for b in synthetic_batches(6):
+        p.produce(topic_prefix + "batches", value=encode_batch(_to_micro(b)), key=b.batch_id.encode(), partition=0)
+    assert p.flush(10) == 0
+    config = _settings_file(tmp_path, broker, topic_prefix, model=MODEL, parallel={"tp": 2})
+    proc = _torchrun(config)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    assert "tp 2 pp 1 dp 1" in proc.stdout and "RMSNorm, swiglu" in proc.stdout
+    assert "trained 3 steps" in proc.stdout
+    ckpt = tmp_path / "data" / "checkpoints" / "step_000000003"
+    assert (ckpt / "COMPLETE").exists()
+    # the TP=2 checkpoint is the configured architecture: it loads into it at TP=1, and training moved it
+    check = subprocess.run([sys.executable, "-c", (
+        "import sys, torch\n"
+        "from rtrl.settings import load_settings\n"
+        "from trainer.config import model_config\n"
+        "from trainer.model import init_parallel, build_model\n"
+        "from trainer import checkpoint\n"
+        f"s = load_settings({str(config)!r}, env={{}}).updated({{'parallel.tp': 1}})\n"
+        "cfg, prec = model_config(s); init_parallel(cfg)\n"
+        "init, m = build_model(cfg, prec), build_model(cfg, prec)\n"
+        f"checkpoint.load({str(ckpt)!r}, m, restore_rng=False)\n"
+        "d = max((a - b).abs().max().item() for a, b in zip(init.parameters(), m.parameters()))\n"
+        "print('moved', d, m.decoder.layers[0].mlp.linear_fc1.weight.shape[0])\n")],
+        capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stderr[-3000:]
+    moved, fc1 = check.stdout.split("moved")[-1].split()
+    assert float(moved) > 0 and int(fc1) == 2 * 128
+
+
+@pytest.mark.slow
+def test_torchrun_pp2_is_refused_with_a_precise_error(broker, topic_prefix, tmp_path):
+    config = _settings_file(tmp_path, broker, topic_prefix, model=MODEL, parallel={"pp": 2})
+    proc = _torchrun(config)
+    assert proc.returncode != 0
+    # each rank stops with the one-line error (torchrun then reports its children's exit code 2)
+    assert proc.stderr.count("error: parallel.pp = 2: the RL trainer does not run a pipeline schedule") == 2
+
+
+def test_fp8_on_a_cpu_machine_fails_with_the_clear_error(broker, topic_prefix, tmp_path):
+    """FP8 asked for in a settings file, no Transformer Engine: the trainer job stops with the TE error
+    (megatron-core would otherwise train in bf16 silently)."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU machine may have Transformer Engine")
+    config = _settings_file(tmp_path, broker, topic_prefix, precision={"bf16": True, "fp8": "hybrid"},
+                            model={"hidden_size": 64, "ffn_hidden_size": 256})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")}
+    proc = subprocess.run([sys.executable, "-m", "trainer", "--config", str(config)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "precision.fp8 = 'hybrid' needs NVIDIA Transformer Engine" in proc.stderr
