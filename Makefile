@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.rtrl-installed
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -22,9 +22,20 @@ $(STAMP): pyproject.toml
 run: setup
 	$(VENV)/bin/rtrl run
 
+# Lint (ruff) and types (mypy) first: a test run on code that does not pass them is wasted.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
 # pytest exits 5 when it collected no tests: that is a failure here, never a pass.
-test: setup
+test: lint
 	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "FAILED: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# Everything not marked slow (pure logic, in-process flows, single services): a few minutes on 2 cores.
+test-fast: setup
+	@$(PY) -m pytest -m "not slow" -x $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "FAILED: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 bench: setup

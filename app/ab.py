@@ -14,10 +14,10 @@ from pathlib import Path
 from bytewax.testing import run_main
 from rich.console import Console
 
-from client.sdk import RtrlClient
-from flows.reward_flow import build_flow
 from app import report
 from app.services import Services
+from client.sdk import RtrlClient
+from flows.reward_flow import build_flow
 from rtrl import clickhouse
 from rtrl.settings import Settings
 from simulator.drive import drive
@@ -31,40 +31,58 @@ def run(settings: Settings, console: Console | None = None) -> list[dict]:
     """Run the pipeline once; returns the per-version rows it printed."""
     console = console or Console()
     console.rule("[bold]rtrl ab: two behaviour profiles")
-    console.print("Two simulated behaviour profiles: users -> SDK -> Kafka -> reward flow -> ClickHouse, then "
-                  "behaviour and reward per policy version.")
+    console.print(
+        "Two simulated behaviour profiles: users -> SDK -> Kafka -> reward flow -> ClickHouse, then "
+        "behaviour and reward per policy version."
+    )
     t0 = time.monotonic()
     services = Services(settings)
     try:
         db = settings.clickhouse.database
-        console.print(f"broker {services.bootstrap} · ClickHouse {clickhouse.redact(settings.clickhouse_dsn)}"
-                      f" (database {db}) · topics {settings.topic('*')} · reward versions {settings.flow.reward_versions}")
+        console.print(
+            f"broker {services.bootstrap} · ClickHouse {clickhouse.redact(settings.clickhouse_dsn)}"
+            f" (database {db}) · topics {settings.topic('*')} · reward versions {settings.rewards.versions}"
+        )
         sim = settings.simulator
         start_ms = sim.start_ms or time.time_ns() // 1_000_000
         emissions = []
         for v in SIMULATED_VERSIONS:  # versions served side by side, as in an A/B test
-            part = generate(sim.model_copy(update={"seed": sim.seed + v, "start_ms": start_ms}), settings.sdk.salt, policy_version=v,
-                            arm="control" if v == SIMULATED_VERSIONS[0] else "candidate")
+            part = generate(
+                sim.model_copy(update={"seed": sim.seed + v, "start_ms": start_ms}),
+                settings.sdk.salt,
+                policy_version=v,
+                arm="control" if v == SIMULATED_VERSIONS[0] else "candidate",
+            )
             s = stats(part)
-            console.print(f"policy v{v}: {s['trajectories']:,} trajectories, {s['emissions']:,} events "
-                          f"({s['duplicates']} duplicates, {s['reordered']} out of order, {s['late_checks']} late checks)")
+            console.print(
+                f"policy v{v}: {s['trajectories']:,} trajectories, {s['emissions']:,} events "
+                f"({s['duplicates']} duplicates, {s['reordered']} out of order, {s['late_checks']} late checks)"
+            )
             emissions += part
         emissions.sort(key=lambda e: e.at_ms)
         with RtrlClient.from_settings(settings, bootstrap=services.bootstrap) as client:
             result = drive(client, emissions, rate=sim.rate, progress=True)
             final = client.close()
-        console.print(f"SDK: {result.accepted:,} sent in {result.seconds:.1f}s; {final.delivered:,} delivered, "
-                      f"{final.failed} failed, {final.dropped} dropped")
+        console.print(
+            f"SDK: {result.accepted:,} sent in {result.seconds:.1f}s; {final.delivered:,} delivered, "
+            f"{final.failed} failed, {final.dropped} dropped"
+        )
         with console.status("reward flow: windows -> rewards -> ClickHouse ..."):
             t = time.monotonic()
             run_main(build_flow(settings.updated({"flow.tail": False}), bootstrap=services.bootstrap))
-        counts = {t_: services.ch.query(f"SELECT count() FROM {db}.{t_} FINAL").result_rows[0][0]
-                  for t_ in ("events", "rewards", "trajectories", "dead_letters")}
-        console.print(f"reward flow: {time.monotonic() - t:.1f}s; " + ", ".join(f"{k} {v:,}" for k, v in counts.items()))
+        counts = {
+            t_: services.ch.query(f"SELECT count() FROM {db}.{t_} FINAL").result_rows[0][0]
+            for t_ in ("events", "rewards", "trajectories", "dead_letters")
+        }
+        console.print(
+            f"reward flow: {time.monotonic() - t:.1f}s; " + ", ".join(f"{k} {v:,}" for k, v in counts.items())
+        )
         rows = report.version_rows(services.ch, db, settings.rewards.versions[0])
         ab = report.comparison(services.ch, db, rows)
-        title = (f"Behaviour and reward ({settings.rewards.versions[0]}) per policy version — simulated profiles, "
-                 "from ClickHouse; change vs the first version [95% CI]")
+        title = (
+            f"Behaviour and reward ({settings.rewards.versions[0]}) per policy version — simulated profiles, "
+            "from ClickHouse; change vs the first version [95% CI]"
+        )
         console.print(report.table(rows, title, ab))
         png = report.plot(rows, Path(settings.data_path) / "reports" / "behaviour.png", "Behaviour per policy version")
         console.print(f"plots: {png}")

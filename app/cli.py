@@ -26,8 +26,8 @@ import sys
 
 from rich.console import Console
 
-from rtrl.settings import Settings, describe, load_settings
 from rtrl.errors import RtrlError
+from rtrl.settings import Settings, describe, load_settings
 
 
 def _bootstrap(settings: Settings) -> str:
@@ -82,9 +82,14 @@ def cmd_broker(settings: Settings, args: argparse.Namespace, console: Console) -
 def cmd_topics(settings: Settings, args: argparse.Namespace, console: Console) -> int:
     from rtrl.kafka import ensure_topics
 
-    created = ensure_topics(_bootstrap(settings), settings.kafka.topic_prefix, settings.kafka.partitions,
-                            timeout_s=settings.kafka.timeout_s, replication_factor=settings.kafka.replication_factor,
-                            min_insync_replicas=settings.kafka.min_insync_replicas)
+    created = ensure_topics(
+        _bootstrap(settings),
+        settings.kafka.topic_prefix,
+        settings.kafka.partitions,
+        timeout_s=settings.kafka.timeout_s,
+        replication_factor=settings.kafka.replication_factor,
+        min_insync_replicas=settings.kafka.min_insync_replicas,
+    )
     console.print(f"created: {', '.join(created) or 'nothing (all exist)'}")
     return 0
 
@@ -106,7 +111,7 @@ def cmd_clickhouse(settings: Settings, args: argparse.Namespace, console: Consol
     if not dsn.startswith("chdb://"):
         console.print(f"clickhouse.dsn is already a server ({dsn}); nothing to serve")
         return 2
-    return chserver.main([dsn[len("chdb://"):], "--port", str(args.port)])
+    return chserver.main([dsn[len("chdb://") :], "--port", str(args.port)])
 
 
 def cmd_part(settings: Settings, args: argparse.Namespace, console: Console) -> int:
@@ -126,8 +131,10 @@ def cmd_simulate(settings: Settings, args: argparse.Namespace, console: Console)
         result = drive(client, emissions, rate=settings.simulator.rate, progress=True)
         final = client.close()
     console.print({k: v for k, v in stats(emissions).items() if not isinstance(v, dict)})
-    console.print(f"sent {result.accepted:,} in {result.seconds:.1f}s; delivered {final.delivered:,}, "
-                  f"failed {final.failed}, dropped {final.dropped}")
+    console.print(
+        f"sent {result.accepted:,} in {result.seconds:.1f}s; delivered {final.delivered:,}, "
+        f"failed {final.failed}, dropped {final.dropped}"
+    )
     return 0 if not (final.failed or final.dropped) else 1
 
 
@@ -135,8 +142,10 @@ def cmd_flow(settings: Settings, args: argparse.Namespace, console: Console) -> 
     from app.parts import recovery_path, run_flow
 
     tail = settings.flow.tail if args.name == "rewards" else settings.batching.tail
-    console.print(f"{args.name} flow: recovery in {recovery_path(settings, args.name)}, snapshot "
-                  f"every {settings.flow.snapshot_s:g}s ({'following the topics' if tail else 'until the end of the topics'})")
+    console.print(
+        f"{args.name} flow: recovery in {recovery_path(settings, args.name)}, snapshot "
+        f"every {settings.flow.snapshot_s:g}s ({'following the topics' if tail else 'until the end of the topics'})"
+    )
     run_flow(settings, args.name, _bootstrap(settings), workers=args.workers)
     return 0
 
@@ -164,14 +173,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="TOML settings file (default: $RTRL_CONFIG)")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug output")
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("run", help="the main job: the closed loop on the configured (default: embedded) services"
-                   ).set_defaults(fn=cmd_run)
+    sub.add_parser(
+        "run", help="the main job: the closed loop on the configured (default: embedded) services"
+    ).set_defaults(fn=cmd_run)
     rb = sub.add_parser("rollback", help="mark a promoted version rolled back and re-promote its parent")
     rb.add_argument("version", type=int)
     rb.add_argument("--reason", default="manual rollback")
     rb.set_defaults(fn=cmd_rollback)
-    sub.add_parser("ab", help="two simulated policy profiles side by side through the reward flow, compared"
-                   ).set_defaults(fn=cmd_ab)
+    sub.add_parser(
+        "ab", help="two simulated policy profiles side by side through the reward flow, compared"
+    ).set_defaults(fn=cmd_ab)
     b = sub.add_parser("broker", help="start/stop the local Kafka-protocol broker")
     b.add_argument("action", choices=["up", "down", "status"])
     b.add_argument("--port", type=int, default=None, help="port to bind (default: a free one)")
@@ -182,8 +193,10 @@ def parser() -> argparse.ArgumentParser:
     chs.add_argument("action", choices=["serve"])
     chs.add_argument("--port", type=int, default=8123)
     chs.set_defaults(fn=cmd_clickhouse)
-    pt = sub.add_parser("part", help="one part of the closed loop as its own process (what `rtrl run` supervises "
-                                     "with loop.processes = true)")
+    pt = sub.add_parser(
+        "part",
+        help="one part of the closed loop as its own process (what `rtrl run` supervises with loop.processes = true)",
+    )
     pt.add_argument("name", choices=["rewards", "batches", "serve", "train"])
     pt.add_argument("--to-end", action="store_true", help="flows: stop at the end of the topics")
     pt.set_defaults(fn=cmd_part)
@@ -203,9 +216,13 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     if not args.verbose:
-        logging.getLogger("rtrl.kafka").setLevel(logging.CRITICAL)  # librdkafka connection chatter; errors surface as ServiceUnavailable
+        logging.getLogger("rtrl.kafka").setLevel(
+            logging.CRITICAL
+        )  # librdkafka connection chatter; errors surface as ServiceUnavailable
     console = Console(width=None if sys.stdout.isatty() else 140)
     try:
         settings = load_settings(args.config)

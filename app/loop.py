@@ -52,18 +52,18 @@ from flows.batch_flow import build_flow as batch_flow
 from flows.reward_flow import build_flow as reward_flow
 from monitors.queries import check_promotion
 from rtrl import clickhouse
-from rtrl.settings import Settings, refuse_overrides
 from rtrl.kafka import producer_config
+from rtrl.settings import Settings, refuse_overrides
 from schemas.codec import JsonCodec
-from schemas.records import Checkpoint, TrainStep
+from schemas.records import Checkpoint, CheckpointStatus, TrainStep
 from simulator.evalsuite import HeldOutTasks
 from simulator.policy import warm_start
 from simulator.serve import PolicyServer
 from simulator.tasks import COMPLETION_LEN, PROMPT_LEN, VOCAB, sample_task
 from trainer import checkpoint
+from trainer.config import model_config
 from trainer.data import BatchStream
 from trainer.dedup import TrainedSet
-from trainer.config import model_config
 from trainer.model import build_model, init_parallel
 from trainer.train import TrainConfig, train
 
@@ -106,24 +106,43 @@ def loop_model_config(settings: Settings):
 def policy_server(settings: Settings, bootstrap: str, client: RtrlClient, cfg, seed: int) -> PolicyServer:
     """The loop's policy server (a candidate arm's model too in A/B mode)."""
     ls = settings.loop
-    return PolicyServer(bootstrap, settings.kafka.topic_prefix, client, build_model(cfg),
-                        [f"org-{i}" for i in range(ls.orgs)], seed=seed, hard_share=ls.hard_share,
-                        compression=settings.kafka.compression,
-                        candidate_model=build_model(cfg) if ls.ab_share > 0 else None)
+    return PolicyServer(
+        bootstrap,
+        settings.kafka.topic_prefix,
+        client,
+        build_model(cfg),
+        [f"org-{i}" for i in range(ls.orgs)],
+        seed=seed,
+        hard_share=ls.hard_share,
+        compression=settings.kafka.compression,
+        candidate_model=build_model(cfg) if ls.ab_share > 0 else None,
+    )
 
 
 def serve_until(server: PolicyServer, ls, stop: threading.Event) -> None:
     """Serve ``loop.rate`` tasks/s with a quota of ``loop.samples_per_cycle`` per decision until ``stop``."""
-    server.run(stop, lambda m, p: checkpoint.load(p, m, restore_rng=False), ls.rate, ls.group_size,
-               quota=ls.samples_per_cycle, candidate_share=ls.ab_share)
+    server.run(
+        stop,
+        lambda m, p: checkpoint.load(p, m, restore_rng=False),
+        ls.rate,
+        ls.group_size,
+        quota=ls.samples_per_cycle,
+        candidate_share=ls.ab_share,
+    )
 
 
 def cycle_progress(console: Console):
     """The main job's progress bar over cycles (``info`` says what serves)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    return Progress(TextColumn("cycles"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                    TimeElapsedColumn(), console=console)
+    return Progress(
+        TextColumn("cycles"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
 
 
 @dataclass
@@ -149,8 +168,15 @@ class Loop:
     ``suite`` scores candidates (default: :class:`simulator.evalsuite.HeldOutTasks` of ``loop.eval_tasks``
     tasks) and ``rules`` judge the scores (default: :class:`evalgate.GateRules` with ``loop.solve_tolerance``)."""
 
-    def __init__(self, settings: Settings, bootstrap: str, ch, serve: bool = True, suite: EvalSuite | None = None,
-                 rules: GateRules | None = None):
+    def __init__(
+        self,
+        settings: Settings,
+        bootstrap: str,
+        ch,
+        serve: bool = True,
+        suite: EvalSuite | None = None,
+        rules: GateRules | None = None,
+    ):
         self.settings, self.bootstrap, self.ch = loop_settings(settings), bootstrap, ch
         s, ls = self.settings, self.settings.loop
         self.db = s.clickhouse.database
@@ -194,15 +220,32 @@ class Loop:
     def announce(self, ck: Checkpoint) -> None:
         announce(self.settings, self.ch, self.producer, ck)
 
-    def _checkpoint(self, version: int, parent: int | None, steps: list[TrainStep], status: str, reason: str,
-                    ev: dict[str, float], path: Path) -> Checkpoint:
+    def _checkpoint(
+        self,
+        version: int,
+        parent: int | None,
+        steps: list[TrainStep],
+        status: CheckpointStatus,
+        reason: str,
+        ev: dict[str, float],
+        path: Path,
+    ) -> Checkpoint:
         tokens = sum(s.tokens for s in steps)
         if tokens:
             ev = ev | {"on_policy_fraction": sum(s.on_policy_fraction * s.tokens for s in steps) / tokens}
-        return Checkpoint(version=version, parent=parent, created_at=time.time_ns() // 1_000_000, steps=len(steps),
-                          samples=sum(sum(s.lag_histogram.values()) for s in steps),
-                          tokens=tokens, eval_results=ev, status=status, reason=reason,
-                          kafka_offsets=self.offsets or {}, path=str(path))
+        return Checkpoint(
+            version=version,
+            parent=parent,
+            created_at=time.time_ns() // 1_000_000,
+            steps=len(steps),
+            samples=sum(sum(s.lag_histogram.values()) for s in steps),
+            tokens=tokens,
+            eval_results=ev,
+            status=status,
+            reason=reason,
+            kafka_offsets=self.offsets or {},
+            path=str(path),
+        )
 
     def initial(self) -> None:
         """Version 0: the warm-started policy, promoted without a gate."""
@@ -212,9 +255,13 @@ class Loop:
             checkpoint.load(path, self.model, restore_rng=False)
         else:
             rng = random.Random(ls.seed)
-            warm_start(self.model, [sample_task(rng, "warm", ls.hard_share) for _ in range(500)],
-                       steps=ls.warm_start_steps, seed=ls.seed,
-                       right_easy=ls.warm_right_easy if ls.warm_right_easy >= 0 else None)
+            warm_start(
+                self.model,
+                [sample_task(rng, "warm", ls.hard_share) for _ in range(500)],
+                steps=ls.warm_start_steps,
+                seed=ls.seed,
+                right_easy=ls.warm_right_easy if ls.warm_right_easy >= 0 else None,
+            )
             checkpoint.save(path, self.model, extra={"version": 0})
         self.reference.load_state_dict(self.model.state_dict())  # the KL reference: version 0
         self.evals[0] = self.suite.evaluate(self.model)
@@ -223,10 +270,16 @@ class Loop:
     # ------------------------------------------------------------ state (what a restarted trainer resumes)
 
     def _save_state(self, pending: list[Checkpoint]) -> None:
-        state = {"version": self.version, "serving": self.serving, "weights": str(self.weights),
-                 "offsets": self.offsets, "evals": {str(v): e for v, e in self.evals.items()},
-                 "trained": self.trained.state(),
-                 "pending": [json.loads(JsonCodec(Checkpoint).encode(c)) for c in pending]}
+        codec: JsonCodec[Checkpoint] = JsonCodec(Checkpoint)
+        state = {
+            "version": self.version,
+            "serving": self.serving,
+            "weights": str(self.weights),
+            "offsets": self.offsets,
+            "evals": {str(v): e for v, e in self.evals.items()},
+            "trained": self.trained.state(),
+            "pending": [json.loads(codec.encode(c)) for c in pending],
+        }
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state))
         os.replace(tmp, self.state_path)
@@ -274,8 +327,9 @@ class Loop:
     def start_server(self) -> None:
         if self.server is None:
             raise RuntimeError("this Loop was made with serve=False: the policy server runs elsewhere")
-        t = threading.Thread(target=serve_until, name="policy-server", daemon=True,
-                             args=(self.server, self.settings.loop, self.stop))
+        t = threading.Thread(
+            target=serve_until, name="policy-server", daemon=True, args=(self.server, self.settings.loop, self.stop)
+        )
         t.start()
         self.threads.append(t)
 
@@ -291,14 +345,24 @@ class Loop:
         resumed = checkpoint.read_extra(last)["step"] if last is not None else 0
         # steps after the checkpoint being resumed never reached weights that survive: forget them
         self.ch.command(f"DELETE FROM {self.db}.train_metrics WHERE run_id = '{run_id}' AND step > {int(resumed)}")
-        self.cycle_on_policy = int(self.ch.query(
-            f"SELECT sum(lag_histogram['0']) FROM {self.db}.train_metrics FINAL WHERE run_id = '{run_id}'"
-        ).result_rows[0][0] or 0)
+        self.cycle_on_policy = int(
+            self.ch.query(
+                f"SELECT sum(lag_histogram['0']) FROM {self.db}.train_metrics FINAL WHERE run_id = '{run_id}'"
+            ).result_rows[0][0]
+            or 0
+        )
         streams: list[BatchStream] = []
 
         def make_source(offsets):
-            streams.append(BatchStream(self.bootstrap, s.topic("batches"), s.topic("dead_letters"),
-                                       start=offsets, timeout_s=s.kafka.timeout_s))
+            streams.append(
+                BatchStream(
+                    self.bootstrap,
+                    s.topic("batches"),
+                    s.topic("dead_letters"),
+                    start=offsets,
+                    timeout_s=s.kafka.timeout_s,
+                )
+            )
             return streams[-1]
 
         # the samples trigger: most of what this version serves (the policy server serves about
@@ -306,15 +370,30 @@ class Loop:
         # trajectories v1-discard-broken drops), counting only samples of the serving version; older
         # ones met on the way are trained too (one version late, importance-corrected)
         wanted = int(0.98 * ls.samples_per_cycle)
-        self._progress = collections.deque()
-        tc = TrainConfig.from_settings(s, run_id=run_id, max_steps=10**9, checkpoint_every=ls.checkpoint_every,
-                                       # step checkpoints make a killed trainer resumable: only where it is its
-                                       # own process
-                                       checkpoint_dir=str(cycle_dir) if self.server is None else "",
-                                       idle_timeout_s=min(30.0, ls.cycle_max_s))
+        self._progress: collections.deque[tuple[float, int]] = collections.deque()  # (monotonic s, samples done)
+        tc = TrainConfig.from_settings(
+            s,
+            run_id=run_id,
+            max_steps=10**9,
+            checkpoint_every=ls.checkpoint_every,
+            # step checkpoints make a killed trainer resumable: only where it is its
+            # own process
+            checkpoint_dir=str(cycle_dir) if self.server is None else "",
+            idle_timeout_s=min(30.0, ls.cycle_max_s),
+        )
         deadline = time.monotonic() + ls.cycle_max_s
-        train(self.model, self.reference, make_source, tc, policy_version=serving, resume=True, on_step=self._on_step,
-              should_stop=lambda: self._cycle_done(wanted, deadline), trained=self.trained, start=self.offsets)
+        train(
+            self.model,
+            self.reference,
+            make_source,
+            tc,
+            policy_version=serving,
+            resume=True,
+            on_step=self._on_step,
+            should_stop=lambda: self._cycle_done(wanted, deadline),
+            trained=self.trained,
+            start=self.offsets,
+        )
         self.offsets = streams[-1].committed_position()
         for st in streams:
             st.close()
@@ -333,7 +412,7 @@ class Loop:
         self.announce(candidate)
         if ok and ls.ab_share > 0:
             ok, reason = self.ab_test(version, serving, reason)
-        status = "promoted" if ok else "rejected"
+        status: CheckpointStatus = "promoted" if ok else "rejected"
         self.version, self.evals[version] = version, ev
         if ok:
             self.serving, self.weights = version, path
@@ -356,8 +435,10 @@ class Loop:
         deadline = time.monotonic() + ls.cycle_max_s
         n = 0
         while time.monotonic() < deadline:
-            n = self.ch.query(f"SELECT count() FROM {self.db}.trajectories FINAL WHERE policy_version = "
-                              f"{int(candidate)} AND arm = 'candidate'").result_rows[0][0]
+            n = self.ch.query(
+                f"SELECT count() FROM {self.db}.trajectories FINAL WHERE policy_version = "
+                f"{int(candidate)} AND arm = 'candidate'"
+            ).result_rows[0][0]
             if n >= ls.ab_trajectories:
                 break
             time.sleep(0.5)
@@ -390,15 +471,22 @@ def rollback(settings: Settings, bootstrap: str, ch, version: int, reason: str) 
     now = time.time_ns() // 1_000_000
     back = msgspec.structs.replace(bad, status="rolled_back", reason=reason, created_at=now)
     announce(settings, ch, producer, back)
-    announce(settings, ch, producer, msgspec.structs.replace(
-        parent, status="promoted", reason=f"re-promoted: rollback of v{version}", created_at=now + 1))
+    announce(
+        settings,
+        ch,
+        producer,
+        msgspec.structs.replace(
+            parent, status="promoted", reason=f"re-promoted: rollback of v{version}", created_at=now + 1
+        ),
+    )
     return back
 
 
 def announce(settings: Settings, ch, producer: Producer, ck: Checkpoint) -> None:
     """Record a checkpoint decision in ClickHouse ``checkpoints`` and publish it on ``rtrl.deployments``."""
     clickhouse.insert(ch, settings.clickhouse.database, "checkpoints", [ck])
-    producer.produce(settings.topic("deployments"), key=str(ck.version).encode(), value=JsonCodec(Checkpoint).encode(ck))
+    codec: JsonCodec[Checkpoint] = JsonCodec(Checkpoint)
+    producer.produce(settings.topic("deployments"), key=str(ck.version).encode(), value=codec.encode(ck))
     if producer.flush(30):
         raise RuntimeError("deployment announcement not acknowledged")
 
@@ -422,11 +510,15 @@ def run_loop(settings: Settings, console: Console | None = None) -> list[dict]:
     loop = Loop(settings, services.bootstrap, services.ch)
     ls, rv = loop.settings.loop, loop.settings.rewards.train_version
     try:
-        console.print(f"broker {services.bootstrap} · ClickHouse {clickhouse.redact(settings.clickhouse_dsn)} · "
-                      f"training on reward {rv} · {ls.cycles} cycles of {ls.samples_per_cycle:,} samples")
+        console.print(
+            f"broker {services.bootstrap} · ClickHouse {clickhouse.redact(settings.clickhouse_dsn)} · "
+            f"training on reward {rv} · {ls.cycles} cycles of {ls.samples_per_cycle:,} samples"
+        )
         loop.initial()
-        console.print(f"v0 (warm start): held-out solve rate {loop.evals[0]['solve_rate']:.3f}, broken calls "
-                      f"{loop.evals[0]['broken_tool_call_rate']:.3f}")
+        console.print(
+            f"v0 (warm start): held-out solve rate {loop.evals[0]['solve_rate']:.3f}, broken calls "
+            f"{loop.evals[0]['broken_tool_call_rate']:.3f}"
+        )
         loop.start_flows()
         loop.start_server()
         with cycle_progress(console) as bar:
@@ -434,10 +526,15 @@ def run_loop(settings: Settings, console: Console | None = None) -> list[dict]:
             for _ in range(ls.cycles):
                 r = loop.cycle()
                 colour = "green" if r.status == "promoted" else "red"
-                bar.console.print(f"v{r.version} <- v{r.parent}: [{colour}]{r.status}[/] after {len(r.steps)} steps "
-                                  f"({r.seconds['train']:.0f}s): {r.reason}")
-                bar.update(task, advance=1, info=f"serving v{loop.serving}, held-out solve "
-                                                  f"{loop.evals[loop.serving]['solve_rate']:.3f}")
+                bar.console.print(
+                    f"v{r.version} <- v{r.parent}: [{colour}]{r.status}[/] after {len(r.steps)} steps "
+                    f"({r.seconds['train']:.0f}s): {r.reason}"
+                )
+                bar.update(
+                    task,
+                    advance=1,
+                    info=f"serving v{loop.serving}, held-out solve {loop.evals[loop.serving]['solve_rate']:.3f}",
+                )
     finally:
         loop.close()
     try:
@@ -459,8 +556,11 @@ def final_report(settings: Settings, ch, console: Console, t0: float) -> list[di
 
     rv = settings.rewards.train_version
     rows = report.checkpoint_rows(ch, settings.clickhouse.database, rv)
-    console.print(report.checkpoint_table(rows, f"Checkpoints (reward {rv}): eval gate, live behaviour from "
-                                                "ClickHouse, change vs v0"))
+    console.print(
+        report.checkpoint_table(
+            rows, f"Checkpoints (reward {rv}): eval gate, live behaviour from ClickHouse, change vs v0"
+        )
+    )
     png = report.checkpoint_plot(rows, settings.data_path / "reports" / "loop.png", f"The closed loop (reward {rv})")
     console.print(f"plots: {png}")
     console.print(f"done in {time.monotonic() - t0:.0f}s")

@@ -48,9 +48,12 @@ def run_flow(settings: Settings, name: str, bootstrap: str, workers: int = 1) ->
     if not recovery.exists() or not any(recovery.iterdir()):
         recovery.mkdir(parents=True, exist_ok=True)
         init_db_dir(recovery, 1)
-    cli_main(build_flow(settings, bootstrap=bootstrap), workers_per_process=workers,
-             epoch_interval=timedelta(seconds=settings.flow.snapshot_s),
-             recovery_config=RecoveryConfig(str(recovery), backup_interval=timedelta(0)))
+    cli_main(
+        build_flow(settings, bootstrap=bootstrap),
+        workers_per_process=workers,
+        epoch_interval=timedelta(seconds=settings.flow.snapshot_s),
+        recovery_config=RecoveryConfig(str(recovery), backup_interval=timedelta(0)),
+    )
 
 
 def _stop_on_term() -> threading.Event:
@@ -67,8 +70,8 @@ def serve(settings: Settings, bootstrap: str) -> None:
 
     import torch
 
-    from client.sdk import RtrlClient
     from app.loop import loop_model_config, policy_server, serve_until
+    from client.sdk import RtrlClient
     from trainer.model import init_parallel
 
     torch.set_num_threads(1)
@@ -89,8 +92,8 @@ def train(settings: Settings, bootstrap: str) -> None:
     """The trainer and eval gate until ``loop.cycles`` decisions exist (resuming whatever was done)."""
     import torch
 
-    from rtrl import clickhouse
     from app.loop import Loop
+    from rtrl import clickhouse
 
     torch.set_num_threads(1)
     ch = clickhouse.connect(settings.clickhouse_dsn, settings.clickhouse.timeout_s)
@@ -103,8 +106,11 @@ def train(settings: Settings, bootstrap: str) -> None:
             print(f"v0 (warm start): held-out solve rate {loop.evals[0]['solve_rate']:.3f}", flush=True)
         while loop.version < settings.loop.cycles:
             r = loop.cycle()
-            print(f"v{r.version} <- v{r.parent}: {r.status} after {len(r.steps)} steps "
-                  f"({r.seconds['train']:.0f}s): {r.reason}", flush=True)
+            print(
+                f"v{r.version} <- v{r.parent}: {r.status} after {len(r.steps)} steps "
+                f"({r.seconds['train']:.0f}s): {r.reason}",
+                flush=True,
+            )
     finally:
         loop.close()
 
@@ -115,8 +121,8 @@ def main(argv: list[str] | None = None, settings: Settings | None = None) -> int
     if not argv or argv[0] not in PARTS or (len(argv) > 1 and not (to_end and argv[0] in ("rewards", "batches"))):
         print(f"usage: python -m app.parts {'|'.join(PARTS)}  (flows: --to-end)", file=sys.stderr)
         return 2
-    from app.services import bootstrap_for
     from app.loop import loop_settings
+    from app.services import bootstrap_for
 
     settings = loop_settings(settings or load_settings())
     if to_end:

@@ -37,7 +37,9 @@ ABSOLUTE = {"reward_mean"}
 
 def version_rows(ch: Any, database: str, reward_version: str) -> list[dict[str, Any]]:
     """One row per policy version seen in ``trajectories``: behaviour plus the reward mean under ``reward_version``."""
-    versions = [v for (v,) in ch.query(f"SELECT DISTINCT policy_version FROM {database}.trajectories ORDER BY 1").result_rows]
+    versions = [
+        v for (v,) in ch.query(f"SELECT DISTINCT policy_version FROM {database}.trajectories ORDER BY 1").result_rows
+    ]
     behaviour = behaviour_rows(ch, database, versions)
     rewards = reward_stats(ch, database, reward_version)
     rows = []
@@ -127,23 +129,32 @@ CHECKPOINT_METRICS = [
 def checkpoint_rows(ch: Any, database: str, reward_version: str) -> list[dict[str, Any]]:
     """One row per checkpoint (latest status): the gate's eval, live behaviour and reward of the
     version while it served (none for a rejected candidate), and the trainer's on-policy fraction."""
-    cps = ch.query(f"SELECT version, parent, status, reason, eval_results FROM {database}.checkpoints FINAL "
-                   "ORDER BY version").result_rows
+    cps = ch.query(
+        f"SELECT version, parent, status, reason, eval_results FROM {database}.checkpoints FINAL ORDER BY version"
+    ).result_rows
     versions = [int(v) for v, *_ in cps]
     live = behaviour_rows(ch, database, versions)
     rewards = reward_stats(ch, database, reward_version)
     rows = []
     for version, parent, status, reason, ev in cps:
         b = live[int(version)]
-        rows.append({
-            "version": int(version), "parent": parent, "status": status, "reason": reason,
-            "solve_rate": ev.get("solve_rate"), "on_policy_fraction": ev.get("on_policy_fraction"),
-            "trajectories": b.get("trajectories") or 0,
-            "edit_persistence": b.get("edit_persistence"), "dissatisfied_rate": b.get("dissatisfied_rate"),
-            "latency_p50_ms": b.get("latency_p50_ms"), "broken_tool_call_rate": b.get("broken_tool_call_rate"),
-            "clarification_rate": b.get("clarification_rate"),
-            "reward_mean": rewards.get(int(version), {}).get("reward_mean"),
-        })
+        rows.append(
+            {
+                "version": int(version),
+                "parent": parent,
+                "status": status,
+                "reason": reason,
+                "solve_rate": ev.get("solve_rate"),
+                "on_policy_fraction": ev.get("on_policy_fraction"),
+                "trajectories": b.get("trajectories") or 0,
+                "edit_persistence": b.get("edit_persistence"),
+                "dissatisfied_rate": b.get("dissatisfied_rate"),
+                "latency_p50_ms": b.get("latency_p50_ms"),
+                "broken_tool_call_rate": b.get("broken_tool_call_rate"),
+                "clarification_rate": b.get("clarification_rate"),
+                "reward_mean": rewards.get(int(version), {}).get("reward_mean"),
+            }
+        )
     return rows
 
 
@@ -156,10 +167,15 @@ def checkpoint_table(rows: list[dict[str, Any]], title: str) -> Table:
         t.add_column(label, justify="right")
     first = rows[0] if rows else {}
     for row in rows:
-        cells = [f"v{row['version']}" + (f" ← v{row['parent']}" if row["parent"] is not None else ""),
-                 {"promoted": "[green]promoted[/]", "rejected": "[red]rejected[/]",
-                  "rolled_back": "[yellow]rolled back[/]"}.get(row["status"], row["status"]),
-                 f"{row['trajectories']:,}"]
+        cells = [
+            f"v{row['version']}" + (f" ← v{row['parent']}" if row["parent"] is not None else ""),
+            {
+                "promoted": "[green]promoted[/]",
+                "rejected": "[red]rejected[/]",
+                "rolled_back": "[yellow]rolled back[/]",
+            }.get(row["status"], row["status"]),
+            f"{row['trajectories']:,}",
+        ]
         for name, _, better in CHECKPOINT_METRICS:
             value, base = row.get(name), first.get(name)
             text = _fmt(name, value)
@@ -181,8 +197,13 @@ def checkpoint_plot(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
     fig, axes = plt.subplots(2, 4, figsize=(16, 7))
     for ax, (name, label, better) in zip(axes.flat, CHECKPOINT_METRICS):
         pts = [(r["version"], r[name], r["status"]) for r in rows if r.get(name) is not None]
-        ax.plot([v for v, _, s in pts if s != "rejected"], [y for _, y, s in pts if s != "rejected"], "o-",
-                color="#4C72B0", label="promoted")
+        ax.plot(
+            [v for v, _, s in pts if s != "rejected"],
+            [y for _, y, s in pts if s != "rejected"],
+            "o-",
+            color="#4C72B0",
+            label="promoted",
+        )
         rej = [(v, y) for v, y, s in pts if s == "rejected"]
         if rej:
             ax.plot(*zip(*rej), "x", color="#C44E52", label="rejected")

@@ -13,7 +13,6 @@ from rtrl import clickhouse
 from rtrl.kafka import ensure_topics
 from rtrl.settings import Settings
 
-
 __all__ = ["LocalBroker", "Services", "bootstrap_for", "chserver", "free_port"]
 
 
@@ -35,10 +34,17 @@ class Services:
             self.local_broker = LocalBroker(settings.data_path / "broker")
             self.bootstrap = self.local_broker.up(timeout_s=max(30.0, settings.kafka.timeout_s))
         try:
-            ensure_topics(self.bootstrap, settings.kafka.topic_prefix, settings.kafka.partitions,
-                          timeout_s=settings.kafka.timeout_s, replication_factor=settings.kafka.replication_factor,
-                          min_insync_replicas=settings.kafka.min_insync_replicas)
-            self.ch = clickhouse.setup(settings.clickhouse_dsn, settings.clickhouse.database, settings.clickhouse.timeout_s)
+            ensure_topics(
+                self.bootstrap,
+                settings.kafka.topic_prefix,
+                settings.kafka.partitions,
+                timeout_s=settings.kafka.timeout_s,
+                replication_factor=settings.kafka.replication_factor,
+                min_insync_replicas=settings.kafka.min_insync_replicas,
+            )
+            self.ch = clickhouse.setup(
+                settings.clickhouse_dsn, settings.clickhouse.database, settings.clickhouse.timeout_s
+            )
         except BaseException:
             self.close()
             raise

@@ -20,10 +20,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from rtrl.settings import Settings, as_env
-from rtrl.errors import ServiceUnavailable
-from app.services import Services, chserver
 from app.parts import PARTS
+from app.services import Services, chserver
+from rtrl.errors import ServiceUnavailable
+from rtrl.settings import Settings, as_env
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -56,7 +56,9 @@ class Supervisor:
         topics and migrations as every job gets them (:class:`app.services.Services`)."""
         s = self.settings
         if s.clickhouse_dsn.startswith("chdb://"):
-            self.ch_proc, self.dsn = chserver.spawn(s.clickhouse_dsn[len("chdb://"):], log=self.log_dir / "clickhouse.log")
+            self.ch_proc, self.dsn = chserver.spawn(
+                s.clickhouse_dsn[len("chdb://") :], log=self.log_dir / "clickhouse.log"
+            )
         else:
             self.dsn = s.clickhouse_dsn
         self.services = Services(s.updated({"clickhouse.dsn": self.dsn}))
@@ -70,9 +72,14 @@ class Supervisor:
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - the child holds it
         # each part in its own process group: a signal reaches the helpers it forks too (a checkpoint
         # writer killed with its trainer would otherwise be left behind, orphaned)
-        proc = subprocess.Popen([sys.executable, "-m", "app.parts", name, *args], env=self.env, stdout=log,
-                                stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "app.parts", name, *args],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=Path(__file__).resolve().parent.parent,
+            start_new_session=True,
+        )
         log.close()
         with self.lock:
             self.procs[name] = proc
@@ -108,8 +115,10 @@ class Supervisor:
                     return
                 self.restarts[name] += 1
                 if self.restarts[name] > self.max_restarts:
-                    self.failure = (f"part {name} died {self.restarts[name]} times (last exit code {rc}); "
-                                    f"log {self.log_dir / (name + '.log')}:\n{self.log_tail(name)}")
+                    self.failure = (
+                        f"part {name} died {self.restarts[name]} times (last exit code {rc}); "
+                        f"log {self.log_dir / (name + '.log')}:\n{self.log_tail(name)}"
+                    )
                     self.done.set()
                     return
                 self.start(name)
@@ -121,7 +130,9 @@ class Supervisor:
             if tick is not None:
                 tick()
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the loop did not finish within {timeout_s:g}s; trainer log:\n{self.log_tail('train')}")
+                raise TimeoutError(
+                    f"the loop did not finish within {timeout_s:g}s; trainer log:\n{self.log_tail('train')}"
+                )
         if self.failure:
             raise ServiceUnavailable(self.failure)
 
@@ -178,16 +189,20 @@ def run_processes(settings: Settings, console) -> list[dict]:
     try:
         sup.start_services()
         db, ls = settings.clickhouse.database, settings.loop
-        console.print(f"broker {sup.bootstrap} · ClickHouse {sup.dsn} (devservices.chserver) · parts: {', '.join(PARTS)} · "
-                      f"logs in {sup.log_dir}")
+        console.print(
+            f"broker {sup.bootstrap} · ClickHouse {sup.dsn} (devservices.chserver) · parts: {', '.join(PARTS)} · "
+            f"logs in {sup.log_dir}"
+        )
         sup.start_all()
         shown: set[int] = set()
         with cycle_progress(console) as bar:
             task = bar.add_task("loop", total=ls.cycles, info="")
 
             def tick() -> None:
-                rows = sup.ch.query(f"SELECT version, parent, status, reason FROM {db}.checkpoints FINAL "
-                                    "WHERE version > 0 AND status IN ('promoted', 'rejected') ORDER BY version").result_rows
+                rows = sup.ch.query(
+                    f"SELECT version, parent, status, reason FROM {db}.checkpoints FINAL "
+                    "WHERE version > 0 AND status IN ('promoted', 'rejected') ORDER BY version"
+                ).result_rows
                 for version, parent, status, reason in rows:
                     if version not in shown:
                         shown.add(version)

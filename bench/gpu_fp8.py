@@ -107,11 +107,15 @@ def analytic_params(s: Shape) -> dict[str, int]:
     qkv_out = s.hidden + 2 * s.kv_heads * d
     per_layer = (
         2 * s.hidden  # input LayerNorm
-        + s.hidden * qkv_out + qkv_out  # QKV
-        + s.hidden * s.hidden + s.hidden  # attention output projection
+        + s.hidden * qkv_out
+        + qkv_out  # QKV
+        + s.hidden * s.hidden
+        + s.hidden  # attention output projection
         + 2 * s.hidden  # pre-MLP LayerNorm
-        + s.hidden * s.ffn + s.ffn  # fc1
-        + s.ffn * s.hidden + s.hidden  # fc2
+        + s.hidden * s.ffn
+        + s.ffn  # fc1
+        + s.ffn * s.hidden
+        + s.hidden  # fc2
     )
     word = s.vocab * s.hidden
     pos = s.seq * s.hidden if s.position == "learned_absolute" else 0
@@ -198,8 +202,13 @@ def train_steps(cfg, precision, shape: Shape, micro_batch: int, warmup: int, ste
 def gemm_shapes(s: Shape, tokens: int) -> list[tuple[str, int, int, int, int]]:
     """(name, M, K, N, count per training step) of every GEMM: forward, data grad, weight grad."""
     d = s.hidden // s.heads
-    linears = [("qkv", s.hidden, s.hidden + 2 * s.kv_heads * d, s.layers), ("proj", s.hidden, s.hidden, s.layers),
-               ("fc1", s.hidden, s.ffn, s.layers), ("fc2", s.ffn, s.hidden, s.layers), ("output", s.hidden, s.vocab, 1)]
+    linears = [
+        ("qkv", s.hidden, s.hidden + 2 * s.kv_heads * d, s.layers),
+        ("proj", s.hidden, s.hidden, s.layers),
+        ("fc1", s.hidden, s.ffn, s.layers),
+        ("fc2", s.ffn, s.hidden, s.layers),
+        ("output", s.hidden, s.vocab, 1),
+    ]
     out = []
     for name, k_in, n_out, count in linears:
         out.append((f"{name} fwd", tokens, k_in, n_out, count))
@@ -274,8 +283,10 @@ def scaled_mm_bench(s: Shape, tokens: int, fp8_format: str, iters: int = 20, dev
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description="FP8 (Transformer Engine) vs bf16 training throughput of a ~1B GPTModel "
-                                             "on one GPU; see the module docstring for how to run it on a lent GPU.")
+    ap = argparse.ArgumentParser(
+        description="FP8 (Transformer Engine) vs bf16 training throughput of a ~1B GPTModel "
+        "on one GPU; see the module docstring for how to run it on a lent GPU."
+    )
     ap.add_argument("--layers", type=int, default=18)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=16)
@@ -290,14 +301,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--fp8-recipe", choices=("delayed", "tensorwise", "mxfp8", "blockwise"), default="delayed")
     ap.add_argument("--skip-bf16", action="store_true")
     ap.add_argument("--skip-fp8", action="store_true")
-    ap.add_argument("--torch-scaled-mm", action="store_true",
-                    help="also measure torch._scaled_mm FP8 GEMMs vs bf16 GEMMs at the model's shapes (not TE)")
+    ap.add_argument(
+        "--torch-scaled-mm",
+        action="store_true",
+        help="also measure torch._scaled_mm FP8 GEMMs vs bf16 GEMMs at the model's shapes (not TE)",
+    )
     ap.add_argument("--only-scaled-mm", action="store_true", help="only the torch._scaled_mm GEMM comparison")
-    ap.add_argument("--peak-tflops", type=float, default=None,
-                    help="peak dense bf16 TFLOP/s for MFU (default: 989 for H100 SXM / H200, 756 for H100 PCIe)")
-    ap.add_argument("--dry-run-cpu", action="store_true",
-                    help="no GPU needed: build a small variant on CPU (fp32), check the parameter-count formula "
-                         "against the built model, run 2 steps, print the full config's plan")
+    ap.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="peak dense bf16 TFLOP/s for MFU (default: 989 for H100 SXM / H200, 756 for H100 PCIe)",
+    )
+    ap.add_argument(
+        "--dry-run-cpu",
+        action="store_true",
+        help="no GPU needed: build a small variant on CPU (fp32), check the parameter-count formula "
+        "against the built model, run 2 steps, print the full config's plan",
+    )
     return ap.parse_args(argv)
 
 
@@ -309,25 +330,32 @@ def main(argv=None) -> int:
     shape = Shape(args.layers, args.hidden, args.heads, ffn, args.vocab, args.seq, args.kv_heads or args.heads)
     plan = analytic_params(shape)
     tokens_per_step = args.micro_batch * args.seq
-    print(f"model: {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads ({shape.kv_heads} KV), "
-          f"MLP {shape.ffn}, vocab {shape.vocab}, seq {shape.seq}: {plan['total']:,} parameters by formula "
-          f"({plan['matmul']:,} in matmuls); {tokens_per_step:,} tokens per step "
-          f"({args.micro_batch} x {args.seq}); "
-          f"FLOPs/token = 6*N + 12*L*h*s = {flops_per_token(shape, plan['matmul']):.4g}")
+    print(
+        f"model: {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads ({shape.kv_heads} KV), "
+        f"MLP {shape.ffn}, vocab {shape.vocab}, seq {shape.seq}: {plan['total']:,} parameters by formula "
+        f"({plan['matmul']:,} in matmuls); {tokens_per_step:,} tokens per step "
+        f"({args.micro_batch} x {args.seq}); "
+        f"FLOPs/token = 6*N + 12*L*h*s = {flops_per_token(shape, plan['matmul']):.4g}"
+    )
     print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
 
     if args.dry_run_cpu:
         return dry_run_cpu()
     if not torch.cuda.is_available():
-        print("error: no CUDA device. bench/gpu_fp8.py measures GPU training throughput (bf16 vs FP8); run it on "
-              "an H100/H200 (how: the module docstring, `python bench/gpu_fp8.py --help`), or pass --dry-run-cpu "
-              "to check the model-building path here.", file=sys.stderr)
+        print(
+            "error: no CUDA device. bench/gpu_fp8.py measures GPU training throughput (bf16 vs FP8); run it on "
+            "an H100/H200 (how: the module docstring, `python bench/gpu_fp8.py --help`), or pass --dry-run-cpu "
+            "to check the model-building path here.",
+            file=sys.stderr,
+        )
         return 2
 
     name = torch.cuda.get_device_name()
     peak = peak_flops(name, args.peak_tflops)
-    print(f"GPU: {name}, {torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB; peak dense bf16 "
-          f"{'unknown (pass --peak-tflops)' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}")
+    print(
+        f"GPU: {name}, {torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB; peak dense bf16 "
+        f"{'unknown (pass --peak-tflops)' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}"
+    )
     rc = 0
     results: dict[str, dict] = {}
     if not args.only_scaled_mm:
@@ -344,16 +372,26 @@ def model_runs(args, shape: Shape, peak: float | None, results: dict) -> int:
 
     te_ok, te_detail = transformer_engine_status()
     print(f"Transformer Engine: {'importable, ' + te_detail if te_ok else 'MISSING (' + te_detail + ')'}")
-    cfg = ModelConfig(num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
-                      num_query_groups=args.kv_heads, ffn_hidden_size=shape.ffn, vocab_size=shape.vocab,
-                      seq_length=shape.seq)
+    cfg = ModelConfig(
+        num_layers=shape.layers,
+        hidden_size=shape.hidden,
+        num_attention_heads=shape.heads,
+        num_query_groups=args.kv_heads,
+        ffn_hidden_size=shape.ffn,
+        vocab_size=shape.vocab,
+        seq_length=shape.seq,
+    )
     info = init_parallel(cfg)
     runs = []
     if not args.skip_bf16:
         runs.append(("bf16", PrecisionConfig(bf16=True)))
     if not args.skip_fp8:
-        runs.append((f"fp8 {args.fp8}/{args.fp8_recipe} (TE)",
-                     PrecisionConfig(bf16=True, fp8=args.fp8, fp8_recipe=args.fp8_recipe)))
+        runs.append(
+            (
+                f"fp8 {args.fp8}/{args.fp8_recipe} (TE)",
+                PrecisionConfig(bf16=True, fp8=args.fp8, fp8_recipe=args.fp8_recipe),
+            )
+        )
     rc = 0
     for label, precision in runs:
         try:
@@ -366,9 +404,12 @@ def model_runs(args, shape: Shape, peak: float | None, results: dict) -> int:
         mfu = None if peak is None else fpt * r["tokens_per_s"] / peak
         r["mfu"] = mfu
         results[label] = r
-        print(f"{label}: {r['tokens_per_s']:,.0f} tokens/s, step {r['step_ms_median']:.1f} ms (median), "
-              f"MFU {'n/a' if mfu is None else f'{mfu:.1%}'}, {r['params']:,} parameters (built), layer spec "
-              f"{r['spec']}, peak memory {r['peak_mem_gib']:.1f} GiB, last loss {r['loss']:.3f}", flush=True)
+        print(
+            f"{label}: {r['tokens_per_s']:,.0f} tokens/s, step {r['step_ms_median']:.1f} ms (median), "
+            f"MFU {'n/a' if mfu is None else f'{mfu:.1%}'}, {r['params']:,} parameters (built), layer spec "
+            f"{r['spec']}, peak memory {r['peak_mem_gib']:.1f} GiB, last loss {r['loss']:.3f}",
+            flush=True,
+        )
         if r["params"] != analytic_params(shape)["total"]:
             print(f"  note: built parameter count differs from the formula ({analytic_params(shape)['total']:,})")
     if len(results) == 2:
@@ -390,18 +431,22 @@ def report_scaled_mm(shape: Shape, tokens: int, fp8_format: str) -> None:
         print(f"torch._scaled_mm: FP8 GEMMs need compute capability >= 8.9, this GPU is {major}.{minor}")
         return
     r = scaled_mm_bench(shape, tokens, fp8_format)
-    print(f"\nNOT Transformer Engine: torch._scaled_mm FP8 ({fp8_format}, tensor-wise scales, bf16 out) vs bf16 "
-          f"torch.matmul at the model's GEMM shapes, {tokens:,} tokens; TFLOP/s (mean of 20 after 3 warm-ups)")
+    print(
+        f"\nNOT Transformer Engine: torch._scaled_mm FP8 ({fp8_format}, tensor-wise scales, bf16 out) vs bf16 "
+        f"torch.matmul at the model's GEMM shapes, {tokens:,} tokens; TFLOP/s (mean of 20 after 3 warm-ups)"
+    )
     print(f"{'GEMM':14}{'M':>7}{'K':>7}{'N':>7}{'x/step':>7}{'bf16':>9}{'fp8':>9}{'fp8+cast':>10}")
     for name, m, k, n, count, tb, tf, tc in r["rows"]:
         print(f"{name:14}{m:>7}{k:>7}{n:>7}{count:>7}{tb:>9.0f}{tf:>9.0f}{tc:>10.0f}")
     t = r["total"]
-    print(f"one step's GEMMs: bf16 {t['bf16'] * 1e3:.1f} ms, fp8 {t['fp8'] * 1e3:.1f} ms "
-          f"(x{t['bf16'] / t['fp8']:.2f}), fp8 with casts {t['fp8_cast'] * 1e3:.1f} ms "
-          f"(x{t['bf16'] / t['fp8_cast']:.2f}); "
-          f"{t['flops'] / t['bf16'] / 1e12:.0f} / {t['flops'] / t['fp8'] / 1e12:.0f} / "
-          f"{t['flops'] / t['fp8_cast'] / 1e12:.0f} TFLOP/s. GEMMs only: attention, norms, optimizer and "
-          "TE's amax bookkeeping are not in these figures")
+    print(
+        f"one step's GEMMs: bf16 {t['bf16'] * 1e3:.1f} ms, fp8 {t['fp8'] * 1e3:.1f} ms "
+        f"(x{t['bf16'] / t['fp8']:.2f}), fp8 with casts {t['fp8_cast'] * 1e3:.1f} ms "
+        f"(x{t['bf16'] / t['fp8_cast']:.2f}); "
+        f"{t['flops'] / t['bf16'] / 1e12:.0f} / {t['flops'] / t['fp8'] / 1e12:.0f} / "
+        f"{t['flops'] / t['fp8_cast'] / 1e12:.0f} TFLOP/s. GEMMs only: attention, norms, optimizer and "
+        "TE's amax bookkeeping are not in these figures"
+    )
 
 
 def dry_run_cpu() -> int:
@@ -411,16 +456,24 @@ def dry_run_cpu() -> int:
     from trainer.model import init_parallel
 
     small = Shape(layers=2, hidden=128, heads=4, ffn=512, vocab=512, seq=128, kv_heads=4)
-    cfg = ModelConfig(num_layers=small.layers, hidden_size=small.hidden, num_attention_heads=small.heads,
-                      ffn_hidden_size=small.ffn, vocab_size=small.vocab, seq_length=small.seq)
+    cfg = ModelConfig(
+        num_layers=small.layers,
+        hidden_size=small.hidden,
+        num_attention_heads=small.heads,
+        ffn_hidden_size=small.ffn,
+        vocab_size=small.vocab,
+        seq_length=small.seq,
+    )
     info = init_parallel(cfg)
     r = train_steps(cfg, PrecisionConfig(), small, micro_batch=2, warmup=1, steps=2, device=info.device)
     formula = analytic_params(small)["total"]
     ok = r["params"] == formula
-    print(f"dry run (CPU, fp32, small variant {small.layers} layers, hidden {small.hidden}, vocab {small.vocab}, "
-          f"seq {small.seq}): built {r['params']:,} parameters, formula {formula:,} -> "
-          f"{'match' if ok else 'MISMATCH'}; layer spec {r['spec']}; {r['tokens_per_s']:,.0f} tokens/s on CPU "
-          f"(not a GPU figure); loss {r['loss']:.3f}")
+    print(
+        f"dry run (CPU, fp32, small variant {small.layers} layers, hidden {small.hidden}, vocab {small.vocab}, "
+        f"seq {small.seq}): built {r['params']:,} parameters, formula {formula:,} -> "
+        f"{'match' if ok else 'MISMATCH'}; layer spec {r['spec']}; {r['tokens_per_s']:,.0f} tokens/s on CPU "
+        f"(not a GPU figure); loss {r['loss']:.3f}"
+    )
     try:
         from trainer.model import build_model
 

@@ -32,10 +32,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from rtrl.settings import load_settings  # noqa: E402
-from rtrl.kafka import read_topic  # noqa: E402
 from app.loop import Loop  # noqa: E402
 from app.services import Services  # noqa: E402
+from rtrl.kafka import read_topic  # noqa: E402
+from rtrl.settings import load_settings  # noqa: E402
 from schemas.codec import decode_batch  # noqa: E402
 from trainer.data import to_batch  # noqa: E402
 from trainer.loss import LossConfig  # noqa: E402
@@ -55,8 +55,13 @@ def main() -> None:
     print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, python {platform.python_version()}")
     torch.set_num_threads(1)
     tmp = tempfile.mkdtemp(prefix="rtrl-bench-loop-")
-    s = load_settings(env={"RTRL_DATA_DIR": tmp, "RTRL_LOOP__CYCLES": str(args.cycles),
-                           "RTRL_LOOP__SAMPLES_PER_CYCLE": str(args.samples)})
+    s = load_settings(
+        env={
+            "RTRL_DATA_DIR": tmp,
+            "RTRL_LOOP__CYCLES": str(args.cycles),
+            "RTRL_LOOP__SAMPLES_PER_CYCLE": str(args.samples),
+        }
+    )
     services = Services(s)
     loop = Loop(s, services.bootstrap, services.ch)
     results = []
@@ -69,8 +74,11 @@ def main() -> None:
         for _ in range(args.cycles):
             r = loop.cycle()
             results.append(r)
-            print(f"  v{r.version}: {r.status}, {len(r.steps)} steps, train {r.seconds['train']:.1f}s, "
-                  f"eval {r.seconds['eval']:.1f}s", flush=True)
+            print(
+                f"  v{r.version}: {r.status}, {len(r.steps)} steps, train {r.seconds['train']:.1f}s, "
+                f"eval {r.seconds['eval']:.1f}s",
+                flush=True,
+            )
     finally:
         loop.close()
     db = loop.db
@@ -78,8 +86,11 @@ def main() -> None:
         msgs = list(read_topic(services.bootstrap, s.topic("batches")))
         ch = services.ch
         last = dict(ch.query(f"SELECT trajectory_id, last_event_ts FROM {db}.trajectories FINAL").result_rows)
-        emitted = dict(ch.query(f"SELECT trajectory_id, emitted_at FROM {db}.rewards FINAL "
-                                "WHERE reward_version = 'v2' AND revision = 0").result_rows)
+        emitted = dict(
+            ch.query(
+                f"SELECT trajectory_id, emitted_at FROM {db}.rewards FINAL WHERE reward_version = 'v2' AND revision = 0"
+            ).result_rows
+        )
     finally:
         services.close()
     batches = {}
@@ -98,31 +109,48 @@ def main() -> None:
 
     # baseline: the same steps replayed from memory on a fresh copy of the v0 weights
     ratios = []
-    print("\n[1] cycle time by stage (seconds): streamed training until the samples trigger vs the same "
-          "micro-batches replayed from memory")
+    print(
+        "\n[1] cycle time by stage (seconds): streamed training until the samples trigger vs the same "
+        "micro-batches replayed from memory"
+    )
     for r in results:
         ids = [bid for st in r.steps for bid in st.batch_ids]
         mem = [to_batch(batches[b], 0, i) for i, b in enumerate(ids) if b in batches]
         loop.model.load_state_dict(loop.reference.state_dict())
-        tc = TrainConfig(micro_batches_per_step=4, max_steps=len(r.steps), lr=s.train.lr,
-                         max_policy_lag=10**6, loss=LossConfig(kl_coef=s.train.kl_coef))
+        tc = TrainConfig(
+            micro_batches_per_step=4,
+            max_steps=len(r.steps),
+            lr=s.train.lr,
+            max_policy_lag=10**6,
+            loss=LossConfig(kl_coef=s.train.kl_coef),
+        )
         t = time.monotonic()
         train(loop.model, loop.reference, lambda _o, m=mem: MemorySource(m), tc, policy_version=r.parent, resume=False)
         base = time.monotonic() - t
         ratios.append(r.seconds["train"] / max(base, 1e-9))
-        print(f"  v{r.version}: streamed {r.seconds['train']:6.1f} | from memory {base:5.1f} | ratio {ratios[-1]:4.1f} "
-              f"| eval gate {r.seconds['eval']:4.1f} | {len(r.steps)} steps")
-    print(f"  startup (broker, ClickHouse, warm start, flows): {startup:.1f}s; median ratio streamed/memory "
-          f"{statistics.median(ratios):.1f}")
-    onp = [sum(st.on_policy_fraction * st.tokens for st in r.steps) / max(1, sum(st.tokens for st in r.steps))
-           for r in results]
+        print(
+            f"  v{r.version}: streamed {r.seconds['train']:6.1f} | from memory {base:5.1f} | ratio {ratios[-1]:4.1f} "
+            f"| eval gate {r.seconds['eval']:4.1f} | {len(r.steps)} steps"
+        )
+    print(
+        f"  startup (broker, ClickHouse, warm start, flows): {startup:.1f}s; median ratio streamed/memory "
+        f"{statistics.median(ratios):.1f}"
+    )
+    onp = [
+        sum(st.on_policy_fraction * st.tokens for st in r.steps) / max(1, sum(st.tokens for st in r.steps))
+        for r in results
+    ]
     steady = onp[1:] or onp
-    print(f"\n[2] on-policy token fraction per cycle: {', '.join(f'{x:.3f}' for x in onp)}; steady state (cycles 2..) "
-          f"mean {statistics.mean(steady):.3f} (aim >= 0.95 with max_policy_lag=1)")
+    print(
+        f"\n[2] on-policy token fraction per cycle: {', '.join(f'{x:.3f}' for x in onp)}; steady state (cycles 2..) "
+        f"mean {statistics.mean(steady):.3f} (aim >= 0.95 with max_policy_lag=1)"
+    )
     if e2e:
-        print(f"\n[3] last event -> trainable (micro-batch appended), {len(e2e):,} samples: p50 {pct(e2e, 0.5):,.0f} ms, "
-              f"p99 {pct(e2e, 0.99):,.0f} ms; reward flow part p50 {pct(flow_part, 0.5):,.0f} ms, batch flow part "
-              f"p50 {pct(batch_part, 0.5):,.0f} ms")
+        print(
+            f"\n[3] last event -> trainable (micro-batch appended), {len(e2e):,} samples: p50 {pct(e2e, 0.5):,.0f} ms, "
+            f"p99 {pct(e2e, 0.99):,.0f} ms; reward flow part p50 {pct(flow_part, 0.5):,.0f} ms, batch flow part "
+            f"p50 {pct(batch_part, 0.5):,.0f} ms"
+        )
     os._exit(0)
 
 

@@ -20,8 +20,8 @@ from confluent_kafka import Producer
 
 from client.sdk import RtrlClient
 from devservices.broker import LocalBroker
-from rtrl.settings import SimulatorSettings
 from rtrl.kafka import ensure_topics, produce, producer_config
+from rtrl.settings import SimulatorSettings
 from schemas.codec import event_codec
 from simulator.generate import generate
 
@@ -54,7 +54,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--events", type=int, default=100_000)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--compression", default="zstd", help="producer batch compression on both sides (kafka.compression)")
+    ap.add_argument(
+        "--compression", default="zstd", help="producer batch compression on both sides (kafka.compression)"
+    )
     args = ap.parse_args()
 
     trajectories = max(1, args.events // 10)
@@ -75,9 +77,13 @@ def main() -> None:
             caller_s.append(caller)
 
     raw, sdk, caller = statistics.median(raw_s), statistics.median(sdk_s), statistics.median(caller_s)
-    print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, python {platform.python_version()}")
-    print(f"{n:,} events ({mb:.1f} MB encoded), {args.compression} batches, median of {args.rounds} rounds, "
-          "acknowledged by the broker")
+    print(
+        f"machine: {platform.node()} {platform.processor() or platform.machine()}, python {platform.python_version()}"
+    )
+    print(
+        f"{n:,} events ({mb:.1f} MB encoded), {args.compression} batches, median of {args.rounds} rounds, "
+        "acknowledged by the broker"
+    )
     print(f"raw confluent-kafka producer : {n / raw:>10,.0f} events/s  ({raw:.2f} s)")
     print(f"rtrl SDK (validate+queue+produce): {n / sdk:>10,.0f} events/s  ({sdk:.2f} s)")
     print(f"rtrl SDK caller-side record()    : {n / caller:>10,.0f} events/s  ({caller:.2f} s)")

@@ -73,19 +73,27 @@ def micro_batches(n: int, rows: int, seq: int, vocab: int, seed: int = 0) -> lis
                         break
                 k, end = len(sample_ids), pos + prompt + completion
                 seg[r, pos:end] = k
-                mask[r, pos + prompt:end] = 1
-                adv[r, pos + prompt:end] = rng.normal()
-                beh[r, pos + prompt:end] = rng.uniform(-8.0, -0.05, completion)
+                mask[r, pos + prompt : end] = 1
+                adv[r, pos + prompt : end] = rng.normal()
+                beh[r, pos + prompt : end] = rng.uniform(-8.0, -0.05, completion)
                 sample_ids.append(f"traj-{i:05d}-{k:03d}")
                 versions.append(int(rng.integers(0, 2)))
                 pos = end
             tokens[r, pos:] = 0
-        out.append(MicroBatch(
-            batch_id=f"bench-{i:05d}", created_at=1_700_000_000_000 + i, seq_len=seq,
-            token_ids=tokens.tolist(), loss_mask=mask.tolist(), advantages=adv.tolist(),
-            behaviour_logprobs=beh.tolist(), segment_ids=seg.tolist(), sample_ids=sample_ids,
-            policy_versions=versions,
-        ))
+        out.append(
+            MicroBatch(
+                batch_id=f"bench-{i:05d}",
+                created_at=1_700_000_000_000 + i,
+                seq_len=seq,
+                token_ids=tokens.tolist(),
+                loss_mask=mask.tolist(),
+                advantages=adv.tolist(),
+                behaviour_logprobs=beh.tolist(),
+                segment_ids=seg.tolist(),
+                sample_ids=sample_ids,
+                policy_versions=versions,
+            )
+        )
     return out
 
 
@@ -142,20 +150,33 @@ def broker_cpu_s(data_dir: str | None) -> float:
     return total
 
 
-def train_round(source_kind: str, cfg, make_source, steps: int, mbs: int, policy_version: int,
-                broker_dir: str | None = None) -> dict:
+def train_round(
+    source_kind: str, cfg, make_source, steps: int, mbs: int, policy_version: int, broker_dir: str | None = None
+) -> dict:
     from trainer.model import build_model
     from trainer.train import TrainConfig, train
 
     model, reference = build_model(cfg), build_model(cfg)
     reference.load_state_dict(model.state_dict())
     ends: list[float] = []
-    tc = TrainConfig(run_id=f"bench-{source_kind}", max_steps=steps, micro_batches_per_step=mbs,
-                     checkpoint_dir="", idle_timeout_s=30, max_policy_lag=4)
+    tc = TrainConfig(
+        run_id=f"bench-{source_kind}",
+        max_steps=steps,
+        micro_batches_per_step=mbs,
+        checkpoint_dir="",
+        idle_timeout_s=30,
+        max_policy_lag=4,
+    )
     b0, c0 = broker_cpu_s(broker_dir), time.process_time()
     t0 = time.perf_counter()
-    records = train(model, reference, make_source, tc, policy_version=policy_version,
-                    on_step=lambda s: ends.append(time.perf_counter()))
+    records = train(
+        model,
+        reference,
+        make_source,
+        tc,
+        policy_version=policy_version,
+        on_step=lambda s: ends.append(time.perf_counter()),
+    )
     total = time.perf_counter() - t0
     cpu, broker = time.process_time() - c0, broker_cpu_s(broker_dir) - b0
     assert len(records) == steps, f"{source_kind}: {len(records)} of {steps} steps"
@@ -206,8 +227,11 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5, help="alternating memory/Kafka rounds per thread setting")
-    ap.add_argument("--torch-threads", default="default,1",
-                    help="comma list of torch intra-op thread counts to run ('default' = torch's own choice)")
+    ap.add_argument(
+        "--torch-threads",
+        default="default,1",
+        help="comma list of torch intra-op thread counts to run ('default' = torch's own choice)",
+    )
     args = ap.parse_args()
     mbs = 2
     steps = args.batches // mbs
@@ -233,13 +257,17 @@ def main() -> None:
     processed_per_mb = args.rows * args.seq
     masked = sum(b.trained_tokens for b in batches) / (len(batches) * processed_per_mb)
     samples = sum(len(b.sample_ids) for b in batches) / len(batches)
-    print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-          f"python {platform.python_version()}, torch {torch.__version__} (default {default_threads} threads), "
-          f"megatron-core {megatron.core.__version__}")
-    print(f"input: {len(batches)} micro-batches of {args.rows} x {args.seq} tokens, {samples:.1f} samples each, "
-          f"{masked:.0%} loss-masked, {statistics.mean(map(len, payloads)) / 1e3:.1f} kB Arrow IPC each; "
-          f"{steps} steps x {mbs} micro-batches; model: tiny ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-          f"vocab {cfg.vocab_size}), fp32")
+    print(
+        f"machine: {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"python {platform.python_version()}, torch {torch.__version__} (default {default_threads} threads), "
+        f"megatron-core {megatron.core.__version__}"
+    )
+    print(
+        f"input: {len(batches)} micro-batches of {args.rows} x {args.seq} tokens, {samples:.1f} samples each, "
+        f"{masked:.0%} loss-masked, {statistics.mean(map(len, payloads)) / 1e3:.1f} kB Arrow IPC each; "
+        f"{steps} steps x {mbs} micro-batches; model: tiny ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+        f"vocab {cfg.vocab_size}), fp32"
+    )
 
     init_parallel(cfg)
     costs = decode_costs(payloads, args.seq)
@@ -269,18 +297,24 @@ def main() -> None:
                 runs["kafka"].append(train_round("kafka", cfg, make_kafka, steps, mbs, 1, broker_dir))
             for m, k in zip(runs["memory"], runs["kafka"]):
                 assert np.allclose(m["losses"], k["losses"], rtol=1e-5, atol=1e-7), "Kafka and memory runs differ"
-            results[threads] = (rates(runs["memory"], steps, mbs, processed_per_mb),
-                                rates(runs["kafka"], steps, mbs, processed_per_mb))
+            results[threads] = (
+                rates(runs["memory"], steps, mbs, processed_per_mb),
+                rates(runs["kafka"], steps, mbs, processed_per_mb),
+            )
         torch.set_num_threads(default_threads)
 
     for threads, (mem, kaf) in results.items():
-        print(f"\ntorch threads {threads}{' (default)' if threads == default_threads else ''}: median of "
-              f"{args.rounds} alternating rounds; Kafka and memory runs computed the same losses")
+        print(
+            f"\ntorch threads {threads}{' (default)' if threads == default_threads else ''}: median of "
+            f"{args.rounds} alternating rounds; Kafka and memory runs computed the same losses"
+        )
         print(f"{'':36}{'memory':>12}{'kafka':>12}{'kafka/memory':>14}")
-        for key, label in (("trained_steady", "trained tokens/s, steady"),
-                           ("processed_steady", "processed tokens/s, steady"),
-                           ("trained_total", "trained tokens/s, whole train()"),
-                           ("processed_total", "processed tokens/s, whole train()")):
+        for key, label in (
+            ("trained_steady", "trained tokens/s, steady"),
+            ("processed_steady", "processed tokens/s, steady"),
+            ("trained_total", "trained tokens/s, whole train()"),
+            ("processed_total", "processed tokens/s, whole train()"),
+        ):
             print(f"{label:36}{mem[key]:>12,.0f}{kaf[key]:>12,.0f}{kaf[key] / mem[key]:>14.3f}")
         print(f"{'ms per step, steady':36}{mem['step_ms']:>12.1f}{kaf['step_ms']:>12.1f}")
         print(f"{'whole train() call, s':36}{mem['total_s']:>12.2f}{kaf['total_s']:>12.2f}")
@@ -290,20 +324,26 @@ def main() -> None:
     step_us = min(m["step_ms"] for m, _ in results.values()) * 1e3
     print("\ndata path on its own (per micro-batch, median):")
     share = costs["to_batch"] * mbs / step_us
-    print(f"  to_batch (Kafka side only)         {costs['to_batch']:9.0f} us  = {share:.1%} "
-          f"of the fastest memory step; {processed_per_mb / costs['to_batch'] * 1e6:,.0f} processed tokens/s")
+    print(
+        f"  to_batch (Kafka side only)         {costs['to_batch']:9.0f} us  = {share:.1%} "
+        f"of the fastest memory step; {processed_per_mb / costs['to_batch'] * 1e6:,.0f} processed tokens/s"
+    )
     print(f"    Arrow IPC read + schema check    {costs['ipc_read_schema']:9.0f} us")
     print(f"    validating conversion to record  {costs['to_record']:9.0f} us")
     print(f"    numpy arrays                     {costs['to_numpy']:9.0f} us")
     print(f"  prepare (both sides)               {costs['prepare']:9.0f} us")
     d_med = statistics.median(drain)
-    print(f"  BatchStream.get drain, no training {d_med / len(batches) * 1e6:9.0f} us  "
-          f"({len(batches) / d_med:,.0f} micro-batches/s = {len(batches) * processed_per_mb / d_med:,.0f} "
-          f"processed tokens/s; opening the stream {statistics.median(open_s) * 1e3:.0f} ms)")
+    print(
+        f"  BatchStream.get drain, no training {d_med / len(batches) * 1e6:9.0f} us  "
+        f"({len(batches) / d_med:,.0f} micro-batches/s = {len(batches) * processed_per_mb / d_med:,.0f} "
+        f"processed tokens/s; opening the stream {statistics.median(open_s) * 1e3:.0f} ms)"
+    )
     for threads, (mem, kaf) in results.items():
         ratio = kaf["trained_steady"] / mem["trained_steady"]
-        print(f"ratio kafka/memory (trained tokens/s, steady), torch threads {threads}: {ratio:.3f}  "
-              f"aim >= 0.9: {'met' if ratio >= 0.9 else 'NOT met'}")
+        print(
+            f"ratio kafka/memory (trained tokens/s, steady), torch threads {threads}: {ratio:.3f}  "
+            f"aim >= 0.9: {'met' if ratio >= 0.9 else 'NOT met'}"
+        )
 
 
 if __name__ == "__main__":

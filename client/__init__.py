@@ -1,12 +1,12 @@
 """rtrl client instrumentation SDK: what a product backend calls to record a trajectory.
 
-    from client import RtrlClient
-    with RtrlClient(bootstrap="localhost:9092", salt=SECRET) as rtrl:
-        t = rtrl.start_trajectory(org_id="acme", user_id="u-42", task_kind="bugfix", policy_version=7)
-        t.tool_call("grep", valid=True)
-        edit = t.edit_proposed(lines=12)
-        t.edit_accepted(edit)
-        t.end("completed")
+from client import RtrlClient
+with RtrlClient(bootstrap="localhost:9092", salt=SECRET) as rtrl:
+    t = rtrl.start_trajectory(org_id="acme", user_id="u-42", task_kind="bugfix", policy_version=7)
+    t.tool_call("grep", valid=True)
+    edit = t.edit_proposed(lines=12)
+    t.edit_accepted(edit)
+    t.end("completed")
 """
 
 from client.hashing import hash_user  # noqa: F401

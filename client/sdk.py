@@ -109,7 +109,7 @@ class RtrlClient:
         self._thread.start()
 
     @classmethod
-    def from_settings(cls, settings: Any, bootstrap: str | None = None) -> "RtrlClient":
+    def from_settings(cls, settings: Any, bootstrap: str | None = None) -> RtrlClient:
         """A client configured from :class:`rtrl.settings.Settings` (``sdk`` and ``kafka`` sections)."""
         s = settings.sdk
         return cls(
@@ -138,7 +138,7 @@ class RtrlClient:
         arm: str = "control",
         trajectory_id: str | None = None,
         ts: int | None = None,
-    ) -> "Trajectory":
+    ) -> Trajectory:
         """Record ``trajectory_started`` and return a handle for the trajectory's other events."""
         traj = Trajectory(self, trajectory_id or uuid.uuid4().hex, org_id, self.hash_user(user_id), policy_version, arm)
         traj._emit(TrajectoryStarted, ts, task_kind=task_kind)
@@ -235,11 +235,14 @@ class RtrlClient:
         if stats.pending or stats.failed or stats.dropped:
             log.error(
                 "rtrl client closed with %d pending, %d failed, %d dropped events (last error: %s)",
-                stats.pending, stats.failed, stats.dropped, stats.last_error,
+                stats.pending,
+                stats.failed,
+                stats.dropped,
+                stats.last_error,
             )
         return stats
 
-    def __enter__(self) -> "RtrlClient":
+    def __enter__(self) -> RtrlClient:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -249,7 +252,9 @@ class RtrlClient:
 class Trajectory:
     """Handle for one trajectory; each method records one event (``ts`` defaults to now)."""
 
-    def __init__(self, client: RtrlClient, trajectory_id: str, org_id: str, user_hash: str, policy_version: int, arm: str):
+    def __init__(
+        self, client: RtrlClient, trajectory_id: str, org_id: str, user_hash: str, policy_version: int, arm: str
+    ):
         self.client = client
         self.trajectory_id = trajectory_id
         self.org_id = org_id

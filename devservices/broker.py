@@ -52,7 +52,9 @@ class LocalBroker:
     def _run(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
         return subprocess.run(
             [_noida(), *args, "--data-dir", str(self.data_dir)],
-            capture_output=True, text=True, timeout=timeout,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
 
     def running_port(self) -> int | None:
@@ -104,7 +106,7 @@ class LocalBroker:
             return
         self._run("down", timeout=timeout_s)
 
-    def __enter__(self) -> "LocalBroker":
+    def __enter__(self) -> LocalBroker:
         self.up()
         return self
 

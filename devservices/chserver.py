@@ -30,6 +30,7 @@ import uuid
 import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import cast
 from urllib.parse import parse_qsl, urlsplit
 
 from rtrl.clickhouse import on_engine_thread
@@ -80,12 +81,15 @@ class Engine:
             return self.conn.query(sql, fmt, params=params)
         m = _INSERT.match(sql)
         if m is None:
-            raise ValueError("Code: 62. DB::Exception: a request body with data needs INSERT INTO … FORMAT … in the query")
+            raise ValueError(
+                "Code: 62. DB::Exception: a request body with data needs INSERT INTO … FORMAT … in the query"
+            )
         spool = self.spool / f"{uuid.uuid4().hex}.{m['fmt']}"
         spool.write_bytes(data)
         try:
-            return self.conn.query(f"INSERT INTO {m['target']} FROM INFILE '{spool}' FORMAT {m['fmt']}", fmt,
-                                   params=params)
+            return self.conn.query(
+                f"INSERT INTO {m['target']} FROM INFILE '{spool}' FORMAT {m['fmt']}", fmt, params=params
+            )
         finally:
             spool.unlink(missing_ok=True)
 
@@ -134,8 +138,11 @@ class Handler(BaseHTTPRequestHandler):
         try:
             self._handle(body())
         except Exception as e:  # noqa: BLE001 - a request we cannot read: say why instead of dropping the connection
-            self._reply(400, f"Code: 1000. DB::Exception: bad request: {type(e).__name__}: {e}".encode(),
-                        {"X-ClickHouse-Exception-Code": "1000", "Content-Type": "text/plain; charset=UTF-8"})
+            self._reply(
+                400,
+                f"Code: 1000. DB::Exception: bad request: {type(e).__name__}: {e}".encode(),
+                {"X-ClickHouse-Exception-Code": "1000", "Content-Type": "text/plain; charset=UTF-8"},
+            )
 
     def _handle(self, body: bytes) -> None:
         url = urlsplit(self.path)
@@ -143,13 +150,16 @@ class Handler(BaseHTTPRequestHandler):
             return self._reply(200, b"Ok.\n", {"Content-Type": "text/plain"})
         args = dict(parse_qsl(url.query, keep_blank_values=True))
         query_id = args.get("query_id") or uuid.uuid4().hex
-        base = {"X-ClickHouse-Query-Id": query_id, "X-ClickHouse-Timezone": "UTC",
-                "X-ClickHouse-Server-Display-Name": "rtrl-chserver"}
+        base = {
+            "X-ClickHouse-Query-Id": query_id,
+            "X-ClickHouse-Timezone": "UTC",
+            "X-ClickHouse-Server-Display-Name": "rtrl-chserver",
+        }
         query, data = args.get("query", ""), None
         if query and body and _INSERT.match(query):
             data = body  # the statement in the URL, the data in the body
         elif body and not query and (head := _INSERT_HEAD.match(body)):
-            query, data = head.group(0).decode().strip(), body[head.end():]  # statement, newline, data
+            query, data = head.group(0).decode().strip(), body[head.end() :]  # statement, newline, data
         elif body:
             query = f"{query} {body.decode()}" if query else body.decode()
         if not query.strip():
@@ -161,14 +171,32 @@ class Handler(BaseHTTPRequestHandler):
         except Exception as e:  # noqa: BLE001 - the engine's own message, as a server sends it
             text = str(e)
             code = _CODE.search(text)
-            return self._reply(500, (text if text.startswith("Code:") else f"Code: 1000. DB::Exception: {text}").encode(),
-                               base | {"X-ClickHouse-Exception-Code": code.group(1) if code else "1000",
-                                       "Content-Type": "text/plain; charset=UTF-8"})
-        summary = {"read_rows": str(res.rows_read()), "read_bytes": str(res.bytes_read()),
-                   "written_rows": str(getattr(res, "rows_written", lambda: 0)()),
-                   "written_bytes": str(getattr(res, "bytes_written", lambda: 0)()), "result_rows": "0"}
-        self._reply(200, res.bytes(), base | {"X-ClickHouse-Format": fmt, "X-ClickHouse-Summary": json.dumps(summary),
-                                              "Content-Type": "application/octet-stream"})
+            return self._reply(
+                500,
+                (text if text.startswith("Code:") else f"Code: 1000. DB::Exception: {text}").encode(),
+                base
+                | {
+                    "X-ClickHouse-Exception-Code": code.group(1) if code else "1000",
+                    "Content-Type": "text/plain; charset=UTF-8",
+                },
+            )
+        summary = {
+            "read_rows": str(res.rows_read()),
+            "read_bytes": str(res.bytes_read()),
+            "written_rows": str(getattr(res, "rows_written", lambda: 0)()),
+            "written_bytes": str(getattr(res, "bytes_written", lambda: 0)()),
+            "result_rows": "0",
+        }
+        self._reply(
+            200,
+            res.bytes(),
+            base
+            | {
+                "X-ClickHouse-Format": fmt,
+                "X-ClickHouse-Summary": json.dumps(summary),
+                "Content-Type": "application/octet-stream",
+            },
+        )
 
 
 class ClickHouseServer:
@@ -184,7 +212,7 @@ class ClickHouseServer:
 
     @property
     def dsn(self) -> str:
-        host, port = self.httpd.server_address[:2]
+        host, port = cast("tuple[str, int]", self.httpd.server_address[:2])  # AF_INET: host is a str
         return f"http://{host}:{port}"
 
     def start(self) -> ClickHouseServer:
@@ -204,16 +232,21 @@ def spawn(path: str | Path, ready_timeout_s: float = 60.0, log: Path | None = No
 
     ready = Path(tempfile.mkdtemp(prefix="rtrl-chserver-ready-")) / "dsn"
     out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - the child keeps it
-    proc = subprocess.Popen([sys.executable, "-m", "devservices.chserver", str(path), "--ready-file", str(ready)],
-                            stdout=out, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "devservices.chserver", str(path), "--ready-file", str(ready)],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + ready_timeout_s
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             from rtrl.errors import ServiceUnavailable
 
-            raise ServiceUnavailable(f"embedded ClickHouse server for {path} did not start within {ready_timeout_s:g}s "
-                                     f"(exit code {proc.poll()}); is another process holding that folder?")
+            raise ServiceUnavailable(
+                f"embedded ClickHouse server for {path} did not start within {ready_timeout_s:g}s "
+                f"(exit code {proc.poll()}); is another process holding that folder?"
+            )
         time.sleep(0.05)
     return proc, ready.read_text()
 

@@ -74,12 +74,19 @@ def _require(scores: Mapping[str, float], metrics: list[str], side: str) -> None
     missing = [m for m in metrics if m not in scores]
     if missing:
         names = ", ".join(repr(m) for m in missing)
-        raise ValueError(f"the {side} scores have no {names} (the gate's rules need them; "
-                         f"the scores have {sorted(scores)}): make the eval suite return them or change GateRules")
+        raise ValueError(
+            f"the {side} scores have no {names} (the gate's rules need them; "
+            f"the scores have {sorted(scores)}): make the eval suite return them or change GateRules"
+        )
 
 
-def decide(candidate: Mapping[str, float], serving: Mapping[str, float], first: Mapping[str, float],
-           samples: int, rules: GateRules = GateRules()) -> Decision:
+def decide(
+    candidate: Mapping[str, float],
+    serving: Mapping[str, float],
+    first: Mapping[str, float],
+    samples: int,
+    rules: GateRules = GateRules(),
+) -> Decision:
     """Promote when the solve metric did not drop beyond the tolerance and no behaviour rule fires
     against the serving version or (``compare_with_first``) the first one.
 

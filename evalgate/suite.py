@@ -31,8 +31,13 @@ class EvalSuite(Protocol):
         ...
 
 
-def run_gate(suite: EvalSuite, candidate_model: Any, serving_scores: Mapping[str, float],
-             first_scores: Mapping[str, float], rules: GateRules | None = None) -> tuple[dict[str, float], Decision]:
+def run_gate(
+    suite: EvalSuite,
+    candidate_model: Any,
+    serving_scores: Mapping[str, float],
+    first_scores: Mapping[str, float],
+    rules: GateRules | None = None,
+) -> tuple[dict[str, float], Decision]:
     """Score ``candidate_model`` with ``suite`` and decide on it; (its scores, the decision)."""
     scores = dict(suite.evaluate(candidate_model))
     return scores, decide(scores, serving_scores, first_scores, suite.samples, rules or GateRules())

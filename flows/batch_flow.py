@@ -37,11 +37,11 @@ from bytewax.inputs import Source
 from bytewax.operators import StatefulBatchLogic
 from bytewax.outputs import Sink
 
-from rewards import check_versions
 from flows.batching import BatchBuilder, BatchConfig
 from flows.kafka_io import kafka_source
 from flows.processor import Message
 from flows.sinks import ClickHouseSink, KafkaSink
+from rewards import check_versions
 from rtrl.errors import ConfigError
 from rtrl.settings import Settings, load_settings
 from schemas.codec import Invalid, JsonCodec, dead_letter, encode_batch
@@ -59,9 +59,16 @@ def batch_config(settings: Settings) -> BatchConfig:
     builder's config: the one mapping of those settings."""
     check_versions([settings.rewards.train_version], "rewards.train_version")
     b = settings.batching
-    return BatchConfig(reward_version=settings.rewards.train_version, max_policy_lag=settings.train.max_policy_lag,
-                       join_wait_ms=int(b.join_wait_s * 1000), group_wait_ms=int(b.group_wait_s * 1000),
-                       seq_len=b.seq_len, rows=b.rows, flush_ms=int(b.flush_s * 1000), baseline_alpha=b.baseline_alpha)
+    return BatchConfig(
+        reward_version=settings.rewards.train_version,
+        max_policy_lag=settings.train.max_policy_lag,
+        join_wait_ms=int(b.join_wait_s * 1000),
+        group_wait_ms=int(b.group_wait_s * 1000),
+        seq_len=b.seq_len,
+        rows=b.rows,
+        flush_ms=int(b.flush_s * 1000),
+        baseline_alpha=b.baseline_alpha,
+    )
 
 
 def cohort_of(org_id: str, task_kind: str) -> str:
@@ -69,9 +76,15 @@ def cohort_of(org_id: str, task_kind: str) -> str:
 
 
 def stats_row(cohort: str, bb: BatchBuilder, samples: int, batches: int) -> BatchStats:
-    return BatchStats(cohort=cohort, samples=samples, batches=batches, counts=dict(bb.counts),
-                      lag_accepted={str(k): v for k, v in bb.lag_counts.items()},
-                      lag_dropped={str(k): v for k, v in bb.dropped_lag.items()}, clock=bb.clock)
+    return BatchStats(
+        cohort=cohort,
+        samples=samples,
+        batches=batches,
+        counts=dict(bb.counts),
+        lag_accepted={str(k): v for k, v in bb.lag_counts.items()},
+        lag_dropped={str(k): v for k, v in bb.dropped_lag.items()},
+        clock=bb.clock,
+    )
 
 
 class _CohortLogic(StatefulBatchLogic):
@@ -120,17 +133,34 @@ def _parser(codec: JsonCodec, kind: str, source: str):
         try:
             rec = codec.decode(m.value)
         except Invalid as e:
-            return [("dead", dead_letter(e.kind, e.field, e.reason, source, m.partition, m.offset, m.key, m.value,
-                                         time.time_ns() // 1_000_000))]
+            return [
+                (
+                    "dead",
+                    dead_letter(
+                        e.kind,
+                        e.field,
+                        e.reason,
+                        source,
+                        m.partition,
+                        m.offset,
+                        m.key,
+                        m.value,
+                        time.time_ns() // 1_000_000,
+                    ),
+                )
+            ]
         return [(cohort_of(rec.org_id, rec.task_kind), (kind, rec))]
+
     return parse
 
 
 def _broker(settings: Settings, bootstrap: str | None) -> str:
     bootstrap = bootstrap or settings.kafka.bootstrap
     if not bootstrap:
-        raise ConfigError("kafka.bootstrap is empty and no broker address was given; fix: set kafka.bootstrap "
-                          "(RTRL_KAFKA__BOOTSTRAP), or run the flow with `rtrl flow NAME`, which starts the local broker")
+        raise ConfigError(
+            "kafka.bootstrap is empty and no broker address was given; fix: set kafka.bootstrap "
+            "(RTRL_KAFKA__BOOTSTRAP), or run the flow with `rtrl flow NAME`, which starts the local broker"
+        )
     return bootstrap
 
 
@@ -140,23 +170,37 @@ def _injected(given: Mapping, names: tuple[str, ...], what: str) -> dict:
     return dict(given)
 
 
-def kafka_inputs(settings: Settings, bootstrap: str | None = None,
-                 stop: threading.Event | None = None) -> dict[str, Source]:
+def kafka_inputs(
+    settings: Settings, bootstrap: str | None = None, stop: threading.Event | None = None
+) -> dict[str, Source]:
     """The flow's default inputs (after a bounded broker check): rtrl.rollouts and rtrl.rewards."""
     bootstrap, k, tail = _broker(settings, bootstrap), settings.kafka, settings.batching.tail
-    return {name: kafka_source(bootstrap, [settings.topic(name)], k.timeout_s, tail=tail, idle_s=k.idle_backoff_s,
-                               stop=stop) for name in INPUTS}
+    return {
+        name: kafka_source(
+            bootstrap, [settings.topic(name)], k.timeout_s, tail=tail, idle_s=k.idle_backoff_s, stop=stop
+        )
+        for name in INPUTS
+    }
 
 
 def service_outputs(settings: Settings, bootstrap: str | None = None) -> dict[str, Sink]:
     """The flow's default outputs: the Kafka topics and the ClickHouse tables."""
-    return {"kafka": KafkaSink(_broker(settings, bootstrap), settings.sdk.delivery_timeout_s, settings.kafka.compression),
-            "clickhouse": ClickHouseSink(settings.clickhouse_dsn, settings.clickhouse.database, 1000, 1.0,
-                                         settings.clickhouse.timeout_s)}
+    return {
+        "kafka": KafkaSink(_broker(settings, bootstrap), settings.sdk.delivery_timeout_s, settings.kafka.compression),
+        "clickhouse": ClickHouseSink(
+            settings.clickhouse_dsn, settings.clickhouse.database, 1000, 1.0, settings.clickhouse.timeout_s
+        ),
+    }
 
 
-def build_flow(settings: Settings, bootstrap: str | None = None, stop: threading.Event | None = None, *,
-               sources: Mapping[str, Source] | None = None, sinks: Mapping[str, Sink] | None = None) -> Dataflow:
+def build_flow(
+    settings: Settings,
+    bootstrap: str | None = None,
+    stop: threading.Event | None = None,
+    *,
+    sources: Mapping[str, Source] | None = None,
+    sinks: Mapping[str, Sink] | None = None,
+) -> Dataflow:
     """The batch flow for ``settings``.
 
     ``sources`` maps each name of :data:`INPUTS` to a Bytewax source and ``sinks`` each name of
@@ -177,12 +221,13 @@ def build_flow(settings: Settings, bootstrap: str | None = None, stop: threading
     keyed = split.trues
 
     def build(resume: dict | None) -> _CohortLogic:
-        return _CohortLogic(resume or {"builder": BatchBuilder(cfg), "cohort": "", "samples": 0, "batches": 0},
-                            bs.idle_flush_s)
+        return _CohortLogic(
+            resume or {"builder": BatchBuilder(cfg), "cohort": "", "samples": 0, "batches": 0}, bs.idle_flush_s
+        )
 
     out = op.stateful_batch("batches", keyed, build)
     batches_topic, dl_topic = settings.topic("batches"), settings.topic("dead_letters")
-    dl_codec = JsonCodec(DeadLetter)
+    dl_codec: JsonCodec[DeadLetter] = JsonCodec(DeadLetter)
 
     def to_kafka(kv: tuple[str, tuple[list[MicroBatch], BatchStats]]) -> list:
         batches, _ = kv[1]
@@ -192,10 +237,20 @@ def build_flow(settings: Settings, bootstrap: str | None = None, stop: threading
         d = kv[1]
         return [("kafka", [(dl_topic, d.source.encode(), dl_codec.encode(d))])]
 
-    op.output("kafka", op.merge("to_kafka", op.flat_map("batches_to_kafka", out, to_kafka),
-                                op.flat_map("dead_to_kafka", split.falses, dead_to_kafka)), sinks["kafka"])
-    to_ch = op.merge("to_clickhouse", op.map("stats", out, lambda kv: ("clickhouse", ("batch_stats", [kv[1][1]]))),
-                     op.map("dead_to_clickhouse", split.falses, lambda kv: ("clickhouse", ("dead_letters", [kv[1]]))))
+    op.output(
+        "kafka",
+        op.merge(
+            "to_kafka",
+            op.flat_map("batches_to_kafka", out, to_kafka),
+            op.flat_map("dead_to_kafka", split.falses, dead_to_kafka),
+        ),
+        sinks["kafka"],
+    )
+    to_ch = op.merge(
+        "to_clickhouse",
+        op.map("stats", out, lambda kv: ("clickhouse", ("batch_stats", [kv[1][1]]))),
+        op.map("dead_to_clickhouse", split.falses, lambda kv: ("clickhouse", ("dead_letters", [kv[1]]))),
+    )
     op.output("clickhouse", to_ch, sinks["clickhouse"])
     return flow
 

@@ -129,9 +129,18 @@ def pack(samples: list[Sample], seq_len: int, created_at: int) -> MicroBatch:
         seg.append(g + [-1] * pad)
     ids = [s.rollout.trajectory_id for s in samples]
     batch_id = hashlib.sha1("\n".join(ids).encode()).hexdigest()[:32]
-    return MicroBatch(batch_id=batch_id, created_at=created_at, seq_len=seq_len, token_ids=tok, loss_mask=mask,
-                      advantages=adv, behaviour_logprobs=blp, segment_ids=seg, sample_ids=ids,
-                      policy_versions=[s.rollout.policy_version for s in samples])
+    return MicroBatch(
+        batch_id=batch_id,
+        created_at=created_at,
+        seq_len=seq_len,
+        token_ids=tok,
+        loss_mask=mask,
+        advantages=adv,
+        behaviour_logprobs=blp,
+        segment_ids=seg,
+        sample_ids=ids,
+        policy_versions=[s.rollout.policy_version for s in samples],
+    )
 
 
 class BatchBuilder:
@@ -246,8 +255,11 @@ class BatchBuilder:
     def _advance(self) -> list[MicroBatch]:
         cfg, now = self.config, self.clock
         for table, what in ((self.rollouts, "unmatched_rollout"), (self.rewards, "unmatched_reward")):
-            stale = [tid for tid, x in table.items()
-                     if (x.created_at if isinstance(x, Rollout) else x.emitted_at) + cfg.join_wait_ms < now]
+            stale = [
+                tid
+                for tid, x in table.items()
+                if (x.created_at if isinstance(x, Rollout) else x.emitted_at) + cfg.join_wait_ms < now
+            ]
             for tid in stale:
                 del table[tid]
                 self.counts[what] += 1

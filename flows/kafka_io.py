@@ -45,8 +45,9 @@ _new_message = tuple.__new__  # Message(...) without the NamedTuple's Python-lev
 class _PacedPartition(_BytewaxPartition):
     """One Kafka partition's reader: lean messages, paused while there is nothing to read."""
 
-    def __init__(self, *args, idle_s: float, timeout_s: float, keyed: bool, stop: threading.Event | None = None,
-                 **kwargs):
+    def __init__(
+        self, *args, idle_s: float, timeout_s: float, keyed: bool, stop: threading.Event | None = None, **kwargs
+    ):
         super().__init__(*args, **kwargs)
         self._stop = stop
         self._idle_s = idle_s
@@ -94,7 +95,8 @@ class _PacedPartition(_BytewaxPartition):
                 self._awake = datetime.now(UTC) + timedelta(seconds=self._idle_s)
             return []
         self._empty_since = None
-        batch, last = [], None
+        batch: list = []  # Messages, or (key, Message) pairs when keyed
+        last: int | None = None
         for msg in msgs:
             error = msg.error()
             if error is not None:
@@ -116,8 +118,15 @@ class _PacedPartition(_BytewaxPartition):
 class PacedKafkaSource(KafkaSource):
     """Bytewax's ``KafkaSource`` whose partitions emit :class:`Message` and pause when idle."""
 
-    def __init__(self, *args, idle_s: float = 0.1, timeout_s: float = 10.0, keyed: bool = False,
-                 stop: threading.Event | None = None, **kwargs):
+    def __init__(
+        self,
+        *args,
+        idle_s: float = 0.1,
+        timeout_s: float = 10.0,
+        keyed: bool = False,
+        stop: threading.Event | None = None,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         self._idle_s, self._timeout_s, self._keyed, self._stop = idle_s, timeout_s, keyed, stop
 
@@ -132,13 +141,31 @@ class PacedKafkaSource(KafkaSource):
             "enable.partition.eof": str(not self._tail),
             "statistics.interval.ms": 1000,
         } | self._add_config
-        return _PacedPartition(step_id, config, topic, int(idx), self._starting_offset, resume_state,
-                               self._batch_size, self._raise_on_errors, idle_s=self._idle_s,
-                               timeout_s=self._timeout_s, keyed=self._keyed, stop=self._stop)
+        return _PacedPartition(
+            step_id,
+            config,
+            topic,
+            int(idx),
+            self._starting_offset,
+            resume_state,
+            self._batch_size,
+            self._raise_on_errors,
+            idle_s=self._idle_s,
+            timeout_s=self._timeout_s,
+            keyed=self._keyed,
+            stop=self._stop,
+        )
 
 
-def kafka_source(bootstrap: str, topics: list[str], timeout_s: float = 10.0, tail: bool = True,
-                 idle_s: float = 0.1, keyed: bool = False, stop: threading.Event | None = None) -> PacedKafkaSource:
+def kafka_source(
+    bootstrap: str,
+    topics: list[str],
+    timeout_s: float = 10.0,
+    tail: bool = True,
+    idle_s: float = 0.1,
+    keyed: bool = False,
+    stop: threading.Event | None = None,
+) -> PacedKafkaSource:
     """A source over ``topics`` after checking, within ``timeout_s``, that they exist. With ``keyed``
     it emits ``(str(partition), Message)`` pairs, ready for a stateful step keyed by partition. Setting
     ``stop`` ends every partition at its next poll, so a tailing flow run in-process finishes cleanly
@@ -150,7 +177,14 @@ def kafka_source(bootstrap: str, topics: list[str], timeout_s: float = 10.0, tai
 
         raise ServiceUnavailable(f"topics {missing} do not exist on {bootstrap}; fix: run `rtrl topics` first")
     return PacedKafkaSource(
-        [bootstrap], topics, tail=tail, batch_size=SOURCE_BATCH_SIZE, idle_s=idle_s, timeout_s=timeout_s, keyed=keyed, stop=stop,
+        [bootstrap],
+        topics,
+        tail=tail,
+        batch_size=SOURCE_BATCH_SIZE,
+        idle_s=idle_s,
+        timeout_s=timeout_s,
+        keyed=keyed,
+        stop=stop,
         add_config={
             "socket.connection.setup.timeout.ms": str(int(timeout_s * 1000)),
             # Each partition has its own consumer. Bounded prefetch and few, large, long-polled

@@ -10,14 +10,15 @@ directly. The wall clock is read only for ``emitted_at``/``at`` stamps, never fo
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable, NamedTuple
+from typing import NamedTuple
 
 from flows.windowing import Closed, PartitionWindows, Rejected, WindowConfig
 from rewards import check_versions, features, get_config, reward
 from rewards.features import TrajectoryFeatures
 from schemas.codec import Invalid, dead_letter, event_codec
-from schemas.records import DeadLetter, EventBase, Reward, TrajectorySummary
+from schemas.records import CloseReason, DeadLetter, DeadLetterKind, EventBase, Reward, TrajectorySummary
 
 
 class Message(NamedTuple):
@@ -39,7 +40,7 @@ class FlowOutput:
     dead_letters: list[DeadLetter] = field(default_factory=list)
     discarded: int = 0  # closes a reward version chose not to reward (the buggy v1 does this)
 
-    def extend(self, other: "FlowOutput") -> None:
+    def extend(self, other: FlowOutput) -> None:
         self.events += other.events
         self.rewards += other.rewards
         self.summaries += other.summaries
@@ -54,17 +55,32 @@ def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def summary(f: TrajectoryFeatures, revision: int, close_reason: str) -> TrajectorySummary:
+def summary(f: TrajectoryFeatures, revision: int, close_reason: CloseReason) -> TrajectorySummary:
     """The monitors' view of a closed trajectory."""
     return TrajectorySummary(
-        trajectory_id=f.trajectory_id, policy_version=f.policy_version, org_id=f.org_id, arm=f.arm,
-        task_kind=f.task_kind or "unknown", revision=revision, close_reason=close_reason, status=f.status or "open",
-        n_events=f.n_events, tool_calls=f.tool_calls, broken_tool_calls=f.broken_tool_calls,
-        clarifying_questions=f.clarifying_questions, unneeded_questions=f.answers_unneeded,
-        edits_proposed=f.edits_proposed, edits_accepted=f.edits_accepted, persistence_checks=len(f.persisted),
-        persisted_fraction_sum=float(sum(f.persisted.values())), followups=sum(f.followups.values()),
-        dissatisfied_followups=f.followups.get("dissatisfied", 0), latency_ms=f.latency_ms, ttft_ms=f.ttft_ms,
-        first_event_ts=f.first_ts, last_event_ts=f.last_ts,
+        trajectory_id=f.trajectory_id,
+        policy_version=f.policy_version,
+        org_id=f.org_id,
+        arm=f.arm,
+        task_kind=f.task_kind or "unknown",
+        revision=revision,
+        close_reason=close_reason,
+        status=f.status or "open",
+        n_events=f.n_events,
+        tool_calls=f.tool_calls,
+        broken_tool_calls=f.broken_tool_calls,
+        clarifying_questions=f.clarifying_questions,
+        unneeded_questions=f.answers_unneeded,
+        edits_proposed=f.edits_proposed,
+        edits_accepted=f.edits_accepted,
+        persistence_checks=len(f.persisted),
+        persisted_fraction_sum=float(sum(f.persisted.values())),
+        followups=sum(f.followups.values()),
+        dissatisfied_followups=f.followups.get("dissatisfied", 0),
+        latency_ms=f.latency_ms,
+        ttft_ms=f.ttft_ms,
+        first_event_ts=f.first_ts,
+        last_event_ts=f.last_ts,
     )
 
 
@@ -85,8 +101,17 @@ class RewardProcessor:
         self.codec = event_codec(max_event_bytes)
         self.windows = state if state is not None else PartitionWindows(window)
 
-    def _dead(self, kind: str, field_: str, reason: str, partition: int, offset: int, key: bytes | str | None,
-              payload: bytes | None, now: int) -> DeadLetter:
+    def _dead(
+        self,
+        kind: DeadLetterKind,
+        field_: str,
+        reason: str,
+        partition: int,
+        offset: int,
+        key: bytes | str | None,
+        payload: bytes | None,
+        now: int,
+    ) -> DeadLetter:
         return dead_letter(kind, field_, reason, self.source, partition, offset, key, payload, now)
 
     def process(self, messages: Iterable[Message], now_ms: int | None = None) -> FlowOutput:
@@ -97,7 +122,9 @@ class RewardProcessor:
             try:
                 event = self.codec.decode(m.value)
             except Invalid as e:
-                out.dead_letters.append(self._dead(e.kind, e.field, e.reason, m.partition, m.offset, m.key, m.value, now))
+                out.dead_letters.append(
+                    self._dead(e.kind, e.field, e.reason, m.partition, m.offset, m.key, m.value, now)
+                )
                 continue
             out.events.append(event)
             self._apply(self.windows.ingest(event, m.offset), m.partition, out, now)
@@ -113,9 +140,18 @@ class RewardProcessor:
     def _apply(self, results: list[Closed | Rejected], partition: int, out: FlowOutput, now: int) -> None:
         for r in results:
             if isinstance(r, Rejected):
-                out.dead_letters.append(self._dead(
-                    r.kind, _REJECTED_FIELD.get(r.kind, "$"), r.reason, partition, r.offset, r.trajectory_id,
-                    self.codec.encode(r.event), now))
+                out.dead_letters.append(
+                    self._dead(
+                        r.kind,
+                        _REJECTED_FIELD.get(r.kind, "$"),
+                        r.reason,
+                        partition,
+                        r.offset,
+                        r.trajectory_id,
+                        self.codec.encode(r.event),
+                        now,
+                    )
+                )
                 continue
             f = features(r.events)
             out.summaries.append(summary(f, r.revision, r.close_reason))
@@ -124,10 +160,23 @@ class RewardProcessor:
                 if res is None:
                     out.discarded += 1
                     continue
-                out.rewards.append(Reward(
-                    trajectory_id=f.trajectory_id, policy_version=f.policy_version, reward_version=name,
-                    revision=r.revision, reward=res.reward, components=res.components, flags=list(res.flags),
-                    close_reason=r.close_reason, org_id=f.org_id, arm=f.arm, task_kind=f.task_kind or "unknown",
-                    n_events=f.n_events, event_counts=f.event_counts, first_event_ts=f.first_ts,
-                    last_event_ts=f.last_ts, emitted_at=now,
-                ))
+                out.rewards.append(
+                    Reward(
+                        trajectory_id=f.trajectory_id,
+                        policy_version=f.policy_version,
+                        reward_version=name,
+                        revision=r.revision,
+                        reward=res.reward,
+                        components=res.components,
+                        flags=list(res.flags),
+                        close_reason=r.close_reason,
+                        org_id=f.org_id,
+                        arm=f.arm,
+                        task_kind=f.task_kind or "unknown",
+                        n_events=f.n_events,
+                        event_counts=f.event_counts,
+                        first_event_ts=f.first_ts,
+                        last_event_ts=f.last_ts,
+                        emitted_at=now,
+                    )
+                )

@@ -50,8 +50,10 @@ OUTPUTS = ("clickhouse", "kafka")
 def window_config(settings: Settings) -> WindowConfig:
     f = settings.flow
     return WindowConfig(
-        deadline_ms=int(f.deadline_s * 1000), grace_ms=int(f.grace_s * 1000),
-        allowed_lateness_ms=int(f.allowed_lateness_s * 1000), max_future_ms=int(f.max_future_s * 1000),
+        deadline_ms=int(f.deadline_s * 1000),
+        grace_ms=int(f.grace_s * 1000),
+        allowed_lateness_ms=int(f.allowed_lateness_s * 1000),
+        max_future_ms=int(f.max_future_s * 1000),
     )
 
 
@@ -74,8 +76,10 @@ class _PartitionLogic(StatefulBatchLogic):
 def _broker(settings: Settings, bootstrap: str | None) -> str:
     bootstrap = bootstrap or settings.kafka.bootstrap
     if not bootstrap:
-        raise ConfigError("kafka.bootstrap is empty and no broker address was given; fix: set kafka.bootstrap "
-                          "(RTRL_KAFKA__BOOTSTRAP), or run the flow with `rtrl flow NAME`, which starts the local broker")
+        raise ConfigError(
+            "kafka.bootstrap is empty and no broker address was given; fix: set kafka.bootstrap "
+            "(RTRL_KAFKA__BOOTSTRAP), or run the flow with `rtrl flow NAME`, which starts the local broker"
+        )
     return bootstrap
 
 
@@ -85,25 +89,49 @@ def _injected(given: Mapping, names: tuple[str, ...], what: str) -> dict:
     return dict(given)
 
 
-def kafka_inputs(settings: Settings, bootstrap: str | None = None,
-                 stop: threading.Event | None = None) -> dict[str, Source]:
+def kafka_inputs(
+    settings: Settings, bootstrap: str | None = None, stop: threading.Event | None = None
+) -> dict[str, Source]:
     """The flow's default input (after a bounded broker check): rtrl.events, keyed by Kafka partition."""
     bootstrap, fs = _broker(settings, bootstrap), settings.flow
-    return {"events": kafka_source(bootstrap, [settings.topic("events")], settings.kafka.timeout_s, tail=fs.tail,
-                                   idle_s=settings.kafka.idle_backoff_s, keyed=True, stop=stop)}
+    return {
+        "events": kafka_source(
+            bootstrap,
+            [settings.topic("events")],
+            settings.kafka.timeout_s,
+            tail=fs.tail,
+            idle_s=settings.kafka.idle_backoff_s,
+            keyed=True,
+            stop=stop,
+        )
+    }
 
 
 def service_outputs(settings: Settings, bootstrap: str | None = None) -> dict[str, Sink]:
     """The flow's default outputs: the ClickHouse tables (+ the Parquet archive) and the Kafka topics."""
     fs = settings.flow
     archive_root = fs.archive_dir or str(settings.data_path / "archive" / "events")
-    return {"clickhouse": ClickHouseSink(settings.clickhouse_dsn, settings.clickhouse.database, fs.batch_rows,
-                                         fs.batch_seconds, settings.clickhouse.timeout_s, archive=archive_root),
-            "kafka": KafkaSink(_broker(settings, bootstrap), settings.sdk.delivery_timeout_s, settings.kafka.compression)}
+    return {
+        "clickhouse": ClickHouseSink(
+            settings.clickhouse_dsn,
+            settings.clickhouse.database,
+            fs.batch_rows,
+            fs.batch_seconds,
+            settings.clickhouse.timeout_s,
+            archive=archive_root,
+        ),
+        "kafka": KafkaSink(_broker(settings, bootstrap), settings.sdk.delivery_timeout_s, settings.kafka.compression),
+    }
 
 
-def build_flow(settings: Settings, bootstrap: str | None = None, stop: threading.Event | None = None, *,
-               sources: Mapping[str, Source] | None = None, sinks: Mapping[str, Sink] | None = None) -> Dataflow:
+def build_flow(
+    settings: Settings,
+    bootstrap: str | None = None,
+    stop: threading.Event | None = None,
+    *,
+    sources: Mapping[str, Source] | None = None,
+    sinks: Mapping[str, Sink] | None = None,
+) -> Dataflow:
     """The reward flow for ``settings``.
 
     ``sources`` maps each name of :data:`INPUTS` to a Bytewax source and ``sinks`` each name of
@@ -132,11 +160,16 @@ def build_flow(settings: Settings, bootstrap: str | None = None, stop: threading
 
     def to_clickhouse(kv: tuple[str, FlowOutput]) -> list[tuple[str, tuple[str, list]]]:
         o = kv[1]
-        parts = [("events", o.events), ("rewards", o.rewards), ("trajectories", o.summaries),
-                 ("dead_letters", o.dead_letters)]
+        parts: list[tuple[str, list]] = [
+            ("events", o.events),
+            ("rewards", o.rewards),
+            ("trajectories", o.summaries),
+            ("dead_letters", o.dead_letters),
+        ]
         return [("clickhouse", (t, rows)) for t, rows in parts if rows]
 
-    reward_codec, dl_codec = JsonCodec(Reward), JsonCodec(DeadLetter)
+    reward_codec: JsonCodec[Reward] = JsonCodec(Reward)
+    dl_codec: JsonCodec[DeadLetter] = JsonCodec(DeadLetter)
     rewards_topic, dl_topic = settings.topic("rewards"), settings.topic("dead_letters")
 
     def to_kafka(kv: tuple[str, FlowOutput]) -> list[tuple[str, list[tuple[str, bytes, bytes]]]]:

@@ -19,9 +19,10 @@ import logging
 import os
 import time
 from collections import defaultdict, deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -37,8 +38,14 @@ from schemas.types import to_arrow
 log = logging.getLogger("rtrl.sinks")
 
 
-def retry_forever(what: str, fn: Callable[[], Any], on_error: Callable[[], None] | None = None,
-                  first_s: float = 0.1, max_s: float = 5.0, sleep: Callable[[float], None] = time.sleep) -> Any:
+def retry_forever(
+    what: str,
+    fn: Callable[[], Any],
+    on_error: Callable[[], None] | None = None,
+    first_s: float = 0.1,
+    max_s: float = 5.0,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Any:
     """Call ``fn`` until it succeeds, backing off exponentially; log each failure."""
     delay, attempt = first_s, 0
     while True:
@@ -102,8 +109,9 @@ class _StoragePart(_Buffered):
     #: rewards, trajectories, so the worker keeps going while the previous flush is written)
     MAX_IN_FLIGHT = 4
 
-    def __init__(self, dsn: str, database: str, archive: Path | None, batch_rows: int, batch_seconds: float,
-                 timeout_s: float):
+    def __init__(
+        self, dsn: str, database: str, archive: Path | None, batch_rows: int, batch_seconds: float, timeout_s: float
+    ):
         super().__init__(batch_rows, batch_seconds)
         self.dsn, self.database, self.archive, self.timeout_s = dsn, database, archive, timeout_s
         self.client = None  # set up (migrate + verify) on first write, again after any failure
@@ -119,8 +127,11 @@ class _StoragePart(_Buffered):
         self.client = None
 
     def _store(self, table: str, data: pa.Table) -> None:
-        retry_forever(f"insert {data.num_rows} rows into {self.database}.{table} at {clickhouse.redact(self.dsn)}",
-                      lambda: self._insert(table, data), self._drop_client)
+        retry_forever(
+            f"insert {data.num_rows} rows into {self.database}.{table} at {clickhouse.redact(self.dsn)}",
+            lambda: self._insert(table, data),
+            self._drop_client,
+        )
         if table == "events" and self.archive is not None:
             write_archive(self.archive, data)
 
@@ -153,7 +164,7 @@ def write_archive(root: Path, events: pa.Table) -> None:
         digest = hashlib.sha1("\n".join(sorted(part.column("event_id").to_pylist())).encode()).hexdigest()[:20]
         path = folder / f"part-{digest}.parquet"
 
-        def put() -> None:
+        def put(folder: Path = folder, path: Path = path, part: pa.Table = part) -> None:
             folder.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
             pq.write_table(part, tmp, compression="zstd")
@@ -172,8 +183,15 @@ class ClickHouseSink(FixedPartitionedSink):
     chdb never runs beside pyarrow work in another thread of this sink.
     """
 
-    def __init__(self, dsn: str, database: str, batch_rows: int = 20_000, batch_seconds: float = 1.0,
-                 timeout_s: float = 10.0, archive: str | Path | None = None):
+    def __init__(
+        self,
+        dsn: str,
+        database: str,
+        batch_rows: int = 20_000,
+        batch_seconds: float = 1.0,
+        timeout_s: float = 10.0,
+        archive: str | Path | None = None,
+    ):
         self.args = (dsn, database, None if archive is None else Path(archive), batch_rows, batch_seconds, timeout_s)
 
     def list_parts(self) -> list[str]:
@@ -208,7 +226,9 @@ class _KafkaPart(StatefulSinkPartition):
     before Bytewax commits the epoch's input offsets: the worker never stalls on the broker mid-epoch."""
 
     def __init__(self, bootstrap: str, delivery_timeout_s: float, compression: str):
-        self.producer = Producer(producer_config(bootstrap, compression, **{"message.timeout.ms": int(delivery_timeout_s * 1000)}))
+        self.producer = Producer(
+            producer_config(bootstrap, compression, **{"message.timeout.ms": int(delivery_timeout_s * 1000)})
+        )
         self.errors: list[str] = []
 
     def _on_delivery(self, err: Any, _msg: Any) -> None:

@@ -26,6 +26,8 @@ import heapq
 from dataclasses import dataclass, field
 
 from schemas.records import (
+    CloseReason,
+    DeadLetterKind,
     EditAccepted,
     EditPersisted,
     EventBase,
@@ -54,7 +56,7 @@ class Closed:
 
     trajectory_id: str
     revision: int
-    close_reason: str
+    close_reason: CloseReason
     events: tuple[EventBase, ...]
 
 
@@ -62,7 +64,7 @@ class Closed:
 class Rejected:
     """An event refused by the windowing rules (``kind`` is a DeadLetter kind)."""
 
-    kind: str
+    kind: DeadLetterKind
     reason: str
     trajectory_id: str
     offset: int
@@ -70,8 +72,18 @@ class Rejected:
 
 
 class _Window:
-    __slots__ = ("first_ts", "ended_ts", "started", "accepted", "persisted", "ids", "events", "offsets",
-                 "revision", "seq")
+    __slots__ = (
+        "first_ts",
+        "ended_ts",
+        "started",
+        "accepted",
+        "persisted",
+        "ids",
+        "events",
+        "offsets",
+        "revision",
+        "seq",
+    )
 
     def __init__(self, first_ts: int):
         self.first_ts = first_ts
@@ -95,9 +107,9 @@ class _Window:
         elif t is TrajectoryEnded:
             self.ended_ts = event.ts if self.ended_ts is None else max(self.ended_ts, event.ts)
         elif t is EditAccepted:
-            self.accepted = (self.accepted or set()) | {event.edit_id}
+            self.accepted = (self.accepted or set()) | {event.edit_id}  # type: ignore[attr-defined]  # t is EditAccepted
         elif t is EditPersisted:
-            self.persisted = (self.persisted or set()) | {event.edit_id}
+            self.persisted = (self.persisted or set()) | {event.edit_id}  # type: ignore[attr-defined]  # t is EditPersisted
 
     @property
     def complete(self) -> bool:
@@ -125,11 +137,21 @@ class PartitionWindows:
         """Apply one event; return the windows it closed and whether it was rejected."""
         cfg, tid, wm = self.config, event.trajectory_id, self.watermark
         if wm is not None and event.ts > wm + cfg.max_future_ms:
-            return [Rejected("future", f"event time {event.ts} is more than {cfg.max_future_ms} ms ahead of the "
-                             f"partition's watermark {wm}", tid, offset, event)]
+            return [
+                Rejected(
+                    "future",
+                    f"event time {event.ts} is more than {cfg.max_future_ms} ms ahead of the "
+                    f"partition's watermark {wm}",
+                    tid,
+                    offset,
+                    event,
+                )
+            ]
         out: list[Closed | Rejected] = []
         if tid in self.tombstones:
-            out.append(self._too_late(tid, offset, event, "its window expired (closed longer than the allowed lateness)"))
+            out.append(
+                self._too_late(tid, offset, event, "its window expired (closed longer than the allowed lateness)")
+            )
         elif tid in self.closed:
             w = self.closed[tid]
             if event.event_id in w.ids:
@@ -170,28 +192,45 @@ class PartitionWindows:
     # ------------------------------------------------------------ internals
 
     def _too_late(self, tid: str, offset: int, event: EventBase, why: str) -> Rejected:
-        return Rejected("too_late", f"later than the allowed lateness of {self.config.allowed_lateness_ms} ms: {why}",
-                        tid, offset, event)
+        return Rejected(
+            "too_late",
+            f"later than the allowed lateness of {self.config.allowed_lateness_ms} ms: {why}",
+            tid,
+            offset,
+            event,
+        )
 
     def _schedule(self, tid: str, w: _Window) -> None:
         if w.complete:
+            assert w.ended_ts is not None  # complete implies ended
             w.seq += 1
             heapq.heappush(self._ready, (w.ended_ts + self.config.grace_ms, tid, w.seq))
 
-    def _close(self, tid: str, reason: str) -> list[Closed | Rejected]:
+    def _close(self, tid: str, reason: CloseReason) -> list[Closed | Rejected]:
         w = self.open.pop(tid)
         if not w.started:
             self.tombstones[tid] = w.first_ts + 2 * self.config.retention_ms
             heapq.heappush(self._expiry, (self.tombstones[tid], tid))
-            return [Rejected("never_started", "its trajectory never sent trajectory_started before the window closed",
-                             tid, off, e) for off, e in zip(w.offsets, w.events)]
+            return [
+                Rejected(
+                    "never_started",
+                    "its trajectory never sent trajectory_started before the window closed",
+                    tid,
+                    off,
+                    e,
+                )
+                for off, e in zip(w.offsets, w.events)
+            ]
         w.revision = 0
         self.closed[tid] = w
         heapq.heappush(self._retention, (w.first_ts + self.config.retention_ms, tid))
         return [Closed(tid, 0, reason, tuple(w.events))]
 
     def _advance(self) -> list[Closed | Rejected]:
-        wm, out = self.watermark, []
+        wm = self.watermark
+        out: list[Closed | Rejected] = []
+        if wm is None:  # no event yet (only ingest calls this, after setting the watermark): nothing is due
+            return out
         while self._ready and self._ready[0][0] <= wm:
             _, tid, seq = heapq.heappop(self._ready)
             w = self.open.get(tid)

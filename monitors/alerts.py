@@ -14,8 +14,9 @@ independent estimates), as in the seed post's A/B table.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Mapping, Optional, Sequence
+from typing import Literal
 
 Direction = Literal["increase", "decrease"]
 
@@ -42,7 +43,9 @@ class AlertRule:
 
     def __post_init__(self) -> None:
         if self.direction not in ("increase", "decrease"):
-            raise ValueError(f"AlertRule({self.metric}).direction must be 'increase' or 'decrease', not {self.direction!r}")
+            raise ValueError(
+                f"AlertRule({self.metric}).direction must be 'increase' or 'decrease', not {self.direction!r}"
+            )
         if not self.threshold > 0:
             raise ValueError(f"AlertRule({self.metric}).threshold must be > 0 (a relative change, 0.2 = 20%)")
         if self.min_samples < 0 or self.floor < 0:
@@ -112,7 +115,7 @@ class Evaluation:
         return "; ".join(parts)
 
 
-def _number(row: Mapping[str, object], key: str, side: str) -> Optional[float]:
+def _number(row: Mapping[str, object], key: str, side: str) -> float | None:
     if key not in row:
         raise KeyError(f"{side} row has no column {key!r}; fix the AlertRule or read the row from the behaviour view")
     v = row[key]
@@ -195,7 +198,7 @@ QUANTILE_CI_COLUMNS: dict[str, tuple[str, str]] = {
 }
 
 
-def standard_error(row: Mapping[str, object], metric: str) -> Optional[float]:
+def standard_error(row: Mapping[str, object], metric: str) -> float | None:
     """Standard error of ``row[metric]`` from the view's figures; None when undefined.
 
     Means and ratios: sqrt(var / n). Quantiles: (high - low) / (2 * 1.96) of the order-statistic
@@ -213,7 +216,9 @@ def standard_error(row: Mapping[str, object], metric: str) -> Optional[float]:
         if lo is None or hi is None:
             return None
         return (hi - lo) / (2 * Z95)
-    raise KeyError(f"no standard error is defined for {metric!r}; known: {sorted(VARIANCE_COLUMNS) + sorted(QUANTILE_CI_COLUMNS)}")
+    raise KeyError(
+        f"no standard error is defined for {metric!r}; known: {sorted(VARIANCE_COLUMNS) + sorted(QUANTILE_CI_COLUMNS)}"
+    )
 
 
 @dataclass(frozen=True)
@@ -228,8 +233,8 @@ class Change:
 
 
 def relative_change_ci(
-    m_a: Optional[float], se_a: Optional[float], m_b: Optional[float], se_b: Optional[float], z: float = Z95
-) -> Optional[Change]:
+    m_a: float | None, se_a: float | None, m_b: float | None, se_b: float | None, z: float = Z95
+) -> Change | None:
     """Relative change m_b/m_a - 1 of two independent estimates with a delta-method interval.
 
     se = (m_b/m_a) * sqrt(se_a^2/m_a^2 + se_b^2/m_b^2), written as sqrt(r^2 se_a^2 + se_b^2)/|m_a|

@@ -8,8 +8,9 @@ and a replayed row never counts twice. The decisions themselves are the pure fun
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from monitors.alerts import (
     DEFAULT_RULES,
@@ -27,7 +28,7 @@ from rtrl.clickhouse import _check_name
 AB_METRICS: tuple[str, ...] = ("edit_persistence", "dissatisfied_rate", "latency_p50_ms", "latency_p95_ms")
 
 
-def _rows(ch: Any, sql: str, parameters: Optional[dict] = None) -> tuple[list[str], list[dict[str, Any]]]:
+def _rows(ch: Any, sql: str, parameters: dict | None = None) -> tuple[list[str], list[dict[str, Any]]]:
     # Arrow keeps the column names when no row matches (a plain query's result does not)
     data = ch.query_arrow(sql, parameters=parameters or {})
     return list(data.schema.names), data.to_pylist()

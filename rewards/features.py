@@ -9,8 +9,8 @@ permutation or repetition of the same events gives the same features.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from schemas.records import (
     EditAccepted,
@@ -87,30 +87,32 @@ def features(events: Iterable[EventBase]) -> TrajectoryFeatures:
     followups: Counter[str] = Counter()
     broken = answers_needed = answers_unneeded = 0
     status = ended_ts = latency = ttft = None
+    # ``t is X`` narrows ``e`` to X, which mypy does not follow through the alias ``t`` (kept: identity
+    # checks on one type() call are the cheap path here), hence the attr-defined ignores below
     for e in ordered:
         t = type(e)
         if t is ToolCall:
-            broken += not e.valid
+            broken += not e.valid  # type: ignore[attr-defined]
         elif t is EditProposed:
-            proposed.add(e.edit_id)
+            proposed.add(e.edit_id)  # type: ignore[attr-defined]
         elif t is EditAccepted:
-            accepted.add(e.edit_id)
+            accepted.add(e.edit_id)  # type: ignore[attr-defined]
         elif t is EditRejected:
-            rejected.add(e.edit_id)
+            rejected.add(e.edit_id)  # type: ignore[attr-defined]
         elif t is EditPersisted:
-            persisted[e.edit_id] = e.fraction  # ordered by ts: the latest check wins
+            persisted[e.edit_id] = e.fraction  # type: ignore[attr-defined]  # ordered by ts: the latest check wins
         elif t is Followup:
-            if e.question_needed is True:
+            if e.question_needed is True:  # type: ignore[attr-defined]
                 answers_needed += 1
-            elif e.question_needed is False:
+            elif e.question_needed is False:  # type: ignore[attr-defined]
                 answers_unneeded += 1
             else:
-                followups[e.sentiment] += 1
+                followups[e.sentiment] += 1  # type: ignore[attr-defined]
         elif t is Latency:
-            latency = e.total_ms if latency is None else max(latency, e.total_ms)
-            ttft = e.ttft_ms if ttft is None else max(ttft, e.ttft_ms)
+            latency = e.total_ms if latency is None else max(latency, e.total_ms)  # type: ignore[attr-defined]
+            ttft = e.ttft_ms if ttft is None else max(ttft, e.ttft_ms)  # type: ignore[attr-defined]
         elif t is TrajectoryEnded:
-            status, ended_ts = e.status, e.ts  # the latest end wins
+            status, ended_ts = e.status, e.ts  # type: ignore[attr-defined]  # the latest end wins
     return TrajectoryFeatures(
         trajectory_id=head.trajectory_id,
         policy_version=head.policy_version,

@@ -24,8 +24,8 @@ versions.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from rewards.features import TrajectoryFeatures, features
 from rtrl.errors import ConfigError
@@ -270,5 +270,7 @@ def check_versions(names: list[str], setting: str = "rewards.versions") -> None:
     """Raise :class:`rtrl.errors.ConfigError` naming ``setting`` when a name is not a reward version."""
     unknown = [v for v in names if v not in REWARD_VERSIONS]
     if unknown:
-        raise ConfigError(f"setting {setting} = {names} names unknown reward versions {unknown}; fix: use "
-                          f"{', '.join(sorted(REWARD_VERSIONS))} (RTRL_{setting.upper().replace('.', '__')})")
+        raise ConfigError(
+            f"setting {setting} = {names} names unknown reward versions {unknown}; fix: use "
+            f"{', '.join(sorted(REWARD_VERSIONS))} (RTRL_{setting.upper().replace('.', '__')})"
+        )

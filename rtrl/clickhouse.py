@@ -65,7 +65,7 @@ def redact(dsn: str) -> str:
 
 
 def _prepare_chdb_dir(dsn: str) -> None:
-    path = dsn[len("chdb://"):]
+    path = dsn[len("chdb://") :]
     if path in ("", "memory", ":memory:"):
         return
     folder = Path(path)
@@ -118,7 +118,7 @@ def connect(dsn: str, timeout_s: float = 10.0) -> Any:
     if dsn.startswith("chdb://"):
         _prepare_chdb_dir(dsn)
         try:
-            client = EngineThread(lambda: clickhouse_connect.get_client(dsn=dsn))
+            client: Any = EngineThread(lambda: clickhouse_connect.get_client(dsn=dsn))  # proxies a Client
             client.command("SELECT 1")
             return client
         except Exception as e:  # chdb raises ProgrammingError / RuntimeError variants
@@ -206,9 +206,7 @@ def migrate(client: Any, database: str, folder: Path = MIGRATIONS_DIR) -> list[i
             continue
         for stmt in m.statements(db):
             client.command(stmt)
-        client.command(
-            f"INSERT INTO {db}.schema_migrations VALUES ({m.version}, '{m.name}', '{m.checksum}', now64(3))"
-        )
+        client.command(f"INSERT INTO {db}.schema_migrations VALUES ({m.version}, '{m.name}', '{m.checksum}', now64(3))")
         done.append(m.version)
     return done
 

@@ -31,8 +31,12 @@ def producer_config(bootstrap: str, compression: str = "zstd", **overrides: Any)
     Batches are compressed (``kafka.compression``, zstd by default): the broker stores and serves
     compressed batches, so disk, network and the broker's own work shrink with the payload.
     """
-    cfg = base_config(bootstrap) | {"enable.idempotence": True, "acks": "all", "linger.ms": 5,
-                                    "compression.type": compression}
+    cfg = base_config(bootstrap) | {
+        "enable.idempotence": True,
+        "acks": "all",
+        "linger.ms": 5,
+        "compression.type": compression,
+    }
     return cfg | overrides
 
 
@@ -40,7 +44,9 @@ def check_broker(bootstrap: str, timeout_s: float = 10.0) -> Any:
     """Cluster metadata, or ServiceUnavailable naming the address after ``timeout_s``."""
     if not bootstrap:
         raise ServiceUnavailable("no Kafka broker configured; fix: set kafka.bootstrap (RTRL_KAFKA__BOOTSTRAP)")
-    admin = AdminClient(base_config(bootstrap) | {"socket.connection.setup.timeout.ms": max(1000, int(timeout_s * 1000))})
+    admin = AdminClient(
+        base_config(bootstrap) | {"socket.connection.setup.timeout.ms": max(1000, int(timeout_s * 1000))}
+    )
     try:
         return admin.list_topics(timeout=timeout_s)
     except KafkaException as e:
@@ -69,8 +75,10 @@ def ensure_topics(
     nothing is created then. A cluster with fewer brokers than ``replication_factor`` is a ConfigError.
     """
     if replication_factor < 1:
-        raise ConfigError(f"kafka.replication_factor = {replication_factor} must be >= 1; "
-                          "fix: set kafka.replication_factor (RTRL_KAFKA__REPLICATION_FACTOR)")
+        raise ConfigError(
+            f"kafka.replication_factor = {replication_factor} must be >= 1; "
+            "fix: set kafka.replication_factor (RTRL_KAFKA__REPLICATION_FACTOR)"
+        )
     if not 1 <= min_insync_replicas <= replication_factor:
         raise ConfigError(
             f"kafka.min_insync_replicas = {min_insync_replicas} must be between 1 and kafka.replication_factor "
@@ -82,10 +90,21 @@ def ensure_topics(
     admin = AdminClient(base_config(bootstrap))
     partitions = {prefix + s.name: s.partitions or default_partitions for s in specs}
     existing = [name for name in partitions if name in meta.topics]
-    problems = _topic_mismatches(admin, meta, existing, partitions, {s.name: s for s in specs}, prefix,
-                                 replication_factor, min_insync_replicas, timeout_s)
+    problems = _topic_mismatches(
+        admin,
+        meta,
+        existing,
+        partitions,
+        {s.name: s for s in specs},
+        prefix,
+        replication_factor,
+        min_insync_replicas,
+        timeout_s,
+    )
     if problems:
-        raise SchemaMismatch(f"Kafka topics on {bootstrap} differ from what rtrl wants:\n  - " + "\n  - ".join(problems))
+        raise SchemaMismatch(
+            f"Kafka topics on {bootstrap} differ from what rtrl wants:\n  - " + "\n  - ".join(problems)
+        )
     missing = [s for s in specs if prefix + s.name not in meta.topics]
     if missing and replication_factor > len(meta.brokers):
         raise _too_few_brokers(bootstrap, replication_factor, len(meta.brokers))
@@ -119,22 +138,33 @@ def _too_few_brokers(bootstrap: str, replication_factor: int, brokers: int, err:
 
 
 def _topic_mismatches(
-    admin: AdminClient, meta: Any, names: list[str], partitions: dict[str, int], specs: dict[str, TopicSpec],
-    prefix: str, replication_factor: int, min_insync_replicas: int, timeout_s: float,
+    admin: AdminClient,
+    meta: Any,
+    names: list[str],
+    partitions: dict[str, int],
+    specs: dict[str, TopicSpec],
+    prefix: str,
+    replication_factor: int,
+    min_insync_replicas: int,
+    timeout_s: float,
 ) -> list[str]:
     """One line per difference between the existing topics ``names`` and what is wanted, with its fix."""
     problems = []
     for name in names:
         found = meta.topics[name].partitions
         want = partitions[name]
-        setting = "kafka.partitions" if specs[name[len(prefix):]].partitions is None else "schemas/topics.py"
+        setting = "kafka.partitions" if specs[name[len(prefix) :]].partitions is None else "schemas/topics.py"
         if len(found) != want:
             if len(found) < want:
-                fix = (f"add partitions (kafka-topics.sh --alter --topic {name} --partitions {want}; keys then map "
-                       f"to other partitions), set {setting} to {len(found)}, or delete and recreate the topic")
+                fix = (
+                    f"add partitions (kafka-topics.sh --alter --topic {name} --partitions {want}; keys then map "
+                    f"to other partitions), set {setting} to {len(found)}, or delete and recreate the topic"
+                )
             else:
-                fix = (f"set {setting} to {len(found)}, or delete and recreate the topic "
-                       "(Kafka can only add partitions, never remove them)")
+                fix = (
+                    f"set {setting} to {len(found)}, or delete and recreate the topic "
+                    "(Kafka can only add partitions, never remove them)"
+                )
             problems.append(f"topic {name} has {len(found)} partitions, {setting} wants {want}; fix: {fix}")
         factors = sorted({len(p.replicas) for p in found.values()})
         if factors and factors != [replication_factor]:
@@ -221,7 +251,8 @@ def read_topic(bootstrap: str, topic: str, timeout_s: float = 30.0, batch: int =
     if topic not in meta.topics:
         raise ServiceUnavailable(f"topic {topic} does not exist on {bootstrap}")
     consumer = Consumer(
-        base_config(bootstrap) | {"group.id": "rtrl-reader", "enable.auto.commit": False, "auto.offset.reset": "earliest"}
+        base_config(bootstrap)
+        | {"group.id": "rtrl-reader", "enable.auto.commit": False, "auto.offset.reset": "earliest"}
     )
     try:
         ends = {}
@@ -237,8 +268,8 @@ def read_topic(bootstrap: str, topic: str, timeout_s: float = 30.0, batch: int =
             for msg in consumer.consume(batch, 0.2):
                 if msg.error():
                     continue
-                p = msg.partition()
-                if p in ends and msg.offset() >= ends[p] - 1:
+                p, off = msg.partition(), msg.offset()
+                if p in ends and off is not None and off >= ends[p] - 1:  # a consumed message has an offset
                     del ends[p]
                 yield msg
     finally:

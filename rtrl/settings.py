@@ -21,9 +21,10 @@ import difflib
 import os
 import re
 import tomllib
+from collections.abc import Mapping
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
@@ -62,15 +63,25 @@ class KafkaSettings(Section):
     bootstrap: str = _s("", "host:port list of the Kafka brokers; empty = start a local noida-db broker")
     topic_prefix: str = _s("rtrl.", "prefix of every topic name (rtrl.events, ...)", pattern=r"^[A-Za-z0-9._-]+$")
     partitions: int = _s(4, "partitions of the keyed data topics when rtrl creates them", gt=0)
-    replication_factor: int = _s(1, "replicas of every topic rtrl creates (production: 3); existing topics are "
-                                    "checked against it", gt=0)
-    min_insync_replicas: int = _s(1, "min.insync.replicas of every topic rtrl creates (production: 2): with "
-                                     "acks=all a write needs this many replicas", gt=0)
+    replication_factor: int = _s(
+        1, "replicas of every topic rtrl creates (production: 3); existing topics are checked against it", gt=0
+    )
+    min_insync_replicas: int = _s(
+        1,
+        "min.insync.replicas of every topic rtrl creates (production: 2): with "
+        "acks=all a write needs this many replicas",
+        gt=0,
+    )
     timeout_s: float = _s(10.0, "seconds to wait for the broker before reporting it unreachable", gt=0)
-    idle_backoff_s: float = _s(0.1, "how long a flow's reader of an empty partition pauses before fetching again "
-                                    "(extra latency after a quiet spell)", gt=0)
+    idle_backoff_s: float = _s(
+        0.1,
+        "how long a flow's reader of an empty partition pauses before fetching again "
+        "(extra latency after a quiet spell)",
+        gt=0,
+    )
     compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = _s(
-        "zstd", "codec of every rtrl producer (none, gzip, snappy, lz4, zstd); JSON batches shrink several-fold")
+        "zstd", "codec of every rtrl producer (none, gzip, snappy, lz4, zstd); JSON batches shrink several-fold"
+    )
 
     @field_validator("bootstrap")
     @classmethod
@@ -82,10 +93,12 @@ class KafkaSettings(Section):
         return v
 
     @model_validator(mode="after")
-    def _isr(self) -> "KafkaSettings":
+    def _isr(self) -> KafkaSettings:
         if self.min_insync_replicas > self.replication_factor:
-            raise ValueError(f"kafka.min_insync_replicas = {self.min_insync_replicas} exceeds kafka.replication_factor "
-                             f"= {self.replication_factor}: no write could ever be acknowledged")
+            raise ValueError(
+                f"kafka.min_insync_replicas = {self.min_insync_replicas} exceeds kafka.replication_factor "
+                f"= {self.replication_factor}: no write could ever be acknowledged"
+            )
         return self
 
 
@@ -99,8 +112,9 @@ class ClickHouseSettings(Section):
     def _dsn(cls, v: str) -> str:
         if v == "" or v.startswith(("chdb://", "http://", "https://")):
             return v
-        raise ValueError("must be empty (embedded chdb under data_dir), chdb:///abs/path, chdb://memory or "
-                         "http(s)://host:port")
+        raise ValueError(
+            "must be empty (embedded chdb under data_dir), chdb:///abs/path, chdb://memory or http(s)://host:port"
+        )
 
     def __repr_args__(self):  # a password in the DSN never reaches a log
         for k, v in super().__repr_args__():
@@ -108,8 +122,9 @@ class ClickHouseSettings(Section):
 
 
 class SdkSettings(Section):
-    salt: str = _s("rtrl-local-dev-salt", "secret salt for hashing user ids; set your own in production",
-                   min_length=8, repr=False)
+    salt: str = _s(
+        "rtrl-local-dev-salt", "secret salt for hashing user ids; set your own in production", min_length=8, repr=False
+    )
     queue_size: int = _s(100_000, "events the SDK buffers before it drops (and counts) new ones", gt=0)
     linger_ms: int = _s(5, "producer linger: how long to wait to fill a batch", ge=0)
     delivery_timeout_s: float = _s(300.0, "how long the producer retries an event before reporting it failed", gt=0)
@@ -138,7 +153,8 @@ class RewardSettings(Section):
     """Which reward versions exist in the stream, and which one trains (names: rewards.REWARD_VERSIONS)."""
 
     versions: Annotated[list[str], NoDecode] = _s(
-        ["v2"], "reward versions the reward flow computes (comma-separated in the environment)", min_length=1)
+        ["v2"], "reward versions the reward flow computes (comma-separated in the environment)", min_length=1
+    )
     train_version: str = _s("v2", "reward version the batch flow trains on; the reward flow must compute it")
 
     @field_validator("versions", mode="before")
@@ -149,11 +165,13 @@ class RewardSettings(Section):
         return v
 
     @model_validator(mode="after")
-    def _trained_is_computed(self) -> "RewardSettings":
+    def _trained_is_computed(self) -> RewardSettings:
         if self.train_version not in self.versions:
-            raise ValueError(f"rewards.train_version = {self.train_version!r} is not among rewards.versions = "
-                             f"{self.versions}: the batch flow would wait for rewards nobody computes; fix: add it "
-                             "to rewards.versions")
+            raise ValueError(
+                f"rewards.train_version = {self.train_version!r} is not among rewards.versions = "
+                f"{self.versions}: the batch flow would wait for rewards nobody computes; fix: add it "
+                "to rewards.versions"
+            )
         return self
 
 
@@ -200,8 +218,9 @@ class TrainSettings(Section):
     checkpoint_every: int = _s(10, "steps between checkpoints (one is also written at the end)", gt=0)
     checkpoint_dir: str = _s("", "where checkpoints go; empty = <data_dir>/checkpoints")
     idle_timeout_s: float = _s(30.0, "stop when no micro-batch arrives for this long", gt=0)
-    torch_threads: int = _s(0, "CPU threads for torch; 0 = auto: all cores but one on a CPU-only machine "
-                               "(the broker needs one)", ge=0)
+    torch_threads: int = _s(
+        0, "CPU threads for torch; 0 = auto: all cores but one on a CPU-only machine (the broker needs one)", ge=0
+    )
 
 
 class ModelSettings(Section):
@@ -233,11 +252,13 @@ class ParallelSettings(Section):
     tp: int = _s(1, "tensor-parallel size: each matmul and the vocabulary split over this many ranks", gt=0)
     pp: int = _s(1, "pipeline-parallel size: the layers split into this many stages", gt=0)
     dp: int = _s(0, "data-parallel size; 0 = derived as world_size / (tp x pp)", ge=0)
-    sequence_parallel: bool = _s(False, "split layer-norm and dropout activations along the sequence over the "
-                                        "tensor-parallel ranks (needs tp > 1)")
+    sequence_parallel: bool = _s(
+        False,
+        "split layer-norm and dropout activations along the sequence over the tensor-parallel ranks (needs tp > 1)",
+    )
 
     @model_validator(mode="after")
-    def _sp(self) -> "ParallelSettings":
+    def _sp(self) -> ParallelSettings:
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel needs parallel.tp > 1; fix: raise parallel.tp or turn it off")
         return self
@@ -247,16 +268,20 @@ class PrecisionSettings(Section):
     """Number formats. FP8 needs Transformer Engine and a GPU (the trainer refuses it otherwise)."""
 
     bf16: bool = _s(False, "parameters and activations in bfloat16 (on CPU ~10x slower than fp32)")
-    fp8: Literal["", "hybrid", "e4m3"] = _s("", "FP8 GEMMs through Transformer Engine: hybrid (e4m3 forward, e5m2 "
-                                                "backward) or e4m3; empty = off")
+    fp8: Literal["", "hybrid", "e4m3"] = _s(
+        "", "FP8 GEMMs through Transformer Engine: hybrid (e4m3 forward, e5m2 backward) or e4m3; empty = off"
+    )
     fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = _s(
-        "delayed", "FP8 scaling recipe (mxfp8 needs Blackwell); read only when fp8 is set")
+        "delayed", "FP8 scaling recipe (mxfp8 needs Blackwell); read only when fp8 is set"
+    )
 
     @model_validator(mode="after")
-    def _fp8_needs_bf16(self) -> "PrecisionSettings":
+    def _fp8_needs_bf16(self) -> PrecisionSettings:
         if self.fp8 and not self.bf16:
-            raise ValueError(f"precision.fp8 = {self.fp8!r} needs precision.bf16 = true (FP8 training keeps bf16 "
-                             "parameters); fix: set precision.bf16 = true")
+            raise ValueError(
+                f"precision.fp8 = {self.fp8!r} needs precision.bf16 = true (FP8 training keeps bf16 "
+                "parameters); fix: set precision.bf16 = true"
+            )
         return self
 
 
@@ -270,26 +295,45 @@ class LoopSettings(Section):
     group_size: int = _s(4, "completions sampled per task (group-relative advantages need >= 2)", gt=0)
     orgs: int = _s(3, "simulated organisations (cohorts are org x task kind)", gt=0)
     hard_share: float = _s(0.5, "share of hard tasks", ge=0, le=1)
-    cycle_max_s: float = _s(120.0, "wall-time trigger: a cycle ends after this long even with fewer samples "
-                                   "(production: 5 hours)", gt=0)
+    cycle_max_s: float = _s(
+        120.0, "wall-time trigger: a cycle ends after this long even with fewer samples (production: 5 hours)", gt=0
+    )
     warm_start_steps: int = _s(300, "supervised steps that make the initial policy (version 0)", ge=0)
-    warm_right_easy: float = _s(-1.0, "share of right edits on easy tasks in what the initial policy imitates "
-                                      "(-1 = like hard ones, 0.35): near 1 makes a policy whose failures are "
-                                      "predictable from the prompt, where the v1 reward hack shows fastest")
+    warm_right_easy: float = _s(
+        -1.0,
+        "share of right edits on easy tasks in what the initial policy imitates "
+        "(-1 = like hard ones, 0.35): near 1 makes a policy whose failures are "
+        "predictable from the prompt, where the v1 reward hack shows fastest",
+    )
     eval_tasks: int = _s(200, "held-out tasks of the eval suite", gt=0)
     solve_tolerance: float = _s(0.03, "largest tolerated drop of the held-out solve rate before a rejection", ge=0)
-    ab_share: float = _s(0.0, "A/B mode: share of traffic a candidate that passed the evals serves before the "
-                              "decision; its live behaviour is compared with the serving version's in ClickHouse "
-                              "and an alert rejects it (0 = off)", ge=0, le=1)
+    ab_share: float = _s(
+        0.0,
+        "A/B mode: share of traffic a candidate that passed the evals serves before the "
+        "decision; its live behaviour is compared with the serving version's in ClickHouse "
+        "and an alert rejects it (0 = off)",
+        ge=0,
+        le=1,
+    )
     ab_trajectories: int = _s(400, "A/B mode: candidate trajectories with rewards needed before the comparison", gt=0)
-    reset_on_reject: bool = _s(True, "a rejected candidate's weights are dropped (false: the training run goes on "
-                                     "from them and only serving stays on the last promotion)")
+    reset_on_reject: bool = _s(
+        True,
+        "a rejected candidate's weights are dropped (false: the training run goes on "
+        "from them and only serving stays on the last promotion)",
+    )
     seed: int = _s(0, "seed of the tasks, sampling and the initial policy")
-    checkpoint_every: int = _s(8, "trainer steps between resumable checkpoints within a cycle (a restarted trainer "
-                                  "continues from the last one; with loop.processes only)", gt=0)
-    processes: bool = _s(False, "run each part (reward flow, batch flow, policy server, trainer) as its own process "
-                                "under a supervisor that restarts any that dies; ClickHouse is then served to them "
-                                "by devservices.chserver")
+    checkpoint_every: int = _s(
+        8,
+        "trainer steps between resumable checkpoints within a cycle (a restarted trainer "
+        "continues from the last one; with loop.processes only)",
+        gt=0,
+    )
+    processes: bool = _s(
+        False,
+        "run each part (reward flow, batch flow, policy server, trainer) as its own process "
+        "under a supervisor that restarts any that dies; ClickHouse is then served to them "
+        "by devservices.chserver",
+    )
 
     @field_validator("warm_right_easy")
     @classmethod
@@ -329,8 +373,9 @@ class _Env(EnvSettingsSource):
 class Settings(BaseSettings):
     """Every rtrl setting; a section per component."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid",
-                                      validate_assignment=True, case_sensitive=False)
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", validate_assignment=True, case_sensitive=False
+    )
 
     data_dir: str = _s(".rtrl", "folder for local state: broker data, embedded ClickHouse, reports")
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
@@ -348,9 +393,14 @@ class Settings(BaseSettings):
     simulator: SimulatorSettings = Field(default_factory=SimulatorSettings)
 
     @classmethod
-    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
-                                   env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
-                                   file_secret_settings: PydanticBaseSettingsSource):
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ):
         # the environment wins over what load_settings passes in (the TOML file), which wins over defaults
         return (_Env(settings_cls), init_settings)
 
@@ -366,7 +416,7 @@ class Settings(BaseSettings):
         """Full topic name for a logical name such as ``events``."""
         return f"{self.kafka.topic_prefix}{name}"
 
-    def updated(self, changes: Mapping[str, Any]) -> "Settings":
+    def updated(self, changes: Mapping[str, Any]) -> Settings:
         """A validated copy with ``{"section.key": value}`` changed (how a job derives a child's settings)."""
         doc = self.model_dump()
         for name, value in changes.items():
@@ -378,7 +428,8 @@ class Settings(BaseSettings):
         out = _validate(lambda: Settings.model_validate(doc), "Settings.updated", {})
         for sec in SECTIONS:  # what the user set stays marked as set (the loop refuses to override it)
             getattr(out, sec).__pydantic_fields_set__ = set(getattr(self, sec).model_fields_set) | {
-                k.partition(".")[2] for k in changes if k.startswith(sec + ".")}
+                k.partition(".")[2] for k in changes if k.startswith(sec + ".")
+            }
         return out
 
 
@@ -411,17 +462,26 @@ def env_name(name: str) -> str:
 
 
 _MESSAGES = {
-    "greater_than": "must be > {gt}", "greater_than_equal": "must be >= {ge}", "less_than": "must be < {lt}",
-    "less_than_equal": "must be <= {le}", "int_parsing": "is not a valid int", "int_from_float": "is not a valid int",
-    "int_type": "is not a valid int", "float_parsing": "is not a valid float", "float_type": "is not a valid float",
-    "bool_parsing": "is not a valid bool (true/false)", "bool_type": "is not a valid bool (true/false)",
-    "string_type": "is not a valid str", "string_too_short": "must be at least {min_length} characters",
-    "too_short": "must have at least {min_length} item(s)", "string_pattern_mismatch": "may only contain letters, "
-    "digits, '.', '_' and '-'", "literal_error": "must be one of {expected}",
+    "greater_than": "must be > {gt}",
+    "greater_than_equal": "must be >= {ge}",
+    "less_than": "must be < {lt}",
+    "less_than_equal": "must be <= {le}",
+    "int_parsing": "is not a valid int",
+    "int_from_float": "is not a valid int",
+    "int_type": "is not a valid int",
+    "float_parsing": "is not a valid float",
+    "float_type": "is not a valid float",
+    "bool_parsing": "is not a valid bool (true/false)",
+    "bool_type": "is not a valid bool (true/false)",
+    "string_type": "is not a valid str",
+    "string_too_short": "must be at least {min_length} characters",
+    "too_short": "must have at least {min_length} item(s)",
+    "string_pattern_mismatch": "may only contain letters, digits, '.', '_' and '-'",
+    "literal_error": "must be one of {expected}",
 }
 
 
-def _validate(build, source_of: Any, sources: Mapping[str, str]) -> "Settings":
+def _validate(build, source_of: Any, sources: Mapping[str, str]) -> Settings:
     """Run ``build()``; turn a pydantic ValidationError into a ConfigError naming setting, source and fix."""
     try:
         return build()
@@ -439,7 +499,11 @@ def _validate(build, source_of: Any, sources: Mapping[str, str]) -> "Settings":
             raise ConfigError(f"settings [{loc[0]}]: {text} (from {sources.get(loc[0], source_of)})") from None
         value = e.get("input")
         shown = "***" if name in SECRETS else redact_dsn(value) if isinstance(value, str) else value
-        helps = Settings.model_fields[loc[0]].annotation.model_fields.get(loc[1]) if loc[0] in SECTIONS else None
+        helps = (
+            cast("type[BaseModel]", Settings.model_fields[loc[0]].annotation).model_fields.get(loc[1])  # a model
+            if loc[0] in SECTIONS
+            else None
+        )
         raise ConfigError(
             f"setting {name} = {shown!r} {text} (from {sources.get(name, source_of)}); fix: give {name} a valid "
             f"value in the config file under [{loc[0]}] or with {env_name(name)}"
@@ -459,7 +523,9 @@ def load_settings(path: str | os.PathLike | None = None, env: Mapping[str, str] 
         try:
             doc = tomllib.loads(p.read_text())
         except FileNotFoundError:
-            raise ConfigError(f"config file {p} does not exist; fix: pass an existing file or unset {ENV_CONFIG_FILE}") from None
+            raise ConfigError(
+                f"config file {p} does not exist; fix: pass an existing file or unset {ENV_CONFIG_FILE}"
+            ) from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
         for key, value in doc.items():
@@ -479,7 +545,7 @@ def load_settings(path: str | os.PathLike | None = None, env: Mapping[str, str] 
     for var, value in env.items():
         if not var.upper().startswith(ENV_PREFIX) or var.upper() == ENV_CONFIG_FILE:
             continue
-        name = var[len(ENV_PREFIX):].lower().replace("__", ".")
+        name = var[len(ENV_PREFIX) :].lower().replace("__", ".")
         if name not in known:
             raise _unknown(name, known, f"environment variable {var}")
         sources[name] = f"environment variable {var}"
@@ -494,6 +560,7 @@ def load_settings(path: str | os.PathLike | None = None, env: Mapping[str, str] 
 
 def as_env(settings: Settings) -> dict[str, str]:
     """Every setting as an ``RTRL_*`` variable: how a parent hands its exact settings to child processes."""
+
     def text(v: Any) -> str:
         if isinstance(v, bool):
             return "true" if v else "false"
@@ -517,7 +584,9 @@ def _shown(name: str, value: Any) -> Any:
 def describe(settings: Settings | None = None) -> list[tuple[str, Any, str]]:
     """(name, value, help) for every setting, secrets redacted; defaults when ``settings`` is None."""
     settings = settings or Settings.model_construct()
-    rows: list[tuple[str, Any, str]] = [("data_dir", settings.data_dir, Settings.model_fields["data_dir"].description or "")]
+    rows: list[tuple[str, Any, str]] = [
+        ("data_dir", settings.data_dir, Settings.model_fields["data_dir"].description or "")
+    ]
     for sec in SECTIONS:
         obj = getattr(settings, sec)
         for key, f in _fields(type(obj)).items():
@@ -563,7 +632,9 @@ def refuse_overrides(settings: Settings, fixed: Mapping[str, tuple[Any, str]], w
         sec, _, key = name.partition(".")
         current = getattr(getattr(settings, sec), key)
         if key in getattr(settings, sec).model_fields_set and current != value:
-            raise ConfigError(f"setting {name} = {current!r} cannot be used by {who}: it needs {name} = {value!r} "
-                              f"({why}); fix: remove {name} from the config file and {env_name(name)} from the "
-                              "environment, or set it to that value")
+            raise ConfigError(
+                f"setting {name} = {current!r} cannot be used by {who}: it needs {name} = {value!r} "
+                f"({why}); fix: remove {name} from the config file and {env_name(name)} from the "
+                "environment, or set it to that value"
+            )
     return settings.updated({name: value for name, (value, _) in fixed.items()})

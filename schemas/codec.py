@@ -14,7 +14,7 @@ from typing import Generic, TypeVar
 import msgspec
 import pyarrow as pa
 
-from schemas.records import DeadLetter, Event, MicroBatch
+from schemas.records import DeadLetter, DeadLetterKind, Event, MicroBatch
 from schemas.types import arrow_schema, from_arrow, normalized, to_arrow
 
 T = TypeVar("T")
@@ -25,7 +25,7 @@ DEFAULT_MAX_BYTES = 64 * 1024
 class Invalid(ValueError):
     """Input that failed validation: ``field`` is a JSON path like ``$.ts``, ``reason`` says why."""
 
-    def __init__(self, field: str, reason: str, kind: str = "invalid"):
+    def __init__(self, field: str, reason: str, kind: DeadLetterKind = "invalid"):
         super().__init__(f"{field}: {reason}")
         self.field = field
         self.reason = reason
@@ -88,11 +88,29 @@ def _lenient(data: bytes | str | None, limit: int) -> str | None:
     return bytes(data[:limit]).decode("utf-8", errors="replace")
 
 
-def dead_letter(kind: str, field: str, reason: str, source: str, partition: int, offset: int,
-                key: bytes | str | None, payload: bytes | str | None, at_ms: int) -> DeadLetter:
+def dead_letter(
+    kind: DeadLetterKind,
+    field: str,
+    reason: str,
+    source: str,
+    partition: int,
+    offset: int,
+    key: bytes | str | None,
+    payload: bytes | str | None,
+    at_ms: int,
+) -> DeadLetter:
     """The dead-letter record for rejected input: key and payload decoded leniently and truncated."""
-    return DeadLetter(kind=kind, source=source, partition=partition, offset=offset, key=_lenient(key, 256),
-                      field=field, reason=reason, payload=_lenient(payload, 4096) or "", at=at_ms)
+    return DeadLetter(
+        kind=kind,
+        source=source,
+        partition=partition,
+        offset=offset,
+        key=_lenient(key, 256),
+        field=field,
+        reason=reason,
+        payload=_lenient(payload, 4096) or "",
+        at=at_ms,
+    )
 
 
 def event_codec(max_bytes: int = DEFAULT_MAX_BYTES) -> JsonCodec:

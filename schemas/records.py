@@ -11,7 +11,7 @@ one flat JSON object; in Arrow/ClickHouse the payload fields of all types are Nu
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Literal, Union, cast
 
 import msgspec
 from msgspec import Meta
@@ -57,7 +57,9 @@ class ToolCall(EventBase, tag="tool_call"):
 
     tool: Annotated[Label, doc("Name of the tool the agent called.")]
     valid: Annotated[bool, doc("False when the call was malformed or failed to execute.")]
-    error: Annotated[Optional[Annotated[str, Meta(max_length=2048)]], doc("Error text for a broken call; null when valid.")] = None
+    error: Annotated[
+        Annotated[str, Meta(max_length=2048)] | None, doc("Error text for a broken call; null when valid.")
+    ] = None
 
 
 class EditProposed(EventBase, tag="edit_proposed"):
@@ -92,7 +94,7 @@ class Followup(EventBase, tag="followup"):
 
     sentiment: Annotated[Sentiment, doc("dissatisfied, neutral or satisfied.")]
     question_needed: Annotated[
-        Optional[bool],
+        bool | None,
         doc("When the follow-up answers a clarifying question: whether the question was needed (false = unneeded)."),
     ] = None
 
@@ -126,7 +128,7 @@ EVENT_TYPES: tuple[type[EventBase], ...] = (
     Latency,
     TrajectoryEnded,
 )
-Event = Union[
+Event = Union[  # noqa: UP007 - a runtime alias msgspec decodes as a tagged union
     TrajectoryStarted,
     ToolCall,
     EditProposed,
@@ -138,18 +140,20 @@ Event = Union[
     Latency,
     TrajectoryEnded,
 ]
-EVENT_BY_TYPE: dict[str, type[EventBase]] = {c.__struct_config__.tag: c for c in EVENT_TYPES}
+EVENT_BY_TYPE: dict[str, type[EventBase]] = {cast(str, c.__struct_config__.tag): c for c in EVENT_TYPES}
 
 
 def event_type(event: EventBase) -> str:
     """The ``type`` tag of an event."""
-    return event.__struct_config__.tag
+    return cast(str, event.__struct_config__.tag)  # every event type sets a str tag
 
 
 # ---------------------------------------------------------------- rollouts (topic rtrl.rollouts)
 
 
-class Rollout(msgspec.Struct, **_STRICT):
+# _STRICT spelled out: type checkers must see kw_only=True, or group_size's default before the
+# required fields below reads as an error
+class Rollout(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True, gc=False):
     """One sampled completion with what the trainer needs to learn from it."""
 
     trajectory_id: Annotated[Id, doc("Trajectory this completion served; joins with its reward.")]
@@ -164,7 +168,9 @@ class Rollout(msgspec.Struct, **_STRICT):
     prompt_ids: Annotated[list[Int32], doc("Prompt token ids.")]
     completion_ids: Annotated[list[Int32], doc("Completion token ids sampled by the policy.")]
     behaviour_logprobs: Annotated[list[Float32], doc("Log-prob of each completion token under the sampling policy.")]
-    loss_mask: Annotated[list[UInt8], doc("1 for completion tokens that are trained on, 0 otherwise (e.g. tool output).")]
+    loss_mask: Annotated[
+        list[UInt8], doc("1 for completion tokens that are trained on, 0 otherwise (e.g. tool output).")
+    ]
     created_at: Annotated[Millis, doc("When the completion was sampled, ms since epoch.")]
 
     def __post_init__(self) -> None:
@@ -239,7 +245,7 @@ class Checkpoint(msgspec.Struct, **_STRICT):
     """A trained policy version and what the eval gate decided about it."""
 
     version: Annotated[Version, doc("Policy version number; each checkpoint gets the next one.")]
-    parent: Annotated[Optional[Version], doc("Version it was trained from; null for the initial policy.")]
+    parent: Annotated[Version | None, doc("Version it was trained from; null for the initial policy.")]
     created_at: Annotated[Millis, doc("When this status was recorded, ms since epoch.")]
     steps: Annotated[UInt64, doc("Optimizer steps taken since the parent.")]
     samples: Annotated[UInt64, doc("Samples trained on since the parent.")]
@@ -247,7 +253,9 @@ class Checkpoint(msgspec.Struct, **_STRICT):
     eval_results: Annotated[dict[Label, float], doc("Eval suite and behaviour metrics by name.")]
     status: Annotated[CheckpointStatus, doc("candidate, promoted, rejected or rolled_back.")]
     reason: Annotated[Annotated[str, Meta(max_length=4096)], doc("Why the gate promoted, rejected or rolled it back.")]
-    kafka_offsets: Annotated[dict[Label, Int64], doc("Next offset to consume per 'topic/partition' at this checkpoint.")]
+    kafka_offsets: Annotated[
+        dict[Label, Int64], doc("Next offset to consume per 'topic/partition' at this checkpoint.")
+    ]
     path: Annotated[Annotated[str, Meta(max_length=4096)], doc("Where the checkpoint's files are stored.")]
 
 
@@ -257,11 +265,16 @@ class Checkpoint(msgspec.Struct, **_STRICT):
 class DeadLetter(msgspec.Struct, **_STRICT):
     """Input that failed validation, kept with the reason instead of being dropped."""
 
-    kind: Annotated[DeadLetterKind, doc("Class of problem: malformed, invalid, unknown_type, oversize, duplicate, too_late, never_started, future.")]
+    kind: Annotated[
+        DeadLetterKind,
+        doc(
+            "Class of problem: malformed, invalid, unknown_type, oversize, duplicate, too_late, never_started, future."
+        ),
+    ]
     source: Annotated[Label, doc("Topic (or component) the input came from.")]
     partition: Annotated[Int32, doc("Source partition, -1 when not from Kafka.")]
     offset: Annotated[Int64, doc("Source offset, -1 when not from Kafka.")]
-    key: Annotated[Optional[str], doc("Kafka key of the input, if any (decoded leniently).")]
+    key: Annotated[str | None, doc("Kafka key of the input, if any (decoded leniently).")]
     field: Annotated[str, doc("Path of the offending field ($ for the whole input).")]
     reason: Annotated[str, doc("Why the input was rejected.")]
     payload: Annotated[str, doc("The input as received (decoded leniently, truncated to 4 KiB).")]
@@ -293,8 +306,8 @@ class TrajectorySummary(msgspec.Struct, **_STRICT):
     persisted_fraction_sum: Annotated[float, doc("Sum of the checked edits' surviving fractions.")]
     followups: Annotated[UInt32, doc("Follow-up messages (answers to questions excluded).")]
     dissatisfied_followups: Annotated[UInt32, doc("Follow-ups classified dissatisfied.")]
-    latency_ms: Annotated[Optional[float], doc("Worst total response latency reported, ms.")]
-    ttft_ms: Annotated[Optional[float], doc("Worst time to first token reported, ms.")]
+    latency_ms: Annotated[float | None, doc("Worst total response latency reported, ms.")]
+    ttft_ms: Annotated[float | None, doc("Worst time to first token reported, ms.")]
     first_event_ts: Annotated[Millis, doc("Event time of the earliest event.")]
     last_event_ts: Annotated[Millis, doc("Event time of the latest event.")]
 
@@ -317,9 +330,13 @@ class TrainStep(msgspec.Struct, **_STRICT):
     on_policy_fraction: Annotated[float, doc("Share of trained tokens whose sample had policy lag 0.")]
     lag_histogram: Annotated[dict[Label, UInt32], doc("Samples per policy lag ('0', '1', ...).")]
     tokens_per_s: Annotated[float, doc("Trained tokens per second of the step (input wait included).")]
-    batch_ids: Annotated[list[Id], doc("Micro-batches this step trained on (any sample within the policy lag), in order.")]
+    batch_ids: Annotated[
+        list[Id], doc("Micro-batches this step trained on (any sample within the policy lag), in order.")
+    ]
     at: Annotated[Millis, doc("When the step finished, ms since epoch.")]
-    sample_ids: Annotated[list[Id], doc("Samples trained in this step: within the policy lag, repeats of trained ones left out.")] = []
+    sample_ids: Annotated[
+        list[Id], doc("Samples trained in this step: within the policy lag, repeats of trained ones left out.")
+    ] = []
 
 
 # ---------------------------------------------------------------- batch flow counters (table batch_stats)
@@ -337,5 +354,14 @@ class BatchStats(msgspec.Struct, **_STRICT):
     clock: Annotated[Millis, doc("The cohort's event-time clock when the row was written.")]
 
 
-RECORDS: tuple[type, ...] = (EventBase, Rollout, Reward, MicroBatch, Checkpoint, DeadLetter, TrajectorySummary, TrainStep,
-                             BatchStats)
+RECORDS: tuple[type, ...] = (
+    EventBase,
+    Rollout,
+    Reward,
+    MicroBatch,
+    Checkpoint,
+    DeadLetter,
+    TrajectorySummary,
+    TrainStep,
+    BatchStats,
+)

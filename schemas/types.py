@@ -86,7 +86,7 @@ def _physical(tp: Any) -> tuple[pa.DataType, str, bool]:
             raise TypeError(f"only Optional[X] unions are storable, not {tp}")
         arrow, ch, _ = _physical(args[0])
         if ch.startswith("LowCardinality("):
-            ch = f"LowCardinality(Nullable({ch[len('LowCardinality('):-1]}))"
+            ch = f"LowCardinality(Nullable({ch[len('LowCardinality(') : -1]}))"
         else:
             ch = f"Nullable({ch})"
         return arrow, ch, True
@@ -113,7 +113,7 @@ def _physical(tp: Any) -> tuple[pa.DataType, str, bool]:
 
 def _fields(cls: type) -> list[tuple[str, Any]]:
     hints = typing.get_type_hints(cls, include_extras=True)
-    return [(name, hints[name]) for name in cls.__struct_fields__]
+    return [(name, hints[name]) for name in cls.__struct_fields__]  # type: ignore[attr-defined]  # msgspec Struct class
 
 
 def field_docs(cls: type) -> dict[str, str | None]:
@@ -124,7 +124,7 @@ def field_docs(cls: type) -> dict[str, str | None]:
 def _column(name: str, tp: Any, force_nullable: bool = False) -> Column:
     arrow, ch, nullable = _physical(tp)
     if force_nullable and not nullable:
-        arrow, ch, nullable = _physical(typing.Optional[tp])
+        arrow, ch, nullable = _physical(typing.Optional[tp])  # noqa: UP045 - built at run time
     return Column(name, arrow, ch, nullable, _strip(tp)[2] or "")
 
 
@@ -160,21 +160,31 @@ def to_arrow(records: list, cls: type) -> pa.Table:
     if not records:
         return schema.empty_table()
     if not (cls is EventBase or cls is Event):
-        return _table(schema, columns(cls), cls.__struct_fields__, records, None)
+        return _table(schema, columns(cls), cls.__struct_fields__, records, None)  # type: ignore[attr-defined]  # a Struct
     groups: dict[type, list[int]] = {}
     for i, r in enumerate(records):
         groups.setdefault(type(r), []).append(i)
     if len(groups) == 1:
         et = next(iter(groups))
-        return _table(schema, columns(cls), et.__struct_fields__, records, _TAGS[et])
+        return _table(schema, columns(cls), et.__struct_fields__, records, _TAGS[et])  # type: ignore[attr-defined]  # an event
     parts, order = [], []
     for et, idx in groups.items():
-        parts.append(_table(schema, columns(cls), et.__struct_fields__, [records[i] for i in idx], _TAGS[et]))
+        parts.append(
+            _table(
+                schema,
+                columns(cls),
+                et.__struct_fields__,  # type: ignore[attr-defined]  # an event Struct
+                [records[i] for i in idx],
+                _TAGS[et],
+            )
+        )
         order += idx
     return pa.concat_tables(parts).take(pa.array(np.argsort(np.asarray(order)), pa.int64()))
 
 
-def _table(schema: pa.Schema, cols: tuple[Column, ...], fields: tuple[str, ...], records: list, tag: str | None) -> pa.Table:
+def _table(
+    schema: pa.Schema, cols: tuple[Column, ...], fields: tuple[str, ...], records: list, tag: str | None
+) -> pa.Table:
     n = len(records)
     data = dict(zip(fields, zip(*map(msgspec.structs.astuple, records))))
     arrays = []
@@ -188,7 +198,9 @@ def _table(schema: pa.Schema, cols: tuple[Column, ...], fields: tuple[str, ...],
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
-_TAGS = {et: et.__struct_config__.tag for et in EVENT_TYPES}
+_TAGS: dict[type, str] = {
+    et: typing.cast(str, et.__struct_config__.tag) for et in EVENT_TYPES
+}  # every event sets a str tag
 
 
 def from_arrow(table: pa.Table, cls: type) -> list:
@@ -208,7 +220,7 @@ def from_arrow(table: pa.Table, cls: type) -> list:
         allowed = {et.__struct_config__.tag: set(et.__struct_fields__) | {"type"} for et in EVENT_TYPES}
         rows = [{k: v for k, v in r.items() if k in allowed.get(r["type"], r)} for r in rows]
         return msgspec.convert(rows, list[Event])
-    return msgspec.convert(rows, list[cls])
+    return msgspec.convert(rows, list[cls])  # type: ignore[valid-type]  # cls is a runtime record class
 
 
 def normalized(t: pa.DataType) -> str:

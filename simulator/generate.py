@@ -18,8 +18,9 @@ import math
 import random
 import uuid
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from rtrl.settings import SimulatorSettings
 from schemas.records import (
@@ -110,7 +111,11 @@ class _Trajectory:
         self.rng = rng
         self.t = start_ms
         self.env: dict[str, Any] = dict(
-            trajectory_id=_uuid(rng), org_id=user.org_id, user_hash=user.user_hash, policy_version=policy_version, arm=arm
+            trajectory_id=_uuid(rng),
+            org_id=user.org_id,
+            user_hash=user.user_hash,
+            policy_version=policy_version,
+            arm=arm,
         )
         self.events: list[Event] = []
         self.checks: list[Event] = []
@@ -140,7 +145,9 @@ class _Trajectory:
         return broken
 
 
-def _edits(tr: _Trajectory, profile: PolicyProfile, user: User, quality: float, p_broken: float, late_rate: float) -> list[float]:
+def _edits(
+    tr: _Trajectory, profile: PolicyProfile, user: User, quality: float, p_broken: float, late_rate: float
+) -> list[float]:
     """Propose one or more edits; returns per-edit outcome (persisted fraction, 0 if rejected)."""
     rng = tr.rng
     outcomes: list[float] = []
@@ -211,7 +218,9 @@ def _simulate(tr: _Trajectory, user: User, org: Org, profile: PolicyProfile, lat
     tr.emit(TrajectoryEnded, _lognormal(rng, 5000.0, 0.6), status=status or "completed")
 
 
-def _deliver(rng: random.Random, events: list[Event], checks: list[Event], settings: SimulatorSettings) -> list[Emission]:
+def _deliver(
+    rng: random.Random, events: list[Event], checks: list[Event], settings: SimulatorSettings
+) -> list[Emission]:
     """Send times: jitter, overtaking (reorder), client retries (duplicates)."""
 
     def delay() -> int:

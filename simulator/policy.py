@@ -59,8 +59,9 @@ def greedy(model, tasks: list[Task]) -> list[list[int]]:
     return seqs[:, PROMPT_LEN:].tolist()
 
 
-def warm_start(model, tasks: list[Task], steps: int = 150, seed: int = 0, lr: float = 3e-3,
-               right_easy: float | None = None) -> float:
+def warm_start(
+    model, tasks: list[Task], steps: int = 150, seed: int = 0, lr: float = 3e-3, right_easy: float | None = None
+) -> float:
     """Supervised steps on warm-start completions for ``tasks`` (``right_easy``: see
     :func:`simulator.tasks.warm_start_completion`); returns the last loss."""
     rng = random.Random(seed)
@@ -69,11 +70,13 @@ def warm_start(model, tasks: list[Task], steps: int = 150, seed: int = 0, lr: fl
     loss = torch.tensor(0.0)
     for _ in range(steps):
         batch = [rng.choice(tasks) for _ in range(64)]
-        seqs = torch.tensor([t.prompt + warm_start_completion(rng, t, right_easy=right_easy) for t in batch], dtype=torch.long)
+        seqs = torch.tensor(
+            [t.prompt + warm_start_completion(rng, t, right_easy=right_easy) for t in batch], dtype=torch.long
+        )
         logits = _logits(model, seqs[:, :-1])
         target = seqs[:, 1:]
         lp = torch.log_softmax(logits, dim=-1).gather(2, target[..., None])[..., 0]
-        loss = -lp[:, PROMPT_LEN - 1:].mean()  # the completion tokens only
+        loss = -lp[:, PROMPT_LEN - 1 :].mean()  # the completion tokens only
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -14,8 +14,8 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from client.hashing import hash_user  # noqa: F401  (re-exported for simulator users)
 

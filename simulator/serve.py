@@ -36,17 +36,28 @@ class Served:
 
 
 class PolicyServer:
-    def __init__(self, bootstrap: str, prefix: str, client: RtrlClient, model, orgs: list[str], seed: int = 0,
-                 hard_share: float = 0.5, compression: str = "zstd", candidate_model=None):
+    def __init__(
+        self,
+        bootstrap: str,
+        prefix: str,
+        client: RtrlClient,
+        model,
+        orgs: list[str],
+        seed: int = 0,
+        hard_share: float = 0.5,
+        compression: str = "zstd",
+        candidate_model=None,
+    ):
         self.client, self.model, self.orgs, self.hard_share = client, model, orgs, hard_share
         self.candidate_model = candidate_model  # A/B mode: where an announced candidate is loaded
         self.rollouts_topic = prefix + "rollouts"
         self.producer = Producer(producer_config(bootstrap, compression))
-        self.deployments = Consumer(base_config(bootstrap) | {"group.id": f"policy-server-{uuid.uuid4().hex[:8]}",
-                                                              "enable.auto.commit": False})
+        self.deployments = Consumer(
+            base_config(bootstrap) | {"group.id": f"policy-server-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False}
+        )
         self.deployments.assign([TopicPartition(prefix + "deployments", 0, 0)])
-        self.codec = JsonCodec(Checkpoint)
-        self.rollout_codec = JsonCodec(Rollout)
+        self.codec: JsonCodec[Checkpoint] = JsonCodec(Checkpoint)
+        self.rollout_codec: JsonCodec[Rollout] = JsonCodec(Rollout)
         self.rng = random.Random(seed)
         self.generator = torch.Generator().manual_seed(seed)
         self.version: int | None = None
@@ -99,6 +110,8 @@ class PolicyServer:
 
     def served_by(self, version: int | None) -> int:
         """Completions the control arm of ``version`` has served so far."""
+        if version is None:  # nothing served yet
+            return 0
         t = self.totals.get((version, "control"))
         return 0 if t is None else t.trajectories
 
@@ -115,7 +128,11 @@ class PolicyServer:
         for arm, batch in arms.items():
             if not batch:
                 continue
-            version, model = (self.version, self.model) if arm == "control" else self.candidate
+            if arm == "control":
+                version, model = self.version, self.model
+            else:
+                assert self.candidate is not None  # the candidate arm gets tasks only while there is one
+                version, model = self.candidate
             served[arm] = self._serve(batch, group_size, version, model, arm)
             total = self.totals.setdefault((version, arm), Served())
             for k in vars(total):
@@ -129,13 +146,29 @@ class PolicyServer:
         now = time.time_ns() // 1_000_000
         for i in range(0, len(batch), group_size):
             group_id = uuid.uuid4().hex
-            for task, comp, lp in zip(batch[i:i + group_size], comps[i:i + group_size], lps[i:i + group_size]):
+            for task, comp, lp in zip(batch[i : i + group_size], comps[i : i + group_size], lps[i : i + group_size]):
                 o = outcome(task, comp)
-                traj = self.client.start_trajectory(org_id=task.org_id, user_id=f"{task.org_id}-user-{self.rng.randrange(20)}",
-                                                    task_kind=task.kind, policy_version=version, arm=arm, ts=now)
-                ro = Rollout(trajectory_id=traj.trajectory_id, policy_version=version, group_id=group_id,
-                             group_size=group_size, org_id=task.org_id, task_kind=task.kind, prompt_ids=task.prompt,
-                             completion_ids=comp, behaviour_logprobs=lp, loss_mask=[1] * len(comp), created_at=now)
+                traj = self.client.start_trajectory(
+                    org_id=task.org_id,
+                    user_id=f"{task.org_id}-user-{self.rng.randrange(20)}",
+                    task_kind=task.kind,
+                    policy_version=version,
+                    arm=arm,
+                    ts=now,
+                )
+                ro = Rollout(
+                    trajectory_id=traj.trajectory_id,
+                    policy_version=version,
+                    group_id=group_id,
+                    group_size=group_size,
+                    org_id=task.org_id,
+                    task_kind=task.kind,
+                    prompt_ids=task.prompt,
+                    completion_ids=comp,
+                    behaviour_logprobs=lp,
+                    loss_mask=[1] * len(comp),
+                    created_at=now,
+                )
                 self._produce(ro)
                 react(traj, task, o, self.rng, now)
                 out.trajectories += 1
@@ -144,8 +177,17 @@ class PolicyServer:
                 out.asked += o.asked
         return out
 
-    def run(self, stop, load, rate: float, group_size: int, burst_s: float = 0.1,
-            candidate_share: float = 0.0, quota: int | None = None, trickle_s: float = 2.0) -> None:
+    def run(
+        self,
+        stop,
+        load,
+        rate: float,
+        group_size: int,
+        burst_s: float = 0.1,
+        candidate_share: float = 0.0,
+        quota: int | None = None,
+        trickle_s: float = 2.0,
+    ) -> None:
         """Serve continuously until ``stop`` is set: ``rate`` tasks per second in bursts of ``burst_s``,
         switching to each new promotion as it is announced (continuous traffic keeps every
         partition's event-time clock moving, so reward windows close). Once this version has served
@@ -163,7 +205,9 @@ class PolicyServer:
             stop.wait(max(0.0, burst_s - (time.monotonic() - t)))
 
     def _produce(self, ro: Rollout) -> None:
-        produce(self.producer, self.rollouts_topic, self.rollout_codec.encode(ro), ro.trajectory_id.encode(), poll_s=0.1)
+        produce(
+            self.producer, self.rollouts_topic, self.rollout_codec.encode(ro), ro.trajectory_id.encode(), poll_s=0.1
+        )
 
     def close(self) -> None:
         self.producer.flush(30)

@@ -70,9 +70,17 @@ class Outcome:
         return self.tool is None
 
 
-def sample_task(rng: random.Random, org_id: str, hard_share: float = 0.5, kinds: tuple[str, ...] = tuple(KINDS)) -> Task:
-    return Task(task_id=f"{rng.getrandbits(48):012x}", org_id=org_id, kind=rng.choice(kinds),
-                level="hard" if rng.random() < hard_share else "easy", a=rng.randrange(10), b=rng.randrange(10))
+def sample_task(
+    rng: random.Random, org_id: str, hard_share: float = 0.5, kinds: tuple[str, ...] = tuple(KINDS)
+) -> Task:
+    return Task(
+        task_id=f"{rng.getrandbits(48):012x}",
+        org_id=org_id,
+        kind=rng.choice(kinds),
+        level="hard" if rng.random() < hard_share else "easy",
+        a=rng.randrange(10),
+        b=rng.randrange(10),
+    )
 
 
 def held_out(n: int = 200, seed: int = 7) -> list[Task]:
@@ -86,8 +94,9 @@ def outcome(task: Task, completion: list[int]) -> Outcome:
         raise ValueError(f"a completion has {COMPLETION_LEN} tokens, got {len(completion)}")
     tool_tok, edit_tok = completion
     edit = edit_tok - DIGIT0 if DIGIT0 <= edit_tok < DIGIT0 + 10 else None
-    return Outcome(tool=TOOLS.get(tool_tok), edit=edit, asked=edit_tok == ASK,
-                   correct=edit is not None and edit == task.answer)
+    return Outcome(
+        tool=TOOLS.get(tool_tok), edit=edit, asked=edit_tok == ASK, correct=edit is not None and edit == task.answer
+    )
 
 
 def score(tasks: list[Task], completions: list[list[int]]) -> dict[str, float]:
@@ -104,8 +113,14 @@ def score(tasks: list[Task], completions: list[list[int]]) -> dict[str, float]:
     }
 
 
-def warm_start_completion(rng: random.Random, task: Task, broken: float = 0.1, ask: float = 0.1,
-                          right: float = 0.35, right_easy: float | None = None) -> list[int]:
+def warm_start_completion(
+    rng: random.Random,
+    task: Task,
+    broken: float = 0.1,
+    ask: float = 0.1,
+    right: float = 0.35,
+    right_easy: float | None = None,
+) -> list[int]:
     """A completion from the behaviour the initial policy is warm-started to imitate: mostly valid
     calls, some broken ones, some questions, edits right only a little more often than chance
     (``right``; ``right_easy`` for easy tasks when given: a policy that already handles them)."""
@@ -126,8 +141,12 @@ def react(trajectory, task: Task, out: Outcome, rng: random.Random, t0_ms: int) 
     """Record the user's side of one trajectory through the SDK (``client.sdk.Trajectory``),
     with event times from ``t0_ms``: tool call, edit or question, follow-up, latency, end."""
     t = t0_ms
-    trajectory.tool_call(out.tool or "malformed", valid=not out.broken,
-                         error=None if not out.broken else "malformed tool call arguments", ts=t + 50)
+    trajectory.tool_call(
+        out.tool or "malformed",
+        valid=not out.broken,
+        error=None if not out.broken else "malformed tool call arguments",
+        ts=t + 50,
+    )
     if out.edit is not None:
         edit_id = trajectory.edit_proposed(lines=1 + task.b, ts=t + 100)
         if out.correct:

@@ -51,10 +51,28 @@ LAYERS = {
 DEV = "devservices"
 DEV_MAY_IMPORT = {"schemas", "rtrl"}
 DEV_IMPORTERS = {"app.services"}
-PURE = ["flows.windowing", "flows.batching", "flows.processor", "rewards", "trainer.loss", "trainer.dedup",
-        "monitors.alerts", "evalgate"]
-IO_LIBS = {"confluent_kafka", "clickhouse_connect", "chdb", "socket", "subprocess", "requests", "urllib",
-           "http", "bytewax", "noida_db"}
+PURE = [
+    "flows.windowing",
+    "flows.batching",
+    "flows.processor",
+    "rewards",
+    "trainer.loss",
+    "trainer.dedup",
+    "monitors.alerts",
+    "evalgate",
+]
+IO_LIBS = {
+    "confluent_kafka",
+    "clickhouse_connect",
+    "chdb",
+    "socket",
+    "subprocess",
+    "requests",
+    "urllib",
+    "http",
+    "bytewax",
+    "noida_db",
+}
 PACKAGES = ORDER + [DEV]
 
 
@@ -115,8 +133,10 @@ def test_imports_follow_the_order():
     rank = {p: i for i, p in enumerate(ORDER)}
     wrong = [
         f"{src} imports {dst} ({', '.join(where)})"
-        for src, dsts in _edges().items() if src in rank
-        for dst, where in dsts.items() if dst in rank and rank[dst] > rank[src]
+        for src, dsts in _edges().items()
+        if src in rank
+        for dst, where in dsts.items()
+        if dst in rank and rank[dst] > rank[src]
     ]
     assert not wrong, "imports against the order (a lower floor may not import a higher one):\n" + "\n".join(wrong)
 
@@ -145,8 +165,7 @@ def test_dev_services_stay_apart():
     for module, path in MODULES.items():
         if module.split(".")[0] == DEV or module in DEV_IMPORTERS:
             continue
-        bad += [f"{module}:{line} imports {name}" for name, line in _imports(module, path)
-                if name.split(".")[0] == DEV]
+        bad += [f"{module}:{line} imports {name}" for name, line in _imports(module, path) if name.split(".")[0] == DEV]
     assert not bad, "dev-only services reached from production code:\n" + "\n".join(bad)
 
 
@@ -154,15 +173,19 @@ def test_dev_services_stay_apart():
 def test_pure_modules_do_no_io(pure):
     mods = {m: p for m, p in MODULES.items() if m == pure or m.startswith(pure + ".")}
     assert mods, f"{pure} not found"
-    bad = [f"{m}:{line} imports {name}" for m, p in mods.items() for name, line in _imports(m, p)
-           if name.split(".")[0] in IO_LIBS]
+    bad = [
+        f"{m}:{line} imports {name}"
+        for m, p in mods.items()
+        for name, line in _imports(m, p)
+        if name.split(".")[0] in IO_LIBS
+    ]
     assert not bad, "pure logic must stay free of I/O:\n" + "\n".join(bad)
 
 
 def test_readme_shows_the_same_order():
     """The README's architecture section names the layers top-down with their packages, in this order."""
     text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Architecture"):]
+    section = text[text.index("## Architecture") :]
     section = section[: section.index("\n## ", 4)]
     positions = []
     for layer, pkgs in reversed(list(LAYERS.items())):

@@ -17,20 +17,60 @@ from flows.batching import (
 from schemas.records import Reward, Rollout
 
 
-def ro(tid: str, group: str = "g", size: int = 1, version: int = 1, prompt: int = 2, completion: int = 3,
-       at: int = 1000, org: str = "o", kind: str = "bugfix") -> Rollout:
-    return Rollout(trajectory_id=tid, policy_version=version, group_id=group, group_size=size, org_id=org,
-                   task_kind=kind, prompt_ids=list(range(1, prompt + 1)),
-                   completion_ids=list(range(10, 10 + completion)), behaviour_logprobs=[-0.5] * completion,
-                   loss_mask=[1] * completion, created_at=at)
+def ro(
+    tid: str,
+    group: str = "g",
+    size: int = 1,
+    version: int = 1,
+    prompt: int = 2,
+    completion: int = 3,
+    at: int = 1000,
+    org: str = "o",
+    kind: str = "bugfix",
+) -> Rollout:
+    return Rollout(
+        trajectory_id=tid,
+        policy_version=version,
+        group_id=group,
+        group_size=size,
+        org_id=org,
+        task_kind=kind,
+        prompt_ids=list(range(1, prompt + 1)),
+        completion_ids=list(range(10, 10 + completion)),
+        behaviour_logprobs=[-0.5] * completion,
+        loss_mask=[1] * completion,
+        created_at=at,
+    )
 
 
-def rw(tid: str, reward: float, at: int = 1000, version: str = "v2", revision: int = 0, policy: int = 1,
-       org: str = "o", kind: str = "bugfix") -> Reward:
-    return Reward(trajectory_id=tid, policy_version=policy, reward_version=version, revision=revision, reward=reward,
-                  components={"total": reward}, flags=[], close_reason="ended", org_id=org, arm="control",
-                  task_kind=kind, n_events=3, event_counts={"tool_call": 1}, first_event_ts=at - 10,
-                  last_event_ts=at, emitted_at=at)
+def rw(
+    tid: str,
+    reward: float,
+    at: int = 1000,
+    version: str = "v2",
+    revision: int = 0,
+    policy: int = 1,
+    org: str = "o",
+    kind: str = "bugfix",
+) -> Reward:
+    return Reward(
+        trajectory_id=tid,
+        policy_version=policy,
+        reward_version=version,
+        revision=revision,
+        reward=reward,
+        components={"total": reward},
+        flags=[],
+        close_reason="ended",
+        org_id=org,
+        arm="control",
+        task_kind=kind,
+        n_events=3,
+        event_counts={"tool_call": 1},
+        first_event_ts=at - 10,
+        last_event_ts=at,
+        emitted_at=at,
+    )
 
 
 def test_group_advantages_are_reward_minus_group_mean():
@@ -39,9 +79,11 @@ def test_group_advantages_are_reward_minus_group_mean():
 
 
 def test_pack_lays_out_prompt_completion_and_padding():
-    a, b, c = (Sample(ro("a", prompt=2, completion=3), 1.0, 0, advantage=0.5),
-               Sample(ro("b", prompt=1, completion=4), 0.0, 0, advantage=-0.5),
-               Sample(ro("c", prompt=2, completion=2), 0.0, 0, advantage=0.25))
+    a, b, c = (
+        Sample(ro("a", prompt=2, completion=3), 1.0, 0, advantage=0.5),
+        Sample(ro("b", prompt=1, completion=4), 0.0, 0, advantage=-0.5),
+        Sample(ro("c", prompt=2, completion=2), 0.0, 0, advantage=0.25),
+    )
     mb = pack([a, b, c], seq_len=10, created_at=7)
     # first fit: a (5) + b (5) fill row 0; c (4) opens row 1
     assert mb.token_ids == [[1, 2, 10, 11, 12, 1, 10, 11, 12, 13], [1, 2, 10, 11, 0, 0, 0, 0, 0, 0]]
@@ -139,8 +181,20 @@ def streams(draw):
         for i in range(size):
             tid = f"g{g}-{i}"
             t += draw(st.integers(0, 50))
-            items.append(("rollout", ro(tid, group=f"g{g}", size=size, version=draw(st.integers(0, 3)),
-                                        prompt=draw(st.integers(1, 6)), completion=draw(st.integers(1, 10)), at=t)))
+            items.append(
+                (
+                    "rollout",
+                    ro(
+                        tid,
+                        group=f"g{g}",
+                        size=size,
+                        version=draw(st.integers(0, 3)),
+                        prompt=draw(st.integers(1, 6)),
+                        completion=draw(st.integers(1, 10)),
+                        at=t,
+                    ),
+                )
+            )
             if draw(st.booleans()) or draw(st.booleans()):
                 items.append(("reward", rw(tid, draw(st.floats(-2, 2)), at=t + draw(st.integers(0, 30)))))
     order = draw(st.permutations(range(len(items))))
@@ -168,6 +222,7 @@ def test_every_accepted_sample_is_packed_exactly_once(items, seq_len, rows):
     assert all(3 - rollouts[s].policy_version <= 2 for s in packed)
     for b in batches:
         assert 1 <= len(b.token_ids) <= rows and rows_needed(
-            [len(rollouts[s].prompt_ids) + len(rollouts[s].completion_ids) for s in b.sample_ids], seq_len) == len(b.token_ids)
+            [len(rollouts[s].prompt_ids) + len(rollouts[s].completion_ids) for s in b.sample_ids], seq_len
+        ) == len(b.token_ids)
         assert sum(map(sum, b.loss_mask)) == sum(sum(rollouts[s].loss_mask) for s in b.sample_ids)
     assert _run(items, cfg)[1] == batches  # deterministic: same input, same batches and ids

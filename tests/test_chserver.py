@@ -13,15 +13,28 @@ import urllib.request
 import clickhouse_connect
 import pytest
 
-from rtrl import clickhouse
 from devservices.chserver import spawn
+from rtrl import clickhouse
 from schemas.records import TrainStep
 
 
 def step(run_id: str, n: int) -> TrainStep:
-    return TrainStep(run_id=run_id, step=n, policy_version=0, loss=0.5 * n, pg_loss=0.1, kl=0.01, clip_fraction=0.0,
-                     is_truncated_fraction=0.0, tokens=10 * n, on_policy_fraction=1.0, lag_histogram={"0": n},
-                     tokens_per_s=1.0, batch_ids=[f"b{n}", f"c{n}"], at=n)
+    return TrainStep(
+        run_id=run_id,
+        step=n,
+        policy_version=0,
+        loss=0.5 * n,
+        pg_loss=0.1,
+        kl=0.01,
+        clip_fraction=0.0,
+        is_truncated_fraction=0.0,
+        tokens=10 * n,
+        on_policy_fraction=1.0,
+        lag_histogram={"0": n},
+        tokens_per_s=1.0,
+        batch_ids=[f"b{n}", f"c{n}"],
+        at=n,
+    )
 
 
 @pytest.fixture
@@ -38,8 +51,10 @@ def test_records_round_trip_through_the_http_protocol(server):
     steps = [step("r", n) for n in range(1, 51)]
     assert clickhouse.insert(ch, "rtrl", "train_metrics", steps) == 50
     assert clickhouse.select(ch, "rtrl", "train_metrics", "ORDER BY step") == steps
-    got = ch.query("SELECT sum(tokens) FROM rtrl.train_metrics WHERE run_id = {r:String} AND step > {n:UInt32}",
-                   parameters={"r": "r", "n": 40}).result_rows
+    got = ch.query(
+        "SELECT sum(tokens) FROM rtrl.train_metrics WHERE run_id = {r:String} AND step > {n:UInt32}",
+        parameters={"r": "r", "n": 40},
+    ).result_rows
     assert got == [(sum(10 * n for n in range(41, 51)),)]
     ch.command("DELETE FROM rtrl.train_metrics WHERE step > 10")
     assert ch.query("SELECT count() FROM rtrl.train_metrics").result_rows == [(10,)]
@@ -83,8 +98,9 @@ def test_several_writer_processes_at_once(server):
     """)
     procs = [subprocess.Popen([sys.executable, "-c", code, f"writer{w}"], cwd=os.getcwd()) for w in range(3)]
     assert [p.wait(120) for p in procs] == [0, 0, 0]
-    rows = ch.query("SELECT run_id, count(), uniqExact(step) FROM rtrl.train_metrics FINAL GROUP BY run_id "
-                    "ORDER BY run_id").result_rows
+    rows = ch.query(
+        "SELECT run_id, count(), uniqExact(step) FROM rtrl.train_metrics FINAL GROUP BY run_id ORDER BY run_id"
+    ).result_rows
     assert rows == [(f"writer{w}", 200, 200) for w in range(3)]
 
 

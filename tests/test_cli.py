@@ -23,8 +23,11 @@ def test_main_job_runs_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     delivered = int(re.search(r"; ([\d,]+) delivered, 0 failed, 0 dropped", out)[1].replace(",", ""))
-    flow = re.search(r"reward flow: [\d.]+s; events ([\d,]+), rewards ([\d,]+), trajectories ([\d,]+), "
-                     r"dead_letters ([\d,]+)", out)
+    flow = re.search(
+        r"reward flow: [\d.]+s; events ([\d,]+), rewards ([\d,]+), trajectories ([\d,]+), "
+        r"dead_letters ([\d,]+)",
+        out,
+    )
     events, rewards, trajectories, dead = (int(flow[i].replace(",", "")) for i in range(1, 5))
     assert rewards == trajectories == 300
     assert events + dead == delivered > 0  # every delivered event is stored once or dead-lettered as a duplicate
@@ -45,8 +48,10 @@ def test_config_errors_exit_2_with_the_setting(tmp_path):
 
 def test_unreachable_broker_exits_2_naming_it(tmp_path):
     """Pointing at a broker nobody runs reports its address within kafka.timeout_s."""
-    proc = _run(["topics"], {"RTRL_KAFKA__BOOTSTRAP": "127.0.0.1:9", "RTRL_KAFKA__TIMEOUT_S": "1",
-                             "RTRL_DATA_DIR": str(tmp_path)})
+    proc = _run(
+        ["topics"],
+        {"RTRL_KAFKA__BOOTSTRAP": "127.0.0.1:9", "RTRL_KAFKA__TIMEOUT_S": "1", "RTRL_DATA_DIR": str(tmp_path)},
+    )
     assert proc.returncode == 2
     assert "127.0.0.1:9" in proc.stdout
 

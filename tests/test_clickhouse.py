@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from devservices.broker import free_port
 from rtrl.clickhouse import TABLES, connect, insert, live_columns, migrate, migrations, select, verify
 from rtrl.errors import ConfigError, SchemaMismatch, ServiceUnavailable
-from devservices.broker import free_port
 from schemas.types import arrow_schema, columns, normalized
 from tests.strategies import records
 

@@ -21,12 +21,20 @@ def _gate(candidate, serving, first, rules=RULES, samples=400) -> Decision:
 
 # ---------------------------------------------------------------- decide(): pure
 
+
 def test_defaults_are_the_loops_gate():
     r = GateRules()
-    assert (r.solve_metric, r.solve_tolerance, r.behaviour, r.compare_with_first) == ("solve_rate", 0.03, EVAL_RULES, True)
+    assert (r.solve_metric, r.solve_tolerance, r.behaviour, r.compare_with_first) == (
+        "solve_rate",
+        0.03,
+        EVAL_RULES,
+        True,
+    )
     assert [(a.metric, a.direction, a.threshold, a.floor) for a in EVAL_RULES] == [
-        ("broken_tool_call_rate", "increase", 0.25, 0.03), ("clarify_rate", "increase", 0.5, 0.05),
-        ("edit_rate", "decrease", 0.1, 0.05)]
+        ("broken_tool_call_rate", "increase", 0.25, 0.03),
+        ("clarify_rate", "increase", 0.5, 0.05),
+        ("edit_rate", "decrease", 0.1, 0.05),
+    ]
     assert r.metrics == ("solve_rate", "broken_tool_call_rate", "clarify_rate", "edit_rate")
     with pytest.raises(dataclasses.FrozenInstanceError):
         r.solve_tolerance = 1.0  # type: ignore[misc]
@@ -97,8 +105,12 @@ def test_a_missing_metric_is_a_clear_error(side, metric):
 
 
 def test_reasons_name_the_metric():
-    rules = GateRules(solve_metric="pass_at_1", solve_tolerance=0.0,
-                      behaviour=(AlertRule("lint_errors", "increase", 0.1, floor=1.0, min_samples=10),), summary=())
+    rules = GateRules(
+        solve_metric="pass_at_1",
+        solve_tolerance=0.0,
+        behaviour=(AlertRule("lint_errors", "increase", 0.1, floor=1.0, min_samples=10),),
+        summary=(),
+    )
     base = {"pass_at_1": 0.5, "lint_errors": 2.0}
     d = decide({"pass_at_1": 0.4, "lint_errors": 4.0}, base, base, 10, rules)
     assert not d.promote
@@ -110,6 +122,7 @@ def test_reasons_name_the_metric():
 
 
 # ---------------------------------------------------------------- an injected suite
+
 
 class FixedSuite:
     """A user's benchmark: fixed scores per (dummy) model, 500 completions behind each rate."""
@@ -143,6 +156,7 @@ def test_a_user_supplied_suite_drives_the_gate():
 
 
 # ---------------------------------------------------------------- the loop's default suite
+
 
 def test_held_out_tasks_score_a_real_model_deterministically():
     import torch

@@ -99,8 +99,11 @@ def _reward_input() -> tuple[list[tuple[str, Message]], dict[str, bytes | None],
 
 def _run_reward_flow(items, workers: int) -> tuple[dict, dict]:
     kafka, clickhouse = [], []
-    flow = reward_flow.build_flow(_settings(), sources={"events": TestingSource(items, batch_size=64)},
-                                  sinks={"clickhouse": TestingSink(clickhouse), "kafka": TestingSink(kafka)})
+    flow = reward_flow.build_flow(
+        _settings(),
+        sources={"events": TestingSource(items, batch_size=64)},
+        sinks={"clickhouse": TestingSink(clickhouse), "kafka": TestingSink(kafka)},
+    )
     _run(flow, workers)
     return _decode_outputs(kafka, clickhouse)
 
@@ -120,8 +123,9 @@ def _offline_rewards(items) -> tuple[dict[str, list], int]:
     tables: dict[str, list] = defaultdict(list)
     discarded = 0
     for msgs in by_partition.values():
-        proc = RewardProcessor(settings.topic("events"), reward_flow.window_config(settings), VERSIONS,
-                               settings.sdk.max_event_bytes)
+        proc = RewardProcessor(
+            settings.topic("events"), reward_flow.window_config(settings), VERSIONS, settings.sdk.max_event_bytes
+        )
         out = proc.process(msgs)
         out.extend(proc.finish())
         tables["events"] += out.events
@@ -202,12 +206,21 @@ def test_reward_flow_dead_letters_bad_input_with_its_reason(reward_world, worker
     ids = [msgspec.json.decode(m.value)["event_id"] for _, m in items[: len(items) - len(hostile)]]
     kinds = Counter(d.kind for d in dead)
     assert kinds.pop("duplicate") == len(ids) - len(set(ids))
-    assert kinds == {"malformed": 2, "unknown_type": 1, "invalid": 2, "oversize": 1, "never_started": 1,
-                     "too_late": 1, "future": 1}
+    assert kinds == {
+        "malformed": 2,
+        "unknown_type": 1,
+        "invalid": 2,
+        "oversize": 1,
+        "never_started": 1,
+        "too_late": 1,
+        "future": 1,
+    }
     settings = _settings()
     assert all(d.source == settings.topic("events") for d in dead)
     bad = [d for d in dead if d.kind != "duplicate"]
-    assert sorted(d.offset for d in bad) == list(range(start, start + len(hostile))) and {d.partition for d in bad} == {p0}
+    assert sorted(d.offset for d in bad) == list(range(start, start + len(hostile))) and {d.partition for d in bad} == {
+        p0
+    }
     # a duplicate is reported on its trajectory's partition, keyed by the trajectory
     assert all(d.partition == zlib.crc32(d.key.encode()) % PARTITIONS for d in dead if d.kind == "duplicate")
     reasons = {d.kind: d.field + " " + d.reason for d in dead}
@@ -251,8 +264,12 @@ def _batch_world() -> tuple[list[Rollout], list[Reward], list[Reward]]:
     rewards += [rw(f"n{i}", float(i), policy=2) for i in range(3)]
     rewards += [rw(f"g{g}{s}", 0.5 * g + (1.0 if s == "a" else 0.0), policy=1 + g % 2) for g in range(10) for s in "ab"]
     rewards += [rw("old0", 1.0, policy=0), rw("old1", 0.0, policy=0), rw("solo", 0.75, policy=2)]
-    ignored += [rw("ghost", 1.0), rw("g1a", 0.25, version="v1-discard-broken"), rw("g2a", 2.0, revision=1),
-                rw("g3b", 3.0)]  # unmatched, other version, later revision, duplicate
+    ignored += [
+        rw("ghost", 1.0),
+        rw("g1a", 0.25, version="v1-discard-broken"),
+        rw("g2a", 2.0, revision=1),
+        rw("g3b", 3.0),
+    ]  # unmatched, other version, later revision, duplicate
     # cohort p/test, serving version 5: one group of four, one stale pair (version 3)
     rollouts += [ro(f"p{i}", group="gp", size=4, version=5, org="p", kind="test", **LONG) for i in range(4)]
     rollouts += [ro(f"q{i}", group="gq", size=2, version=3, org="p", kind="test", **LONG) for i in range(2)]
@@ -265,17 +282,23 @@ def _batch_input() -> tuple[list[Message], list[Message]]:
     rollouts, rewards, ignored = _batch_world()
     rc, wc = JsonCodec(Rollout), JsonCodec(Reward)
     ro_values = [(r.trajectory_id.encode(), rc.encode(r)) for r in rollouts] + [(b"x", b"{not json")]
-    rw_values = [(r.trajectory_id.encode(), wc.encode(r)) for r in rewards + ignored] + [(b"y", b'{"trajectory_id": 5}')]
-    return ([Message(k, v, 0, i) for i, (k, v) in enumerate(ro_values)],
-            [Message(k, v, 0, i) for i, (k, v) in enumerate(rw_values)])
+    rw_values = [(r.trajectory_id.encode(), wc.encode(r)) for r in rewards + ignored] + [
+        (b"y", b'{"trajectory_id": 5}')
+    ]
+    return (
+        [Message(k, v, 0, i) for i, (k, v) in enumerate(ro_values)],
+        [Message(k, v, 0, i) for i, (k, v) in enumerate(rw_values)],
+    )
 
 
 def _run_batch_flow(workers: int) -> tuple[dict, dict]:
     ro_msgs, rw_msgs = _batch_input()
     kafka, clickhouse = [], []
-    flow = batch_flow.build_flow(_settings(), sources={"rollouts": TestingSource(ro_msgs, batch_size=8),
-                                                       "rewards": TestingSource(rw_msgs, batch_size=8)},
-                                 sinks={"kafka": TestingSink(kafka), "clickhouse": TestingSink(clickhouse)})
+    flow = batch_flow.build_flow(
+        _settings(),
+        sources={"rollouts": TestingSource(ro_msgs, batch_size=8), "rewards": TestingSource(rw_msgs, batch_size=8)},
+        sinks={"kafka": TestingSink(kafka), "clickhouse": TestingSink(clickhouse)},
+    )
     _run(flow, workers)
     return _decode_outputs(kafka, clickhouse)
 
@@ -295,8 +318,13 @@ def _samples(batches: list[MicroBatch]) -> dict[str, tuple]:
             advs = {b.advantages[r][c] for r, c in cells if b.loss_mask[r][c]}
             assert len(advs) == 1, sid
             assert sid not in out, f"{sid} packed twice"
-            out[sid] = (b.policy_versions[i], advs.pop(), tuple(b.token_ids[r][c] for r, c in cells),
-                        tuple(b.loss_mask[r][c] for r, c in cells), tuple(b.behaviour_logprobs[r][c] for r, c in cells))
+            out[sid] = (
+                b.policy_versions[i],
+                advs.pop(),
+                tuple(b.token_ids[r][c] for r, c in cells),
+                tuple(b.loss_mask[r][c] for r, c in cells),
+                tuple(b.behaviour_logprobs[r][c] for r, c in cells),
+            )
     return out
 
 
@@ -343,8 +371,9 @@ def test_batch_flow_packs_each_fresh_sample_once(batch_runs, workers):
     for sid, (_, _, tokens, mask, _) in got.items():
         assert tokens == tuple(rollouts[sid].prompt_ids + rollouts[sid].completion_ids)
         assert mask == (0,) * 30 + (1,) * 30
-    assert set(got) == {f"n{i}" for i in range(3)} | {f"g{g}{s}" for g in range(10) for s in "ab"} | {
-        "solo"} | {f"p{i}" for i in range(4)}
+    assert set(got) == {f"n{i}" for i in range(3)} | {f"g{g}{s}" for g in range(10) for s in "ab"} | {"solo"} | {
+        f"p{i}" for i in range(4)
+    }
     assert [got[f"n{i}"][1] for i in range(3)] == [-1.0, 0.0, 1.0] and got["solo"][1] == 0.0
     assert [got[f"p{i}"][1] for i in range(4)] == [-1.5, -0.5, 0.0, 2.0]
 
@@ -353,10 +382,18 @@ def test_batch_flow_packs_each_fresh_sample_once(batch_runs, workers):
     for cohort, s in stats.items():
         bb = builders[cohort]
         assert (s.counts, s.lag_accepted, s.lag_dropped) == (
-            dict(bb.counts), {str(k): v for k, v in bb.lag_counts.items()}, {str(k): v for k, v in bb.dropped_lag.items()})
+            dict(bb.counts),
+            {str(k): v for k, v in bb.lag_counts.items()},
+            {str(k): v for k, v in bb.dropped_lag.items()},
+        )
         assert s.samples == sum(1 for sid in got if rollouts[sid].org_id + "/" + rollouts[sid].task_kind == cohort)
-    assert stats["o/bugfix"].counts == {"unmatched_rollout": 1, "unmatched_reward": 1, "other_reward_version": 1,
-                                        "later_revision_or_duplicate": 2, "duplicate_rollout": 1}
+    assert stats["o/bugfix"].counts == {
+        "unmatched_rollout": 1,
+        "unmatched_reward": 1,
+        "other_reward_version": 1,
+        "later_revision_or_duplicate": 2,
+        "duplicate_rollout": 1,
+    }
     assert stats["o/bugfix"].lag_dropped == {"2": 2} and stats["p/test"].lag_dropped == {"2": 2}
     assert sum(s.batches for s in stats.values()) == len(batches)
 
@@ -369,7 +406,8 @@ def test_batch_flow_dead_letters_bad_input(batch_runs, workers):
     dead = [JsonCodec(DeadLetter).decode(v) for _, v in topics[settings.topic("dead_letters")]]
     assert sorted((d.kind, d.source, d.offset) for d in dead) == [
         ("invalid", settings.topic("rewards"), len(_batch_input()[1]) - 1),
-        ("malformed", settings.topic("rollouts"), len(_batch_input()[0]) - 1)]
+        ("malformed", settings.topic("rollouts"), len(_batch_input()[0]) - 1),
+    ]
     assert "trajectory_id" in next(d.field + d.reason for d in dead if d.kind == "invalid")
     assert _canonical(dead) == _canonical(tables["dead_letters"])
 
@@ -380,7 +418,10 @@ def test_batch_flow_two_workers_equal_one(batch_runs):
     settings = _settings()
     batches = {w: [decode_batch(v) for _, v in t[settings.topic("batches")]] for w, t in ((1, t1), (2, t2))}
     assert _samples(batches[1]) == _samples(batches[2])
-    strip = lambda rows: {c: msgspec.structs.replace(s, batches=0) for c, s in _final_stats(rows).items()}
+
+    def strip(rows):
+        return {c: msgspec.structs.replace(s, batches=0) for c, s in _final_stats(rows).items()}
+
     assert strip(c1["batch_stats"]) == strip(c2["batch_stats"])
     assert _canonical(c1["dead_letters"], at=0) == _canonical(c2["dead_letters"], at=0)
 
@@ -392,6 +433,7 @@ def test_injected_flows_touch_no_service(monkeypatch):
     """With sources and sinks given, neither builder builds a Kafka source or sink nor a ClickHouse
     sink (and needs no broker address); without them and without an address it says what to fix;
     a sources/sinks mapping must name exactly the flow's inputs/outputs."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("a service was touched")
 

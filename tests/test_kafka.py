@@ -22,8 +22,14 @@ from schemas.records import Checkpoint, DeadLetter, EventBase, MicroBatch, Rewar
 from schemas.topics import TOPICS, TopicSpec
 from tests.strategies import records
 
-ON_TOPIC = {"events": EventBase, "rollouts": Rollout, "rewards": Reward, "batches": MicroBatch,
-            "deployments": Checkpoint, "dead_letters": DeadLetter}
+ON_TOPIC = {
+    "events": EventBase,
+    "rollouts": Rollout,
+    "rewards": Reward,
+    "batches": MicroBatch,
+    "deployments": Checkpoint,
+    "dead_letters": DeadLetter,
+}
 
 
 def test_local_broker_lifecycle(tmp_path):
@@ -122,8 +128,11 @@ def test_existing_topics_that_differ_are_reported_not_ignored(broker, topic_pref
         assert f"topic {topic_prefix}{name} has 2 partitions, kafka.partitions wants 4; fix: add partitions" in msg
     assert "deployments" not in msg and "dead_letters" not in msg
 
-    with pytest.raises(SchemaMismatch, match="has 2 partitions, kafka.partitions wants 1; fix: set kafka.partitions "
-                                             "to 2.*Kafka can only add partitions"):
+    with pytest.raises(
+        SchemaMismatch,
+        match="has 2 partitions, kafka.partitions wants 1; fix: set kafka.partitions "
+        "to 2.*Kafka can only add partitions",
+    ):
         ensure_topics(broker.bootstrap, topic_prefix, 1)
 
     one = TopicSpec("deployments", "Checkpoint", "version", -1, partitions=3)
@@ -159,8 +168,11 @@ def test_replication_factor_beyond_the_brokers_is_a_clear_error(broker, monkeypa
     broker refuses (INVALID_REPLICATION_FACTOR, e.g. brokers left meanwhile) the same error, carrying the
     broker's words. The topics are asked for with min.insync.replicas set (it is > 1)."""
     prefix = _prefix()
-    with pytest.raises(ConfigError, match=rf"kafka.replication_factor = 3 but the cluster at {broker.bootstrap} "
-                                          r"has 1 broker\(s\).*at most 1"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"kafka.replication_factor = 3 but the cluster at {broker.bootstrap} "
+        r"has 1 broker\(s\).*at most 1",
+    ):
         ensure_topics(broker.bootstrap, prefix, 2, replication_factor=3, min_insync_replicas=2)
     assert not _exists(broker.bootstrap, prefix + "events")
 
@@ -180,8 +192,11 @@ def test_replication_factor_beyond_the_brokers_is_a_clear_error(broker, monkeypa
 
     monkeypatch.setattr(rtrl.kafka, "check_broker", three_brokers)
     monkeypatch.setattr(rtrl.kafka, "AdminClient", SpyAdmin)
-    with pytest.raises(ConfigError, match=r"kafka.replication_factor = 3 .*has 3 broker\(s\) registered "
-                                          r"\(broker: .*only 1 broker"):
+    with pytest.raises(
+        ConfigError,
+        match=r"kafka.replication_factor = 3 .*has 3 broker\(s\) registered "
+        r"\(broker: .*only 1 broker",
+    ):
         ensure_topics(broker.bootstrap, prefix, 2, replication_factor=3, min_insync_replicas=2)
     assert {(t.replication_factor, t.config["min.insync.replicas"]) for t in asked} == {(3, "2")}
     assert not _exists(broker.bootstrap, prefix + "events")
@@ -190,8 +205,11 @@ def test_replication_factor_beyond_the_brokers_is_a_clear_error(broker, monkeypa
 def test_min_insync_above_replication_factor_is_a_config_error():
     """More in-sync replicas than replicas could never acknowledge an acks=all write: refused before the
     broker is contacted (the address is unreachable on purpose), naming the setting and the fix."""
-    with pytest.raises(ConfigError, match=r"kafka.min_insync_replicas = 3 must be between 1 and "
-                                          r"kafka.replication_factor = 2.*fix: set kafka.min_insync_replicas"):
+    with pytest.raises(
+        ConfigError,
+        match=r"kafka.min_insync_replicas = 3 must be between 1 and "
+        r"kafka.replication_factor = 2.*fix: set kafka.min_insync_replicas",
+    ):
         ensure_topics(f"127.0.0.1:{free_port()}", "x.", 1, replication_factor=2, min_insync_replicas=3)
 
 
@@ -215,8 +233,10 @@ def test_noida_keeps_min_insync_replicas_but_does_not_enforce_it(broker, topic_p
     with pytest.raises(SchemaMismatch) as e:
         ensure_topics(broker.bootstrap, topic_prefix, 2, replication_factor=2, min_insync_replicas=2)
     msg = str(e.value)
-    assert f"topic {topic_prefix}events has min.insync.replicas 1, kafka.min_insync_replicas wants 2; fix: " \
-           f"kafka-configs.sh --alter --entity-type topics --entity-name {topic_prefix}events" in msg
+    assert (
+        f"topic {topic_prefix}events has min.insync.replicas 1, kafka.min_insync_replicas wants 2; fix: "
+        f"kafka-configs.sh --alter --entity-type topics --entity-name {topic_prefix}events" in msg
+    )
 
 
 # ---------------------------------------------------------------- produce with backpressure
@@ -232,14 +252,15 @@ def test_produce_waits_for_room_and_drops_nothing(broker, topic_prefix):
         assert produce(p, topic, str(i).encode(), b"k", lambda err, m: delivered.append(err), poll_s=0.01)
     assert p.flush(10) == 0
     assert delivered == [None] * 60
-    assert [m.value() for m in read_topic(broker.bootstrap, topic, timeout_s=20)] == [str(i).encode() for i in range(60)]
+    assert [m.value() for m in read_topic(broker.bootstrap, topic, timeout_s=20)] == [
+        str(i).encode() for i in range(60)
+    ]
 
 
 def test_produce_gives_up_only_when_stopped():
     """Broker unreachable and the queue full: produce() keeps polling until ``stop`` (a callable or an
     Event) says so, then returns False without producing; with room it produces whatever ``stop`` says."""
-    p = Producer(producer_config(f"127.0.0.1:{free_port()}", **{"queue.buffering.max.messages": 1,
-                                                                 "log_level": 0}))
+    p = Producer(producer_config(f"127.0.0.1:{free_port()}", **{"queue.buffering.max.messages": 1, "log_level": 0}))
     done = threading.Event()
     done.set()
     assert produce(p, "t", b"1", stop=done)  # room in the queue: produced although stopped

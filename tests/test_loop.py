@@ -27,8 +27,9 @@ print(json.dumps({"checkpoints": [[v, p, s, r, dict(e)] for v, p, s, r, e in row
 
 
 def _dump(data_dir) -> dict:
-    proc = subprocess.run([sys.executable, "-c", DUMP, f"chdb://{data_dir}/clickhouse"], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", DUMP, f"chdb://{data_dir}/clickhouse"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -37,8 +38,14 @@ def test_main_job_closes_the_loop_and_rollback(tmp_path):
     """`rtrl run` (small): v0 is promoted, each cycle trains on micro-batches the flows built from the
     served traffic and ends in a gated decision recorded in ClickHouse with its eval; the table and the
     PNG are written. `rtrl rollback` then marks the serving version rolled back and re-promotes its parent."""
-    env = {"RTRL_DATA_DIR": str(tmp_path), "RTRL_LOOP__CYCLES": "2", "RTRL_LOOP__SAMPLES_PER_CYCLE": "256",
-           "RTRL_LOOP__EVAL_TASKS": "50", "RTRL_LOOP__WARM_START_STEPS": "100", "RTRL_LOOP__RATE": "40"}
+    env = {
+        "RTRL_DATA_DIR": str(tmp_path),
+        "RTRL_LOOP__CYCLES": "2",
+        "RTRL_LOOP__SAMPLES_PER_CYCLE": "256",
+        "RTRL_LOOP__EVAL_TASKS": "50",
+        "RTRL_LOOP__WARM_START_STEPS": "100",
+        "RTRL_LOOP__RATE": "40",
+    }
     proc = _run(["run"], env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
@@ -48,7 +55,7 @@ def test_main_job_closes_the_loop_and_rollback(tmp_path):
     d = _dump(tmp_path)
     cps = d["checkpoints"]
     assert [c[0] for c in cps] == [0, 1, 2] and cps[0][2] == "promoted" and cps[0][1] is None
-    for version, parent, status, reason, ev in cps[1:]:
+    for _version, parent, status, reason, ev in cps[1:]:
         assert status in ("promoted", "rejected") and reason and parent in (0, 1)
         assert {"solve_rate", "broken_tool_call_rate", "clarify_rate", "on_policy_fraction"} <= set(ev)
         assert 0.0 <= ev["on_policy_fraction"] <= 1.0
@@ -67,8 +74,13 @@ def test_main_job_closes_the_loop_and_rollback(tmp_path):
 
 
 def _loop(tmp_path, reward_version: str, cycles: int, **settings: str) -> list:
-    env = {"RTRL_DATA_DIR": str(tmp_path), "RTRL_LOOP__CYCLES": str(cycles), "RTRL_LOOP__SAMPLES_PER_CYCLE": "2048",
-           "RTRL_REWARDS__TRAIN_VERSION": reward_version, "RTRL_REWARDS__VERSIONS": "v2,v1-discard-broken"}
+    env = {
+        "RTRL_DATA_DIR": str(tmp_path),
+        "RTRL_LOOP__CYCLES": str(cycles),
+        "RTRL_LOOP__SAMPLES_PER_CYCLE": "2048",
+        "RTRL_REWARDS__TRAIN_VERSION": reward_version,
+        "RTRL_REWARDS__VERSIONS": "v2,v1-discard-broken",
+    }
     env |= {f"RTRL_LOOP__{k.upper()}": v for k, v in settings.items()}
     proc = _run(["run"], env, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -87,8 +99,13 @@ def test_reward_hack_is_caught_with_the_buggy_reward_only(tmp_path):
     v1 = _loop(tmp_path / "v1", "v1-discard-broken", cycles=2, **world)
     v2 = _loop(tmp_path / "v2", "v2", cycles=2, **world)
     for name, cps in (("v1", v1), ("v2", v2)):
-        print(name, [(v, s, round(e["broken_tool_call_rate"], 3), round(e["clarify_rate"], 3), r[:100])
-                     for v, _, s, r, e in cps])
+        print(
+            name,
+            [
+                (v, s, round(e["broken_tool_call_rate"], 3), round(e["clarify_rate"], 3), r[:100])
+                for v, _, s, r, e in cps
+            ],
+        )
     base = v1[0][4]["broken_tool_call_rate"]
     assert v2[0][4]["broken_tool_call_rate"] == base  # same seed, same v0
     v1_rates = [e["broken_tool_call_rate"] for *_, e in v1[1:]]
@@ -105,9 +122,17 @@ def test_ab_mode_serves_candidates_beside_control_and_decides_from_clickhouse(tm
     """With loop.ab_share a candidate that passed the evals serves a share of the traffic (arm
     'candidate') until ClickHouse holds enough of its trajectories; the monitors' comparison with the
     serving version then promotes it or rejects it with the alerts as the reason."""
-    env = {"RTRL_DATA_DIR": str(tmp_path), "RTRL_LOOP__CYCLES": "2", "RTRL_LOOP__SAMPLES_PER_CYCLE": "256",
-           "RTRL_LOOP__EVAL_TASKS": "50", "RTRL_LOOP__WARM_START_STEPS": "100", "RTRL_LOOP__RATE": "40",
-           "RTRL_LOOP__AB_SHARE": "0.4", "RTRL_LOOP__AB_TRAJECTORIES": "60", "RTRL_LOOP__SOLVE_TOLERANCE": "1.0"}
+    env = {
+        "RTRL_DATA_DIR": str(tmp_path),
+        "RTRL_LOOP__CYCLES": "2",
+        "RTRL_LOOP__SAMPLES_PER_CYCLE": "256",
+        "RTRL_LOOP__EVAL_TASKS": "50",
+        "RTRL_LOOP__WARM_START_STEPS": "100",
+        "RTRL_LOOP__RATE": "40",
+        "RTRL_LOOP__AB_SHARE": "0.4",
+        "RTRL_LOOP__AB_TRAJECTORIES": "60",
+        "RTRL_LOOP__SOLVE_TOLERANCE": "1.0",
+    }
     proc = _run(["run"], env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     d = _dump(tmp_path)

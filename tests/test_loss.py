@@ -28,10 +28,14 @@ def run(ratios, adv, *, off=None, mask=None, ref=None, norm=1.0, cfg=NO_KL, dtyp
     lp = (b + torch.log(torch.tensor(ratios, dtype=dtype))).requires_grad_(True)
     ref_t = lp.detach().clone() if ref is None else torch.tensor(ref, dtype=dtype)
     out = policy_loss(
-        lp, b, ref_t, torch.tensor(adv, dtype=dtype),
+        lp,
+        b,
+        ref_t,
+        torch.tensor(adv, dtype=dtype),
         torch.ones(n, dtype=dtype) if mask is None else torch.tensor(mask, dtype=dtype),
         torch.zeros(n, dtype=dtype) if off is None else torch.tensor(off, dtype=dtype),
-        norm, cfg,
+        norm,
+        cfg,
     )
     out.loss.backward()
     return out, lp
@@ -161,8 +165,16 @@ def test_k3_is_non_negative_and_unbiased_for_kl():
     # With A = 0 and norm = 1 and beta = 1 the per-token loss is exactly k3: weight each token by pi(x).
     ks = []
     for i in range(50):
-        o = policy_loss(logp[i:i + 1], logp[i:i + 1], logref[i:i + 1], torch.zeros(1, dtype=torch.float64),
-                        torch.ones(1), torch.zeros(1), 1.0, LossConfig(kl_coef=1.0))
+        o = policy_loss(
+            logp[i : i + 1],
+            logp[i : i + 1],
+            logref[i : i + 1],
+            torch.zeros(1, dtype=torch.float64),
+            torch.ones(1),
+            torch.zeros(1),
+            1.0,
+            LossConfig(kl_coef=1.0),
+        )
         ks.append(o.loss.item())
     ks = torch.tensor(ks, dtype=torch.float64)
     assert (ks >= 0).all()
@@ -215,8 +227,7 @@ def test_half_precision_inputs_are_computed_in_float32():
     vals = [(torch.randn(8, generator=g) * 0.2).bfloat16() for _ in range(4)]
     lp = vals[0].clone().requires_grad_(True)
     out = policy_loss(lp, *vals[1:], torch.ones(8), torch.zeros(8), 8.0, LossConfig())
-    ref = policy_loss(vals[0].float(), *(v.float() for v in vals[1:]), torch.ones(8), torch.zeros(8), 8.0,
-                      LossConfig())
+    ref = policy_loss(vals[0].float(), *(v.float() for v in vals[1:]), torch.ones(8), torch.zeros(8), 8.0, LossConfig())
     assert out.loss.dtype == torch.float32
     assert out.loss.item() == ref.loss.item()
     out.loss.backward()
@@ -268,7 +279,8 @@ def _reference(lp, b, ref, adv, mask, off, norm, cfg):
 @given(
     toks=st.lists(
         st.tuples(st.floats(-2, 2), st.floats(-1, 1), st.floats(-3, 3), st.booleans(), st.booleans()),
-        min_size=1, max_size=12,
+        min_size=1,
+        max_size=12,
     ),
     norm=st.floats(0.5, 100),
     eps_low=st.floats(0.05, 0.5),
@@ -318,8 +330,10 @@ def test_metrics_on_constructed_example():
     assert out.kl == 0.0
     assert out.loss.item() == pytest.approx(out.pg_loss)
     assert isinstance(out, LossOutput)
-    assert all(isinstance(getattr(out, f), float) for f in ("pg_loss", "kl", "clip_fraction",
-                                                            "is_truncated_fraction", "mean_ratio"))
+    assert all(
+        isinstance(getattr(out, f), float)
+        for f in ("pg_loss", "kl", "clip_fraction", "is_truncated_fraction", "mean_ratio")
+    )
     assert isinstance(out.tokens, int) and isinstance(out.on_policy_tokens, int)
 
 
@@ -333,10 +347,21 @@ def test_zero_advantage_is_never_clipped():
 # ---------------------------------------------------------------- validation
 
 
-@pytest.mark.parametrize("field,value", [
-    ("eps_low", 0.0), ("eps_low", 1.0), ("eps_low", -0.1), ("eps_high", 0.0), ("eps_high", float("inf")),
-    ("is_cap", 0.5), ("is_cap", float("nan")), ("kl_coef", -0.01), ("kl_coef", True), ("eps_high", "0.2"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("eps_low", 0.0),
+        ("eps_low", 1.0),
+        ("eps_low", -0.1),
+        ("eps_high", 0.0),
+        ("eps_high", float("inf")),
+        ("is_cap", 0.5),
+        ("is_cap", float("nan")),
+        ("kl_coef", -0.01),
+        ("kl_coef", True),
+        ("eps_high", "0.2"),
+    ],
+)
 def test_config_rejects_bad_values_naming_the_field(field, value):
     """Each invalid LossConfig value raises ValueError whose message names the field."""
     with pytest.raises(ValueError, match=field):

@@ -31,36 +31,81 @@ T0 = 1_750_000_000_000
 Z = 1.96
 
 
-def traj(tid: str, pv: int, org: str = "acme", *, revision: int = 0, tool_calls: int = 0, broken: int = 0,
-         questions: int = 0, edits: int = 0, checks: int = 0, persisted: float = 0.0, followups: int = 0,
-         dissatisfied: int = 0, latency: float | None = None) -> TrajectorySummary:
+def traj(
+    tid: str,
+    pv: int,
+    org: str = "acme",
+    *,
+    revision: int = 0,
+    tool_calls: int = 0,
+    broken: int = 0,
+    questions: int = 0,
+    edits: int = 0,
+    checks: int = 0,
+    persisted: float = 0.0,
+    followups: int = 0,
+    dissatisfied: int = 0,
+    latency: float | None = None,
+) -> TrajectorySummary:
     return TrajectorySummary(
-        trajectory_id=tid, policy_version=pv, org_id=org, arm="control", task_kind="bugfix", revision=revision,
-        close_reason="ended", status="completed", n_events=1 + tool_calls + questions + edits + followups,
-        tool_calls=tool_calls, broken_tool_calls=broken, clarifying_questions=questions, unneeded_questions=0,
-        edits_proposed=edits, edits_accepted=min(edits, checks), persistence_checks=checks,
-        persisted_fraction_sum=persisted, followups=followups, dissatisfied_followups=dissatisfied,
-        latency_ms=latency, ttft_ms=None if latency is None else latency / 4,
-        first_event_ts=T0, last_event_ts=T0 + 60_000,
+        trajectory_id=tid,
+        policy_version=pv,
+        org_id=org,
+        arm="control",
+        task_kind="bugfix",
+        revision=revision,
+        close_reason="ended",
+        status="completed",
+        n_events=1 + tool_calls + questions + edits + followups,
+        tool_calls=tool_calls,
+        broken_tool_calls=broken,
+        clarifying_questions=questions,
+        unneeded_questions=0,
+        edits_proposed=edits,
+        edits_accepted=min(edits, checks),
+        persistence_checks=checks,
+        persisted_fraction_sum=persisted,
+        followups=followups,
+        dissatisfied_followups=dissatisfied,
+        latency_ms=latency,
+        ttft_ms=None if latency is None else latency / 4,
+        first_event_ts=T0,
+        last_event_ts=T0 + 60_000,
     )
 
 
-def random_trajectories(rng: random.Random, pv: int, n: int, *, broken_p: float = 0.1, edit_p: float = 0.6,
-                        dissatisfied_p: float = 0.15, latency_scale: float = 1500.0) -> list[TrajectorySummary]:
+def random_trajectories(
+    rng: random.Random,
+    pv: int,
+    n: int,
+    *,
+    broken_p: float = 0.1,
+    edit_p: float = 0.6,
+    dissatisfied_p: float = 0.15,
+    latency_scale: float = 1500.0,
+) -> list[TrajectorySummary]:
     out = []
     for i in range(n):
         calls = rng.randint(0, 6)
         edits = rng.randint(1, 3) if rng.random() < edit_p else 0
         checks = rng.randint(0, edits)
         follow = rng.randint(0, 2)
-        out.append(traj(
-            f"v{pv}-{i}", pv, rng.choice(["acme", "globex", "initech"]),
-            tool_calls=calls, broken=sum(rng.random() < broken_p for _ in range(calls)),
-            questions=int(rng.random() < 0.2), edits=edits, checks=checks,
-            persisted=sum(rng.random() for _ in range(checks)), followups=follow,
-            dissatisfied=min(follow, int(rng.random() < dissatisfied_p)),
-            latency=None if rng.random() < 0.1 else round(rng.lognormvariate(0, 0.6) * latency_scale, 1),
-        ))
+        out.append(
+            traj(
+                f"v{pv}-{i}",
+                pv,
+                rng.choice(["acme", "globex", "initech"]),
+                tool_calls=calls,
+                broken=sum(rng.random() < broken_p for _ in range(calls)),
+                questions=int(rng.random() < 0.2),
+                edits=edits,
+                checks=checks,
+                persisted=sum(rng.random() for _ in range(checks)),
+                followups=follow,
+                dissatisfied=min(follow, int(rng.random() < dissatisfied_p)),
+                latency=None if rng.random() < 0.1 else round(rng.lognormvariate(0, 0.6) * latency_scale, 1),
+            )
+        )
     return out
 
 
@@ -86,27 +131,40 @@ def expected_behaviour(rows: list[TrajectorySummary]) -> dict:
     mean_calls = statistics.fmean(r.tool_calls for r in rows)
     broken_var = (
         statistics.variance([r.broken_tool_calls - broken_rate * r.tool_calls for r in rows]) / mean_calls**2
-        if n > 1 and mean_calls > 0 else None
+        if n > 1 and mean_calls > 0
+        else None
     )
     checked = [r for r in rows if r.persistence_checks > 0]
-    persistence = sum(r.persisted_fraction_sum for r in checked) / sum(r.persistence_checks for r in checked) if checked else None
+    persistence = (
+        sum(r.persisted_fraction_sum for r in checked) / sum(r.persistence_checks for r in checked) if checked else None
+    )
     persistence_var = (
         statistics.variance([r.persisted_fraction_sum - persistence * r.persistence_checks for r in checked])
         / statistics.fmean(r.persistence_checks for r in checked) ** 2
-        if len(checked) > 1 else None
+        if len(checked) > 1
+        else None
     )
     lat = [r.latency_ms for r in rows if r.latency_ms is not None]
     out = {
         "trajectories": n,
-        "edit_rate": statistics.fmean(edited), "edit_rate_var": var(edited),
-        "clarification_rate": statistics.fmean(clar), "clarification_rate_var": var(clar),
-        "tool_calls": calls, "broken_tool_call_rate": broken_rate, "broken_tool_call_rate_var": broken_var,
-        "trajectories_with_broken_rate": statistics.fmean(wb), "trajectories_with_broken_rate_var": var(wb),
-        "persistence_checks": sum(r.persistence_checks for r in rows), "edit_persistence_n": len(checked),
-        "edit_persistence": persistence, "edit_persistence_var": persistence_var,
-        "dissatisfied_rate": statistics.fmean(dis), "dissatisfied_rate_var": var(dis),
+        "edit_rate": statistics.fmean(edited),
+        "edit_rate_var": var(edited),
+        "clarification_rate": statistics.fmean(clar),
+        "clarification_rate_var": var(clar),
+        "tool_calls": calls,
+        "broken_tool_call_rate": broken_rate,
+        "broken_tool_call_rate_var": broken_var,
+        "trajectories_with_broken_rate": statistics.fmean(wb),
+        "trajectories_with_broken_rate_var": var(wb),
+        "persistence_checks": sum(r.persistence_checks for r in rows),
+        "edit_persistence_n": len(checked),
+        "edit_persistence": persistence,
+        "edit_persistence_var": persistence_var,
+        "dissatisfied_rate": statistics.fmean(dis),
+        "dissatisfied_rate_var": var(dis),
         "latency_n": len(lat),
-        "latency_mean_ms": statistics.fmean(lat) if lat else None, "latency_var": var(lat),
+        "latency_mean_ms": statistics.fmean(lat) if lat else None,
+        "latency_var": var(lat),
         "latency_p50_ms": float(np.percentile(lat, 50)) if lat else None,
         "latency_p95_ms": float(np.percentile(lat, 95)) if lat else None,
     }
@@ -156,14 +214,20 @@ def test_replayed_and_reclosed_trajectories_count_once(ch_client, ch_db):
     row = behaviour(ch_client, ch_db, 1)
     assert row["trajectories"] == 2 and row["edit_rate"] == 0.5 and row["edit_persistence"] == 0.5
     # late events re-close "a": it now has an edit whose persistence was checked
-    insert(ch_client, ch_db, "trajectories", [traj("a", 1, revision=1, edits=1, checks=1, persisted=1.0, latency=3000.0)])
+    insert(
+        ch_client, ch_db, "trajectories", [traj("a", 1, revision=1, edits=1, checks=1, persisted=1.0, latency=3000.0)]
+    )
     insert(ch_client, ch_db, "trajectories", first)  # an old revision replayed again loses to revision 1
     row = behaviour(ch_client, ch_db, 1)
     assert row["trajectories"] == 2
     assert row["edit_rate"] == 1.0
     assert row["edit_persistence"] == pytest.approx(0.75)
     assert row["latency_p50_ms"] == pytest.approx(2500.0)
-    assert_row_matches(row, expected_behaviour([traj("a", 1, revision=1, edits=1, checks=1, persisted=1.0, latency=3000.0), first[1]]), "replayed")
+    assert_row_matches(
+        row,
+        expected_behaviour([traj("a", 1, revision=1, edits=1, checks=1, persisted=1.0, latency=3000.0), first[1]]),
+        "replayed",
+    )
 
 
 def test_metrics_without_samples_are_null_not_errors(ch_client, ch_db):
@@ -172,8 +236,15 @@ def test_metrics_without_samples_are_null_not_errors(ch_client, ch_db):
     insert(ch_client, ch_db, "trajectories", [traj("x", 5, tool_calls=0)])
     row = behaviour(ch_client, ch_db, 5)
     assert row["trajectories"] == 1 and row["broken_tool_call_rate"] == 0.0
-    for col in ("edit_persistence", "edit_persistence_var", "latency_p50_ms", "latency_p95_ci_high_ms",
-                "latency_mean_ms", "edit_rate_var", "broken_tool_call_rate_var"):
+    for col in (
+        "edit_persistence",
+        "edit_persistence_var",
+        "latency_p50_ms",
+        "latency_p95_ci_high_ms",
+        "latency_mean_ms",
+        "edit_rate_var",
+        "broken_tool_call_rate_var",
+    ):
         assert row[col] is None, col
     empty = behaviour(ch_client, ch_db, 99)
     assert empty["trajectories"] == 0 and empty["edit_rate"] is None and empty["latency_n"] == 0
@@ -186,15 +257,32 @@ def test_reward_stats_per_reward_version(ch_client, ch_db):
     rewards = []
     for i in range(60):
         for rv in ("v1", "v2"):
-            rewards.append(Reward(
-                trajectory_id=f"t{i}", policy_version=1 + i % 2, reward_version=rv, revision=0,
-                reward=round(rng.gauss(0.3 if rv == "v2" else 0.0, 1.0), 6), components={}, flags=[],
-                close_reason="ended", org_id=["acme", "globex"][i % 3 == 0], arm="control", task_kind="bugfix",
-                n_events=3, event_counts={}, first_event_ts=T0, last_event_ts=T0 + 1, emitted_at=T0 + 2,
-            ))
+            rewards.append(
+                Reward(
+                    trajectory_id=f"t{i}",
+                    policy_version=1 + i % 2,
+                    reward_version=rv,
+                    revision=0,
+                    reward=round(rng.gauss(0.3 if rv == "v2" else 0.0, 1.0), 6),
+                    components={},
+                    flags=[],
+                    close_reason="ended",
+                    org_id=["acme", "globex"][i % 3 == 0],
+                    arm="control",
+                    task_kind="bugfix",
+                    n_events=3,
+                    event_counts={},
+                    first_event_ts=T0,
+                    last_event_ts=T0 + 1,
+                    emitted_at=T0 + 2,
+                )
+            )
     insert(ch_client, ch_db, "rewards", rewards)
-    late = [Reward(**{**{f: getattr(r, f) for f in r.__struct_fields__}, "revision": 1, "reward": 5.0})
-            for r in rewards if r.trajectory_id in ("t0", "t1") and r.reward_version == "v2"]
+    late = [
+        Reward(**{**{f: getattr(r, f) for f in r.__struct_fields__}, "revision": 1, "reward": 5.0})
+        for r in rewards
+        if r.trajectory_id in ("t0", "t1") and r.reward_version == "v2"
+    ]
     insert(ch_client, ch_db, "rewards", late)
     insert(ch_client, ch_db, "rewards", rewards)  # replay of revision 0 loses
     final = {r.trajectory_id: r for r in rewards if r.reward_version == "v2"} | {r.trajectory_id: r for r in late}
@@ -262,10 +350,17 @@ def test_evaluate_skips_rules_without_enough_data():
     assert ev.skipped[0].metric == "edit_rate" and ev.skipped[0].candidate_samples == 50
     assert "need 100" in ev.skipped[0].reason and "not judged" in ev.summary()
     assert evaluate(row(1000, edit_rate=0.1), row(99, edit_rate=0.5), [rule]).insufficient
-    assert evaluate(row(1000, edit_rate=None), row(1000, edit_rate=0.5), [rule]).skipped[0].reason == "no value for the candidate"
+    assert (
+        evaluate(row(1000, edit_rate=None), row(1000, edit_rate=0.5), [rule]).skipped[0].reason
+        == "no value for the candidate"
+    )
     assert evaluate(row(1000, edit_rate=float("nan")), row(1000, edit_rate=0.5), [rule]).insufficient
     pers = AlertRule("edit_persistence", "decrease", 0.05, min_samples=100, samples="edit_persistence_n")
-    ev = evaluate(row(1000, edit_persistence=0.1, edit_persistence_n=20), row(1000, edit_persistence=0.9, edit_persistence_n=500), [pers])
+    ev = evaluate(
+        row(1000, edit_persistence=0.1, edit_persistence_n=20),
+        row(1000, edit_persistence=0.9, edit_persistence_n=500),
+        [pers],
+    )
     assert ev.insufficient and not ev.alerts
     with pytest.raises(KeyError, match="edit_rat"):
         evaluate(row(edit_rate=0.5), row(edit_rate=0.5), [AlertRule("edit_rat", "decrease", 0.1)])
@@ -276,8 +371,14 @@ def test_evaluate_skips_rules_without_enough_data():
 def test_default_rules_cover_the_seed_post_hacks():
     """DEFAULT_RULES guard broken tool calls, edits, clarifications, persistence, dissatisfaction and
     p95 latency, each with the bad direction of the seed post's lessons."""
-    want = {"broken_tool_call_rate": "increase", "edit_rate": "decrease", "clarification_rate": "increase",
-            "edit_persistence": "decrease", "dissatisfied_rate": "increase", "latency_p95_ms": "increase"}
+    want = {
+        "broken_tool_call_rate": "increase",
+        "edit_rate": "decrease",
+        "clarification_rate": "increase",
+        "edit_persistence": "decrease",
+        "dissatisfied_rate": "increase",
+        "latency_p95_ms": "increase",
+    }
     assert {r.metric: r.direction for r in DEFAULT_RULES} == want
 
 
@@ -286,10 +387,20 @@ def test_default_rules_cover_the_seed_post_hacks():
 
 def deterministic_version(pv: int, n: int = 250, broken_every: tuple[int, ...] = (0,)) -> list[TrajectorySummary]:
     return [
-        traj(f"v{pv}-{i}", pv, ["acme", "globex"][i % 2], tool_calls=4, broken=int(i % 5 in broken_every),
-             questions=int(i % 7 == 0), edits=int(i % 3 != 0), checks=int(i % 3 != 0),
-             persisted=0.8 if i % 3 != 0 else 0.0, followups=1,
-             dissatisfied=int(i % 10 == 0), latency=1000.0 + (i * 37) % 500)
+        traj(
+            f"v{pv}-{i}",
+            pv,
+            ["acme", "globex"][i % 2],
+            tool_calls=4,
+            broken=int(i % 5 in broken_every),
+            questions=int(i % 7 == 0),
+            edits=int(i % 3 != 0),
+            checks=int(i % 3 != 0),
+            persisted=0.8 if i % 3 != 0 else 0.0,
+            followups=1,
+            dissatisfied=int(i % 10 == 0),
+            latency=1000.0 + (i * 37) % 500,
+        )
         for i in range(n)
     ]
 
@@ -298,9 +409,15 @@ def test_check_promotion_flags_doubled_broken_calls_and_passes_healthy(ch_client
     """With DEFAULT_RULES, a candidate whose broken-tool-call rate doubled (0.05 -> 0.10) gets exactly
     that alert; a candidate behaving like its parent is ok; one with too little data is not ok but has
     no alert (insufficient)."""
-    insert(ch_client, ch_db, "trajectories",
-           deterministic_version(1) + deterministic_version(2, broken_every=(0, 1)) + deterministic_version(3)
-           + deterministic_version(4, n=20))
+    insert(
+        ch_client,
+        ch_db,
+        "trajectories",
+        deterministic_version(1)
+        + deterministic_version(2, broken_every=(0, 1))
+        + deterministic_version(3)
+        + deterministic_version(4, n=20),
+    )
     bad = check_promotion(ch_client, ch_db, candidate_version=2, parent_version=1)
     assert bad.parent["broken_tool_call_rate"] == pytest.approx(0.05)
     assert bad.candidate["broken_tool_call_rate"] == pytest.approx(0.10)
@@ -315,7 +432,14 @@ def test_check_promotion_flags_doubled_broken_calls_and_passes_healthy(ch_client
     thin = check_promotion(ch_client, ch_db, 4, 1)
     assert thin.alerts == () and thin.insufficient and not thin.ok
 
-    per_org = check_promotion(ch_client, ch_db, 2, 1, org_id="acme", rules=[AlertRule("broken_tool_call_rate", "increase", 0.2, min_samples=50)])
+    per_org = check_promotion(
+        ch_client,
+        ch_db,
+        2,
+        1,
+        org_id="acme",
+        rules=[AlertRule("broken_tool_call_rate", "increase", 0.2, min_samples=50)],
+    )
     assert per_org.candidate["trajectories"] == 125 and [a.metric for a in per_org.alerts] == ["broken_tool_call_rate"]
 
 
@@ -343,19 +467,33 @@ def test_ab_table_matches_python_delta_method(ch_client, ch_db):
     assert table[0]["edit_persistence_rel"] is None and table[0]["latency_p95_ms_ci_low"] is None
     a, b = expected_behaviour(v1), expected_behaviour(v2)
     want = {
-        "dissatisfied_rate": python_delta(a["dissatisfied_rate"], a["dissatisfied_rate_var"], a["trajectories"],
-                                          b["dissatisfied_rate"], b["dissatisfied_rate_var"], b["trajectories"]),
-        "edit_persistence": python_delta(a["edit_persistence"], a["edit_persistence_var"], a["edit_persistence_n"],
-                                         b["edit_persistence"], b["edit_persistence_var"], b["edit_persistence_n"]),
+        "dissatisfied_rate": python_delta(
+            a["dissatisfied_rate"],
+            a["dissatisfied_rate_var"],
+            a["trajectories"],
+            b["dissatisfied_rate"],
+            b["dissatisfied_rate_var"],
+            b["trajectories"],
+        ),
+        "edit_persistence": python_delta(
+            a["edit_persistence"],
+            a["edit_persistence_var"],
+            a["edit_persistence_n"],
+            b["edit_persistence"],
+            b["edit_persistence_var"],
+            b["edit_persistence_n"],
+        ),
     }
     for q in ("p50", "p95"):
-        se = lambda e: (e[f"latency_{q}_ci_high_ms"] - e[f"latency_{q}_ci_low_ms"]) / (2 * Z)  # noqa: E731
+        se = lambda e, q=q: (e[f"latency_{q}_ci_high_ms"] - e[f"latency_{q}_ci_low_ms"]) / (2 * Z)  # noqa: E731
         m = f"latency_{q}_ms"
         want[m] = python_delta(a[m], se(a) ** 2, 1, b[m], se(b) ** 2, 1)
     row2 = table[1]
     for m, (rel, lo, hi) in want.items():
         assert row2[m] == pytest.approx(b[m], rel=1e-9)
-        assert (row2[f"{m}_rel"], row2[f"{m}_ci_low"], row2[f"{m}_ci_high"]) == pytest.approx((rel, lo, hi), rel=1e-9), m
+        assert (row2[f"{m}_rel"], row2[f"{m}_ci_low"], row2[f"{m}_ci_high"]) == pytest.approx(
+            (rel, lo, hi), rel=1e-9
+        ), m
     assert row2["dissatisfied_rate_ci_low"] > 0  # 0.15 -> 0.25 at these sizes is a significant rise
     assert "+" in format_ab_table(table)
 
@@ -401,16 +539,52 @@ def test_analyst_queries_run_and_say_what_they_answer(ch_client, ch_db):
     returns rows, and each has a one-line description before it."""
     rng = random.Random(5)
     insert(ch_client, ch_db, "trajectories", random_trajectories(rng, 1, 60) + random_trajectories(rng, 2, 60))
-    insert(ch_client, ch_db, "rewards", [
-        Reward(trajectory_id=f"t{i}", policy_version=1 + i % 2, reward_version=rv, revision=0, reward=float(i % 4),
-               components={}, flags=[], close_reason="ended", org_id="acme", arm="control", task_kind="bugfix",
-               n_events=1, event_counts={}, first_event_ts=T0, last_event_ts=T0, emitted_at=T0)
-        for i in range(10) for rv in ("v1", "v2")
-    ])
-    insert(ch_client, ch_db, "dead_letters", [
-        DeadLetter(kind="malformed", source="rtrl.events", partition=0, offset=i, key=None, field="$",
-                   reason="not JSON", payload="{", at=T0) for i in range(3)
-    ])
+    insert(
+        ch_client,
+        ch_db,
+        "rewards",
+        [
+            Reward(
+                trajectory_id=f"t{i}",
+                policy_version=1 + i % 2,
+                reward_version=rv,
+                revision=0,
+                reward=float(i % 4),
+                components={},
+                flags=[],
+                close_reason="ended",
+                org_id="acme",
+                arm="control",
+                task_kind="bugfix",
+                n_events=1,
+                event_counts={},
+                first_event_ts=T0,
+                last_event_ts=T0,
+                emitted_at=T0,
+            )
+            for i in range(10)
+            for rv in ("v1", "v2")
+        ],
+    )
+    insert(
+        ch_client,
+        ch_db,
+        "dead_letters",
+        [
+            DeadLetter(
+                kind="malformed",
+                source="rtrl.events",
+                partition=0,
+                offset=i,
+                key=None,
+                field="$",
+                reason="not JSON",
+                payload="{",
+                at=T0,
+            )
+            for i in range(3)
+        ],
+    )
     queries = analyst_queries()
     assert len(queries) >= 5
     text = (Path(__file__).resolve().parent.parent / "monitors" / "ANALYST_QUERIES.md").read_text()

@@ -8,10 +8,10 @@ import time
 
 from confluent_kafka import Producer
 
-from client.sdk import RtrlClient
-from rtrl.settings import load_settings
-from rtrl.kafka import producer_config, read_topic
 from app.loop import SEQ_LEN
+from client.sdk import RtrlClient
+from rtrl.kafka import producer_config, read_topic
+from rtrl.settings import load_settings
 from schemas.codec import JsonCodec
 from schemas.records import Checkpoint, Rollout
 from simulator.policy import model_config
@@ -20,8 +20,19 @@ from trainer.model import build_model, init_parallel
 
 
 def _announce(bootstrap: str, topic: str, version: int, status: str, parent: int | None = None) -> None:
-    ck = Checkpoint(version=version, parent=parent, created_at=time.time_ns() // 1_000_000, steps=0, samples=0, tokens=0,
-                    eval_results={}, status=status, reason="test", kafka_offsets={}, path=f"/ckpt/v{version}")
+    ck = Checkpoint(
+        version=version,
+        parent=parent,
+        created_at=time.time_ns() // 1_000_000,
+        steps=0,
+        samples=0,
+        tokens=0,
+        eval_results={},
+        status=status,
+        reason="test",
+        kafka_offsets={},
+        path=f"/ckpt/v{version}",
+    )
     p = Producer(producer_config(bootstrap))
     p.produce(topic, key=str(version).encode(), value=JsonCodec(Checkpoint).encode(ck))
     assert p.flush(10) == 0
@@ -70,5 +81,6 @@ def test_follows_deployments_and_serves_a_quota_per_decision(broker, topic_prefi
     groups = {}
     for r in rollouts:
         groups.setdefault(r.group_id, []).append(r)
-    assert all(len(g) == 4 and len({(r.org_id, r.task_kind, tuple(r.prompt_ids)) for r in g}) == 1
-               for g in groups.values())
+    assert all(
+        len(g) == 4 and len({(r.org_id, r.task_kind, tuple(r.prompt_ids)) for r in g}) == 1 for g in groups.values()
+    )

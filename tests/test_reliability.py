@@ -9,13 +9,13 @@ from collections import defaultdict
 
 import pytest
 
+from app.loop import loop_settings
+from app.supervisor import Supervisor
 from flows.processor import Message, RewardProcessor
 from flows.reward_flow import window_config
 from rtrl import clickhouse
-from rtrl.settings import load_settings
 from rtrl.kafka import read_topic
-from app.loop import loop_settings
-from app.supervisor import Supervisor
+from rtrl.settings import load_settings
 
 CYCLES = 5
 #: (part, cycle, trainer steps of that cycle done before the kill): each part once, while a cycle trains
@@ -40,17 +40,26 @@ def _reference_rewards(settings, bootstrap: str) -> dict[tuple, tuple]:
 
 @pytest.mark.timeout(900)
 def test_kill_9_each_part_mid_cycle_loses_and_repeats_nothing(tmp_path):
-    settings = load_settings(env={
-        "RTRL_DATA_DIR": str(tmp_path), "RTRL_LOOP__CYCLES": str(CYCLES), "RTRL_LOOP__SAMPLES_PER_CYCLE": "512",
-        "RTRL_LOOP__WARM_START_STEPS": "150", "RTRL_LOOP__EVAL_TASKS": "100", "RTRL_LOOP__CHECKPOINT_EVERY": "2",
-        "RTRL_LOOP__PROCESSES": "true"})
+    settings = load_settings(
+        env={
+            "RTRL_DATA_DIR": str(tmp_path),
+            "RTRL_LOOP__CYCLES": str(CYCLES),
+            "RTRL_LOOP__SAMPLES_PER_CYCLE": "512",
+            "RTRL_LOOP__WARM_START_STEPS": "150",
+            "RTRL_LOOP__EVAL_TASKS": "100",
+            "RTRL_LOOP__CHECKPOINT_EVERY": "2",
+            "RTRL_LOOP__PROCESSES": "true",
+        }
+    )
     sup = Supervisor(settings)
     sup.start_services()
     ch, db = sup.ch, settings.clickhouse.database
     killed: list[tuple[str, int, int]] = []
 
     def steps_done(version: int) -> int:
-        return ch.query(f"SELECT max(step) FROM {db}.train_metrics WHERE run_id = 'loop-0-v{version}'").result_rows[0][0]
+        return ch.query(f"SELECT max(step) FROM {db}.train_metrics WHERE run_id = 'loop-0-v{version}'").result_rows[0][
+            0
+        ]
 
     def tick() -> None:
         if len(killed) < len(KILLS):
@@ -71,31 +80,39 @@ def test_kill_9_each_part_mid_cycle_loses_and_repeats_nothing(tmp_path):
         assert "resumed: 3 decisions made" in (tmp_path / "logs" / "train.log").read_text()
 
         # the loop went on: every cycle ended in a recorded decision
-        decided = ch.query(f"SELECT version, argMax(status, created_at) FROM {db}.checkpoints FINAL GROUP BY version "
-                           "ORDER BY version").result_rows
+        decided = ch.query(
+            f"SELECT version, argMax(status, created_at) FROM {db}.checkpoints FINAL GROUP BY version ORDER BY version"
+        ).result_rows
         assert [v for v, _ in decided] == list(range(CYCLES + 1))
         assert all(status in ("promoted", "rejected") for _, status in decided)
 
         # no reward lost or duplicated: ClickHouse holds exactly what an uninterrupted run computes
         expected = _reference_rewards(loop_settings(settings), sup.bootstrap)
-        stored = {(r.trajectory_id, r.reward_version, r.revision): (r.reward, dict(r.components), list(r.flags))
-                  for r in clickhouse.select(ch, db, "rewards")}
+        stored = {
+            (r.trajectory_id, r.reward_version, r.revision): (r.reward, dict(r.components), list(r.flags))
+            for r in clickhouse.select(ch, db, "rewards")
+        }
         assert len(expected) > 2000
         assert stored == expected
-        raw, final = ch.query(f"SELECT count(), uniqExact(trajectory_id, reward_version, revision) "
-                              f"FROM {db}.rewards FINAL").result_rows[0]
+        raw, final = ch.query(
+            f"SELECT count(), uniqExact(trajectory_id, reward_version, revision) FROM {db}.rewards FINAL"
+        ).result_rows[0]
         assert raw == final
 
         # no micro-batch and no sample trained twice, and each trained sample had its reward
-        batches = ch.query(f"SELECT count(), uniqExact(b) FROM {db}.train_metrics FINAL ARRAY JOIN batch_ids AS b"
-                           ).result_rows[0]
-        samples = ch.query(f"SELECT count(), uniqExact(s) FROM {db}.train_metrics FINAL ARRAY JOIN sample_ids AS s"
-                           ).result_rows[0]
+        batches = ch.query(
+            f"SELECT count(), uniqExact(b) FROM {db}.train_metrics FINAL ARRAY JOIN batch_ids AS b"
+        ).result_rows[0]
+        samples = ch.query(
+            f"SELECT count(), uniqExact(s) FROM {db}.train_metrics FINAL ARRAY JOIN sample_ids AS s"
+        ).result_rows[0]
         assert batches[0] == batches[1] > 0 and samples[0] == samples[1] >= CYCLES * 400
         rv = settings.rewards.train_version
-        unrewarded = ch.query(f"SELECT count() FROM (SELECT s FROM {db}.train_metrics FINAL ARRAY JOIN sample_ids AS s) "
-                              f"WHERE s NOT IN (SELECT trajectory_id FROM {db}.rewards FINAL WHERE reward_version = "
-                              f"'{rv}')").result_rows[0][0]
+        unrewarded = ch.query(
+            f"SELECT count() FROM (SELECT s FROM {db}.train_metrics FINAL ARRAY JOIN sample_ids AS s) "
+            f"WHERE s NOT IN (SELECT trajectory_id FROM {db}.rewards FINAL WHERE reward_version = "
+            f"'{rv}')"
+        ).result_rows[0][0]
         assert unrewarded == 0
     finally:
         sup.close()
@@ -125,8 +142,14 @@ def test_main_job_as_processes_prints_the_table_and_plots(tmp_path):
     with the table per checkpoint from ClickHouse and the PNG."""
     from tests.test_cli import _run
 
-    env = {"RTRL_DATA_DIR": str(tmp_path), "RTRL_LOOP__PROCESSES": "true", "RTRL_LOOP__CYCLES": "2",
-           "RTRL_LOOP__SAMPLES_PER_CYCLE": "512", "RTRL_LOOP__WARM_START_STEPS": "100", "RTRL_LOOP__EVAL_TASKS": "50"}
+    env = {
+        "RTRL_DATA_DIR": str(tmp_path),
+        "RTRL_LOOP__PROCESSES": "true",
+        "RTRL_LOOP__CYCLES": "2",
+        "RTRL_LOOP__SAMPLES_PER_CYCLE": "512",
+        "RTRL_LOOP__WARM_START_STEPS": "100",
+        "RTRL_LOOP__EVAL_TASKS": "50",
+    }
     proc = _run(["run"], env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "one process per part" in proc.stdout and "Checkpoints (reward v2)" in proc.stdout

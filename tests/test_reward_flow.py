@@ -22,14 +22,14 @@ import pytest
 from bytewax.testing import run_main
 from confluent_kafka import Producer
 
+from devservices.broker import free_port
 from flows.processor import Message, RewardProcessor
 from flows.reward_flow import build_flow, window_config
 from flows.sinks import read_archive
 from rewards import compute
 from rtrl import clickhouse
-from devservices.broker import free_port
-from rtrl.settings import SimulatorSettings, load_settings
 from rtrl.kafka import ensure_topics, producer_config, read_topic
+from rtrl.settings import SimulatorSettings, load_settings
 from schemas.codec import JsonCodec, event_codec
 from schemas.records import EventBase, Reward
 from simulator.generate import generate
@@ -122,8 +122,10 @@ def _hostile(sample: bytes) -> dict[str, bytes | None]:
         "mistyped": msgspec.json.encode(base | {"ts": "noon"}),
         "oversize": msgspec.json.encode(base | {"error": "x" * 70_000}),
         "null": None,
-        "never_started": msgspec.json.encode({k: base[k] for k in EventBase.__struct_fields__}
-                                             | {"type": "clarifying_question", "trajectory_id": "ghost", "event_id": "g1"}),
+        "never_started": msgspec.json.encode(
+            {k: base[k] for k in EventBase.__struct_fields__}
+            | {"type": "clarifying_question", "trajectory_id": "ghost", "event_id": "g1"}
+        ),
         "too_late": msgspec.json.encode(base | {"trajectory_id": "ancient", "event_id": "old-1", "ts": 1_000}),
         "future": msgspec.json.encode(base | {"event_id": "future-1", "ts": base["ts"] + 10 * 86_400_000}),
     }
@@ -136,10 +138,19 @@ def test_flow_end_to_end_with_bad_input(broker, topic_prefix, ch_dsn, ch_client,
     payloads = _payloads(150, seed=9, duplicate_rate=0.03)
     hostile = _hostile(payloads[0][1])
     # one partition so the clock-dependent cases (too_late, future, never_started) see the whole stream
-    _produce(broker.bootstrap, topic_prefix + "events", [(b"k", v) for _, v in payloads] + [(b"k", v) for v in hostile.values()])
-    env = {"RTRL_KAFKA__BOOTSTRAP": broker.bootstrap, "RTRL_KAFKA__TOPIC_PREFIX": topic_prefix,
-           "RTRL_CLICKHOUSE__DSN": ch_dsn, "RTRL_CLICKHOUSE__DATABASE": ch_db, "RTRL_FLOW__TAIL": "false",
-           "RTRL_DATA_DIR": str(tmp_path)}
+    _produce(
+        broker.bootstrap,
+        topic_prefix + "events",
+        [(b"k", v) for _, v in payloads] + [(b"k", v) for v in hostile.values()],
+    )
+    env = {
+        "RTRL_KAFKA__BOOTSTRAP": broker.bootstrap,
+        "RTRL_KAFKA__TOPIC_PREFIX": topic_prefix,
+        "RTRL_CLICKHOUSE__DSN": ch_dsn,
+        "RTRL_CLICKHOUSE__DATABASE": ch_db,
+        "RTRL_FLOW__TAIL": "false",
+        "RTRL_DATA_DIR": str(tmp_path),
+    }
     run_main(build_flow(_settings(env)))
 
     distinct = {msgspec.json.decode(v)["event_id"] for _, v in payloads}
@@ -147,20 +158,32 @@ def test_flow_end_to_end_with_bad_input(broker, topic_prefix, ch_dsn, ch_client,
     q = lambda sql: ch_client.query(sql.format(db=ch_db)).result_rows  # noqa: E731
     kinds = dict(q("SELECT kind, count() FROM {db}.dead_letters FINAL GROUP BY kind"))
     assert kinds.pop("duplicate") == len(payloads) - len(distinct)
-    assert kinds == {"malformed": 2, "unknown_type": 1, "invalid": 2, "oversize": 1, "never_started": 1,
-                     "too_late": 1, "future": 1}
+    assert kinds == {
+        "malformed": 2,
+        "unknown_type": 1,
+        "invalid": 2,
+        "oversize": 1,
+        "never_started": 1,
+        "too_late": 1,
+        "future": 1,
+    }
     reasons = dict(q("SELECT kind, any(reason) FROM {db}.dead_letters FINAL GROUP BY kind"))
     assert "allowed lateness" in reasons["too_late"] and "never sent trajectory_started" in reasons["never_started"]
-    assert q("SELECT uniqExact(trajectory_id) FROM {db}.rewards FINAL WHERE reward_version = 'v2'")[0][0] == len(trajectories)
+    assert q("SELECT uniqExact(trajectory_id) FROM {db}.rewards FINAL WHERE reward_version = 'v2'")[0][0] == len(
+        trajectories
+    )
     assert q("SELECT count() FROM {db}.trajectories FINAL")[0][0] == len(trajectories)
     assert {r[0] for r in q("SELECT event_id FROM {db}.events FINAL")} >= distinct
 
-    kafka_rewards = [JsonCodec(Reward).decode(m.value()) for m in read_topic(broker.bootstrap, topic_prefix + "rewards")]
+    kafka_rewards = [
+        JsonCodec(Reward).decode(m.value()) for m in read_topic(broker.bootstrap, topic_prefix + "rewards")
+    ]
     stored = {(r.trajectory_id, r.reward_version): r for r in clickhouse.select(ch_client, ch_db, "rewards")}
     latest = {}
     for r in kafka_rewards:
-        latest[(r.trajectory_id, r.reward_version)] = max(latest.get((r.trajectory_id, r.reward_version), r), r,
-                                                           key=lambda x: x.revision)
+        latest[(r.trajectory_id, r.reward_version)] = max(
+            latest.get((r.trajectory_id, r.reward_version), r), r, key=lambda x: x.revision
+        )
     assert latest == stored
     dl_topic = list(read_topic(broker.bootstrap, topic_prefix + "dead_letters"))
     assert len(dl_topic) == sum(n for (n,) in q("SELECT count() FROM {db}.dead_letters FINAL"))
@@ -176,9 +199,14 @@ def test_clickhouse_outage_loses_nothing(broker, topic_prefix, ch_dsn, ch_client
     tables = ["events", "rewards", "trajectories"]
     for t in tables:
         ch_client.command(f"DETACH TABLE {ch_db}.{t}")
-    env = {"RTRL_KAFKA__BOOTSTRAP": broker.bootstrap, "RTRL_KAFKA__TOPIC_PREFIX": topic_prefix,
-           "RTRL_CLICKHOUSE__DSN": ch_dsn, "RTRL_CLICKHOUSE__DATABASE": ch_db, "RTRL_FLOW__TAIL": "false",
-           "RTRL_DATA_DIR": str(tmp_path)}
+    env = {
+        "RTRL_KAFKA__BOOTSTRAP": broker.bootstrap,
+        "RTRL_KAFKA__TOPIC_PREFIX": topic_prefix,
+        "RTRL_CLICKHOUSE__DSN": ch_dsn,
+        "RTRL_CLICKHOUSE__DATABASE": ch_db,
+        "RTRL_FLOW__TAIL": "false",
+        "RTRL_DATA_DIR": str(tmp_path),
+    }
     flow = build_flow(_settings(env))  # built before the outage check runs in the sink
     caplog.set_level(logging.WARNING, logger="rtrl.sinks")
     errors: list[BaseException] = []
@@ -203,7 +231,9 @@ def test_clickhouse_outage_loses_nothing(broker, topic_prefix, ch_dsn, ch_client
     trajectories = {msgspec.json.decode(v)["trajectory_id"] for _, v in payloads}
     assert ch_client.query(f"SELECT count() FROM {ch_db}.events FINAL").result_rows[0][0] == len(distinct)
     assert ch_client.query(f"SELECT count() FROM {ch_db}.trajectories FINAL").result_rows[0][0] == len(trajectories)
-    assert ch_client.query(f"SELECT count() FROM {ch_db}.rewards FINAL WHERE reward_version='v2'").result_rows[0][0] == len(trajectories)
+    assert ch_client.query(f"SELECT count() FROM {ch_db}.rewards FINAL WHERE reward_version='v2'").result_rows[0][
+        0
+    ] == len(trajectories)
 
 
 # ---------------------------------------------------------------- separate processes: recovery and scale-out
@@ -224,9 +254,14 @@ print(json.dumps(out))
 
 def _env(bootstrap: str, prefix: str, data_dir, tail: bool) -> dict[str, str]:
     keep = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")}
-    return keep | {"RTRL_KAFKA__BOOTSTRAP": bootstrap, "RTRL_KAFKA__TOPIC_PREFIX": prefix,
-                   "RTRL_DATA_DIR": str(data_dir), "RTRL_FLOW__TAIL": "true" if tail else "false",
-                   "RTRL_SDK__SALT": SALT, "RTRL_REWARDS__VERSIONS": VERSIONS}
+    return keep | {
+        "RTRL_KAFKA__BOOTSTRAP": bootstrap,
+        "RTRL_KAFKA__TOPIC_PREFIX": prefix,
+        "RTRL_DATA_DIR": str(data_dir),
+        "RTRL_FLOW__TAIL": "true" if tail else "false",
+        "RTRL_SDK__SALT": SALT,
+        "RTRL_REWARDS__VERSIONS": VERSIONS,
+    }
 
 
 def _flow_cmd(recovery=None, extra=()) -> list[str]:
@@ -237,8 +272,9 @@ def _flow_cmd(recovery=None, extra=()) -> list[str]:
 
 
 def _dump(data_dir) -> dict:
-    proc = subprocess.run([sys.executable, "-c", DUMP, f"chdb://{data_dir}/clickhouse"], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", DUMP, f"chdb://{data_dir}/clickhouse"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -251,8 +287,9 @@ def reference(broker, tmp_path_factory):
     prefix, data = f"ref{free_port()}.", tmp_path_factory.mktemp("reference")
     ensure_topics(broker.bootstrap, prefix, 4)
     _produce(broker.bootstrap, prefix + "events", phase1 + phase2)
-    proc = subprocess.run(_flow_cmd(), env=_env(broker.bootstrap, prefix, data, tail=False), capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        _flow_cmd(), env=_env(broker.bootstrap, prefix, data, tail=False), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return phase1, phase2, _dump(data)
 
@@ -267,8 +304,12 @@ def test_kill_9_and_restart_equals_uninterrupted(broker, tmp_path, reference):
     recovery.mkdir()
     subprocess.run([sys.executable, "-m", "bytewax.recovery", str(recovery), "1"], check=True, timeout=60)
     _produce(broker.bootstrap, prefix + "events", phase1)
-    first = subprocess.Popen(_flow_cmd(recovery), env=_env(broker.bootstrap, prefix, tmp_path, tail=True),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    first = subprocess.Popen(
+        _flow_cmd(recovery),
+        env=_env(broker.bootstrap, prefix, tmp_path, tail=True),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if sum(1 for _ in read_topic(broker.bootstrap, prefix + "rewards")) >= 100:
@@ -277,8 +318,13 @@ def test_kill_9_and_restart_equals_uninterrupted(broker, tmp_path, reference):
     os.kill(first.pid, signal.SIGKILL)
     first.wait(30)
     _produce(broker.bootstrap, prefix + "events", phase2)
-    second = subprocess.run(_flow_cmd(recovery), env=_env(broker.bootstrap, prefix, tmp_path, tail=False),
-                            capture_output=True, text=True, timeout=300)
+    second = subprocess.run(
+        _flow_cmd(recovery),
+        env=_env(broker.bootstrap, prefix, tmp_path, tail=False),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     assert _dump(tmp_path) == expected
 
@@ -291,8 +337,12 @@ def test_two_worker_processes_equal_one(broker, tmp_path, reference):
     _produce(broker.bootstrap, prefix + "events", phase1 + phase2)
     addresses = f"127.0.0.1:{free_port()};127.0.0.1:{free_port()}"
     env = _env(broker.bootstrap, prefix, tmp_path, tail=False)
-    procs = [subprocess.Popen(_flow_cmd(extra=["-i", str(i), "-a", addresses]), env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for i in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            _flow_cmd(extra=["-i", str(i), "-a", addresses]), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        for i in (0, 1)
+    ]
     for p in procs:
         assert p.wait(300) == 0, p.stderr.read()[-3000:]
     assert _dump(tmp_path) == expected

@@ -65,14 +65,14 @@ class Traj:
         self.events: list = []
         self.add(TrajectoryStarted, task_kind=task_kind)
 
-    def add(self, cls, **payload) -> "Traj":
+    def add(self, cls, **payload) -> Traj:
         self.events.append(_ev(cls, len(self.events), **payload))
         return self
 
-    def tool(self, valid: bool = True) -> "Traj":
+    def tool(self, valid: bool = True) -> Traj:
         return self.add(ToolCall, tool="edit_file", valid=valid, error=None if valid else "bad json")
 
-    def edit(self, eid: str = "e1", accepted: bool | None = True, fraction: float | None = None) -> "Traj":
+    def edit(self, eid: str = "e1", accepted: bool | None = True, fraction: float | None = None) -> Traj:
         self.add(EditProposed, edit_id=eid, lines=10)
         if accepted is True:
             self.add(EditAccepted, edit_id=eid)
@@ -82,19 +82,19 @@ class Traj:
             self.add(EditRejected, edit_id=eid)
         return self
 
-    def followup(self, sentiment: str = "neutral", question_needed: bool | None = None) -> "Traj":
+    def followup(self, sentiment: str = "neutral", question_needed: bool | None = None) -> Traj:
         return self.add(Followup, sentiment=sentiment, question_needed=question_needed)
 
-    def question(self, needed: bool | None = True, sentiment: str = "neutral") -> "Traj":
+    def question(self, needed: bool | None = True, sentiment: str = "neutral") -> Traj:
         self.add(ClarifyingQuestion)
         if needed is not None:
             self.followup(sentiment, question_needed=needed)
         return self
 
-    def latency(self, total_ms: float) -> "Traj":
+    def latency(self, total_ms: float) -> Traj:
         return self.add(Latency, ttft_ms=min(total_ms, 100.0), total_ms=total_ms)
 
-    def end(self, status: str = "completed") -> "Traj":
+    def end(self, status: str = "completed") -> Traj:
         return self.add(TrajectoryEnded, status=status)
 
     def score(self, version: str = CURRENT_VERSION) -> RewardResult | None:
@@ -312,14 +312,17 @@ def test_registry_and_get_config():
     assert all(name == cfg.version for name, cfg in REWARD_VERSIONS.items())
     v1, v2 = REWARD_VERSIONS["v1-discard-broken"], REWARD_VERSIONS["v2"]
     # v1 differs from v2 only in the two deliberate bugs.
-    assert dataclasses.replace(
-        v1,
-        version="v2",
-        discard_broken=False,
-        w_unneeded_question=v2.w_unneeded_question,
-        w_unneeded_question_with_edit=v2.w_unneeded_question_with_edit,
-        deferral_ceiling=v2.deferral_ceiling,
-    ) == v2
+    assert (
+        dataclasses.replace(
+            v1,
+            version="v2",
+            discard_broken=False,
+            w_unneeded_question=v2.w_unneeded_question,
+            w_unneeded_question_with_edit=v2.w_unneeded_question_with_edit,
+            deferral_ceiling=v2.deferral_ceiling,
+        )
+        == v2
+    )
     with pytest.raises(KeyError) as exc:
         get_config("v0")
     assert "v2" in str(exc.value) and "v1-discard-broken" in str(exc.value)
@@ -363,7 +366,9 @@ def _spec(*, edits: bool, questions: bool) -> st.SearchStrategy:
             st.just(Latency),
             st.floats(0, 200_000, allow_nan=False).map(lambda ms: dict(ttft_ms=min(ms, 50.0), total_ms=ms)),
         ),
-        st.tuples(st.just(TrajectoryEnded), st.sampled_from(["completed", "abandoned", "error"]).map(lambda s: dict(status=s))),
+        st.tuples(
+            st.just(TrajectoryEnded), st.sampled_from(["completed", "abandoned", "error"]).map(lambda s: dict(status=s))
+        ),
     ]
     if edits:
         eid = st.sampled_from(_EDIT_IDS)

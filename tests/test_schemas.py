@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas.codec import Invalid, decode_batch, encode_batch, event_codec, JsonCodec
+from schemas.codec import Invalid, JsonCodec, decode_batch, encode_batch, event_codec
 from schemas.records import (
     EVENT_TYPES,
     RECORDS,
@@ -33,8 +33,16 @@ JSON_RECORDS = [EventBase, Rollout, Reward, Checkpoint, DeadLetter]
 
 def _tool_call(**kw) -> ToolCall:
     base = dict(
-        event_id="e1", trajectory_id="t1", ts=1_767_225_600_000, org_id="acme", user_hash="0" * 32,
-        policy_version=3, arm="control", tool="grep", valid=False, error="bad regex",
+        event_id="e1",
+        trajectory_id="t1",
+        ts=1_767_225_600_000,
+        org_id="acme",
+        user_hash="0" * 32,
+        policy_version=3,
+        arm="control",
+        tool="grep",
+        valid=False,
+        error="bad regex",
     )
     return ToolCall(**(base | kw))
 
@@ -120,8 +128,20 @@ def test_event_type_is_the_tag():
         (lambda b: b"null", "$", "Expected `object`"),
         (lambda b: b[:-1] + b',"error":"' + b"x" * 70_000 + b'"}', "$", "exceeds the limit"),
     ],
-    ids=["malformed", "unknown-type", "missing", "mistyped", "negative-ts", "bad-bool", "raw-user-id",
-         "empty-id", "unknown-field", "array", "null", "oversize"],
+    ids=[
+        "malformed",
+        "unknown-type",
+        "missing",
+        "mistyped",
+        "negative-ts",
+        "bad-bool",
+        "raw-user-id",
+        "empty-id",
+        "unknown-field",
+        "array",
+        "null",
+        "oversize",
+    ],
 )
 def test_bad_events_name_the_field_and_reason(mutate, field, reason):
     """Each kind of bad input decodes to Invalid(field, reason) — what a dead letter records."""
@@ -135,9 +155,19 @@ def test_bad_events_name_the_field_and_reason(mutate, field, reason):
 def test_edit_persisted_fraction_is_bounded():
     """fraction outside 0..1 is rejected with the field named."""
     raw = msgspec.json.encode(
-        {"type": "edit_persisted", "event_id": "e", "trajectory_id": "t", "ts": 1, "org_id": "o",
-         "user_hash": "a" * 32, "policy_version": 0, "arm": "control", "edit_id": "x", "fraction": 1.5,
-         "checked_after_s": 60.0}
+        {
+            "type": "edit_persisted",
+            "event_id": "e",
+            "trajectory_id": "t",
+            "ts": 1,
+            "org_id": "o",
+            "user_hash": "a" * 32,
+            "policy_version": 0,
+            "arm": "control",
+            "edit_id": "x",
+            "fraction": 1.5,
+            "checked_after_s": 60.0,
+        }
     )
     with pytest.raises(Invalid) as err:
         event_codec().decode(raw)
@@ -147,9 +177,18 @@ def test_edit_persisted_fraction_is_bounded():
 def test_rollout_lengths_must_agree():
     """A rollout whose log-probs don't cover every completion token is rejected."""
     raw = msgspec.json.encode(
-        {"trajectory_id": "t", "policy_version": 1, "group_id": "g", "org_id": "o", "task_kind": "bugfix",
-         "prompt_ids": [1], "completion_ids": [2, 3], "behaviour_logprobs": [-1.0], "loss_mask": [1, 1],
-         "created_at": 5}
+        {
+            "trajectory_id": "t",
+            "policy_version": 1,
+            "group_id": "g",
+            "org_id": "o",
+            "task_kind": "bugfix",
+            "prompt_ids": [1],
+            "completion_ids": [2, 3],
+            "behaviour_logprobs": [-1.0],
+            "loss_mask": [1, 1],
+            "created_at": 5,
+        }
     )
     with pytest.raises(Invalid) as err:
         JsonCodec(Rollout).decode(raw)
@@ -161,8 +200,16 @@ def test_micro_batch_rejects_ragged_rows_and_foreign_ipc():
     with pytest.raises(Invalid):
         decode_batch(b"definitely not arrow")
     good = MicroBatch(
-        batch_id="b", created_at=1, seq_len=2, token_ids=[[1, 2]], loss_mask=[[1, 1]], advantages=[[0.5, 0.5]],
-        behaviour_logprobs=[[-1.0, -1.0]], segment_ids=[[0, 0]], sample_ids=["t"], policy_versions=[1],
+        batch_id="b",
+        created_at=1,
+        seq_len=2,
+        token_ids=[[1, 2]],
+        loss_mask=[[1, 1]],
+        advantages=[[0.5, 0.5]],
+        behaviour_logprobs=[[-1.0, -1.0]],
+        segment_ids=[[0, 0]],
+        sample_ids=["t"],
+        policy_versions=[1],
     )
     table = to_arrow([good], MicroBatch)
     idx = table.schema.get_field_index("segment_ids")

@@ -10,8 +10,8 @@ import pytest
 
 from client import InvalidEvent, RtrlClient, hash_user
 from devservices.broker import LocalBroker, free_port
-from rtrl.settings import SimulatorSettings
 from rtrl.kafka import ensure_topics, read_topic
+from rtrl.settings import SimulatorSettings
 from schemas.codec import event_codec
 from schemas.records import EditPersisted, event_type
 from simulator.drive import drive
@@ -30,7 +30,9 @@ def test_trajectory_api_emits_valid_keyed_hashed_events(broker, topic_prefix):
     leaves the process, only its salted hash."""
     topic = topic_prefix + "events"
     with RtrlClient(broker.bootstrap, salt=SALT, topic=topic) as c:
-        t = c.start_trajectory(org_id="acme", user_id="alice@example.com", task_kind="bugfix", policy_version=4, arm="b")
+        t = c.start_trajectory(
+            org_id="acme", user_id="alice@example.com", task_kind="bugfix", policy_version=4, arm="b"
+        )
         t.tool_call("grep", valid=True)
         t.tool_call("apply_patch", valid=False, error="patch does not apply")
         t.clarifying_question()
@@ -43,8 +45,18 @@ def test_trajectory_api_emits_valid_keyed_hashed_events(broker, topic_prefix):
         t.edit_persisted(edit, fraction=0.75, checked_after_s=600.0)
     got = _events(broker.bootstrap, topic)
     assert [event_type(e) for _, e, _ in got] == [
-        "trajectory_started", "tool_call", "tool_call", "clarifying_question", "followup", "edit_proposed",
-        "edit_accepted", "edit_proposed", "edit_rejected", "latency", "trajectory_ended", "edit_persisted",
+        "trajectory_started",
+        "tool_call",
+        "tool_call",
+        "clarifying_question",
+        "followup",
+        "edit_proposed",
+        "edit_accepted",
+        "edit_proposed",
+        "edit_rejected",
+        "latency",
+        "trajectory_ended",
+        "edit_persisted",
     ]
     assert {k for k, _, _ in got} == {t.trajectory_id.encode()}
     assert {e.user_hash for _, e, _ in got} == {hash_user("alice@example.com", SALT)}
@@ -69,8 +81,13 @@ def test_invalid_events_are_refused_with_the_field(broker, topic_prefix):
 def test_full_queue_drops_and_counts_without_blocking():
     """With the broker unreachable and a tiny queue, record() keeps returning at once: events beyond the
     bound are dropped and counted (accepted + dropped = recorded), never silently lost or blocking."""
-    c = RtrlClient(f"127.0.0.1:{free_port()}", salt=SALT, queue_size=5, delivery_timeout_s=1,
-                   producer_overrides={"queue.buffering.max.messages": 10})
+    c = RtrlClient(
+        f"127.0.0.1:{free_port()}",
+        salt=SALT,
+        queue_size=5,
+        delivery_timeout_s=1,
+        producer_overrides={"queue.buffering.max.messages": 10},
+    )
     t = c.start_trajectory(org_id="acme", user_id="u", task_kind="bugfix", policy_version=0)
     results = [t.tool_call("grep", valid=True) for _ in range(2000)]
     s = c.stats()
@@ -97,9 +114,11 @@ def test_concurrent_callers_lose_nothing(broker, topic_prefix):
     """Many threads recording at once: every event is counted and delivered once."""
     topic = topic_prefix + "events"
     with RtrlClient(broker.bootstrap, salt=SALT, topic=topic) as c:
+
         def work(n):
             for i in range(100):
                 c.start_trajectory(org_id="o", user_id=f"u{n}-{i}", task_kind="test", policy_version=0)
+
         threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
         [th.start() for th in threads]
         [th.join() for th in threads]

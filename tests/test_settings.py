@@ -88,8 +88,21 @@ def test_one_section_per_component():
     outside it."""
     from rtrl.settings import SECTIONS
 
-    assert set(SECTIONS) == {"kafka", "clickhouse", "sdk", "flow", "rewards", "batching", "loss", "train", "model",
-                             "parallel", "precision", "loop", "simulator"}
+    assert set(SECTIONS) == {
+        "kafka",
+        "clickhouse",
+        "sdk",
+        "flow",
+        "rewards",
+        "batching",
+        "loss",
+        "train",
+        "model",
+        "parallel",
+        "precision",
+        "loop",
+        "simulator",
+    }
 
 
 def test_secrets_are_redacted_when_shown():
@@ -109,8 +122,14 @@ def test_secrets_are_redacted_when_shown():
 
 def test_settings_travel_to_child_processes_unchanged():
     """as_env (how the supervisor hands settings to its parts) round-trips every value, lists included."""
-    s = load_settings(env={"RTRL_REWARDS__VERSIONS": "v2, v1-discard-broken", "RTRL_TRAIN__LR": "3e-4",
-                           "RTRL_MODEL__ACTIVATION": "swiglu", "RTRL_LOOP__PROCESSES": "true"})
+    s = load_settings(
+        env={
+            "RTRL_REWARDS__VERSIONS": "v2, v1-discard-broken",
+            "RTRL_TRAIN__LR": "3e-4",
+            "RTRL_MODEL__ACTIVATION": "swiglu",
+            "RTRL_LOOP__PROCESSES": "true",
+        }
+    )
     assert s.rewards.versions == ["v2", "v1-discard-broken"]
     assert load_settings(env=as_env(s)) == s
 
@@ -133,8 +152,11 @@ def test_the_loop_refuses_settings_it_would_have_to_change():
     for name, (value, _why) in LOOP_FIXED.items():
         sec, _, key = name.partition(".")
         assert getattr(getattr(fitted, sec), key) == value
-    with pytest.raises(ConfigError, match="batching.rows = 4 cannot be used by the closed loop.*micro-batches of the "
-                                          "loop's tiny tasks.*RTRL_BATCHING__ROWS"):
+    with pytest.raises(
+        ConfigError,
+        match="batching.rows = 4 cannot be used by the closed loop.*micro-batches of the "
+        "loop's tiny tasks.*RTRL_BATCHING__ROWS",
+    ):
         loop_settings(load_settings(env={"RTRL_BATCHING__ROWS": "4"}))
     with pytest.raises(ConfigError, match="train.micro_batches_per_step = 2 cannot be used"):
         loop_settings(load_settings(env={"RTRL_TRAIN__MICRO_BATCHES_PER_STEP": "2"}))
@@ -146,9 +168,7 @@ def test_shipped_example_configs_load(tmp_path):
     """deploy/rtrl.example.toml lists every setting at its default; the production example is valid."""
     from pathlib import Path
 
-    from rtrl.settings import Settings
-
-    from rtrl.settings import example_toml
+    from rtrl.settings import Settings, example_toml
 
     deploy = Path(__file__).resolve().parent.parent / "deploy"
     assert (deploy / "rtrl.example.toml").read_text() == example_toml(), "regenerate: rtrl config --example"

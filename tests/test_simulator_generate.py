@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections import defaultdict
-from functools import lru_cache
+from functools import cache
 
 import pytest
 
@@ -27,7 +27,7 @@ SALT = "test-salt-0123"
 N = 3000
 
 
-@lru_cache(maxsize=None)
+@cache
 def run(trajectories: int = N, **kw) -> tuple[Emission, ...]:
     """Generate once per distinct argument set (tests share the big runs)."""
     profiles = kw.pop("profiles", None)
@@ -104,7 +104,7 @@ def test_start_time_and_poisson_arrivals():
 def test_trajectory_shape():
     """Each trajectory begins with trajectory_started in event time, has exactly one trajectory_ended,
     which is its last event apart from persistence checks, and every decision refers to a proposed edit."""
-    for tid, evs in by_trajectory(distinct(run())).items():
+    for _tid, evs in by_trajectory(distinct(run())).items():
         assert isinstance(evs[0], TrajectoryStarted) and evs[0].ts < evs[1].ts
         ends = [e for e in evs if isinstance(e, TrajectoryEnded)]
         assert len(ends) == 1
@@ -178,7 +178,9 @@ def test_late_checks_arrive_after_end_and_hours_late():
     checks = [ev for ev in distinct(ems) if isinstance(ev, EditPersisted)]
     after = [sent[c.event_id] > ended[c.trajectory_id] for c in checks]
     assert sum(after) / len(after) > 0.8
-    hours_late = [c for c in checks if c.checked_after_s >= 7200 and sent[c.event_id] - ended[c.trajectory_id] > 3_600_000]
+    hours_late = [
+        c for c in checks if c.checked_after_s >= 7200 and sent[c.event_id] - ended[c.trajectory_id] > 3_600_000
+    ]
     assert 0.06 < len(hours_late) / len(checks) < 0.14
     assert stats(list(ems))["late_checks"] == len([c for c in checks if c.checked_after_s > 1800])
 

@@ -92,8 +92,13 @@ def test_answers_outcomes_and_score():
     assert outcome(easy, [6, ASK]).asked and outcome(easy, [6, ASK]).edit is None
     assert outcome(easy, [7, 0]).edit is None and not outcome(easy, [7, 0]).asked
     s = score([easy, hard], [[5, DIGIT0 + 3], [9, ASK]])
-    assert s == {"solve_rate": 0.5, "solve_rate_hard": 0.0, "edit_rate": 0.5, "clarify_rate": 0.5,
-                 "broken_tool_call_rate": 0.5}
+    assert s == {
+        "solve_rate": 0.5,
+        "solve_rate_hard": 0.0,
+        "edit_rate": 0.5,
+        "clarify_rate": 0.5,
+        "broken_tool_call_rate": 0.5,
+    }
     assert held_out(50) == held_out(50) and len({t.task_id for t in held_out(50)}) == 50
 
 
@@ -102,9 +107,16 @@ def test_users_reactions_earn_the_rewards_the_design_asks_for():
     broken call costs. v1-discard-broken: the same broken trajectories earn no reward at all."""
     t = sample_task(random.Random(3), "o")
     right, wrong = DIGIT0 + t.answer, DIGIT0 + (t.answer + 1) % 10
-    v2 = {name: _reward(t, c, "v2") for name, c in
-          {"right": [5, right], "wrong": [5, wrong], "ask": [5, ASK], "broken_right": [8, right],
-           "broken_wrong": [8, wrong]}.items()}
+    v2 = {
+        name: _reward(t, c, "v2")
+        for name, c in {
+            "right": [5, right],
+            "wrong": [5, wrong],
+            "ask": [5, ASK],
+            "broken_right": [8, right],
+            "broken_wrong": [8, wrong],
+        }.items()
+    }
     assert v2["right"] > 0 > v2["ask"] > v2["wrong"]
     assert v2["broken_right"] < v2["right"] and v2["broken_wrong"] < v2["wrong"]
     assert _reward(t, [8, wrong], "v1-discard-broken") is None
@@ -130,9 +142,25 @@ def test_sampled_logprobs_are_the_trainers(tmp_path):
     first = warm_start(model, tasks, steps=3)
     assert warm_start(model, tasks, steps=20) < first
     comps, lps = sample(model, tasks, torch.Generator().manual_seed(1))
-    samples = [Sample(Rollout(trajectory_id=f"t{i}", policy_version=0, group_id="g", org_id="o", task_kind=t.kind,
-                              prompt_ids=t.prompt, completion_ids=c, behaviour_logprobs=lp, loss_mask=[1, 1],
-                              created_at=1), 0.0, 0) for i, (t, c, lp) in enumerate(zip(tasks, comps, lps))]
+    samples = [
+        Sample(
+            Rollout(
+                trajectory_id=f"t{i}",
+                policy_version=0,
+                group_id="g",
+                org_id="o",
+                task_kind=t.kind,
+                prompt_ids=t.prompt,
+                completion_ids=c,
+                behaviour_logprobs=lp,
+                loss_mask=[1, 1],
+                created_at=1,
+            ),
+            0.0,
+            0,
+        )
+        for i, (t, c, lp) in enumerate(zip(tasks, comps, lps))
+    ]
     p = prepare(to_batch(encode_batch(pack(samples, 32, 0)), 0, 0), 0, 0)
     with torch.no_grad():
         again = forward_logprobs(model, p.tokens, p.positions, p.targets, p.attention_mask)

@@ -16,9 +16,16 @@ from trainer.data import BatchStream
 def _batch(i: int) -> MicroBatch:
     seq = 4
     return MicroBatch(
-        batch_id=f"b{i:03d}", created_at=1_000 + i, seq_len=seq, token_ids=[[i, i + 1, i + 2, 0]],
-        loss_mask=[[0, 1, 1, 0]], advantages=[[0.0, 0.5, 0.5, 0.0]], behaviour_logprobs=[[0.0, -1.0, -2.0, 0.0]],
-        segment_ids=[[0, 0, 0, -1]], sample_ids=[f"t{i}"], policy_versions=[i % 3],
+        batch_id=f"b{i:03d}",
+        created_at=1_000 + i,
+        seq_len=seq,
+        token_ids=[[i, i + 1, i + 2, 0]],
+        loss_mask=[[0, 1, 1, 0]],
+        advantages=[[0.0, 0.5, 0.5, 0.0]],
+        behaviour_logprobs=[[0.0, -1.0, -2.0, 0.0]],
+        segment_ids=[[0, 0, 0, -1]],
+        sample_ids=[f"t{i}"],
+        policy_versions=[i % 3],
     )
 
 
@@ -77,19 +84,31 @@ def test_invalid_micro_batches_are_dead_lettered(broker, topic_prefix):
     topic = topic_prefix + "batches"
     mb = _batch(2)
     table = to_arrow([mb], MicroBatch)
-    table = table.set_column(table.schema.get_field_index("sample_ids"), "sample_ids",
-                             pa.array([[]], pa.list_(pa.string())))
-    table = table.set_column(table.schema.get_field_index("policy_versions"), "policy_versions",
-                             pa.array([[]], pa.list_(pa.int64())))
+    table = table.set_column(
+        table.schema.get_field_index("sample_ids"), "sample_ids", pa.array([[]], pa.list_(pa.string()))
+    )
+    table = table.set_column(
+        table.schema.get_field_index("policy_versions"), "policy_versions", pa.array([[]], pa.list_(pa.int64()))
+    )
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as w:
         w.write_table(table)
-    _produce(broker.bootstrap, topic, [(0, encode_batch(_batch(0))), (0, b"not arrow at all"),
-                                       (0, sink.getvalue().to_pybytes()), (0, encode_batch(_batch(1)))])
+    _produce(
+        broker.bootstrap,
+        topic,
+        [
+            (0, encode_batch(_batch(0))),
+            (0, b"not arrow at all"),
+            (0, sink.getvalue().to_pybytes()),
+            (0, encode_batch(_batch(1))),
+        ],
+    )
     stream = BatchStream(broker.bootstrap, topic, topic_prefix + "dead_letters")
     assert [b.batch_id for b in _drain(stream, 2)] == ["b000", "b001"]
     assert stream.dead_letters == 2 and stream.position()[f"{topic}/0"] == 4
     stream.close()
-    dead = [JsonCodec(DeadLetter).decode(m.value()) for m in read_topic(broker.bootstrap, topic_prefix + "dead_letters")]
+    dead = [
+        JsonCodec(DeadLetter).decode(m.value()) for m in read_topic(broker.bootstrap, topic_prefix + "dead_letters")
+    ]
     assert [(d.offset, d.kind) for d in dead] == [(1, "malformed"), (2, "invalid")]
     assert "segment_ids" in dead[1].reason

@@ -17,11 +17,21 @@ def packed(batch_id: str, samples: list[tuple[str, int]], tokens_each: int = 3, 
     seg = np.full((rows, seq), -1, np.int64)
     for i in range(len(samples)):
         flat = seg.reshape(-1)
-        flat[i * tokens_each:(i + 1) * tokens_each] = i
+        flat[i * tokens_each : (i + 1) * tokens_each] = i
     mask = np.where(seg >= 0, 1.0, 0.0).astype(np.float32)
     tokens = np.where(seg >= 0, seg + 10, 0)
-    return Batch(batch_id, tokens, mask, np.ones_like(mask), np.zeros_like(mask), seg, [s for s, _ in samples],
-                 np.array([v for _, v in samples], np.int64), 0, 0)
+    return Batch(
+        batch_id,
+        tokens,
+        mask,
+        np.ones_like(mask),
+        np.zeros_like(mask),
+        seg,
+        [s for s, _ in samples],
+        np.array([v for _, v in samples], np.int64),
+        0,
+        0,
+    )
 
 
 def test_drop_samples_turns_them_into_padding_and_renumbers():

@@ -32,8 +32,18 @@ def _run(cmd: list[str]) -> tuple[list[float], dict]:
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
-    return _run([sys.executable, SCRIPT, str(tmp_path_factory.mktemp("single")), "--steps", "3",
-                 "--checkpoint-every", "100", "--params"])
+    return _run(
+        [
+            sys.executable,
+            SCRIPT,
+            str(tmp_path_factory.mktemp("single")),
+            "--steps",
+            "3",
+            "--checkpoint-every",
+            "100",
+            "--params",
+        ]
+    )
 
 
 @pytest.mark.parametrize("layout", [[], ["--tp", "2"]], ids=["dp2", "tp2"])
@@ -41,8 +51,23 @@ def test_two_process_run_matches_single_process(single, layout, tmp_path):
     """torchrun with 2 processes (data parallel: each rank trains half of every global batch and gradients
     are summed; or tensor parallel: each rank holds half of every matrix) gives the single-process losses and
     final parameters."""
-    losses, params = _run([TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()), SCRIPT,
-                           str(tmp_path), "--steps", "3", "--checkpoint-every", "100", "--params", *layout])
+    losses, params = _run(
+        [
+            TORCHRUN,
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            SCRIPT,
+            str(tmp_path),
+            "--steps",
+            "3",
+            "--checkpoint-every",
+            "100",
+            "--params",
+            *layout,
+        ]
+    )
     want_losses, want_params = single
     np.testing.assert_allclose(losses, want_losses, rtol=1e-4, atol=1e-7)
     assert params.keys() == want_params.keys()

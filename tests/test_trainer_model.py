@@ -93,7 +93,9 @@ def test_fp8_without_transformer_engine_is_a_hard_error():
 
     assert transformer_engine_status()[0] is False, "this CPU environment must not have Transformer Engine"
     for recipe in ("delayed", "mxfp8"):
-        with pytest.raises(TransformerEngineMissing, match=r"precision\.fp8 = 'hybrid' needs NVIDIA Transformer Engine"):
+        with pytest.raises(
+            TransformerEngineMissing, match=r"precision\.fp8 = 'hybrid' needs NVIDIA Transformer Engine"
+        ):
             build_model(ModelConfig.tiny(), PrecisionConfig(bf16=True, fp8="hybrid", fp8_recipe=recipe))
     assert issubclass(TransformerEngineMissing, ConfigError)
 

@@ -35,21 +35,43 @@ from trainer.config import model_config
 from trainer.train import TrainConfig, clip_grad_norm
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
-ARCH = {"RTRL_MODEL__NUM_LAYERS": "2", "RTRL_MODEL__HIDDEN_SIZE": "64", "RTRL_MODEL__NUM_ATTENTION_HEADS": "4",
-        "RTRL_MODEL__NUM_QUERY_GROUPS": "2", "RTRL_MODEL__FFN_HIDDEN_SIZE": "128", "RTRL_MODEL__NORMALIZATION": "RMSNorm",
-        "RTRL_MODEL__ACTIVATION": "swiglu", "RTRL_MODEL__ROPE_BASE": "500000", "RTRL_MODEL__QKV_BIAS": "true",
-        "RTRL_MODEL__LINEAR_BIAS": "false", "RTRL_MODEL__TIE_EMBEDDINGS": "true"}
+ARCH = {
+    "RTRL_MODEL__NUM_LAYERS": "2",
+    "RTRL_MODEL__HIDDEN_SIZE": "64",
+    "RTRL_MODEL__NUM_ATTENTION_HEADS": "4",
+    "RTRL_MODEL__NUM_QUERY_GROUPS": "2",
+    "RTRL_MODEL__FFN_HIDDEN_SIZE": "128",
+    "RTRL_MODEL__NORMALIZATION": "RMSNorm",
+    "RTRL_MODEL__ACTIVATION": "swiglu",
+    "RTRL_MODEL__ROPE_BASE": "500000",
+    "RTRL_MODEL__QKV_BIAS": "true",
+    "RTRL_MODEL__LINEAR_BIAS": "false",
+    "RTRL_MODEL__TIE_EMBEDDINGS": "true",
+}
 
 
 def test_every_model_parallel_precision_setting_reaches_the_model_config():
     """Each field of the three sections is carried by model_config (0 = derived values resolve)."""
-    s = load_settings(env=ARCH | {"RTRL_PARALLEL__TP": "2", "RTRL_PARALLEL__SEQUENCE_PARALLEL": "true",
-                                  "RTRL_PRECISION__BF16": "true"})
+    s = load_settings(
+        env=ARCH
+        | {"RTRL_PARALLEL__TP": "2", "RTRL_PARALLEL__SEQUENCE_PARALLEL": "true", "RTRL_PRECISION__BF16": "true"}
+    )
     cfg, precision = model_config(s)
-    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.ffn_hidden_size) == \
-        (2, 64, 4, 2, 128)
-    assert (cfg.normalization, cfg.activation, cfg.rope_base, cfg.qkv_bias, cfg.linear_bias, cfg.tie_embeddings) == \
-        ("RMSNorm", "swiglu", 500000.0, True, False, True)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.ffn_hidden_size) == (
+        2,
+        64,
+        4,
+        2,
+        128,
+    )
+    assert (cfg.normalization, cfg.activation, cfg.rope_base, cfg.qkv_bias, cfg.linear_bias, cfg.tie_embeddings) == (
+        "RMSNorm",
+        "swiglu",
+        500000.0,
+        True,
+        False,
+        True,
+    )
     assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.sequence_parallel) == (2, 1, None, True)
     assert (precision.bf16, precision.fp8) == (True, None)
     for section, obj in ((ModelSettings, cfg), (ParallelSettings, cfg.parallel), (PrecisionSettings, precision)):
@@ -67,8 +89,16 @@ def test_shape_errors_name_the_setting():
 
 
 def test_train_and_loss_sections_make_the_train_config():
-    s = load_settings(env={"RTRL_TRAIN__LR": "0.0003", "RTRL_TRAIN__BETA2": "0.95", "RTRL_TRAIN__WEIGHT_DECAY": "0.1",
-                           "RTRL_TRAIN__WARMUP_STEPS": "5", "RTRL_LOSS__KL_COEF": "0.05", "RTRL_LOSS__IS_CAP": "3"})
+    s = load_settings(
+        env={
+            "RTRL_TRAIN__LR": "0.0003",
+            "RTRL_TRAIN__BETA2": "0.95",
+            "RTRL_TRAIN__WEIGHT_DECAY": "0.1",
+            "RTRL_TRAIN__WARMUP_STEPS": "5",
+            "RTRL_LOSS__KL_COEF": "0.05",
+            "RTRL_LOSS__IS_CAP": "3",
+        }
+    )
     tc = TrainConfig.from_settings(s, run_id="r", checkpoint_dir="/tmp/x")
     assert (tc.lr, tc.betas, tc.weight_decay, tc.warmup_steps, tc.grad_clip) == (0.0003, (0.9, 0.95), 0.1, 5, 1.0)
     assert (tc.loss.kl_coef, tc.loss.is_cap, tc.run_id, tc.checkpoint_dir) == (0.05, 3.0, "r", "/tmp/x")
@@ -86,8 +116,10 @@ def test_architecture_settings_build_that_model():
     model = build_model(cfg, precision)
     params = dict(model.named_parameters())
     layer = model.decoder.layers[0]
-    assert type(layer.input_layernorm).__name__ in ("RMSNorm", "WrappedTorchNorm", "FusedLayerNorm") and \
-        "decoder.layers.0.input_layernorm.bias" not in params  # RMSNorm has no bias
+    assert (
+        type(layer.input_layernorm).__name__ in ("RMSNorm", "WrappedTorchNorm", "FusedLayerNorm")
+        and "decoder.layers.0.input_layernorm.bias" not in params
+    )  # RMSNorm has no bias
     assert params["decoder.layers.0.mlp.linear_fc1.weight"].shape == (2 * 128, 64)  # gate and up projections
     head_dim = 64 // 4
     assert params["decoder.layers.0.self_attention.linear_qkv.weight"].shape == ((4 + 2 * 2) * head_dim, 64)  # GQA
@@ -117,8 +149,11 @@ def test_gradient_clipping_is_on_by_default_and_matches_torch():
 
 
 def _settings_file(tmp_path: Path, broker, topic_prefix: str, **sections: dict) -> Path:
-    doc = {"data_dir": str(tmp_path / "data"), "kafka": {"bootstrap": broker.bootstrap, "topic_prefix": topic_prefix},
-           "train": {"steps": 3, "idle_timeout_s": 5.0, "run_id": "tp-run", "micro_batches_per_step": 2}} | sections
+    doc = {
+        "data_dir": str(tmp_path / "data"),
+        "kafka": {"bootstrap": broker.bootstrap, "topic_prefix": topic_prefix},
+        "train": {"steps": 3, "idle_timeout_s": 5.0, "run_id": "tp-run", "micro_batches_per_step": 2},
+    } | sections
     lines = []
     for k, v in doc.items():
         if not isinstance(v, dict):
@@ -134,12 +169,36 @@ def _settings_file(tmp_path: Path, broker, topic_prefix: str, **sections: dict) 
 
 def _torchrun(config: Path, nproc: int = 2) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")} | {"OMP_NUM_THREADS": "1"}
-    return subprocess.run([TORCHRUN, "--nproc_per_node", str(nproc), "--master_port", str(free_port()), "-m",
-                           "trainer", "--config", str(config)], env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [
+            TORCHRUN,
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            str(free_port()),
+            "-m",
+            "trainer",
+            "--config",
+            str(config),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
-MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2, "ffn_hidden_size": 128,
-         "normalization": "RMSNorm", "activation": "swiglu", "qkv_bias": True, "linear_bias": False}
+MODEL = {
+    "num_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "ffn_hidden_size": 128,
+    "normalization": "RMSNorm",
+    "activation": "swiglu",
+    "qkv_bias": True,
+    "linear_bias": False,
+}
 
 
 @pytest.mark.slow
@@ -159,19 +218,28 @@ def test_torchrun_tp2_from_a_settings_file_trains(broker, topic_prefix, tmp_path
     ckpt = tmp_path / "data" / "checkpoints" / "step_000000003"
     assert (ckpt / "COMPLETE").exists()
     # the TP=2 checkpoint is the configured architecture: it loads into it at TP=1, and training moved it
-    check = subprocess.run([sys.executable, "-c", (
-        "import sys, torch\n"
-        "from rtrl.settings import load_settings\n"
-        "from trainer.config import model_config\n"
-        "from trainer.model import init_parallel, build_model\n"
-        "from trainer import checkpoint\n"
-        f"s = load_settings({str(config)!r}, env={{}}).updated({{'parallel.tp': 1}})\n"
-        "cfg, prec = model_config(s); init_parallel(cfg)\n"
-        "init, m = build_model(cfg, prec), build_model(cfg, prec)\n"
-        f"checkpoint.load({str(ckpt)!r}, m, restore_rng=False)\n"
-        "d = max((a - b).abs().max().item() for a, b in zip(init.parameters(), m.parameters()))\n"
-        "print('moved', d, m.decoder.layers[0].mlp.linear_fc1.weight.shape[0])\n")],
-        capture_output=True, text=True, timeout=300)
+    check = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, torch\n"
+                "from rtrl.settings import load_settings\n"
+                "from trainer.config import model_config\n"
+                "from trainer.model import init_parallel, build_model\n"
+                "from trainer import checkpoint\n"
+                f"s = load_settings({str(config)!r}, env={{}}).updated({{'parallel.tp': 1}})\n"
+                "cfg, prec = model_config(s); init_parallel(cfg)\n"
+                "init, m = build_model(cfg, prec), build_model(cfg, prec)\n"
+                f"checkpoint.load({str(ckpt)!r}, m, restore_rng=False)\n"
+                "d = max((a - b).abs().max().item() for a, b in zip(init.parameters(), m.parameters()))\n"
+                "print('moved', d, m.decoder.layers[0].mlp.linear_fc1.weight.shape[0])\n"
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert check.returncode == 0, check.stderr[-3000:]
     moved, fc1 = check.stdout.split("moved")[-1].split()
     assert float(moved) > 0 and int(fc1) == 2 * 128
@@ -191,10 +259,16 @@ def test_fp8_on_a_cpu_machine_fails_with_the_clear_error(broker, topic_prefix, t
     (megatron-core would otherwise train in bf16 silently)."""
     if torch.cuda.is_available():
         pytest.skip("a GPU machine may have Transformer Engine")
-    config = _settings_file(tmp_path, broker, topic_prefix, precision={"bf16": True, "fp8": "hybrid"},
-                            model={"hidden_size": 64, "ffn_hidden_size": 256})
+    config = _settings_file(
+        tmp_path,
+        broker,
+        topic_prefix,
+        precision={"bf16": True, "fp8": "hybrid"},
+        model={"hidden_size": 64, "ffn_hidden_size": 256},
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")}
-    proc = subprocess.run([sys.executable, "-m", "trainer", "--config", str(config)], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer", "--config", str(config)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "precision.fp8 = 'hybrid' needs NVIDIA Transformer Engine" in proc.stderr

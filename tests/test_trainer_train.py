@@ -29,8 +29,18 @@ def test_prepare_shifts_packs_and_drops_stale_samples():
     token attend only to earlier tokens of its own sample; tokens of samples over the lag limit are
     masked out and counted; off-policy marks lag >= 1."""
     seg = np.array([[0, 0, 0, 1, 1, -1]])
-    b = Batch("b", np.array([[5, 6, 7, 8, 9, 0]]), np.array([[0, 1, 1, 0, 1, 0]], np.float32),
-              np.ones((1, 6), np.float32), np.zeros((1, 6), np.float32), seg, ["x", "y"], np.array([3, 1]), 0, 0)
+    b = Batch(
+        "b",
+        np.array([[5, 6, 7, 8, 9, 0]]),
+        np.array([[0, 1, 1, 0, 1, 0]], np.float32),
+        np.ones((1, 6), np.float32),
+        np.zeros((1, 6), np.float32),
+        seg,
+        ["x", "y"],
+        np.array([3, 1]),
+        0,
+        0,
+    )
     p = prepare(b, policy_version=3, max_policy_lag=1)
     assert p.tokens.tolist() == [[5, 6, 7, 8, 9]] and p.targets.tolist() == [[6, 7, 8, 9, 0]]
     assert p.positions.tolist() == [[0, 1, 2, 0, 1]]
@@ -59,7 +69,9 @@ def test_golden_loss_curve(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     curve = [[s["step"], s["loss"], s["kl"], s["clip_fraction"]] for s in _steps(proc.stdout)]
     if os.environ.get("RTRL_UPDATE_GOLDEN"):
-        GOLDEN.write_text(json.dumps({"note": "tests/dist/train_run.py, tiny ModelConfig, 6 steps", "curve": curve}, indent=1))
+        GOLDEN.write_text(
+            json.dumps({"note": "tests/dist/train_run.py, tiny ModelConfig, 6 steps", "curve": curve}, indent=1)
+        )
     golden = json.loads(GOLDEN.read_text())["curve"]
     assert len(curve) == len(golden) == 6
     for got, want in zip(curve, golden):
@@ -68,10 +80,18 @@ def test_golden_loss_curve(tmp_path):
 
 
 def _to_micro(b: Batch) -> MicroBatch:
-    return MicroBatch(batch_id=b.batch_id, created_at=1, seq_len=b.tokens.shape[1], token_ids=b.tokens.tolist(),
-                      loss_mask=b.loss_mask.astype(int).tolist(), advantages=b.advantages.tolist(),
-                      behaviour_logprobs=b.behaviour_logprobs.tolist(), segment_ids=b.segment_ids.tolist(),
-                      sample_ids=b.sample_ids, policy_versions=b.policy_versions.tolist())
+    return MicroBatch(
+        batch_id=b.batch_id,
+        created_at=1,
+        seq_len=b.tokens.shape[1],
+        token_ids=b.tokens.tolist(),
+        loss_mask=b.loss_mask.astype(int).tolist(),
+        advantages=b.advantages.tolist(),
+        behaviour_logprobs=b.behaviour_logprobs.tolist(),
+        segment_ids=b.segment_ids.tolist(),
+        sample_ids=b.sample_ids,
+        policy_versions=b.policy_versions.tolist(),
+    )
 
 
 def test_kill_9_and_resume_trains_the_same_batches_once(broker, topic_prefix, tmp_path):
@@ -90,7 +110,9 @@ def test_kill_9_and_resume_trains_the_same_batches_once(broker, topic_prefix, tm
     expected = [(s["step"], s["batch_ids"], s["loss"]) for s in _steps(reference.stdout)]
     assert [e[1] for e in expected] == [[f"b{2 * i:03d}", f"b{2 * i + 1:03d}"] for i in range(6)]
 
-    first = subprocess.Popen(RUN + [str(tmp_path / "b")] + kafka, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    first = subprocess.Popen(
+        RUN + [str(tmp_path / "b")] + kafka, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     seen = []
     for line in first.stdout:
         if '"step"' in line:
@@ -119,17 +141,33 @@ def test_rtrl_train_records_metrics_in_clickhouse(broker, topic_prefix, tmp_path
         p.produce(topic, value=encode_batch(_to_micro(b)), key=b.batch_id.encode(), partition=0)
     assert p.flush(10) == 0
     env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")} | {
-        "RTRL_KAFKA__BOOTSTRAP": broker.bootstrap, "RTRL_KAFKA__TOPIC_PREFIX": topic_prefix,
-        "RTRL_DATA_DIR": str(tmp_path), "RTRL_TRAIN__STEPS": "3", "RTRL_TRAIN__IDLE_TIMEOUT_S": "5",
-        "RTRL_TRAIN__RUN_ID": "cli-run"}
-    proc = subprocess.run([sys.executable, "-m", "app.cli", "train"], env=env, capture_output=True, text=True, timeout=600)
+        "RTRL_KAFKA__BOOTSTRAP": broker.bootstrap,
+        "RTRL_KAFKA__TOPIC_PREFIX": topic_prefix,
+        "RTRL_DATA_DIR": str(tmp_path),
+        "RTRL_TRAIN__STEPS": "3",
+        "RTRL_TRAIN__IDLE_TIMEOUT_S": "5",
+        "RTRL_TRAIN__RUN_ID": "cli-run",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "app.cli", "train"], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "trained 3 steps" in proc.stdout
-    dump = subprocess.run([sys.executable, "-c", (
-        "import json; from rtrl import clickhouse\n"
-        f"ch = clickhouse.connect('chdb://{tmp_path}/clickhouse')\n"
-        "print(json.dumps(ch.query('SELECT step, batch_ids, on_policy_fraction, lag_histogram, tokens FROM "
-        "rtrl.train_metrics FINAL ORDER BY step').result_rows, default=str))")], capture_output=True, text=True, timeout=120)
+    dump = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import json; from rtrl import clickhouse\n"
+                f"ch = clickhouse.connect('chdb://{tmp_path}/clickhouse')\n"
+                "print(json.dumps(ch.query('SELECT step, batch_ids, on_policy_fraction, lag_histogram, tokens FROM "
+                "rtrl.train_metrics FINAL ORDER BY step').result_rows, default=str))"
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     rows = json.loads(dump.stdout.strip().splitlines()[-1])
     assert [r[0] for r in rows] == [1, 2, 3]
     assert [r[1] for r in rows] == [["b000", "b001"], ["b002", "b003"], ["b004", "b005"]]

@@ -7,7 +7,12 @@ import pickle
 
 from flows.windowing import Closed, PartitionWindows, Rejected, WindowConfig
 from schemas.records import (
-    EditAccepted, EditPersisted, EditProposed, ToolCall, TrajectoryEnded, TrajectoryStarted,
+    EditAccepted,
+    EditPersisted,
+    EditProposed,
+    ToolCall,
+    TrajectoryEnded,
+    TrajectoryStarted,
 )
 
 CFG = WindowConfig(deadline_ms=1000, grace_ms=10, allowed_lateness_ms=5000, max_future_ms=100_000)
@@ -37,7 +42,9 @@ def rejects(out):
 def test_ended_window_closes_after_grace():
     """A started, ended trajectory with no accepted edits closes ('ended') once the watermark passes end + grace."""
     w = PartitionWindows(CFG)
-    out = feed(w, [ev(TrajectoryStarted, "a", 0, task_kind="bugfix"), ev(TrajectoryEnded, "a", 100, status="completed")])
+    out = feed(
+        w, [ev(TrajectoryStarted, "a", 0, task_kind="bugfix"), ev(TrajectoryEnded, "a", 100, status="completed")]
+    )
     assert closes(out) == []
     out = feed(w, [ev(TrajectoryStarted, "b", 115, task_kind="bugfix")])
     assert closes(out) == [("a", 0, "ended", 2)]
@@ -46,22 +53,38 @@ def test_ended_window_closes_after_grace():
 def test_pending_persistence_check_holds_the_window_until_it_arrives():
     """An accepted edit keeps the window open after the end until its check arrives (or the deadline)."""
     w = PartitionWindows(CFG)
-    out = feed(w, [
-        ev(TrajectoryStarted, "a", 0, task_kind="x"), ev(EditProposed, "a", 10, edit_id="d", lines=3),
-        ev(EditAccepted, "a", 20, edit_id="d"), ev(TrajectoryEnded, "a", 30, status="completed"),
-        ev(TrajectoryStarted, "b", 500, task_kind="x"),
-    ])
+    out = feed(
+        w,
+        [
+            ev(TrajectoryStarted, "a", 0, task_kind="x"),
+            ev(EditProposed, "a", 10, edit_id="d", lines=3),
+            ev(EditAccepted, "a", 20, edit_id="d"),
+            ev(TrajectoryEnded, "a", 30, status="completed"),
+            ev(TrajectoryStarted, "b", 500, task_kind="x"),
+        ],
+    )
     assert closes(out) == []
-    out = feed(w, [ev(EditPersisted, "a", 600, edit_id="d", fraction=0.5, checked_after_s=0.58),
-                   ev(TrajectoryStarted, "c", 700, task_kind="x")])
+    out = feed(
+        w,
+        [
+            ev(EditPersisted, "a", 600, edit_id="d", fraction=0.5, checked_after_s=0.58),
+            ev(TrajectoryStarted, "c", 700, task_kind="x"),
+        ],
+    )
     assert closes(out) == [("a", 0, "ended", 5)]
 
 
 def test_deadline_closes_a_window_whose_check_never_came():
     """Without its check, a trajectory closes by deadline once the watermark passes first_ts + deadline."""
     w = PartitionWindows(CFG)
-    feed(w, [ev(TrajectoryStarted, "a", 0, task_kind="x"), ev(EditAccepted, "a", 20, edit_id="d"),
-             ev(TrajectoryEnded, "a", 30, status="completed")])
+    feed(
+        w,
+        [
+            ev(TrajectoryStarted, "a", 0, task_kind="x"),
+            ev(EditAccepted, "a", 20, edit_id="d"),
+            ev(TrajectoryEnded, "a", 30, status="completed"),
+        ],
+    )
     assert closes(feed(w, [ev(TrajectoryStarted, "b", 999, task_kind="x")])) == []
     assert ("a", 0, "deadline", 3) in closes(feed(w, [ev(TrajectoryStarted, "c", 1000, task_kind="x")]))
 
@@ -69,8 +92,15 @@ def test_deadline_closes_a_window_whose_check_never_came():
 def test_late_event_within_lateness_makes_a_new_revision():
     """An event for a closed window within the allowed lateness re-closes it as revision 1 ('late') with all events."""
     w = PartitionWindows(CFG)
-    feed(w, [ev(TrajectoryStarted, "a", 0, task_kind="x"), ev(EditAccepted, "a", 20, edit_id="d"),
-             ev(TrajectoryEnded, "a", 30, status="completed"), ev(TrajectoryStarted, "b", 1500, task_kind="x")])
+    feed(
+        w,
+        [
+            ev(TrajectoryStarted, "a", 0, task_kind="x"),
+            ev(EditAccepted, "a", 20, edit_id="d"),
+            ev(TrajectoryEnded, "a", 30, status="completed"),
+            ev(TrajectoryStarted, "b", 1500, task_kind="x"),
+        ],
+    )
     out = feed(w, [ev(EditPersisted, "a", 3000, edit_id="d", fraction=1.0, checked_after_s=3.0)])
     assert closes(out)[0] == ("a", 1, "late", 4)
     out = feed(w, [ev(ToolCall, "a", 3100, tool="t", valid=True)])
@@ -81,8 +111,14 @@ def test_events_later_than_the_allowed_lateness_are_rejected():
     """Past first_ts + deadline + lateness, an event for the trajectory is rejected as too_late, both while the
     closed window is retained (by its event time) and after eviction (by tombstone)."""
     w = PartitionWindows(CFG)
-    feed(w, [ev(TrajectoryStarted, "a", 0, task_kind="x"), ev(TrajectoryEnded, "a", 5, status="completed"),
-             ev(TrajectoryStarted, "b", 100, task_kind="x")])
+    feed(
+        w,
+        [
+            ev(TrajectoryStarted, "a", 0, task_kind="x"),
+            ev(TrajectoryEnded, "a", 5, status="completed"),
+            ev(TrajectoryStarted, "b", 100, task_kind="x"),
+        ],
+    )
     assert rejects(feed(w, [ev(ToolCall, "a", 6001, tool="t", valid=True)])) == [("too_late", "a")]
     feed(w, [ev(TrajectoryStarted, "c", 6100, task_kind="x")])  # watermark past a's retention: evicted
     assert "a" not in w.closed and "a" in w.tombstones
@@ -137,8 +173,11 @@ def test_snapshot_and_restore_mid_stream_changes_nothing():
     events = []
     for i in range(30):
         t = f"t{i}"
-        events += [ev(TrajectoryStarted, t, i * 100, task_kind="x"), ev(EditAccepted, t, i * 100 + 5, edit_id="d"),
-                   ev(TrajectoryEnded, t, i * 100 + 9, status="completed")]
+        events += [
+            ev(TrajectoryStarted, t, i * 100, task_kind="x"),
+            ev(EditAccepted, t, i * 100 + 5, edit_id="d"),
+            ev(TrajectoryEnded, t, i * 100 + 9, status="completed"),
+        ]
         if i % 3 == 0:
             events.append(ev(EditPersisted, t, i * 100 + 50, edit_id="d", fraction=0.3, checked_after_s=0.05))
     reference = PartitionWindows(CFG)

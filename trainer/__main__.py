@@ -21,8 +21,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = load_settings(args.config)
         if not settings.kafka.bootstrap:
-            raise ConfigError("kafka.bootstrap is empty; fix: set kafka.bootstrap (RTRL_KAFKA__BOOTSTRAP) to the "
-                              "cluster, or use `rtrl train`, which starts the local broker")
+            raise ConfigError(
+                "kafka.bootstrap is empty; fix: set kafka.bootstrap (RTRL_KAFKA__BOOTSTRAP) to the "
+                "cluster, or use `rtrl train`, which starts the local broker"
+            )
         from trainer.run import run
 
         run(settings, settings.kafka.bootstrap)

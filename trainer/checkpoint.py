@@ -34,7 +34,7 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -148,9 +148,7 @@ _ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        raise TypeError(
-            f"trainer.checkpoint supports torch.optim.Adam/AdamW, got {type(optimizer).__name__}"
-        )
+        raise TypeError(f"trainer.checkpoint supports torch.optim.Adam/AdamW, got {type(optimizer).__name__}")
 
 
 def _ensure_state(optimizer: torch.optim.Optimizer, step: float) -> None:
@@ -213,8 +211,8 @@ def is_complete(path: str | os.PathLike) -> bool:
 def save(
     path: str | os.PathLike,
     model,
-    optimizer: Optional[torch.optim.Optimizer] = None,
-    extra: Optional[dict[str, Any]] = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> Path:
     """Save a checkpoint to folder ``path`` (collective: every rank calls it with the same path).
 
@@ -276,7 +274,7 @@ def save(
 def load(
     path: str | os.PathLike,
     model,
-    optimizer: Optional[torch.optim.Optimizer] = None,
+    optimizer: torch.optim.Optimizer | None = None,
     restore_rng: bool = True,
 ) -> dict[str, Any]:
     """Load a complete checkpoint into ``model`` (and ``optimizer``); return its extra dict.
@@ -338,7 +336,7 @@ def step_dir(root: str | os.PathLike, step: int) -> Path:
     return Path(root) / f"step_{step:09d}"
 
 
-def latest(root: str | os.PathLike) -> Optional[Path]:
+def latest(root: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint folder directly under ``root`` (None if there is none).
 
     Newest = highest ``extra["step"]`` recorded in the marker, then latest save time; folders
@@ -348,7 +346,7 @@ def latest(root: str | os.PathLike) -> Optional[Path]:
     if not root.is_dir():
         return None
     best: tuple[Any, ...] | None = None
-    best_path: Optional[Path] = None
+    best_path: Path | None = None
     for child in root.iterdir():
         if not child.is_dir() or not is_complete(child):
             continue
@@ -357,7 +355,12 @@ def latest(root: str | os.PathLike) -> Optional[Path]:
         except (OSError, ValueError):
             continue
         step = marker.get("step")
-        key = (1 if isinstance(step, (int, float)) else 0, step if isinstance(step, (int, float)) else 0, marker.get("saved_at", 0.0), child.name)
+        key = (
+            1 if isinstance(step, (int, float)) else 0,
+            step if isinstance(step, (int, float)) else 0,
+            marker.get("saved_at", 0.0),
+            child.name,
+        )
         if best is None or key > best:
             best, best_path = key, child
     return best_path

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Any, Literal
 
 from rtrl.errors import ConfigError
 from rtrl.settings import Settings
@@ -40,7 +40,7 @@ class ParallelConfig:
     """Tensor-parallel size: each matmul (and the vocabulary) is split over this many ranks."""
     pp: int = 1
     """Pipeline-parallel size: the layers are split into this many stages."""
-    dp: Optional[int] = None
+    dp: int | None = None
     """Data-parallel size; ``None`` = derived as ``world_size // (tp * pp)`` at init."""
     sequence_parallel: bool = False
     """Split layer-norm/dropout activations along the sequence over the tp ranks (needs tp > 1)."""
@@ -76,7 +76,7 @@ class PrecisionConfig:
 
     bf16: bool = False
     """Keep parameters and activations in bfloat16 (on CPU ~10x slower than fp32)."""
-    fp8: Optional[Literal["hybrid", "e4m3"]] = None
+    fp8: Literal["hybrid", "e4m3"] | None = None
     """FP8 GEMMs through Transformer Engine: ``hybrid`` (e4m3 fwd, e5m2 bwd) or ``e4m3``; None = off."""
     fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = "delayed"
     """FP8 scaling recipe (``mxfp8`` needs Blackwell); only read when ``fp8`` is set."""
@@ -103,12 +103,12 @@ class ModelConfig:
     num_layers: int = 2
     hidden_size: int = 64
     num_attention_heads: int = 4
-    ffn_hidden_size: Optional[int] = None
+    ffn_hidden_size: int | None = None
     """MLP width; ``None`` = 4 * hidden_size."""
     vocab_size: int = 256
     seq_length: int = 64
     """Longest sequence (packed micro-batch length) the model is built for."""
-    num_query_groups: Optional[int] = None
+    num_query_groups: int | None = None
     """Grouped-query attention: number of KV heads; ``None`` = one per attention head."""
     position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
     rope_base: float = 10000.0
@@ -157,7 +157,9 @@ class ModelConfig:
         if not self.rope_base > 0:
             _fail("model.rope_base", self.rope_base, "must be > 0")
         if self.position_embedding_type not in POSITION_EMBEDDINGS:
-            _fail("model.position_embedding_type", self.position_embedding_type, f"must be one of {POSITION_EMBEDDINGS}")
+            _fail(
+                "model.position_embedding_type", self.position_embedding_type, f"must be one of {POSITION_EMBEDDINGS}"
+            )
         for name in ("hidden_dropout", "attention_dropout"):
             v = getattr(self, name)
             if not 0.0 <= v < 1.0:
@@ -189,14 +191,17 @@ class ModelConfig:
                 _fail(f"model.{name}", v, f"must be a multiple of 16 for precision.fp8 = {precision.fp8!r}")
 
     @classmethod
-    def tiny(cls, **overrides) -> "ModelConfig":
+    def tiny(cls, **overrides) -> ModelConfig:
         """2 layers, hidden 64, 4 heads, vocab 256, seq 64: trains in well under a second per step on 2 CPU cores."""
-        base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=256, seq_length=64)
+        base: dict[str, Any] = dict(
+            num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=256, seq_length=64
+        )
         base.update(overrides)
         return cls(**base)
 
-    def with_parallel(self, tp: int = 1, pp: int = 1, dp: Optional[int] = None,
-                      sequence_parallel: bool = False) -> "ModelConfig":
+    def with_parallel(
+        self, tp: int = 1, pp: int = 1, dp: int | None = None, sequence_parallel: bool = False
+    ) -> ModelConfig:
         """A copy of this config with another parallel layout (checkpoints reshard between them)."""
         from dataclasses import replace
 
@@ -209,12 +214,24 @@ def model_config(settings: Settings) -> tuple[ModelConfig, PrecisionConfig]:
     policy server all call it). Shape errors name the setting (``model.hidden_size`` ...)."""
     m, p, pr = settings.model, settings.parallel, settings.precision
     cfg = ModelConfig(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
-        ffn_hidden_size=m.ffn_hidden_size or None, vocab_size=m.vocab_size, seq_length=m.seq_length,
-        num_query_groups=m.num_query_groups or None, position_embedding_type=m.position_embedding_type,
-        rope_base=m.rope_base, normalization=m.normalization, activation=m.activation, qkv_bias=m.qkv_bias, linear_bias=m.linear_bias,
-        tie_embeddings=m.tie_embeddings, hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
-        init_method_std=m.init_method_std, seed=m.seed,
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn_hidden_size or None,
+        vocab_size=m.vocab_size,
+        seq_length=m.seq_length,
+        num_query_groups=m.num_query_groups or None,
+        position_embedding_type=m.position_embedding_type,
+        rope_base=m.rope_base,
+        normalization=m.normalization,
+        activation=m.activation,
+        qkv_bias=m.qkv_bias,
+        linear_bias=m.linear_bias,
+        tie_embeddings=m.tie_embeddings,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
+        seed=m.seed,
         parallel=ParallelConfig(tp=p.tp, pp=p.pp, dp=p.dp or None, sequence_parallel=p.sequence_parallel),
     )
     precision = PrecisionConfig(bf16=pr.bf16, fp8=pr.fp8 or None, fp8_recipe=pr.fp8_recipe)  # type: ignore[arg-type]

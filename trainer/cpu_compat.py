@@ -44,7 +44,8 @@ import contextlib
 import functools
 import logging
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -156,9 +157,7 @@ def _cpu_tracker_class():
                 yield
             finally:
                 if self._current_state_name != name:
-                    raise Exception(
-                        f"current state name {self._current_state_name} is not the desired {name}"
-                    )
+                    raise Exception(f"current state name {self._current_state_name} is not the desired {name}")
                 self.states_[name] = torch.get_rng_state()
                 if orig_name != "default-rng":
                     orig_state = self.states_[orig_name]

@@ -76,8 +76,16 @@ def to_batch(data: bytes, partition: int, offset: int) -> Batch:
 class BatchStream:
     """Micro-batches of the partitions owned by one DP rank, resumable from stored offsets."""
 
-    def __init__(self, bootstrap: str, topic: str, dead_letter_topic: str, dp_rank: int = 0, dp_size: int = 1,
-                 start: dict[str, int] | None = None, timeout_s: float = 10.0):
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        dead_letter_topic: str,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        start: dict[str, int] | None = None,
+        timeout_s: float = 10.0,
+    ):
         meta = check_broker(bootstrap, timeout_s)
         if topic not in meta.topics:
             raise ServiceUnavailable(f"topic {topic} does not exist on {bootstrap}; fix: run `rtrl topics`")
@@ -88,14 +96,19 @@ class BatchStream:
         start = start or {}
         self.next = {p: int(start.get(f"{topic}/{p}", 0)) for p in self.partitions}
         self.committed = dict(self.next)
-        self.consumer = Consumer(base_config(bootstrap) | {
-            "group.id": GROUP, "enable.auto.commit": False, "auto.offset.reset": "earliest",
-            "enable.partition.eof": False,
-        })
+        self.consumer = Consumer(
+            base_config(bootstrap)
+            | {
+                "group.id": GROUP,
+                "enable.auto.commit": False,
+                "auto.offset.reset": "earliest",
+                "enable.partition.eof": False,
+            }
+        )
         self.consumer.assign([TopicPartition(topic, p, self.next[p]) for p in self.partitions])
         self.producer = Producer(producer_config(bootstrap))
         self.dead_letters = 0
-        self._codec = JsonCodec(DeadLetter)
+        self._codec: JsonCodec[DeadLetter] = JsonCodec(DeadLetter)
 
     def position(self) -> dict[str, int]:
         """Next offset to read per ``topic/partition``: store it in the checkpoint."""
@@ -108,17 +121,29 @@ class BatchStream:
             msg = self.consumer.poll(min(0.5, max(0.01, deadline - time.monotonic())))
             if msg is None or msg.error():
                 continue
-            p, off = msg.partition(), msg.offset()
+            p, off, value = msg.partition(), msg.offset(), msg.value()
+            assert p is not None and off is not None  # set on every consumed message
             self.next[p] = off + 1
             try:
-                return to_batch(msg.value(), p, off)
+                if value is None:  # a null (tombstone) message: dead-lettered like any malformed payload
+                    raise Invalid("$", "empty message (null value)", "malformed")
+                return to_batch(value, p, off)
             except Invalid as e:
                 self._dead_letter(msg, e)
         return None
 
     def _dead_letter(self, msg: Any, err: Invalid) -> None:
-        dl = dead_letter(err.kind, err.field, err.reason, self.topic, msg.partition(), msg.offset(), msg.key(),
-                         msg.value(), time.time_ns() // 1_000_000)
+        dl = dead_letter(
+            err.kind,
+            err.field,
+            err.reason,
+            self.topic,
+            msg.partition(),
+            msg.offset(),
+            msg.key(),
+            msg.value(),
+            time.time_ns() // 1_000_000,
+        )
         self.producer.produce(self.dead_letter_topic, key=self.topic.encode(), value=self._codec.encode(dl))
         if self.producer.flush(30) != 0:
             raise ServiceUnavailable(f"dead letter for {self.topic}/{msg.partition()}@{msg.offset()} not acknowledged")
@@ -132,8 +157,9 @@ class BatchStream:
     def commit(self) -> None:
         """Commit the current position to the consumer group (call after the optimizer step)."""
         self.committed = dict(self.next)
-        self.consumer.commit(offsets=[TopicPartition(self.topic, p, o) for p, o in self.next.items()],
-                             asynchronous=False)
+        self.consumer.commit(
+            offsets=[TopicPartition(self.topic, p, o) for p, o in self.next.items()], asynchronous=False
+        )
 
     def close(self) -> None:
         self.consumer.close()

@@ -28,8 +28,13 @@ def drop_samples(batch: Batch, keep: list[bool]) -> Batch:
     kept = [i for i, k in enumerate(keep) if k]
     remap[kept] = np.arange(len(kept))
     seg = remap[batch.segment_ids]
-    return replace(batch, segment_ids=seg, loss_mask=np.where(seg >= 0, batch.loss_mask, 0).astype(np.float32),
-                   sample_ids=[batch.sample_ids[i] for i in kept], policy_versions=batch.policy_versions[kept])
+    return replace(
+        batch,
+        segment_ids=seg,
+        loss_mask=np.where(seg >= 0, batch.loss_mask, 0).astype(np.float32),
+        sample_ids=[batch.sample_ids[i] for i in kept],
+        policy_versions=batch.policy_versions[kept],
+    )
 
 
 class TrainedSet:
@@ -67,12 +72,17 @@ class TrainedSet:
         if batch.batch_id in pending_batches or any(batch.batch_id in ids for ids in self.batches.values()):
             self._pending_repeats = (rb + 1, rs)
             return None
-        keep = [not (lo <= int(v) <= hi and (self._seen(self.samples, int(v), sid) or (int(v), sid) in pending_samples))
-                for sid, v in zip(batch.sample_ids, batch.policy_versions)]
+        keep = [
+            not (lo <= int(v) <= hi and (self._seen(self.samples, int(v), sid) or (int(v), sid) in pending_samples))
+            for sid, v in zip(batch.sample_ids, batch.policy_versions)
+        ]
         self._pending_repeats = (rb, rs + keep.count(False))
         out = drop_samples(batch, keep) if any(keep) else None
-        fresh = [] if out is None else [(int(v), s) for s, v in zip(out.sample_ids, out.policy_versions)
-                                        if lo <= int(v) <= hi]
+        fresh = (
+            []
+            if out is None
+            else [(int(v), s) for s, v in zip(out.sample_ids, out.policy_versions) if lo <= int(v) <= hi]
+        )
         if fresh:
             self._pending.append((max(v for v, _ in fresh), batch.batch_id, fresh))
         return out
@@ -101,6 +111,9 @@ class TrainedSet:
 
     def state(self) -> dict:
         """Plain JSON for a checkpoint's extra state."""
-        return {"batches": {str(v): sorted(ids) for v, ids in sorted(self.batches.items())},
-                "samples": {str(v): sorted(ids) for v, ids in sorted(self.samples.items())},
-                "repeated_batches": self.repeated_batches, "repeated_samples": self.repeated_samples}
+        return {
+            "batches": {str(v): sorted(ids) for v, ids in sorted(self.batches.items())},
+            "samples": {str(v): sorted(ids) for v, ids in sorted(self.samples.items())},
+            "repeated_batches": self.repeated_batches,
+            "repeated_samples": self.repeated_samples,
+        }

@@ -115,8 +115,11 @@ def policy_loss(
     if not logprobs.is_floating_point():
         raise ValueError(f"logprobs must be a float tensor, got {logprobs.dtype}")
     shape = logprobs.shape
-    for name, x in (("behaviour_logprobs", behaviour_logprobs), ("ref_logprobs", ref_logprobs),
-                    ("advantages", advantages)):
+    for name, x in (
+        ("behaviour_logprobs", behaviour_logprobs),
+        ("ref_logprobs", ref_logprobs),
+        ("advantages", advantages),
+    ):
         if x.shape != shape:
             raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)} (the shape of logprobs)")
     mask = _as_flag(loss_mask, "loss_mask", shape)

@@ -18,7 +18,6 @@ import os
 import random
 import tempfile
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -213,7 +212,7 @@ def layer_spec(precision: PrecisionConfig, normalization: str = "LayerNorm"):
     return get_gpt_layer_local_spec(normalization=normalization)
 
 
-def build_model(cfg: ModelConfig, precision: Optional[PrecisionConfig] = None):
+def build_model(cfg: ModelConfig, precision: PrecisionConfig | None = None):
     """A megatron-core ``GPTModel`` for this rank's pipeline stage and tensor-parallel shard.
 
     Deterministic: the weights depend only on ``cfg`` (``cfg.seed`` reseeds every RNG first, see
@@ -262,7 +261,7 @@ def forward_logprobs(
     tokens: torch.Tensor,
     position_ids: torch.Tensor,
     targets: torch.Tensor,
-    attention_mask: Optional[torch.Tensor] = None,
+    attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token log-probs ``[B, S]`` (float32, differentiable) of ``targets`` under ``model``.
 

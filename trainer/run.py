@@ -11,14 +11,13 @@ import os
 from pathlib import Path
 
 import torch
-
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rtrl import clickhouse
+from rtrl.errors import ConfigError
 from rtrl.settings import Settings
 from schemas.records import TrainStep
-from rtrl.errors import ConfigError
 from trainer.config import ModelConfig, model_config
 from trainer.data import BatchStream
 from trainer.model import build_model, init_parallel
@@ -45,7 +44,8 @@ def check_pipeline(cfg: ModelConfig) -> None:
             f"parallel.pp = {cfg.parallel.pp}: the RL trainer does not run a pipeline schedule yet (its loss needs "
             "per-token log-probs of the policy and the reference on the last stage; megatron-core's 1F1B itself "
             "runs on CPU over gloo, the trainer step does not drive it); fix: set parallel.pp = 1 and use "
-            "parallel.tp / data parallelism")
+            "parallel.tp / data parallelism"
+        )
 
 
 def run(settings: Settings, bootstrap: str, console: Console | None = None) -> list[TrainStep]:
@@ -64,21 +64,39 @@ def run(settings: Settings, bootstrap: str, console: Console | None = None) -> l
     lead = info.rank == 0
     if lead:
         p = cfg.parallel
-        console.print(f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads "
-                      f"({cfg.num_query_groups or cfg.num_attention_heads} kv), {cfg.normalization}, {cfg.activation}; "
-                      f"tp {p.tp} pp {p.pp} dp {info.dp}{' sp' if p.sequence_parallel else ''}; "
-                      f"{'bf16' if precision.bf16 else 'fp32'}{' fp8 ' + precision.fp8 if precision.fp8 else ''}; "
-                      f"{sum(x.numel() for x in model.parameters()):,} parameters on this rank")
+        console.print(
+            f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads "
+            f"({cfg.num_query_groups or cfg.num_attention_heads} kv), {cfg.normalization}, {cfg.activation}; "
+            f"tp {p.tp} pp {p.pp} dp {info.dp}{' sp' if p.sequence_parallel else ''}; "
+            f"{'bf16' if precision.bf16 else 'fp32'}{' fp8 ' + precision.fp8 if precision.fp8 else ''}; "
+            f"{sum(x.numel() for x in model.parameters()):,} parameters on this rank"
+        )
     ch = clickhouse.setup(settings.clickhouse_dsn, settings.clickhouse.database) if lead else None
     streams: list[BatchStream] = []
 
     def make_source(offsets):
-        streams.append(BatchStream(bootstrap, settings.topic("batches"), settings.topic("dead_letters"),
-                                   info.dp_rank, info.dp, start=offsets, timeout_s=settings.kafka.timeout_s))
+        streams.append(
+            BatchStream(
+                bootstrap,
+                settings.topic("batches"),
+                settings.topic("dead_letters"),
+                info.dp_rank,
+                info.dp,
+                start=offsets,
+                timeout_s=settings.kafka.timeout_s,
+            )
+        )
         return streams[-1]
 
-    bar = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                   TimeElapsedColumn(), console=console, disable=not lead)
+    bar = Progress(
+        TextColumn("training"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not lead,
+    )
 
     with bar:
         task = bar.add_task("train", total=ts.steps, info="")
@@ -86,13 +104,19 @@ def run(settings: Settings, bootstrap: str, console: Console | None = None) -> l
         def on_step(s: TrainStep) -> None:
             if ch is not None:
                 clickhouse.insert(ch, settings.clickhouse.database, "train_metrics", [s])
-            bar.update(task, completed=s.step, info=f"loss {s.loss:+.4f} kl {s.kl:.4f} clip {s.clip_fraction:.2f} "
-                                                   f"on-policy {s.on_policy_fraction:.2f} {s.tokens_per_s:,.0f} tok/s")
+            bar.update(
+                task,
+                completed=s.step,
+                info=f"loss {s.loss:+.4f} kl {s.kl:.4f} clip {s.clip_fraction:.2f} "
+                f"on-policy {s.on_policy_fraction:.2f} {s.tokens_per_s:,.0f} tok/s",
+            )
 
         steps = train(model, reference, make_source, tc, on_step=on_step)
     for s in streams:
         s.close()
     if lead:
-        console.print(f"trained {len(steps)} steps ({sum(s.tokens for s in steps):,} tokens) in run {tc.run_id}; "
-                      f"checkpoints in {ckpt}")
+        console.print(
+            f"trained {len(steps)} steps ({sum(s.tokens for s in steps):,} tokens) in run {tc.run_id}; "
+            f"checkpoints in {ckpt}"
+        )
     return steps

@@ -11,19 +11,20 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from rtrl.settings import Settings
+from schemas.records import TrainStep
 from trainer import checkpoint
 from trainer.data import Batch
 from trainer.dedup import TrainedSet
 from trainer.loss import LossConfig, policy_loss
 from trainer.model import forward_logprobs
-from rtrl.settings import Settings
-from schemas.records import TrainStep
 
 
 class Source(Protocol):
@@ -76,7 +77,7 @@ class TrainConfig:
     loss: LossConfig = field(default_factory=LossConfig)
 
     @classmethod
-    def from_settings(cls, settings: Settings, **run: Any) -> "TrainConfig":
+    def from_settings(cls, settings: Settings, **run: Any) -> TrainConfig:
         """The ``train`` and ``loss`` sections as a TrainConfig: the one mapping from settings to the training
         loop (the trainer job and the closed loop both use it). ``run`` sets what a caller owns: run_id,
         max_steps, checkpoint_dir, idle_timeout_s ... - never the optimizer or the loss."""
@@ -84,13 +85,21 @@ class TrainConfig:
         if set(run) - owned:
             raise TypeError(f"TrainConfig.from_settings: {sorted(set(run) - owned)} come from settings only")
         ts, ls = settings.train, settings.loss
-        return cls(**{
-            "micro_batches_per_step": ts.micro_batches_per_step, "max_steps": ts.steps, "lr": ts.lr,
-            "betas": (ts.beta1, ts.beta2), "weight_decay": ts.weight_decay, "warmup_steps": ts.warmup_steps,
-            "grad_clip": ts.grad_clip, "max_policy_lag": ts.max_policy_lag, "norm_tokens": ls.norm_tokens,
-            "checkpoint_every": ts.checkpoint_every, "idle_timeout_s": ts.idle_timeout_s,
+        params: dict[str, Any] = {
+            "micro_batches_per_step": ts.micro_batches_per_step,
+            "max_steps": ts.steps,
+            "lr": ts.lr,
+            "betas": (ts.beta1, ts.beta2),
+            "weight_decay": ts.weight_decay,
+            "warmup_steps": ts.warmup_steps,
+            "grad_clip": ts.grad_clip,
+            "max_policy_lag": ts.max_policy_lag,
+            "norm_tokens": ls.norm_tokens,
+            "checkpoint_every": ts.checkpoint_every,
+            "idle_timeout_s": ts.idle_timeout_s,
             "loss": LossConfig(eps_low=ls.eps_low, eps_high=ls.eps_high, is_cap=ls.is_cap, kl_coef=ls.kl_coef),
-        } | run)
+        } | run
+        return cls(**params)
 
 
 @dataclass(frozen=True)
@@ -140,11 +149,18 @@ def prepare(batch: Batch, policy_version: int, max_policy_lag: int) -> Prepared:
     )
 
 
-def train(model: Any, reference: Any, make_source: Callable[[dict[str, int] | None], Source], cfg: TrainConfig,
-          policy_version: int = 0, resume: bool = True,
-          on_step: Callable[[TrainStep], None] | None = None,
-          should_stop: Callable[[], bool] | None = None, trained: TrainedSet | None = None,
-          start: dict[str, int] | None = None) -> list[TrainStep]:
+def train(
+    model: Any,
+    reference: Any,
+    make_source: Callable[[dict[str, int] | None], Source],
+    cfg: TrainConfig,
+    policy_version: int = 0,
+    resume: bool = True,
+    on_step: Callable[[TrainStep], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    trained: TrainedSet | None = None,
+    start: dict[str, int] | None = None,
+) -> list[TrainStep]:
     """Train until ``max_steps``, until no micro-batch arrives within ``idle_timeout_s``, or until
     ``should_stop()`` says so before a step (e.g. a wall-time trigger).
 
@@ -179,8 +195,15 @@ def train(model: Any, reference: Any, make_source: Callable[[dict[str, int] | No
         # Dr. GRPO: one constant for the whole global batch (all DP ranks), not the token count
         norm = cfg.norm_tokens or cfg.micro_batches_per_step * dp.size * batches[0].tokens.size
         opt.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {"loss": 0.0, "pg": 0.0, "kl_tok": 0.0, "clip_tok": 0.0, "trunc_tok": 0.0,
-                                  "tokens": 0, "on": 0}
+        sums: dict[str, float] = {
+            "loss": 0.0,
+            "pg": 0.0,
+            "kl_tok": 0.0,
+            "clip_tok": 0.0,
+            "trunc_tok": 0.0,
+            "tokens": 0,
+            "on": 0,
+        }
         lag_hist: dict[str, int] = {}
         for b in batches:
             p = prepare(b, policy_version, cfg.max_policy_lag)
@@ -203,8 +226,9 @@ def train(model: Any, reference: Any, make_source: Callable[[dict[str, int] | No
             clip_grad_norm(model, cfg.grad_clip)
         for group in opt.param_groups:  # linear warm-up (by optimizer step, so a resumed run continues it)
             group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
-        totals = dp.sum([sums["loss"], sums["pg"], sums["kl_tok"], sums["clip_tok"], sums["trunc_tok"],
-                         sums["tokens"], sums["on"]])
+        totals = dp.sum(
+            [sums["loss"], sums["pg"], sums["kl_tok"], sums["clip_tok"], sums["trunc_tok"], sums["tokens"], sums["on"]]
+        )
         sums = dict(zip(["loss", "pg", "kl_tok", "clip_tok", "trunc_tok", "tokens", "on"], totals))
         sums["tokens"], sums["on"] = int(sums["tokens"]), int(sums["on"])
         lag_hist = dp.merge_counts(lag_hist)
@@ -217,11 +241,21 @@ def train(model: Any, reference: Any, make_source: Callable[[dict[str, int] | No
         source.commit()  # only now: the step that used these batches is in the weights
         n = max(1, sums["tokens"])
         record = TrainStep(
-            run_id=cfg.run_id, step=step, policy_version=policy_version, loss=sums["loss"], pg_loss=sums["pg"],
-            kl=sums["kl_tok"] / n, clip_fraction=sums["clip_tok"] / n, is_truncated_fraction=sums["trunc_tok"] / n,
-            tokens=sums["tokens"], on_policy_fraction=sums["on"] / n, lag_histogram=lag_hist,
-            tokens_per_s=sums["tokens"] / max(1e-9, time.monotonic() - t0), batch_ids=batch_ids,
-            sample_ids=sample_ids, at=time.time_ns() // 1_000_000,
+            run_id=cfg.run_id,
+            step=step,
+            policy_version=policy_version,
+            loss=sums["loss"],
+            pg_loss=sums["pg"],
+            kl=sums["kl_tok"] / n,
+            clip_fraction=sums["clip_tok"] / n,
+            is_truncated_fraction=sums["trunc_tok"] / n,
+            tokens=int(sums["tokens"]),
+            on_policy_fraction=sums["on"] / n,
+            lag_histogram=lag_hist,
+            tokens_per_s=sums["tokens"] / max(1e-9, time.monotonic() - t0),
+            batch_ids=batch_ids,
+            sample_ids=sample_ids,
+            at=time.time_ns() // 1_000_000,
         )
         steps.append(record)
         if on_step:
@@ -243,7 +277,9 @@ def clip_grad_norm(model: Any, max_norm: float) -> float:
     ``torch.nn.utils.clip_grad_norm_`` on an unsharded model gives)."""
     from megatron.core import parallel_state as ps
 
-    grads = [(p.grad, bool(getattr(p, "tensor_model_parallel", False))) for p in model.parameters() if p.grad is not None]
+    grads = [
+        (p.grad, bool(getattr(p, "tensor_model_parallel", False))) for p in model.parameters() if p.grad is not None
+    ]
     if not grads:
         return 0.0
     sharded = torch.zeros((), dtype=torch.float64)
@@ -311,11 +347,26 @@ class DataParallel:
         return dict(sorted(merged.items(), key=lambda kv: int(kv[0])))
 
 
-def save(model: Any, opt: torch.optim.Optimizer, source: Source, cfg: TrainConfig, step: int, policy_version: int,
-         trained: TrainedSet):
+def save(
+    model: Any,
+    opt: torch.optim.Optimizer,
+    source: Source,
+    cfg: TrainConfig,
+    step: int,
+    policy_version: int,
+    trained: TrainedSet,
+):
     """Checkpoint the weights with the offsets that produced them (resume continues right after) and
     the micro-batches/samples they have seen."""
-    return checkpoint.save(checkpoint.step_dir(cfg.checkpoint_dir, step), model, opt, extra={
-        "step": step, "policy_version": policy_version, "offsets": source.position(), "run_id": cfg.run_id,
-        "trained": trained.state(),
-    })
+    return checkpoint.save(
+        checkpoint.step_dir(cfg.checkpoint_dir, step),
+        model,
+        opt,
+        extra={
+            "step": step,
+            "policy_version": policy_version,
+            "offsets": source.position(),
+            "run_id": cfg.run_id,
+            "trained": trained.state(),
+        },
+    )
