@@ -79,8 +79,8 @@ def test_resume_from_position_neither_skips_nor_repeats(broker, topic_prefix):
 
 
 def test_invalid_micro_batches_are_dead_lettered(broker, topic_prefix):
-    """Bytes that are not Arrow IPC and a batch with a bad segment id go to the dead-letter topic with a
-    reason; the stream skips them and returns the valid batches around them."""
+    """Bytes that are not Arrow IPC, a message with no value (a tombstone) and a batch with a bad segment id
+    go to the dead-letter topic with a reason; the stream skips them and returns the valid batches around them."""
     topic = topic_prefix + "batches"
     mb = _batch(2)
     table = to_arrow([mb], MicroBatch)
@@ -99,16 +99,17 @@ def test_invalid_micro_batches_are_dead_lettered(broker, topic_prefix):
         [
             (0, encode_batch(_batch(0))),
             (0, b"not arrow at all"),
+            (0, None),
             (0, sink.getvalue().to_pybytes()),
             (0, encode_batch(_batch(1))),
         ],
     )
     stream = BatchStream(broker.bootstrap, topic, topic_prefix + "dead_letters")
     assert [b.batch_id for b in _drain(stream, 2)] == ["b000", "b001"]
-    assert stream.dead_letters == 2 and stream.position()[f"{topic}/0"] == 4
+    assert stream.dead_letters == 3 and stream.position()[f"{topic}/0"] == 5
     stream.close()
     dead = [
         JsonCodec(DeadLetter).decode(m.value()) for m in read_topic(broker.bootstrap, topic_prefix + "dead_letters")
     ]
-    assert [(d.offset, d.kind) for d in dead] == [(1, "malformed"), (2, "invalid")]
-    assert "segment_ids" in dead[1].reason
+    assert [(d.offset, d.kind) for d in dead] == [(1, "malformed"), (2, "malformed"), (3, "invalid")]
+    assert "empty message" in dead[1].reason and "segment_ids" in dead[2].reason
