@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from app.loop import loop_settings
 from app.parts import PARTS
 from app.services import Services, chserver
 from rtrl.errors import ServiceUnavailable
@@ -36,7 +37,8 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 class Supervisor:
     def __init__(self, settings: Settings, max_restarts: int = 5):
-        self.settings, self.max_restarts = settings, max_restarts
+        # the parts run with the loop's settings; a user value the loop cannot honour is refused here, once
+        self.settings, self.max_restarts = loop_settings(settings), max_restarts
         self.log_dir = settings.data_path / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.services: Services | None = None

@@ -425,7 +425,11 @@ class Settings(BaseSettings):
             if key not in target:
                 raise _unknown(name, _all_names(), "Settings.updated")
             target[key] = value
-        out = _validate(lambda: Settings.model_validate(doc), "Settings.updated", {})
+        token = _ENV.set({})  # the copy is exactly self + changes: the environment was read when self was loaded
+        try:
+            out = _validate(lambda: Settings.model_validate(doc), "Settings.updated", {})
+        finally:
+            _ENV.reset(token)
         for sec in SECTIONS:  # what the user set stays marked as set (the loop refuses to override it)
             getattr(out, sec).__pydantic_fields_set__ = set(getattr(self, sec).model_fields_set) | {
                 k.partition(".")[2] for k in changes if k.startswith(sec + ".")

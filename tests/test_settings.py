@@ -134,7 +134,11 @@ def test_settings_travel_to_child_processes_unchanged():
     assert load_settings(env=as_env(s)) == s
 
 
-def test_updated_copies_are_validated():
+def test_updated_copies_are_validated(monkeypatch):
+    """A copy is the settings plus the changes - the environment (read when they were loaded) does not
+    override the changes: a supervised part's --to-end must win over the RTRL_FLOW__TAIL it inherited."""
+    monkeypatch.setenv("RTRL_FLOW__TAIL", "true")
+    assert load_settings().updated({"flow.tail": False}).flow.tail is False
     s = load_settings(env={})
     assert s.updated({"kafka.bootstrap": "h:1"}).kafka.bootstrap == "h:1" and s.kafka.bootstrap == ""
     with pytest.raises(ConfigError, match="kafka.partitions = 0 must be > 0"):

@@ -1,5 +1,6 @@
-"""Distributed training on CPU with torchrun and gloo: DP=2 and TP=2 runs of the same global batches match
-the single-process run (losses and final parameters) within floating-point tolerance."""
+"""Distributed training on CPU with torchrun and gloo: DP=2, TP=2 and PP=2 (also with tied embeddings) runs of
+the same global batches match the single-process run (losses and final parameters) within floating-point
+tolerance."""
 
 from __future__ import annotations
 
@@ -32,25 +33,37 @@ def _run(cmd: list[str]) -> tuple[list[float], dict]:
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
-    return _run(
-        [
-            sys.executable,
-            SCRIPT,
-            str(tmp_path_factory.mktemp("single")),
-            "--steps",
-            "3",
-            "--checkpoint-every",
-            "100",
-            "--params",
-        ]
-    )
+    """The single-process runs (untied and tied embeddings), each with the checkpoint of its initial weights."""
+    runs: dict[bool, tuple[list[float], dict, Path]] = {}
+
+    def run(tie: bool) -> tuple[list[float], dict, Path]:
+        if tie not in runs:
+            out = tmp_path_factory.mktemp("single-tied" if tie else "single")
+            cmd = [sys.executable, SCRIPT, str(out / "run"), "--steps", "3", "--checkpoint-every", "100", "--params"]
+            losses, params = _run(cmd + ["--init", str(out / "init")] + (["--tie"] if tie else []))
+            runs[tie] = losses, params, out / "init"
+        return runs[tie]
+
+    return run
 
 
-@pytest.mark.parametrize("layout", [[], ["--tp", "2"]], ids=["dp2", "tp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [[], ["--tp", "2"], ["--pp", "2"], ["--pp", "2", "--tie"]],
+    ids=["dp2", "tp2", "pp2", "pp2-tied"],
+)
 def test_two_process_run_matches_single_process(single, layout, tmp_path):
     """torchrun with 2 processes (data parallel: each rank trains half of every global batch and gradients
-    are summed; or tensor parallel: each rank holds half of every matrix) gives the single-process losses and
-    final parameters."""
+    are summed; tensor parallel: each rank holds half of every matrix; pipeline parallel: each rank holds one
+    stage (half of the layers) and the step runs megatron's 1F1B schedule, with the tied embedding's two
+    copies kept equal) gives the single-process losses and final parameters.
+
+    A pipeline stage draws other initial weights than the whole model, so the pipeline runs start from the
+    single-process run's initial weights (its checkpoint, resharded to two stages); each stage reports its
+    own layers under their global names."""
+    tie = "--tie" in layout
+    want_losses, want_params, init = single(tie)
+    init_args = ["--init", str(init)] if "--pp" in layout else []
     losses, params = _run(
         [
             TORCHRUN,
@@ -66,9 +79,9 @@ def test_two_process_run_matches_single_process(single, layout, tmp_path):
             "100",
             "--params",
             *layout,
+            *init_args,
         ]
     )
-    want_losses, want_params = single
     np.testing.assert_allclose(losses, want_losses, rtol=1e-4, atol=1e-7)
     assert params.keys() == want_params.keys()
     for name in params:

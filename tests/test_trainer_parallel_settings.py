@@ -9,8 +9,9 @@ Contract pinned here:
   RoPE base) as a real megatron-core GPTModel.
 - Gradient-norm clipping is on by default and clips like ``torch.nn.utils.clip_grad_norm_``.
 - ``torchrun --nproc_per_node 2 -m trainer`` with a settings file asking TP=2 builds the sharded model
-  from Kafka input and trains; PP=2 is refused with a precise error; FP8 on a CPU machine fails with
-  the clear Transformer Engine error.
+  from Kafka input and trains; one asking PP=2 (tied embeddings) trains through megatron's pipeline
+  schedule, records the last stage's metrics from rank 0, and checkpoints what loads at PP=1; FP8 on a
+  CPU machine fails with the clear Transformer Engine error.
 """
 
 from __future__ import annotations
@@ -246,12 +247,77 @@ def test_torchrun_tp2_from_a_settings_file_trains(broker, topic_prefix, tmp_path
 
 
 @pytest.mark.slow
-def test_torchrun_pp2_is_refused_with_a_precise_error(broker, topic_prefix, tmp_path):
-    config = _settings_file(tmp_path, broker, topic_prefix, model=MODEL, parallel={"pp": 2})
+def test_torchrun_pp2_from_a_settings_file_trains(broker, topic_prefix, tmp_path):
+    """Two ranks, pipeline parallel 2 (one data-parallel replica) with tied embeddings: the first stage holds
+    the embedding and layer 0, the last layer 1 and the output layer (a copy of the embedding). Both read
+    rtrl.batches from Kafka and take 3 optimizer steps through megatron's 1F1B schedule; rank 0 (the first
+    stage, which computes no loss) records the last stage's metrics in train_metrics; the checkpoint loads
+    into the same architecture at PP=1 with trained (changed) weights."""
+    p = Producer(producer_config(broker.bootstrap))
+    for b in synthetic_batches(6):
+        p.produce(topic_prefix + "batches", value=encode_batch(_to_micro(b)), key=b.batch_id.encode(), partition=0)
+    assert p.flush(10) == 0
+    model = MODEL | {"tie_embeddings": True}
+    config = _settings_file(tmp_path, broker, topic_prefix, model=model, parallel={"pp": 2})
     proc = _torchrun(config)
-    assert proc.returncode != 0
-    # each rank stops with the one-line error (torchrun then reports its children's exit code 2)
-    assert proc.stderr.count("error: parallel.pp = 2: the RL trainer does not run a pipeline schedule") == 2
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    assert "tp 1 pp 2 dp 1" in proc.stdout and "RMSNorm, swiglu" in proc.stdout
+    assert "trained 3 steps" in proc.stdout
+    ckpt = tmp_path / "data" / "checkpoints" / "step_000000003"
+    assert (ckpt / "COMPLETE").exists()
+    # rank 0 wrote the metrics the last stage computed (a first stage alone would count 0 tokens)
+    dsn = load_settings(config, env={}).clickhouse_dsn
+    dump = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import json; from rtrl import clickhouse\n"
+                f"ch = clickhouse.connect({dsn!r})\n"
+                "print(json.dumps(ch.query('SELECT step, batch_ids, tokens, loss, kl, on_policy_fraction FROM "
+                "rtrl.train_metrics FINAL ORDER BY step').result_rows, default=str))"
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert dump.returncode == 0, dump.stderr[-3000:]
+    rows = json.loads(dump.stdout.strip().splitlines()[-1])
+    assert [r[0] for r in rows] == [1, 2, 3]
+    assert [r[1] for r in rows] == [["b000", "b001"], ["b002", "b003"], ["b004", "b005"]]
+    assert all(r[2] > 0 and r[3] != 0 and 0 < r[5] <= 1 for r in rows)
+    assert rows[-1][4] > 0  # the policy moved away from the reference
+    # The PP=2 checkpoint is the configured architecture: it loads into it at PP=1. The first stage draws
+    # the embedding and layer 0 exactly as a whole model does (same seed, same order), so a change there
+    # is training; layer 1 comes from the last stage.
+    check = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, torch\n"
+                "from rtrl.settings import load_settings\n"
+                "from trainer.config import model_config\n"
+                "from trainer.model import init_parallel, build_model\n"
+                "from trainer import checkpoint\n"
+                f"s = load_settings({str(config)!r}, env={{}}).updated({{'parallel.pp': 1}})\n"
+                "cfg, prec = model_config(s); init_parallel(cfg)\n"
+                "init, m = build_model(cfg, prec), build_model(cfg, prec)\n"
+                f"checkpoint.load({str(ckpt)!r}, m, restore_rng=False)\n"
+                "a, b = dict(init.named_parameters()), dict(m.named_parameters())\n"
+                "first = [k for k in a if k.startswith(('embedding.', 'decoder.layers.0.'))]\n"
+                "d = max((a[k] - b[k]).abs().max().item() for k in first)\n"
+                "print('moved', d, len(a), 'output_layer.weight' in a, b['decoder.layers.1.mlp.linear_fc1.weight'].shape[0])\n"
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert check.returncode == 0, check.stderr[-3000:]
+    moved, n_params, untied_output, fc1 = check.stdout.split("moved")[-1].split()
+    assert 0 < float(moved) < 1 and untied_output == "False" and int(fc1) == 2 * 128
 
 
 def test_fp8_on_a_cpu_machine_fails_with_the_clear_error(broker, topic_prefix, tmp_path):

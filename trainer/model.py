@@ -8,7 +8,9 @@
   (megatron-core would otherwise silently train in bf16).
 - :func:`forward_logprobs` gives per-token log-probs ``[B, S]`` of given targets, with an
   explicit boolean causal mask and vocab-parallel cross entropy, so any tensor-parallel size
-  gives the same numbers.
+  gives the same numbers. It runs a whole model (pp = 1); under pipeline parallelism the last
+  stage applies the same :func:`logprobs_from_logits` inside megatron's pipeline schedule
+  (:func:`trainer.train.pipeline_step`).
 """
 
 from __future__ import annotations
@@ -274,10 +276,11 @@ def forward_logprobs(
     need the pipeline schedule instead (only the last stage has logits).
     """
     from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
 
     if ps.get_pipeline_model_parallel_world_size() != 1:
-        raise NotImplementedError("forward_logprobs runs a whole model; with pp > 1 use the pipeline schedule")
+        raise NotImplementedError(
+            "forward_logprobs runs a whole model; with pp > 1 use the pipeline schedule (trainer.train.pipeline_step)"
+        )
     if tokens.shape != targets.shape or tokens.shape != position_ids.shape or tokens.dim() != 2:
         raise ValueError(
             f"tokens {tuple(tokens.shape)}, position_ids {tuple(position_ids.shape)} and targets "
@@ -288,6 +291,16 @@ def forward_logprobs(
     elif attention_mask.dtype != torch.bool:
         raise ValueError(f"attention_mask must be boolean (True = masked), got {attention_mask.dtype}")
     logits = model(tokens, position_ids, attention_mask)  # [B, S, V / tp]
+    return logprobs_from_logits(logits, targets)
+
+
+def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-token log-probs ``[B, S]`` of ``targets`` from GPTModel's (vocab-parallel) logits ``[B, S, V / tp]``.
+
+    What :func:`forward_logprobs` computes after the forward pass, and what the last pipeline stage
+    computes in the pipeline schedule (:mod:`trainer.train`), so both give the same numbers."""
+    from megatron.core import tensor_parallel
+
     # vocab_parallel_cross_entropy works on the last dim; float32 for stable log-softmax.
     ce = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), targets)
     return -ce

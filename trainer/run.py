@@ -1,8 +1,11 @@
-"""The trainer job: ``rtrl train`` (one process) or ``torchrun --nproc_per_node N -m trainer`` (DP/TP).
+"""The trainer job: ``rtrl train`` (one process) or ``torchrun --nproc_per_node N -m trainer`` (DP/TP/PP).
 
 Builds the model the settings describe (architecture, parallel layout, precision), reads ``rtrl.batches`` for this rank's data-parallel
-share, trains with Dr. GRPO + KL, checkpoints with the consumed offsets, and records one
-``train_metrics`` row per step in ClickHouse (rank 0) while showing progress on the console.
+share (every tensor- and pipeline-parallel rank of a replica reads the same micro-batches), trains with
+Dr. GRPO + KL (through megatron's pipeline schedule when ``parallel.pp > 1``: :mod:`trainer.train`),
+checkpoints with the consumed offsets, and records one ``train_metrics`` row per step in ClickHouse
+(rank 0, the first pipeline stage: every stage ends a step with the same metrics) while showing
+progress on the console.
 """
 
 from __future__ import annotations
@@ -15,10 +18,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rtrl import clickhouse
-from rtrl.errors import ConfigError
 from rtrl.settings import Settings
 from schemas.records import TrainStep
-from trainer.config import ModelConfig, model_config
+from trainer.config import model_config
 from trainer.data import BatchStream
 from trainer.model import build_model, init_parallel
 from trainer.train import TrainConfig, train
@@ -35,19 +37,6 @@ def torch_threads(setting: int) -> int:
     return max(1, (os.cpu_count() or 2) - 1)
 
 
-def check_pipeline(cfg: ModelConfig) -> None:
-    """The RL loss needs every token's log-prob under the policy and the reference on one rank; the
-    trainer's step runs whole models (:func:`trainer.model.forward_logprobs`), not megatron's pipeline
-    schedule, so pp > 1 is refused here - before any rank builds a model - instead of failing mid-step."""
-    if cfg.parallel.pp > 1:
-        raise ConfigError(
-            f"parallel.pp = {cfg.parallel.pp}: the RL trainer does not run a pipeline schedule yet (its loss needs "
-            "per-token log-probs of the policy and the reference on the last stage; megatron-core's 1F1B itself "
-            "runs on CPU over gloo, the trainer step does not drive it); fix: set parallel.pp = 1 and use "
-            "parallel.tp / data parallelism"
-        )
-
-
 def run(settings: Settings, bootstrap: str, console: Console | None = None) -> list[TrainStep]:
     """Train on ``rtrl.batches`` with the model, layout and precision of the settings (``model``,
     ``parallel``, ``precision``) and the optimizer and loss of ``train`` and ``loss``."""
@@ -55,7 +44,6 @@ def run(settings: Settings, bootstrap: str, console: Console | None = None) -> l
     ts = settings.train
     torch.set_num_threads(torch_threads(ts.torch_threads))
     cfg, precision = model_config(settings)
-    check_pipeline(cfg)
     info = init_parallel(cfg)
     model, reference = build_model(cfg, precision), build_model(cfg, precision)
     reference.load_state_dict(model.state_dict())  # the KL reference: the run's initial weights

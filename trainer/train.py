@@ -5,13 +5,23 @@ commits the consumed offsets; every ``checkpoint_every`` steps (and at the end) 
 optimizer, offsets and step through ``trainer.checkpoint``. A restart resumes from the newest
 complete checkpoint: its offsets say where the input continues, so nothing is skipped and nothing
 already in the weights is trained again.
+
+Parallelism: data-parallel ranks train their share of every global batch and sum gradients
+(:class:`DataParallel`); tensor-parallel ranks run the same steps on their shards. With pipeline
+parallelism (pp > 1) every stage reads the same micro-batches and a step runs megatron-core's
+pipeline schedule (:func:`pipeline_step`): the same loss and gradients as the whole model, computed
+on the last stage, whose metrics every stage then receives (:class:`Pipeline`), so rank 0 records
+them. A tied embedding's two copies (first and last stage) get their gradients summed, and gradient
+clipping takes the norm over all stages.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,8 +33,8 @@ from schemas.records import TrainStep
 from trainer import checkpoint
 from trainer.data import Batch
 from trainer.dedup import TrainedSet
-from trainer.loss import LossConfig, policy_loss
-from trainer.model import forward_logprobs
+from trainer.loss import LossConfig, LossOutput, policy_loss
+from trainer.model import forward_logprobs, logprobs_from_logits
 
 
 class Source(Protocol):
@@ -178,9 +188,9 @@ def train(
         trained.restore(extra.get("trained", {}))
     source = make_source(offsets)
     reference.eval()
-    dp = DataParallel()
+    dp, pipe = DataParallel(), Pipeline()
     steps: list[TrainStep] = []
-    while step < cfg.max_steps and not (should_stop is not None and dp.all_true(should_stop())):
+    while step < cfg.max_steps and not (should_stop is not None and pipe.all_ranks_true(dp, should_stop())):
         t0 = time.monotonic()
         batches: list[Batch] = []
         while len(batches) < cfg.micro_batches_per_step:
@@ -189,7 +199,7 @@ def train(
                 break
             if (b := trained.take(b, (policy_version - cfg.max_policy_lag, policy_version))) is not None:
                 batches.append(b)
-        if not dp.all_true(len(batches) == cfg.micro_batches_per_step):
+        if not pipe.all_ranks_true(dp, len(batches) == cfg.micro_batches_per_step):
             trained.discard()  # the partial step is not trained: its batches are read again by the next run
             break  # a partial step would change the effective batch size: wait for the next run
         # Dr. GRPO: one constant for the whole global batch (all DP ranks), not the token count
@@ -205,31 +215,31 @@ def train(
             "on": 0,
         }
         lag_hist: dict[str, int] = {}
-        for b in batches:
-            p = prepare(b, policy_version, cfg.max_policy_lag)
-            lp = forward_logprobs(model, p.tokens, p.positions, p.targets, p.attention_mask)
-            with torch.no_grad():
-                ref = forward_logprobs(reference, p.tokens, p.positions, p.targets, p.attention_mask)
-            out = policy_loss(lp, p.behaviour, ref, p.advantages, p.loss_mask, p.off_policy, norm, cfg.loss)
-            out.loss.backward()
-            sums["loss"] += out.loss.item()
-            sums["pg"] += out.pg_loss
-            sums["kl_tok"] += out.kl * out.tokens
-            sums["clip_tok"] += out.clip_fraction * out.tokens
-            sums["trunc_tok"] += out.is_truncated_fraction * out.tokens
-            sums["tokens"] += out.tokens
-            sums["on"] += out.on_policy_tokens
-            for lag in p.lags.tolist():
-                lag_hist[str(lag)] = lag_hist.get(str(lag), 0) + 1
+        if pipe.size == 1:
+            for b in batches:
+                p = prepare(b, policy_version, cfg.max_policy_lag)
+                lp = forward_logprobs(model, p.tokens, p.positions, p.targets, p.attention_mask)
+                with torch.no_grad():
+                    ref = forward_logprobs(reference, p.tokens, p.positions, p.targets, p.attention_mask)
+                out = policy_loss(lp, p.behaviour, ref, p.advantages, p.loss_mask, p.off_policy, norm, cfg.loss)
+                out.loss.backward()
+                _add_metrics(sums, out)
+                _count_lags(lag_hist, p)
+        else:
+            prepared = [prepare(b, policy_version, cfg.max_policy_lag) for b in batches]
+            for out in pipeline_step(model, reference, prepared, norm, cfg.loss):  # outputs on the last stage only
+                _add_metrics(sums, out)
+            for p in prepared:  # every stage holds the same micro-batches
+                _count_lags(lag_hist, p)
+        pipe.reduce_tied_embedding_grads(model)
         dp.reduce_gradients(model)
         if cfg.grad_clip > 0:
             clip_grad_norm(model, cfg.grad_clip)
         for group in opt.param_groups:  # linear warm-up (by optimizer step, so a resumed run continues it)
             group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
-        totals = dp.sum(
-            [sums["loss"], sums["pg"], sums["kl_tok"], sums["clip_tok"], sums["trunc_tok"], sums["tokens"], sums["on"]]
-        )
-        sums = dict(zip(["loss", "pg", "kl_tok", "clip_tok", "trunc_tok", "tokens", "on"], totals))
+        keys = ["loss", "pg", "kl_tok", "clip_tok", "trunc_tok", "tokens", "on"]
+        totals = dp.sum(pipe.from_last_stage([sums[k] for k in keys]))  # the last stage computed them
+        sums = dict(zip(keys, totals))
         sums["tokens"], sums["on"] = int(sums["tokens"]), int(sums["on"])
         lag_hist = dp.merge_counts(lag_hist)
         # what this step really trained on: samples within the policy lag (stale ones are masked)
@@ -267,6 +277,176 @@ def train(
     return steps
 
 
+def _add_metrics(sums: dict[str, float], out: LossOutput) -> None:
+    sums["loss"] += out.loss.item()
+    sums["pg"] += out.pg_loss
+    sums["kl_tok"] += out.kl * out.tokens
+    sums["clip_tok"] += out.clip_fraction * out.tokens
+    sums["trunc_tok"] += out.is_truncated_fraction * out.tokens
+    sums["tokens"] += out.tokens
+    sums["on"] += out.on_policy_tokens
+
+
+def _count_lags(lag_hist: dict[str, int], p: Prepared) -> None:
+    for lag in p.lags.tolist():
+        lag_hist[str(lag)] = lag_hist.get(str(lag), 0) + 1
+
+
+def _unwrap(model: Any) -> Any:
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model
+
+
+@contextlib.contextmanager
+def _schedule_config(model: Any, variable_seq_lengths: bool) -> Iterator[None]:
+    """Set the fields of ``model.config`` that megatron's schedule reads, for one schedule call.
+
+    - ``calculate_per_token_loss = True`` with a ``(loss, num_tokens, metrics)`` loss function: the
+      schedule then backpropagates the loss as returned. (Otherwise it divides it by the number of
+      micro-batches, and by num_tokens for a triple.) Our loss is already the Dr. GRPO sum over the
+      micro-batch divided by the step's constant, exactly as in the pp = 1 path.
+    - ``variable_seq_lengths``: True when the step's micro-batches differ in shape; the stages then
+      exchange each activation's shape before it (else every activation is ``[S, B, hidden]``).
+    - no ``finalize_model_grads_func`` (it expects megatron's DDP wrapper): the trainer all-reduces
+      the tied embedding's gradient itself (:meth:`Pipeline.reduce_tied_embedding_grads`) and the
+      data-parallel gradients with :class:`DataParallel`; no ``grad_scale_func`` (no loss scaling:
+      fp32 or bf16, never fp16), no ``no_sync_func`` / ``grad_sync_func`` (no async grad reduction).
+    """
+    config = _unwrap(model).config
+    want: dict[str, Any] = {
+        "calculate_per_token_loss": True,
+        "variable_seq_lengths": variable_seq_lengths,
+        "finalize_model_grads_func": None,
+        "grad_scale_func": None,
+        "no_sync_func": None,
+        "grad_sync_func": None,
+    }
+    if config.pipeline_dtype is None:
+        raise RuntimeError("the model's TransformerConfig has no pipeline_dtype (trainer.model sets it)")
+    saved = {k: getattr(config, k) for k in want}
+    for k, v in want.items():
+        setattr(config, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(config, k, v)
+
+
+def pipeline_step(
+    model: Any, reference: Any, prepared: list[Prepared], norm: float, loss_cfg: LossConfig
+) -> list[LossOutput]:
+    """One optimizer step's forward and backward passes through megatron's pipeline schedule (pp > 1).
+
+    Two schedule calls over the same micro-batches, each rank running its own stage:
+
+    1. the frozen ``reference``, ``forward_only`` under ``torch.no_grad``: the last stage turns the
+       logits of each micro-batch into per-token log-probs (returned as non-loss data, in order);
+    2. the policy ``model``, forward and backward (1F1B): the last stage computes the log-probs the
+       same way (:func:`trainer.model.logprobs_from_logits`, as ``forward_logprobs`` does) and
+       :func:`trainer.loss.policy_loss` with the step's constant ``norm``; the schedule backpropagates
+       that loss unscaled (:func:`_schedule_config`), so gradients accumulate over the micro-batches
+       exactly as in the pp = 1 path.
+
+    Returns the micro-batches' :class:`LossOutput` in order on the last stage, ``[]`` on the others.
+    Every stage needs every micro-batch: the first reads the tokens and positions, all of them the
+    attention mask, the last the targets and the loss inputs.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    forward_backward = get_forward_backward_func()
+    shapes = {tuple(p.tokens.shape) for p in prepared}
+    rows, seq = prepared[0].tokens.shape
+    schedule: dict[str, Any] = {"num_microbatches": len(prepared), "seq_length": seq, "micro_batch_size": rows}
+
+    def ref_logprobs(targets: torch.Tensor, logits: torch.Tensor, non_loss_data: bool = False) -> torch.Tensor:
+        return logprobs_from_logits(logits, targets)
+
+    def ref_step(data: Iterator[Prepared], m: Any) -> tuple[torch.Tensor, Callable[..., Any]]:
+        p = next(data)
+        return m(p.tokens, p.positions, p.attention_mask), functools.partial(ref_logprobs, p.targets)
+
+    with _schedule_config(reference, len(shapes) > 1), torch.no_grad():
+        refs = forward_backward(
+            forward_step_func=ref_step,
+            data_iterator=iter(prepared),
+            model=reference,
+            forward_only=True,
+            collect_non_loss_data=True,
+            **schedule,
+        )
+    refs = list(refs) if refs else [None] * len(prepared)  # non-last stages collect nothing
+    outs: list[LossOutput] = []
+
+    def loss_func(p: Prepared, ref: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        lp = logprobs_from_logits(logits, p.targets)
+        out = policy_loss(lp, p.behaviour, ref, p.advantages, p.loss_mask, p.off_policy, norm, loss_cfg)
+        outs.append(out)
+        return out.loss, torch.tensor(out.tokens, dtype=torch.int), {}
+
+    def policy_step(data: Iterator[tuple[Prepared, Any]], m: Any) -> tuple[torch.Tensor, Callable[..., Any]]:
+        p, ref = next(data)
+        return m(p.tokens, p.positions, p.attention_mask), functools.partial(loss_func, p, ref)
+
+    with _schedule_config(model, len(shapes) > 1):
+        forward_backward(
+            forward_step_func=policy_step,
+            data_iterator=iter(list(zip(prepared, refs))),
+            model=model,
+            forward_only=False,
+            **schedule,
+        )
+    return outs
+
+
+class Pipeline:
+    """Collectives over megatron's pipeline-parallel group (no-ops with one stage)."""
+
+    def __init__(self):
+        from megatron.core import parallel_state as ps
+
+        initialized = ps.model_parallel_is_initialized()
+        self.size = ps.get_pipeline_model_parallel_world_size() if initialized else 1
+        self.group = ps.get_pipeline_model_parallel_group() if self.size > 1 else None
+        self.last_rank = ps.get_pipeline_model_parallel_last_rank() if self.size > 1 else 0
+
+    def from_last_stage(self, values: list[float]) -> list[float]:
+        """The last stage's ``values`` on every stage (only it computes the loss and its metrics)."""
+        if self.size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        torch.distributed.broadcast(t, src=self.last_rank, group=self.group)
+        return t.tolist()
+
+    def all_ranks_true(self, dp: DataParallel, flag: bool) -> bool:
+        """``flag`` is true on every rank: every rank of every stage must take the same step (a stage
+        that stopped alone would leave the others waiting in the schedule). With one stage: over the
+        data-parallel group, as before."""
+        if self.size == 1:
+            return dp.all_true(flag)
+        t = torch.tensor([0.0 if flag else 1.0], dtype=torch.float64)
+        torch.distributed.all_reduce(t)
+        return float(t) == 0.0
+
+    def reduce_tied_embedding_grads(self, model: Any) -> None:
+        """With tied embeddings the first stage holds the input embedding and the last stage a copy of
+        it as the output layer (megatron copies it at build time): sum their gradients over megatron's
+        embedding group so both copies take the same update (what megatron's ``finalize_model_grads``
+        does). Before the data-parallel reduction and the clipping."""
+        if self.size == 1:
+            return
+        from megatron.core import parallel_state as ps
+
+        m = _unwrap(model)
+        if not getattr(m, "share_embeddings_and_output_weights", False) or not (m.pre_process or m.post_process):
+            return  # untied, or a middle stage (no copy)
+        weight = m.shared_embedding_or_output_weight()
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        torch.distributed.all_reduce(weight.grad, group=ps.get_embedding_group())
+
+
 def clip_grad_norm(model: Any, max_norm: float) -> float:
     """Scale every gradient so that the global norm is at most ``max_norm``; return the norm before.
 
@@ -274,17 +454,27 @@ def clip_grad_norm(model: Any, max_norm: float) -> float:
     a slice of the gradient on each rank, a replicated one (layer norms, some biases) the whole of
     it: the squared norms of the shards are summed over the tensor-parallel group, the replicated
     ones counted once - every rank then computes the same norm and the same scale (what
-    ``torch.nn.utils.clip_grad_norm_`` on an unsharded model gives)."""
+    ``torch.nn.utils.clip_grad_norm_`` on an unsharded model gives).
+
+    Under pipeline parallelism each stage holds other parameters: the stages' squared norms are
+    summed over the pipeline group. A tied embedding's copy on the last stage (megatron marks it
+    ``shared``) is the same parameter as the first stage's embedding, so it is counted once (it is
+    still scaled)."""
     from megatron.core import parallel_state as ps
 
     grads = [
-        (p.grad, bool(getattr(p, "tensor_model_parallel", False))) for p in model.parameters() if p.grad is not None
+        (p.grad, bool(getattr(p, "tensor_model_parallel", False)), bool(getattr(p, "shared", False)))
+        for p in model.parameters()
+        if p.grad is not None
     ]
-    if not grads:
+    pipeline = ps.model_parallel_is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1
+    if not grads and not pipeline:
         return 0.0
     sharded = torch.zeros((), dtype=torch.float64)
     replicated = torch.zeros((), dtype=torch.float64)
-    for g, is_shard in grads:
+    for g, is_shard, is_copy in grads:
+        if is_copy:
+            continue
         sq = g.detach().double().pow(2).sum()
         if is_shard:
             sharded += sq
@@ -292,10 +482,13 @@ def clip_grad_norm(model: Any, max_norm: float) -> float:
             replicated += sq
     if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() > 1:
         torch.distributed.all_reduce(sharded, group=ps.get_tensor_model_parallel_group())
-    norm = float((sharded + replicated).sqrt())
+    total = sharded + replicated
+    if pipeline:
+        torch.distributed.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
+    norm = float(total.sqrt())
     if norm > max_norm:
         scale = max_norm / (norm + 1e-6)
-        for g, _ in grads:
+        for g, _, _ in grads:
             g.mul_(scale)
     return norm
 

@@ -1,5 +1,6 @@
 """A tiny training run for tests: micro-batches from Kafka (or a fixed in-memory set), one JSON line
-per optimizer step on stdout. Usage: train_run.py OUT_DIR [--bootstrap B --topic T] [--steps N]."""
+per optimizer step on stdout. Usage: train_run.py OUT_DIR [--bootstrap B --topic T] [--steps N]
+[--tp N] [--pp N] [--tie] [--init CKPT] [--params] (run under torchrun for tp/pp/dp > 1)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,20 @@ def synthetic_batches(n: int, seed: int = 0):
         seg[:, :20], seg[:, 20:30] = 0, 1
         mask = np.zeros((rows, seq), np.float32)
         mask[:, 8:20], mask[:, 25:30] = 1, 1
-        out.append(Batch(f"b{i:03d}", rng.integers(0, 256, (rows, seq)), mask,
-                         rng.normal(size=(rows, seq)).astype(np.float32), np.full((rows, seq), -5.5, np.float32),
-                         seg, [f"s{i}a", f"s{i}b"], np.array([0, i % 2]), 0, i))
+        out.append(
+            Batch(
+                f"b{i:03d}",
+                rng.integers(0, 256, (rows, seq)),
+                mask,
+                rng.normal(size=(rows, seq)).astype(np.float32),
+                np.full((rows, seq), -5.5, np.float32),
+                seg,
+                [f"s{i}a", f"s{i}b"],
+                np.array([0, i % 2]),
+                0,
+                i,
+            )
+        )
     return out
 
 
@@ -38,26 +50,46 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--checkpoint-every", type=int, default=2)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (run under torchrun)")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (run under torchrun)")
+    ap.add_argument("--tie", action="store_true", help="tie the input embedding and the output layer")
     ap.add_argument("--params", action="store_true", help="print the final parameters' fingerprint")
+    ap.add_argument(
+        "--init",
+        help="initial weights: save them to this checkpoint folder if it does not exist, else load them from it "
+        "(a pipeline stage draws other initial weights than a whole model: runs to compare share one init)",
+    )
     args = ap.parse_args()
 
+    from pathlib import Path
+
+    from trainer import checkpoint
     from trainer.config import ModelConfig
     from trainer.data import BatchStream
     from trainer.model import build_model, init_parallel
     from trainer.train import MemorySource, TrainConfig, train
 
-    cfg = ModelConfig(seq_length=64).with_parallel(tp=args.tp)
+    cfg = ModelConfig(seq_length=64, tie_embeddings=args.tie).with_parallel(tp=args.tp, pp=args.pp)
     info = init_parallel(cfg)
     model, reference = build_model(cfg), build_model(cfg)
+    if args.init and checkpoint.is_complete(args.init):
+        checkpoint.load(args.init, model, restore_rng=False)
+    elif args.init:
+        checkpoint.save(Path(args.init), model, extra={"step": 0})
     reference.load_state_dict(model.state_dict())
     if args.bootstrap:
         make = lambda off: BatchStream(args.bootstrap, args.topic, args.topic + ".dlq", start=off, timeout_s=10)  # noqa: E731
     else:
-        batches = synthetic_batches(2 * args.steps)[info.dp_rank::info.dp]  # DP ranks split the global batch
+        batches = synthetic_batches(2 * args.steps)[info.dp_rank :: info.dp]  # DP ranks split the global batch
         make = lambda off: MemorySource(batches, off)  # noqa: E731
-    tc = TrainConfig(run_id="test", max_steps=args.steps, micro_batches_per_step=2 // info.dp,
-                     checkpoint_every=args.checkpoint_every,
-                     checkpoint_dir=args.out, idle_timeout_s=10, max_policy_lag=1)
+    tc = TrainConfig(
+        run_id="test",
+        max_steps=args.steps,
+        micro_batches_per_step=2 // info.dp,
+        checkpoint_every=args.checkpoint_every,
+        checkpoint_dir=args.out,
+        idle_timeout_s=10,
+        max_policy_lag=1,
+    )
 
     def emit(step):
         if info.rank == 0:
@@ -68,14 +100,31 @@ def main() -> None:
     if args.params:  # full parameters (gathered over tensor parallelism): sum and abs-sum per tensor
         total = {}
         for name, p in model.named_parameters():
+            if getattr(p, "shared", False):
+                continue  # the last pipeline stage's copy of a tied embedding: the first stage reports it
             v = p.detach()
             if info.tp > 1 and getattr(p, "tensor_model_parallel", False):
                 v = _gather_dim(v, p.partition_dim)
-            total[name] = [float(v.double().sum()), float(v.double().abs().sum())]
+            total[_global_name(model, name)] = [float(v.double().sum()), float(v.double().abs().sum())]
+        if info.pp > 1:  # each stage holds its own layers: merge every stage's parameters on rank 0
+            import torch.distributed as dist
+
+            parts: list = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, total)
+            total = {k: v for part in parts for k, v in part.items()}
         if info.rank == 0:
-            print(json.dumps({"params": total}), flush=True)
+            print(json.dumps({"params": dict(sorted(total.items()))}), flush=True)
     if info.rank == 0:
         print(json.dumps({"done": True}), flush=True)
+
+
+def _global_name(model, name: str) -> str:
+    """``decoder.layers.<i>.`` with the layer's index in the whole model (a later pipeline stage
+    numbers its own layers from 0; megatron keeps the global 1-based ``layer_number``)."""
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        parts[2] = str(model.decoder.layers[int(parts[2])].layer_number - 1)
+    return ".".join(parts)
 
 
 def _gather_dim(v, dim):
