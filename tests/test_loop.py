@@ -12,9 +12,12 @@ import pytest
 
 from tests.test_cli import _run
 
+pytestmark = pytest.mark.slow  # whole main-job runs (minutes)
+
 DUMP = """
 import json, sys
 from rtrl import clickhouse
+
 ch = clickhouse.connect(sys.argv[1])
 rows = ch.query("SELECT version, parent, status, reason, eval_results FROM rtrl.checkpoints FINAL ORDER BY version").result_rows
 steps = ch.query("SELECT count(), sum(tokens), min(on_policy_fraction) FROM rtrl.train_metrics FINAL").result_rows[0]

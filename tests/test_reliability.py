@@ -17,6 +17,8 @@ from rtrl import clickhouse
 from rtrl.kafka import read_topic
 from rtrl.settings import load_settings
 
+pytestmark = pytest.mark.slow  # the loop as processes, killed and restarted (minutes)
+
 CYCLES = 5
 #: (part, cycle, trainer steps of that cycle done before the kill): each part once, while a cycle trains
 KILLS = [("rewards", 2, 2), ("batches", 3, 3), ("train", 4, 5), ("serve", 5, 2)]

@@ -14,6 +14,8 @@ import pytest
 
 from devservices.broker import free_port
 
+pytestmark = pytest.mark.slow  # torchrun process groups
+
 SCRIPT = str(Path(__file__).parent / "dist" / "train_run.py")
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 

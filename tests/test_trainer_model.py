@@ -278,6 +278,7 @@ def test_incomplete_checkpoint_is_ignored(roundtrip, tmp_path):
     assert checkpoint.latest(root) == newer
 
 
+@pytest.mark.slow
 def test_tp2_checkpoint_loads_at_tp1(tmp_path):
     """torchrun TP=2 trains 2 steps and saves; a TP=1 process loads it and gets the same loss (1e-5 rel),
     and one more AdamW step from the resharded moments gives the same loss as at TP=2."""

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from confluent_kafka import Producer
 
 from rtrl.kafka import producer_config
@@ -94,6 +95,7 @@ def _to_micro(b: Batch) -> MicroBatch:
     )
 
 
+@pytest.mark.slow
 def test_kill_9_and_resume_trains_the_same_batches_once(broker, topic_prefix, tmp_path):
     """Micro-batches from Kafka; the trainer is killed with SIGKILL after step 3 (checkpoints every 2 steps)
     and restarted: the resumed run's steps carry exactly the uninterrupted run's batch ids and losses —
