@@ -41,8 +41,8 @@ from flows.batching import BatchBuilder, BatchConfig
 from flows.kafka_io import kafka_source
 from flows.processor import Message
 from flows.sinks import ClickHouseSink, KafkaSink
+from flows.wiring import injected, require_bootstrap
 from rewards import check_versions
-from rtrl.errors import ConfigError
 from rtrl.settings import Settings, load_settings
 from schemas.codec import Invalid, JsonCodec, dead_letter, encode_batch
 from schemas.records import BatchStats, DeadLetter, MicroBatch, Reward, Rollout
@@ -154,27 +154,11 @@ def _parser(codec: JsonCodec, kind: str, source: str):
     return parse
 
 
-def _broker(settings: Settings, bootstrap: str | None) -> str:
-    bootstrap = bootstrap or settings.kafka.bootstrap
-    if not bootstrap:
-        raise ConfigError(
-            "kafka.bootstrap is empty and no broker address was given; fix: set kafka.bootstrap "
-            "(RTRL_KAFKA__BOOTSTRAP), or run the flow with `rtrl flow NAME`, which starts the local broker"
-        )
-    return bootstrap
-
-
-def _injected(given: Mapping, names: tuple[str, ...], what: str) -> dict:
-    if set(given) != set(names):
-        raise ValueError(f"{what} must map exactly {list(names)}, got {sorted(given)}")
-    return dict(given)
-
-
 def kafka_inputs(
     settings: Settings, bootstrap: str | None = None, stop: threading.Event | None = None
 ) -> dict[str, Source]:
     """The flow's default inputs (after a bounded broker check): rtrl.rollouts and rtrl.rewards."""
-    bootstrap, k, tail = _broker(settings, bootstrap), settings.kafka, settings.batching.tail
+    bootstrap, k, tail = require_bootstrap(settings, bootstrap), settings.kafka, settings.batching.tail
     return {
         name: kafka_source(
             bootstrap, [settings.topic(name)], k.timeout_s, tail=tail, idle_s=k.idle_backoff_s, stop=stop
@@ -186,7 +170,9 @@ def kafka_inputs(
 def service_outputs(settings: Settings, bootstrap: str | None = None) -> dict[str, Sink]:
     """The flow's default outputs: the Kafka topics and the ClickHouse tables."""
     return {
-        "kafka": KafkaSink(_broker(settings, bootstrap), settings.sdk.delivery_timeout_s, settings.kafka.compression),
+        "kafka": KafkaSink(
+            require_bootstrap(settings, bootstrap), settings.sdk.delivery_timeout_s, settings.kafka.compression
+        ),
         "clickhouse": ClickHouseSink(
             settings.clickhouse_dsn, settings.clickhouse.database, 1000, 1.0, settings.clickhouse.timeout_s
         ),
@@ -208,8 +194,8 @@ def build_flow(
     (``bootstrap`` overrides ``kafka.bootstrap``; setting ``stop`` ends an in-process run cleanly).
     With both given the flow touches neither Kafka nor ClickHouse."""
     cfg, bs = batch_config(settings), settings.batching  # bad settings fail before any I/O
-    sources = kafka_inputs(settings, bootstrap, stop) if sources is None else _injected(sources, INPUTS, "sources")
-    sinks = service_outputs(settings, bootstrap) if sinks is None else _injected(sinks, OUTPUTS, "sinks")
+    sources = kafka_inputs(settings, bootstrap, stop) if sources is None else injected(sources, INPUTS, "sources")
+    sinks = service_outputs(settings, bootstrap) if sinks is None else injected(sinks, OUTPUTS, "sinks")
     flow = Dataflow("rtrl_batches")
     parsed = []
     for name, cls in (("rollouts", Rollout), ("rewards", Reward)):

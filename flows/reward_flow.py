@@ -35,7 +35,7 @@ from flows.kafka_io import kafka_source
 from flows.processor import FlowOutput, RewardProcessor
 from flows.sinks import ClickHouseSink, KafkaSink
 from flows.windowing import PartitionWindows, WindowConfig
-from rtrl.errors import ConfigError
+from flows.wiring import injected, require_bootstrap
 from rtrl.settings import Settings, load_settings
 from schemas.codec import JsonCodec
 from schemas.records import DeadLetter, Reward
@@ -73,27 +73,11 @@ class _PartitionLogic(StatefulBatchLogic):
         return self.processor.windows
 
 
-def _broker(settings: Settings, bootstrap: str | None) -> str:
-    bootstrap = bootstrap or settings.kafka.bootstrap
-    if not bootstrap:
-        raise ConfigError(
-            "kafka.bootstrap is empty and no broker address was given; fix: set kafka.bootstrap "
-            "(RTRL_KAFKA__BOOTSTRAP), or run the flow with `rtrl flow NAME`, which starts the local broker"
-        )
-    return bootstrap
-
-
-def _injected(given: Mapping, names: tuple[str, ...], what: str) -> dict:
-    if set(given) != set(names):
-        raise ValueError(f"{what} must map exactly {list(names)}, got {sorted(given)}")
-    return dict(given)
-
-
 def kafka_inputs(
     settings: Settings, bootstrap: str | None = None, stop: threading.Event | None = None
 ) -> dict[str, Source]:
     """The flow's default input (after a bounded broker check): rtrl.events, keyed by Kafka partition."""
-    bootstrap, fs = _broker(settings, bootstrap), settings.flow
+    bootstrap, fs = require_bootstrap(settings, bootstrap), settings.flow
     return {
         "events": kafka_source(
             bootstrap,
@@ -120,7 +104,9 @@ def service_outputs(settings: Settings, bootstrap: str | None = None) -> dict[st
             settings.clickhouse.timeout_s,
             archive=archive_root,
         ),
-        "kafka": KafkaSink(_broker(settings, bootstrap), settings.sdk.delivery_timeout_s, settings.kafka.compression),
+        "kafka": KafkaSink(
+            require_bootstrap(settings, bootstrap), settings.sdk.delivery_timeout_s, settings.kafka.compression
+        ),
     }
 
 
@@ -142,8 +128,8 @@ def build_flow(
     cfg = window_config(settings)
     versions = settings.rewards.versions
     RewardProcessor(source_topic, cfg, versions)  # fail fast on unknown reward versions, before any I/O
-    sources = kafka_inputs(settings, bootstrap, stop) if sources is None else _injected(sources, INPUTS, "sources")
-    sinks = service_outputs(settings, bootstrap) if sinks is None else _injected(sinks, OUTPUTS, "sinks")
+    sources = kafka_inputs(settings, bootstrap, stop) if sources is None else injected(sources, INPUTS, "sources")
+    sinks = service_outputs(settings, bootstrap) if sinks is None else injected(sinks, OUTPUTS, "sinks")
 
     def build(resume: PartitionWindows | None) -> _PartitionLogic:
         return _PartitionLogic(RewardProcessor(source_topic, cfg, versions, settings.sdk.max_event_bytes, resume))

@@ -202,15 +202,39 @@ MODEL = {
 }
 
 
+def _produce_batches(broker, topic_prefix: str, n: int = 6) -> None:
+    p = Producer(producer_config(broker.bootstrap))
+    for b in synthetic_batches(n):
+        p.produce(topic_prefix + "batches", value=encode_batch(_to_micro(b)), key=b.batch_id.encode(), partition=0)
+    assert p.flush(10) == 0
+
+
+def _load_at_one_rank(config: Path, ckpt: Path, layout: str, probe: str) -> list[str]:
+    """Load ``ckpt`` into the settings' architecture with ``parallel.<layout> = 1`` in a fresh process, next
+    to a freshly initialised copy (``init``; the loaded one is ``m``); ``probe`` prints what to check after
+    the word 'moved'. Returns the printed words."""
+    code = (
+        "import torch\n"
+        "from rtrl.settings import load_settings\n"
+        "from trainer.config import model_config\n"
+        "from trainer.model import init_parallel, build_model\n"
+        "from trainer import checkpoint\n"
+        f"s = load_settings({str(config)!r}, env={{}}).updated({{'parallel.{layout}': 1}})\n"
+        "cfg, prec = model_config(s); init_parallel(cfg)\n"
+        "init, m = build_model(cfg, prec), build_model(cfg, prec)\n"
+        f"checkpoint.load({str(ckpt)!r}, m, restore_rng=False)\n" + probe
+    )
+    check = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stderr[-3000:]
+    return check.stdout.split("moved")[-1].split()
+
+
 @pytest.mark.slow
 def test_torchrun_tp2_from_a_settings_file_trains(broker, topic_prefix, tmp_path):
     """Two ranks, tensor parallel 2 (one data-parallel replica): every rank holds half of each sharded matrix,
     reads rtrl.batches from Kafka, takes 3 optimizer steps, writes train_metrics and a checkpoint that loads
     into the same architecture at TP=1 with trained (changed) weights."""
-    p = Producer(producer_config(broker.bootstrap))
-    for b in synthetic_batches(6):
-        p.produce(topic_prefix + "batches", value=encode_batch(_to_micro(b)), key=b.batch_id.encode(), partition=0)
-    assert p.flush(10) == 0
+    _produce_batches(broker, topic_prefix)
     config = _settings_file(tmp_path, broker, topic_prefix, model=MODEL, parallel={"tp": 2})
     proc = _torchrun(config)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
@@ -219,30 +243,13 @@ def test_torchrun_tp2_from_a_settings_file_trains(broker, topic_prefix, tmp_path
     ckpt = tmp_path / "data" / "checkpoints" / "step_000000003"
     assert (ckpt / "COMPLETE").exists()
     # the TP=2 checkpoint is the configured architecture: it loads into it at TP=1, and training moved it
-    check = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            (
-                "import sys, torch\n"
-                "from rtrl.settings import load_settings\n"
-                "from trainer.config import model_config\n"
-                "from trainer.model import init_parallel, build_model\n"
-                "from trainer import checkpoint\n"
-                f"s = load_settings({str(config)!r}, env={{}}).updated({{'parallel.tp': 1}})\n"
-                "cfg, prec = model_config(s); init_parallel(cfg)\n"
-                "init, m = build_model(cfg, prec), build_model(cfg, prec)\n"
-                f"checkpoint.load({str(ckpt)!r}, m, restore_rng=False)\n"
-                "d = max((a - b).abs().max().item() for a, b in zip(init.parameters(), m.parameters()))\n"
-                "print('moved', d, m.decoder.layers[0].mlp.linear_fc1.weight.shape[0])\n"
-            ),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    moved, fc1 = _load_at_one_rank(
+        config,
+        ckpt,
+        "tp",
+        "d = max((a - b).abs().max().item() for a, b in zip(init.parameters(), m.parameters()))\n"
+        "print('moved', d, m.decoder.layers[0].mlp.linear_fc1.weight.shape[0])\n",
     )
-    assert check.returncode == 0, check.stderr[-3000:]
-    moved, fc1 = check.stdout.split("moved")[-1].split()
     assert float(moved) > 0 and int(fc1) == 2 * 128
 
 
@@ -253,10 +260,7 @@ def test_torchrun_pp2_from_a_settings_file_trains(broker, topic_prefix, tmp_path
     rtrl.batches from Kafka and take 3 optimizer steps through megatron's 1F1B schedule; rank 0 (the first
     stage, which computes no loss) records the last stage's metrics in train_metrics; the checkpoint loads
     into the same architecture at PP=1 with trained (changed) weights."""
-    p = Producer(producer_config(broker.bootstrap))
-    for b in synthetic_batches(6):
-        p.produce(topic_prefix + "batches", value=encode_batch(_to_micro(b)), key=b.batch_id.encode(), partition=0)
-    assert p.flush(10) == 0
+    _produce_batches(broker, topic_prefix)
     model = MODEL | {"tie_embeddings": True}
     config = _settings_file(tmp_path, broker, topic_prefix, model=model, parallel={"pp": 2})
     proc = _torchrun(config)
@@ -291,32 +295,15 @@ def test_torchrun_pp2_from_a_settings_file_trains(broker, topic_prefix, tmp_path
     # The PP=2 checkpoint is the configured architecture: it loads into it at PP=1. The first stage draws
     # the embedding and layer 0 exactly as a whole model does (same seed, same order), so a change there
     # is training; layer 1 comes from the last stage.
-    check = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            (
-                "import sys, torch\n"
-                "from rtrl.settings import load_settings\n"
-                "from trainer.config import model_config\n"
-                "from trainer.model import init_parallel, build_model\n"
-                "from trainer import checkpoint\n"
-                f"s = load_settings({str(config)!r}, env={{}}).updated({{'parallel.pp': 1}})\n"
-                "cfg, prec = model_config(s); init_parallel(cfg)\n"
-                "init, m = build_model(cfg, prec), build_model(cfg, prec)\n"
-                f"checkpoint.load({str(ckpt)!r}, m, restore_rng=False)\n"
-                "a, b = dict(init.named_parameters()), dict(m.named_parameters())\n"
-                "first = [k for k in a if k.startswith(('embedding.', 'decoder.layers.0.'))]\n"
-                "d = max((a[k] - b[k]).abs().max().item() for k in first)\n"
-                "print('moved', d, len(a), 'output_layer.weight' in a, b['decoder.layers.1.mlp.linear_fc1.weight'].shape[0])\n"
-            ),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    moved, n_params, untied_output, fc1 = _load_at_one_rank(
+        config,
+        ckpt,
+        "pp",
+        "a, b = dict(init.named_parameters()), dict(m.named_parameters())\n"
+        "first = [k for k in a if k.startswith(('embedding.', 'decoder.layers.0.'))]\n"
+        "d = max((a[k] - b[k]).abs().max().item() for k in first)\n"
+        "print('moved', d, len(a), 'output_layer.weight' in a, b['decoder.layers.1.mlp.linear_fc1.weight'].shape[0])\n",
     )
-    assert check.returncode == 0, check.stderr[-3000:]
-    moved, n_params, untied_output, fc1 = check.stdout.split("moved")[-1].split()
     assert 0 < float(moved) < 1 and untied_output == "False" and int(fc1) == 2 * 128
 
 
