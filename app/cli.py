@@ -11,7 +11,7 @@
     rtrl simulate            send simulated users' events through the SDK
     rtrl flow rewards        the reward flow with Bytewax recovery (always-on)
     rtrl flow batches        the batch flow (rollouts + rewards -> micro-batches) with recovery
-    rtrl train               the trainer on rtrl.batches (torchrun --nproc_per_node N -m trainer for DP/TP)
+    rtrl train               the trainer on rtrl.batches (torchrun --nproc_per_node N -m trainer for DP/TP/PP)
     rtrl config              show the effective settings
 
 Every command takes ``--config FILE`` (or ``RTRL_CONFIG``) and ``RTRL_*`` environment overrides.
@@ -64,9 +64,9 @@ def cmd_ab(settings: Settings, args: argparse.Namespace, console: Console) -> in
 
 
 def cmd_broker(settings: Settings, args: argparse.Namespace, console: Console) -> int:
-    from app.services import LocalBroker
+    from app.services import local_broker
 
-    broker = LocalBroker(settings.data_path / "broker", port=args.port)
+    broker = local_broker(settings.data_path / "broker", port=args.port)
     if args.action == "up":
         console.print(broker.up())
     elif args.action == "down":
@@ -80,16 +80,9 @@ def cmd_broker(settings: Settings, args: argparse.Namespace, console: Console) -
 
 
 def cmd_topics(settings: Settings, args: argparse.Namespace, console: Console) -> int:
-    from rtrl.kafka import ensure_topics
+    from rtrl.kafka import ensure_topics_for
 
-    created = ensure_topics(
-        _bootstrap(settings),
-        settings.kafka.topic_prefix,
-        settings.kafka.partitions,
-        timeout_s=settings.kafka.timeout_s,
-        replication_factor=settings.kafka.replication_factor,
-        min_insync_replicas=settings.kafka.min_insync_replicas,
-    )
+    created = ensure_topics_for(settings, _bootstrap(settings))
     console.print(f"created: {', '.join(created) or 'nothing (all exist)'}")
     return 0
 
@@ -105,13 +98,13 @@ def cmd_migrate(settings: Settings, args: argparse.Namespace, console: Console) 
 
 
 def cmd_clickhouse(settings: Settings, args: argparse.Namespace, console: Console) -> int:
-    from app.services import chserver
+    from app.services import serve_embedded_clickhouse
 
     dsn = settings.clickhouse_dsn
     if not dsn.startswith("chdb://"):
         console.print(f"clickhouse.dsn is already a server ({dsn}); nothing to serve")
         return 2
-    return chserver.main([dsn[len("chdb://") :], "--port", str(args.port)])
+    return serve_embedded_clickhouse([dsn[len("chdb://") :], "--port", str(args.port)])
 
 
 def cmd_part(settings: Settings, args: argparse.Namespace, console: Console) -> int:
@@ -207,7 +200,7 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("name", choices=["rewards", "batches"])
     f.add_argument("-w", "--workers", type=int, default=1, help="worker threads in this process")
     f.set_defaults(fn=cmd_flow)
-    sub.add_parser("train", help="train on rtrl.batches (torchrun -m trainer for DP/TP)").set_defaults(fn=cmd_train)
+    sub.add_parser("train", help="train on rtrl.batches (torchrun -m trainer for DP/TP/PP)").set_defaults(fn=cmd_train)
     c = sub.add_parser("config", help="show the effective settings")
     c.add_argument("--example", action="store_true", help="print every setting at its default as TOML")
     c.set_defaults(fn=cmd_config)

@@ -47,13 +47,13 @@ from confluent_kafka import Producer
 from rich.console import Console
 
 from client.sdk import RtrlClient
-from evalgate import EvalSuite, GateRules, decide
+from evalgate import EvalSuite, GateRules, run_gate
 from flows.batch_flow import build_flow as batch_flow
 from flows.reward_flow import build_flow as reward_flow
 from monitors.queries import check_promotion
 from rtrl import clickhouse
 from rtrl.kafka import producer_config
-from rtrl.settings import Settings, refuse_overrides
+from rtrl.settings import Settings, refuse_overrides, refuse_user_set
 from schemas.codec import JsonCodec
 from schemas.records import Checkpoint, CheckpointStatus, TrainStep
 from simulator.evalsuite import HeldOutTasks
@@ -61,7 +61,7 @@ from simulator.policy import warm_start
 from simulator.serve import PolicyServer
 from simulator.tasks import COMPLETION_LEN, PROMPT_LEN, VOCAB, sample_task
 from trainer import checkpoint
-from trainer.config import model_config
+from trainer.config import ModelConfig, PrecisionConfig, model_config
 from trainer.data import BatchStream
 from trainer.dedup import TrainedSet
 from trainer.model import build_model, init_parallel
@@ -86,36 +86,50 @@ LOOP_FIXED: dict[str, tuple[object, str]] = {
     "train.micro_batches_per_step": (MICRO_BATCHES_PER_STEP, "the samples trigger counts whole steps of this size"),
     "model.vocab_size": (VOCAB, "the simulator's task vocabulary"),
     "model.seq_length": (SEQ_LEN, "the packed rows of the batch flow (batching.seq_len)"),
+    "parallel.tp": (1, "the loop trains in one process"),
     "parallel.pp": (1, "the loop trains in one process"),
+}
+
+#: train settings the loop decides itself; a user value is refused with the reason (it would be ignored)
+LOOP_OWNS: dict[str, str] = {
+    "train.steps": "a cycle ends on the samples trigger (loop.samples_per_cycle) or after loop.cycle_max_s",
+    "train.checkpoint_every": "the loop checkpoints every loop.checkpoint_every steps within a cycle",
+    "train.checkpoint_dir": "the loop keeps its checkpoints under <data_dir>/loop",
+    "train.run_id": "each cycle is its own training run, loop-<loop.seed>-v<version>",
+    "train.idle_timeout_s": "a cycle waits at most min(30 s, loop.cycle_max_s) for a micro-batch",
+    "train.torch_threads": "the loop's parts share the cores: torch runs one thread in each",
 }
 
 
 def loop_settings(settings: Settings) -> Settings:
     """The settings the loop runs with: rows, sequence length and waits fitted to its tiny tasks
     (:data:`LOOP_FIXED`). A setting the user gave another value is refused with the reason."""
+    refuse_user_set(settings, LOOP_OWNS, "the closed loop (rtrl run)")
     return refuse_overrides(settings, LOOP_FIXED, "the closed loop (rtrl run)")
 
 
-def loop_model_config(settings: Settings):
+def loop_model_config(settings: Settings) -> tuple[ModelConfig, PrecisionConfig]:
     """The policy every part of the loop builds (trainer, reference, policy server): the settings'
-    ``model`` section (the tiny CPU model by default) over the simulator's vocabulary."""
-    cfg, _ = model_config(loop_settings(settings))
-    return replace(cfg, seed=cfg.seed + settings.loop.seed)
+    ``model`` and ``precision`` sections (the tiny fp32 CPU model by default) over the simulator's
+    vocabulary."""
+    cfg, precision = model_config(loop_settings(settings))
+    return replace(cfg, seed=cfg.seed + settings.loop.seed), precision
 
 
-def policy_server(settings: Settings, bootstrap: str, client: RtrlClient, cfg, seed: int) -> PolicyServer:
+def policy_server(settings: Settings, bootstrap: str, client: RtrlClient, seed: int) -> PolicyServer:
     """The loop's policy server (a candidate arm's model too in A/B mode)."""
     ls = settings.loop
+    cfg, precision = loop_model_config(settings)
     return PolicyServer(
         bootstrap,
         settings.kafka.topic_prefix,
         client,
-        build_model(cfg),
+        build_model(cfg, precision),
         [f"org-{i}" for i in range(ls.orgs)],
         seed=seed,
         hard_share=ls.hard_share,
         compression=settings.kafka.compression,
-        candidate_model=build_model(cfg) if ls.ab_share > 0 else None,
+        candidate_model=build_model(cfg, precision) if ls.ab_share > 0 else None,
     )
 
 
@@ -183,10 +197,10 @@ class Loop:
         self.ckpt_root = s.data_path / "loop" / "checkpoints"
         self.ckpt_root.mkdir(parents=True, exist_ok=True)
         self.state_path = s.data_path / "loop" / "state.json"
-        cfg = loop_model_config(s)
+        cfg, precision = loop_model_config(s)
         init_parallel(cfg)
         torch.manual_seed(ls.seed)
-        self.model, self.reference = build_model(cfg), build_model(cfg)
+        self.model, self.reference = build_model(cfg, precision), build_model(cfg, precision)
         self.suite: EvalSuite = suite if suite is not None else HeldOutTasks(ls.eval_tasks, ls.seed)
         self.rules = rules if rules is not None else GateRules(solve_tolerance=ls.solve_tolerance)
         self.stop = threading.Event()
@@ -196,7 +210,7 @@ class Loop:
         self.server: PolicyServer | None = None
         if serve:
             self.client = RtrlClient.from_settings(s, bootstrap=bootstrap)
-            self.server = policy_server(s, bootstrap, self.client, cfg, seed=ls.seed)
+            self.server = policy_server(s, bootstrap, self.client, seed=ls.seed)
         self.version = self.serving = 0
         self.weights = self.ckpt_root / "v0"  # what the next cycle starts from
         self.trained = TrainedSet()  # micro-batches and samples already trained (replays are skipped)
@@ -403,8 +417,7 @@ class Loop:
         path = self.ckpt_root / f"v{version}"
         if not checkpoint.is_complete(path):  # (a resumed cycle may have written it before the crash)
             checkpoint.save(path, self.model, extra={"version": version, "offsets": self.offsets})
-        ev = self.suite.evaluate(self.model)
-        verdict = decide(ev, self.evals[serving], self.evals[0], self.suite.samples, self.rules)
+        ev, verdict = run_gate(self.suite, self.model, self.evals[serving], self.evals[0], self.rules)
         ok, reason = verdict.promote, verdict.reason
         if not steps:
             ok, reason = False, "no micro-batch arrived within the cycle's wall time"

@@ -75,12 +75,12 @@ def serve(settings: Settings, bootstrap: str) -> None:
     from trainer.model import init_parallel
 
     torch.set_num_threads(1)
-    cfg = loop_model_config(settings)
+    cfg, _ = loop_model_config(settings)
     init_parallel(cfg)
     client = RtrlClient.from_settings(settings, bootstrap=bootstrap)
     # a restarted server must not replay its predecessor's tasks: seed from the seed and the process
     seed = settings.loop.seed * 1_000_003 + os.getpid() + time.time_ns() % 1_000_000
-    server = policy_server(settings, bootstrap, client, cfg, seed)
+    server = policy_server(settings, bootstrap, client, seed)
     try:
         serve_until(server, settings.loop, _stop_on_term())
     finally:

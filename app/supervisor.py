@@ -22,7 +22,8 @@ from pathlib import Path
 
 from app.loop import loop_settings
 from app.parts import PARTS
-from app.services import Services, chserver
+from app.services import Services, spawn_embedded_clickhouse
+from rtrl import clickhouse
 from rtrl.errors import ServiceUnavailable
 from rtrl.settings import Settings, as_env
 
@@ -58,7 +59,7 @@ class Supervisor:
         topics and migrations as every job gets them (:class:`app.services.Services`)."""
         s = self.settings
         if s.clickhouse_dsn.startswith("chdb://"):
-            self.ch_proc, self.dsn = chserver.spawn(
+            self.ch_proc, self.dsn = spawn_embedded_clickhouse(
                 s.clickhouse_dsn[len("chdb://") :], log=self.log_dir / "clickhouse.log"
             )
         else:
@@ -192,7 +193,9 @@ def run_processes(settings: Settings, console) -> list[dict]:
         sup.start_services()
         db, ls = settings.clickhouse.database, settings.loop
         console.print(
-            f"broker {sup.bootstrap} · ClickHouse {sup.dsn} (devservices.chserver) · parts: {', '.join(PARTS)} · "
+            f"broker {sup.bootstrap} · ClickHouse {clickhouse.redact(sup.dsn)}"
+            f"{' (the embedded folder behind devservices.chserver)' if sup.ch_proc is not None else ''} · "
+            f"parts: {', '.join(PARTS)} · "
             f"logs in {sup.log_dir}"
         )
         sup.start_all()

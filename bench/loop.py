@@ -27,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -37,8 +38,7 @@ from app.services import Services  # noqa: E402
 from rtrl.kafka import read_topic  # noqa: E402
 from rtrl.settings import load_settings  # noqa: E402
 from schemas.codec import decode_batch  # noqa: E402
-from trainer.data import to_batch  # noqa: E402
-from trainer.loss import LossConfig  # noqa: E402
+from trainer.batch import to_batch  # noqa: E402
 from trainer.train import MemorySource, TrainConfig, train  # noqa: E402
 
 
@@ -117,15 +117,10 @@ def main() -> None:
         ids = [bid for st in r.steps for bid in st.batch_ids]
         mem = [to_batch(batches[b], 0, i) for i, b in enumerate(ids) if b in batches]
         loop.model.load_state_dict(loop.reference.state_dict())
-        tc = TrainConfig(
-            micro_batches_per_step=4,
-            max_steps=len(r.steps),
-            lr=s.train.lr,
-            max_policy_lag=10**6,
-            loss=LossConfig(kl_coef=s.train.kl_coef),
-        )
+        # the loop's own training config (one mapping: TrainConfig.from_settings), every replayed sample kept
+        tc = replace(TrainConfig.from_settings(loop.settings, max_steps=len(r.steps)), max_policy_lag=10**6)
         t = time.monotonic()
-        train(loop.model, loop.reference, lambda _o, m=mem: MemorySource(m), tc, policy_version=r.parent, resume=False)
+        train(loop.model, loop.reference, lambda _o, m=mem: MemorySource(m), tc, policy_version=r.parent, resume=False)  # type: ignore[misc]
         base = time.monotonic() - t
         ratios.append(r.seconds["train"] / max(base, 1e-9))
         print(

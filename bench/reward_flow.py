@@ -58,6 +58,7 @@ import time
 import traceback
 import tracemalloc
 from datetime import timedelta
+from typing import Any
 
 from bytewax.testing import run_main
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
@@ -113,8 +114,8 @@ class CpuSampler:
     def __init__(self, broker_dir: str) -> None:
         self.broker_dir = broker_dir  # counts only the noida-db processes serving this bench's broker
         self.worker = threading.get_native_id()  # the baseline loop and run_main (the Bytewax worker) run here
-        self.me = None
-        self.first, self.last = self._threads(), {}
+        self.me: int | None = None
+        self.first, self.last = self._threads(), {}  # type: dict, dict
         self.noida0 = self._noida()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True, name="bench-cpu-sampler")
@@ -287,7 +288,8 @@ def throughput(args, bootstrap: str, dsn: str, ch, tmp: str) -> dict:
             profile.disable()
         return time.perf_counter() - t
 
-    raws, flows = [], []
+    raws: list[dict[str, Any]] = []
+    flows: list[dict[str, Any]] = []
     for r in range(args.rounds):  # alternate, so both sides see the same broker and engine state
         raw_db, flow_db = f"bench_raw{r}", f"bench_flow{r}"
         for db in (raw_db, flow_db):
@@ -504,7 +506,7 @@ def memory(args) -> dict:
     before = tracemalloc.get_traced_memory()[0]
     off = 0
     for i in range(args.open):
-        common = {
+        common: dict[str, Any] = {
             "trajectory_id": hexid(),
             "org_id": f"org-{i % 6}",
             "user_hash": f"{rnd.getrandbits(128):032x}",

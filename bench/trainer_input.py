@@ -112,7 +112,7 @@ def decode_costs(payloads: list[bytes], seq: int) -> dict[str, float]:
     from schemas.codec import decode_batch, decode_batch_table
     from schemas.records import MicroBatch
     from schemas.types import from_arrow
-    from trainer.data import to_batch
+    from trainer.batch import to_batch
     from trainer.train import prepare
 
     tables = [decode_batch_table(p) for p in payloads]
@@ -243,8 +243,9 @@ def main() -> None:
     from devservices.broker import LocalBroker
     from rtrl.kafka import ensure_topics, producer_config
     from schemas.codec import encode_batch
+    from trainer.batch import to_batch
     from trainer.config import ModelConfig
-    from trainer.data import BatchStream, to_batch
+    from trainer.data import BatchStream
     from trainer.model import init_parallel
     from trainer.train import MemorySource
 
@@ -255,7 +256,7 @@ def main() -> None:
     payloads = [encode_batch(mb) for mb in records]
     batches = [to_batch(p, 0, i) for i, p in enumerate(payloads)]
     processed_per_mb = args.rows * args.seq
-    masked = sum(b.trained_tokens for b in batches) / (len(batches) * processed_per_mb)
+    masked = sum(int(b.loss_mask.sum()) for b in batches) / (len(batches) * processed_per_mb)
     samples = sum(len(b.sample_ids) for b in batches) / len(batches)
     print(
         f"machine: {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "

@@ -1,6 +1,6 @@
 """The batch flow: Kafka ``rtrl.rollouts`` + ``rtrl.rewards`` -> packed micro-batches on ``rtrl.batches``.
 
-    python -m bytewax.run flows.batch_flow:flow -r <recovery dir> -s 2      (or: rtrl flow batches)
+    python -m bytewax.run flows.batch_flow:flow -r <recovery dir> -s 2   (needs kafka.bootstrap; or: rtrl flow batches)
 
 Steps (stable step ids key the recovery state):
 
@@ -14,7 +14,7 @@ Steps (stable step ids key the recovery state):
 
 The cohort clock is event time (rollouts' ``created_at``, rewards' ``emitted_at``), so a replay
 emits the same micro-batches with the same ids. The one wall-clock rule: a cohort with samples
-ready but no new input for ``batches.idle_flush_s`` sends them as a partial micro-batch instead
+ready but no new input for ``batching.idle_flush_s`` sends them as a partial micro-batch instead
 of waiting for more data. The serving version against which lag is measured is the newest
 ``policy_version`` seen in the cohort's rollouts (the policy server samples with the promoted one).
 
@@ -174,7 +174,11 @@ def service_outputs(settings: Settings, bootstrap: str | None = None) -> dict[st
             require_bootstrap(settings, bootstrap), settings.sdk.delivery_timeout_s, settings.kafka.compression
         ),
         "clickhouse": ClickHouseSink(
-            settings.clickhouse_dsn, settings.clickhouse.database, 1000, 1.0, settings.clickhouse.timeout_s
+            settings.clickhouse_dsn,
+            settings.clickhouse.database,
+            settings.flow.batch_rows,
+            settings.flow.batch_seconds,
+            settings.clickhouse.timeout_s,
         ),
     }
 

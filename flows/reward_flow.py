@@ -1,6 +1,6 @@
 """The reward flow: Kafka ``rtrl.events`` -> per-trajectory rewards in ClickHouse and Kafka.
 
-    python -m bytewax.run flows.reward_flow:flow -r <recovery dir> -s 2      (or: rtrl flow rewards)
+    python -m bytewax.run flows.reward_flow:flow -r <recovery dir> -s 2   (needs kafka.bootstrap; or: rtrl flow rewards)
 
 Steps (stable step ids key the recovery state):
 

@@ -18,12 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import clickhouse_connect
 import pyarrow as pa
 
 from rtrl.errors import ConfigError, SchemaMismatch, ServiceUnavailable
+from rtrl.settings import redact_dsn
 from schemas.records import (
     BatchStats,
     Checkpoint,
@@ -56,12 +56,8 @@ _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def redact(dsn: str) -> str:
-    """The DSN without its password, for error messages."""
-    parts = urlsplit(dsn)
-    if parts.password:
-        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-        return urlunsplit(parts._replace(netloc=netloc))
-    return dsn
+    """The DSN without its password, for error messages (one rule: :func:`rtrl.settings.redact_dsn`)."""
+    return redact_dsn(dsn)
 
 
 def _prepare_chdb_dir(dsn: str) -> None:

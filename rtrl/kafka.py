@@ -15,6 +15,7 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from rtrl.errors import ConfigError, SchemaMismatch, ServiceUnavailable
+from rtrl.settings import Settings
 from schemas.topics import TOPICS, TopicSpec
 
 log = logging.getLogger("rtrl.kafka")
@@ -274,3 +275,16 @@ def read_topic(bootstrap: str, topic: str, timeout_s: float = 30.0, batch: int =
                 yield msg
     finally:
         consumer.close()
+
+
+def ensure_topics_for(settings: Settings, bootstrap: str) -> list[str]:
+    """:func:`ensure_topics` with the ``kafka`` section's prefix, partitions, replication and timeout."""
+    k = settings.kafka
+    return ensure_topics(
+        bootstrap,
+        k.topic_prefix,
+        k.partitions,
+        timeout_s=k.timeout_s,
+        replication_factor=k.replication_factor,
+        min_insync_replicas=k.min_insync_replicas,
+    )

@@ -34,8 +34,6 @@ from rtrl.errors import ConfigError
 
 ENV_PREFIX = "RTRL_"
 ENV_CONFIG_FILE = "RTRL_CONFIG"
-#: Kafka producer codecs librdkafka supports (``compression.type``)
-COMPRESSIONS = ("none", "gzip", "snappy", "lz4", "zstd")
 #: settings whose values are secrets: shown as ``***`` by describe() and repr
 SECRETS = ("sdk.salt",)
 
@@ -135,17 +133,19 @@ class SdkSettings(Section):
 
 
 class FlowSettings(Section):
-    """The reward flow's windows and sinks."""
+    """The reward flow's windows; the sinks and snapshots of both flows."""
 
     deadline_s: float = _s(3600.0, "event time from a trajectory's first event to a forced close", gt=0)
     grace_s: float = _s(10.0, "event time to wait after a trajectory ends for overtaken events", ge=0)
     allowed_lateness_s: float = _s(86400.0, "how long after its deadline a late event still revises a reward", ge=0)
     max_future_s: float = _s(86400.0, "events further ahead of the partition watermark are rejected", gt=0)
-    batch_rows: int = _s(20_000, "rows buffered per ClickHouse table / archive before a write", gt=0)
-    batch_seconds: float = _s(1.0, "longest a row waits in a sink buffer before a write", gt=0)
+    batch_rows: int = _s(20_000, "rows buffered per ClickHouse table / archive before a write (both flows)", gt=0)
+    batch_seconds: float = _s(1.0, "longest a row waits in a sink buffer before a write (both flows)", gt=0)
     archive_dir: str = _s("", "Parquet archive of raw events; empty = <data_dir>/archive")
     recovery_dir: str = _s("", "Bytewax recovery folder; empty = <data_dir>/recovery/rewards")
-    snapshot_s: float = _s(2.0, "Bytewax snapshot (epoch) interval: the most work replayed after a crash", gt=0)
+    snapshot_s: float = _s(
+        2.0, "Bytewax snapshot (epoch) interval of both flows: the most work replayed after a crash", gt=0
+    )
     tail: bool = _s(True, "keep waiting for new events at the end of the topic (false = stop at the end)")
 
 
@@ -601,9 +601,10 @@ def describe(settings: Settings | None = None) -> list[tuple[str, Any, str]]:
 def example_toml() -> str:
     """Every setting at its default with its help, as TOML (what deploy/rtrl.example.toml holds)."""
     lines = [
-        "# rtrl settings: every key with its default. Copy, edit, and pass with `rtrl --config FILE`",
-        "# (or RTRL_CONFIG=FILE). Any key can also be set as RTRL_<SECTION>__<KEY>, e.g. RTRL_KAFKA__BOOTSTRAP.",
-        "# Unknown keys are errors, so a typo never silently falls back to a default.",
+        "# rtrl settings: every key, commented out at its default. Copy, uncomment what you change, and pass",
+        "# with `rtrl --config FILE` (or RTRL_CONFIG=FILE). Any key can also be set as RTRL_<SECTION>__<KEY>,",
+        "# e.g. RTRL_KAFKA__BOOTSTRAP. Unknown keys are errors, so a typo never silently falls back to a default.",
+        "# (A key left set counts as yours: the main job refuses one it would have to change, app.loop.LOOP_FIXED.)",
         "",
     ]
     section = None
@@ -615,7 +616,7 @@ def example_toml() -> str:
             if sec:
                 lines.append(f"\n[{sec}]")
             section = sec
-        lines += [f"# {help_text}", f"{key} = {_toml(value)}"]
+        lines += [f"# {help_text}", f"# {key} = {_toml(value)}"]
     return "\n".join(lines) + "\n"
 
 
@@ -642,3 +643,17 @@ def refuse_overrides(settings: Settings, fixed: Mapping[str, tuple[Any, str]], w
                 "environment, or set it to that value"
             )
     return settings.updated({name: value for name, (value, _) in fixed.items()})
+
+
+def refuse_user_set(settings: Settings, owned: Mapping[str, str], who: str) -> None:
+    """Refuse, with the reason, each ``{"section.key": why}`` the user set to something other than its
+    default: settings ``who`` decides itself and would otherwise ignore silently."""
+    for name, why in owned.items():
+        sec, _, key = name.partition(".")
+        obj = getattr(settings, sec)
+        default = type(obj).model_fields[key].get_default(call_default_factory=True)
+        if key in obj.model_fields_set and getattr(obj, key) != default:
+            raise ConfigError(
+                f"setting {name} = {getattr(obj, key)!r} is not used by {who}: {why}; fix: remove "
+                f"{name} from the config file and {env_name(name)} from the environment"
+            )

@@ -1,6 +1,6 @@
 """The simulated agent's policy: a tiny Megatron-Core GPTModel over the task vocabulary.
 
-``model_config()`` is the shape the closed loop trains; ``warm_start`` imitates a plausible initial
+The model's shape comes from settings (``app.loop.loop_model_config``); ``warm_start`` imitates a plausible initial
 agent (mostly valid tool calls, some broken ones, some questions, edits right a little more often
 than chance) so that the loop starts from a policy worth improving; ``sample`` draws completions
 from the full softmax with the log-prob of every sampled token (what the trainer recomputes for
@@ -16,17 +16,10 @@ import torch
 from simulator.tasks import (
     COMPLETION_LEN,
     PROMPT_LEN,
-    VOCAB,
     Task,
     warm_start_completion,
 )
-from trainer.config import ModelConfig
 from trainer.model import causal_mask
-
-
-def model_config(seq_length: int = 64, seed: int = 1234) -> ModelConfig:
-    """2 layers, hidden 64, vocab 32; ``seq_length`` must cover the batch flow's packed rows."""
-    return ModelConfig.tiny(vocab_size=VOCAB, seq_length=seq_length, seed=seed)
 
 
 def _logits(model, tokens: torch.Tensor) -> torch.Tensor:

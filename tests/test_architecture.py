@@ -10,7 +10,8 @@ Contract pinned here (every module's imports are parsed, including imports insid
   may import the foundation and records, and only ``app.services`` (the embedded defaults), tests
   and benchmarks may import it - no production code path does.
 - Pure modules (windows, rewards, batching, loss, dedup, alerts, the eval gate) import no I/O
-  library.
+  library, directly or through any project module they import (packages' ``__init__`` included),
+  and no project module that does I/O (Kafka, ClickHouse, sinks, the trainer's input stream).
 - The README's architecture section lists the layers in the same order.
 """
 
@@ -58,9 +59,12 @@ PURE = [
     "rewards",
     "trainer.loss",
     "trainer.dedup",
+    "trainer.batch",
     "monitors.alerts",
     "evalgate",
 ]
+#: project modules whose job is I/O: a pure module may not reach them
+IO_MODULES = {"rtrl.kafka", "rtrl.clickhouse", "flows.sinks", "flows.kafka_io", "trainer.data", "app", "devservices"}
 IO_LIBS = {
     "confluent_kafka",
     "clickhouse_connect",
@@ -169,17 +173,67 @@ def test_dev_services_stay_apart():
     assert not bad, "dev-only services reached from production code:\n" + "\n".join(bad)
 
 
+def _reached(start: str) -> dict[str, str]:
+    """Every project module ``start`` loads, transitively, with the module that imports it (a name
+    ``a.b.c`` loads ``a`` and ``a.b`` first: their ``__init__`` runs too)."""
+    seen: dict[str, str] = {start: ""}
+    todo = [start]
+    while todo:
+        mod = todo.pop()
+        for name, _ in _imports(mod, MODULES[mod]):
+            parts = name.split(".")
+            for i in range(1, len(parts) + 1):
+                dep = ".".join(parts[:i])
+                if dep in MODULES and dep not in seen:
+                    seen[dep] = mod
+                    todo.append(dep)
+    return seen
+
+
 @pytest.mark.parametrize("pure", PURE)
 def test_pure_modules_do_no_io(pure):
-    mods = {m: p for m, p in MODULES.items() if m == pure or m.startswith(pure + ".")}
-    assert mods, f"{pure} not found"
-    bad = [
-        f"{m}:{line} imports {name}"
-        for m, p in mods.items()
-        for name, line in _imports(m, p)
-        if name.split(".")[0] in IO_LIBS
+    roots = [m for m in MODULES if m == pure or m.startswith(pure + ".")]
+    assert roots, f"{pure} not found"
+    bad = []
+    for root in roots:
+        for mod, via in _reached(root).items():
+            if any(mod == io or mod.startswith(io + ".") for io in IO_MODULES):
+                bad.append(f"{root} reaches the I/O module {mod} (imported by {via})")
+            bad += [
+                f"{root} reaches {mod}:{line}, which imports {name}"
+                for name, line in _imports(mod, MODULES[mod])
+                if name.split(".")[0] in IO_LIBS
+            ]
+    assert not bad, "pure logic must stay free of I/O:\n" + "\n".join(sorted(set(bad)))
+
+
+def test_production_imports_load_no_dev_service():
+    """Importing the application's entry points, the flows and the trainer job (as a production run
+    with a cluster and a server does) loads nothing of ``devservices``: app.services reaches it only
+    inside the functions that start the embedded defaults."""
+    import subprocess
+    import sys
+
+    mods = [
+        "app.cli",
+        "app.loop",
+        "app.parts",
+        "app.supervisor",
+        "app.services",
+        "app.ab",
+        "flows.reward_flow",
+        "flows.batch_flow",
+        "trainer.run",
+        "trainer.__main__",
     ]
-    assert not bad, "pure logic must stay free of I/O:\n" + "\n".join(bad)
+    code = (
+        "import sys\n"
+        + "".join(f"import {m}\n" for m in mods)
+        + ("print(sorted(m for m in sys.modules if m == 'devservices' or m.startswith('devservices.')))")
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_readme_shows_the_same_order():

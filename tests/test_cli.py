@@ -15,7 +15,7 @@ def _run(args, env_extra, timeout=600):
     return subprocess.run(RTRL + args, capture_output=True, text=True, env=env, timeout=timeout)
 
 
-def test_main_job_runs_end_to_end(tmp_path):
+def test_rtrl_ab_runs_end_to_end(tmp_path):
     """`rtrl ab` on the embedded defaults starts its broker, moves every simulated event through the SDK,
     Kafka and the reward flow into ClickHouse (one reward and one summary per trajectory, duplicates
     dead-lettered), prints the per-version table, writes the PNG, and stops the broker."""

@@ -162,11 +162,11 @@ def test_held_out_tasks_score_a_real_model_deterministically():
     import torch
 
     from simulator.evalsuite import HeldOutTasks
-    from simulator.policy import model_config
-    from simulator.tasks import held_out
+    from simulator.tasks import VOCAB, held_out
+    from trainer.config import ModelConfig
     from trainer.model import build_model, init_parallel
 
-    cfg = model_config(seq_length=32)
+    cfg = ModelConfig.tiny(vocab_size=VOCAB, seq_length=32)
     init_parallel(cfg)
     torch.manual_seed(0)
     model = build_model(cfg)
@@ -180,3 +180,42 @@ def test_held_out_tasks_score_a_real_model_deterministically():
     assert {f"greedy_{m}" for m in ("solve_rate", "broken_tool_call_rate")} <= set(first)
     assert all(0.0 <= v <= 1.0 for v in first.values())
     assert decide(first, first, first, suite.samples, GateRules()).promote  # a model never regresses against itself
+
+
+def test_the_loop_gates_with_the_suite_it_is_given(broker, topic_prefix, ch_client, ch_dsn, ch_db, tmp_path):
+    """app.loop.Loop takes the suite (and rules) it is given: the initial policy's scores recorded in
+    ClickHouse ``checkpoints`` are the injected suite's, computed on the loop's own model."""
+    from app.loop import Loop
+    from rtrl import clickhouse
+    from rtrl.settings import load_settings
+
+    class UserBenchmark:
+        name, samples = "user-benchmark", 400
+
+        def __init__(self):
+            self.models: list = []
+
+        def evaluate(self, model) -> dict[str, float]:
+            self.models.append(model)
+            return EV | {"solve_rate": 0.61}
+
+    suite, rules = UserBenchmark(), GateRules(solve_tolerance=0.0)
+    settings = load_settings(
+        env={
+            "RTRL_DATA_DIR": str(tmp_path),
+            "RTRL_KAFKA__BOOTSTRAP": broker.bootstrap,
+            "RTRL_KAFKA__TOPIC_PREFIX": topic_prefix,
+            "RTRL_CLICKHOUSE__DSN": ch_dsn,
+            "RTRL_CLICKHOUSE__DATABASE": ch_db,
+            "RTRL_LOOP__WARM_START_STEPS": "0",
+        }
+    )
+    loop = Loop(settings, broker.bootstrap, ch_client, serve=False, suite=suite, rules=rules)
+    try:
+        loop.initial()
+    finally:
+        loop.close()
+    assert loop.rules is rules and suite.models == [loop.model]
+    assert loop.evals[0]["solve_rate"] == 0.61
+    (v0,) = clickhouse.select(ch_client, ch_db, "checkpoints")
+    assert v0.version == 0 and v0.status == "promoted" and v0.eval_results["solve_rate"] == 0.61

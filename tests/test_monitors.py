@@ -13,17 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from monitors import (
-    DEFAULT_RULES,
-    AlertRule,
-    ab_table,
-    behaviour,
-    check_promotion,
-    evaluate,
-    format_ab_table,
-    relative_change_ci,
-    reward_stats,
-)
+from monitors.alerts import DEFAULT_RULES, AlertRule, evaluate, relative_change_ci
+from monitors.queries import ab_table, behaviour, check_promotion, format_ab_table, reward_stats
 from rtrl.clickhouse import insert
 from schemas.records import DeadLetter, Reward, TrajectorySummary
 

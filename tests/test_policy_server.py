@@ -14,8 +14,9 @@ from rtrl.kafka import producer_config, read_topic
 from rtrl.settings import load_settings
 from schemas.codec import JsonCodec
 from schemas.records import Checkpoint, Rollout
-from simulator.policy import model_config
 from simulator.serve import PolicyServer
+from simulator.tasks import VOCAB
+from trainer.config import ModelConfig
 from trainer.model import build_model, init_parallel
 
 
@@ -46,7 +47,7 @@ def _refresh(server: PolicyServer, load) -> int | None:
 
 def test_follows_deployments_and_serves_a_quota_per_decision(broker, topic_prefix):
     settings = load_settings(env={"RTRL_KAFKA__TOPIC_PREFIX": topic_prefix})
-    cfg = model_config(seq_length=SEQ_LEN)
+    cfg = ModelConfig.tiny(vocab_size=VOCAB, seq_length=SEQ_LEN)
     init_parallel(cfg)
     loads: list[str] = []
 

@@ -164,6 +164,10 @@ def test_the_loop_refuses_settings_it_would_have_to_change():
         loop_settings(load_settings(env={"RTRL_BATCHING__ROWS": "4"}))
     with pytest.raises(ConfigError, match="train.micro_batches_per_step = 2 cannot be used"):
         loop_settings(load_settings(env={"RTRL_TRAIN__MICRO_BATCHES_PER_STEP": "2"}))
+    with pytest.raises(ConfigError, match="train.steps = 7 is not used by the closed loop.*samples trigger"):
+        loop_settings(load_settings(env={"RTRL_TRAIN__STEPS": "7"}))
+    with pytest.raises(ConfigError, match="parallel.tp = 2 cannot be used by the closed loop"):
+        loop_settings(load_settings(env={"RTRL_PARALLEL__TP": "2"}))
     same = loop_settings(load_settings(env={"RTRL_BATCHING__ROWS": str(LOOP_FIXED["batching.rows"][0])}))
     assert loop_settings(same) == same  # idempotent: the loop's own values are accepted again
 
@@ -177,5 +181,8 @@ def test_shipped_example_configs_load(tmp_path):
     deploy = Path(__file__).resolve().parent.parent / "deploy"
     assert (deploy / "rtrl.example.toml").read_text() == example_toml(), "regenerate: rtrl config --example"
     assert load_settings(deploy / "rtrl.example.toml", env={}) == Settings()
+    from app.loop import loop_settings
+
+    loop_settings(load_settings(deploy / "rtrl.example.toml", env={}))  # a copy of the example runs the main job
     prod = load_settings(deploy / "production.example.toml", env={})
     assert prod.kafka.bootstrap.count(",") == 2 and prod.clickhouse.dsn.startswith("https://")

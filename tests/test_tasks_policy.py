@@ -129,12 +129,14 @@ def test_sampled_logprobs_are_the_trainers(tmp_path):
     from flows.batching import Sample, pack
     from schemas.codec import encode_batch
     from schemas.records import Rollout
-    from simulator.policy import model_config, sample, warm_start
-    from trainer.data import to_batch
+    from simulator.policy import sample, warm_start
+    from simulator.tasks import VOCAB
+    from trainer.batch import to_batch
+    from trainer.config import ModelConfig
     from trainer.model import build_model, forward_logprobs, init_parallel
     from trainer.train import prepare
 
-    cfg = model_config(seq_length=32)
+    cfg = ModelConfig.tiny(vocab_size=VOCAB, seq_length=32)
     init_parallel(cfg)
     model = build_model(cfg)
     rng = random.Random(0)

@@ -47,7 +47,7 @@ def _drain(stream: BatchStream, n: int):
 
 def test_dp_ranks_split_partitions_and_see_every_batch_once(broker, topic_prefix):
     """Two DP ranks own disjoint partitions; together they read every micro-batch exactly once, decoded
-    to arrays with the right shapes and per-token policy versions."""
+    to arrays with the right shapes and per-sample policy versions."""
     topic = topic_prefix + "batches"  # 2 partitions in tests
     _produce(broker.bootstrap, topic, [(i % 2, encode_batch(_batch(i))) for i in range(10)])
     ranks = [BatchStream(broker.bootstrap, topic, topic_prefix + "dead_letters", r, 2) for r in (0, 1)]
@@ -56,7 +56,7 @@ def test_dp_ranks_split_partitions_and_see_every_batch_once(broker, topic_prefix
     assert sorted(b.batch_id for b in seen) == [f"b{i:03d}" for i in range(10)]
     b = next(b for b in seen if b.batch_id == "b004")
     assert b.tokens.tolist() == [[4, 5, 6, 0]] and b.tokens.dtype.name == "int64"
-    assert b.token_policy_versions().tolist() == [[1, 1, 1, -1]] and b.trained_tokens == 2
+    assert b.segment_ids.tolist() == [[0, 0, 0, -1]] and b.policy_versions.tolist() == [1] and b.loss_mask.sum() == 2
     for s in ranks:
         s.close()
 

@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.data import Batch
+from trainer.batch import Batch
 from trainer.dedup import TrainedSet, drop_samples
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,8 +28,9 @@ import torch
 from confluent_kafka import Producer
 
 from devservices.broker import free_port
+from rtrl.errors import ConfigError
 from rtrl.kafka import producer_config
-from rtrl.settings import ModelSettings, ParallelSettings, PrecisionSettings, load_settings
+from rtrl.settings import load_settings
 from schemas.codec import encode_batch
 from tests.dist.train_run import synthetic_batches
 from tests.test_trainer_train import _to_micro
@@ -52,34 +54,48 @@ ARCH = {
 
 
 def test_every_model_parallel_precision_setting_reaches_the_model_config():
-    """Each field of the three sections is carried by model_config (0 = derived values resolve)."""
-    s = load_settings(
-        env=ARCH
-        | {"RTRL_PARALLEL__TP": "2", "RTRL_PARALLEL__SEQUENCE_PARALLEL": "true", "RTRL_PRECISION__BF16": "true"}
-    )
-    cfg, precision = model_config(s)
-    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.ffn_hidden_size) == (
-        2,
-        64,
-        4,
-        2,
-        128,
-    )
-    assert (cfg.normalization, cfg.activation, cfg.rope_base, cfg.qkv_bias, cfg.linear_bias, cfg.tie_embeddings) == (
-        "RMSNorm",
-        "swiglu",
-        500000.0,
-        True,
-        False,
-        True,
-    )
-    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.sequence_parallel) == (2, 1, None, True)
-    assert (precision.bf16, precision.fp8) == (True, None)
-    for section, obj in ((ModelSettings, cfg), (ParallelSettings, cfg.parallel), (PrecisionSettings, precision)):
-        missing = [f for f in section.model_fields if not hasattr(obj, f)]
-        assert not missing, f"settings not carried to the trainer: {missing}"
-    default, _ = model_config(load_settings(env={}))
+    """Every field of the three sections, set to a value other than its default, arrives unchanged in the
+    model and precision configs (0 = derived values resolve when left at their defaults)."""
+    values = {
+        "model": {
+            "num_layers": 4,
+            "hidden_size": 128,
+            "num_attention_heads": 8,
+            "num_query_groups": 2,
+            "ffn_hidden_size": 320,
+            "vocab_size": 512,
+            "seq_length": 96,
+            "normalization": "RMSNorm",
+            "activation": "swiglu",
+            "position_embedding_type": "learned_absolute",
+            "rope_base": 500000.0,
+            "tie_embeddings": True,
+            "qkv_bias": True,
+            "linear_bias": False,
+            "hidden_dropout": 0.1,
+            "attention_dropout": 0.2,
+            "init_method_std": 0.01,
+            "seed": 7,
+        },
+        "parallel": {"tp": 2, "pp": 2, "dp": 3, "sequence_parallel": True},
+        "precision": {"bf16": True, "fp8": "e4m3", "fp8_recipe": "blockwise"},
+    }
+    defaults = load_settings(env={})
+    for section, kv in values.items():
+        assert set(kv) == set(getattr(defaults, section).model_fields), f"{section}: test every field"
+        assert all(getattr(getattr(defaults, section), k) != v for k, v in kv.items()), f"{section}: non-defaults"
+    env = {
+        f"RTRL_{sec.upper()}__{k.upper()}": str(v).lower() if isinstance(v, bool) else str(v)
+        for sec, kv in values.items()
+        for k, v in kv.items()
+    }
+    cfg, precision = model_config(load_settings(env=env))
+    for section, obj in (("model", cfg), ("parallel", cfg.parallel), ("precision", precision)):
+        for key, want in values[section].items():
+            assert getattr(obj, key) == want, f"{section}.{key}"
+    default, default_precision = model_config(defaults)
     assert default.ffn_hidden_size == 4 * default.hidden_size and default.num_query_groups is None
+    assert default.parallel.dp is None and default_precision.fp8 is None
 
 
 def test_shape_errors_name_the_setting():
@@ -87,6 +103,74 @@ def test_shape_errors_name_the_setting():
         model_config(load_settings(env={"RTRL_PARALLEL__TP": "3"}))
     with pytest.raises(Exception, match="parallel.sequence_parallel needs parallel.tp > 1"):
         load_settings(env={"RTRL_PARALLEL__SEQUENCE_PARALLEL": "true"})
+
+
+def test_sequence_parallel_needs_the_transformer_engine_spec():
+    """On megatron-core's local spec the norms cannot be split along the sequence: a clear error naming the
+    setting, not megatron's bare AssertionError."""
+    from trainer.model import build_model, init_parallel
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU machine may have Transformer Engine")
+    cfg, precision = model_config(load_settings(env={}))
+    init_parallel(cfg)
+    sp = cfg.with_parallel(tp=2, sequence_parallel=True)
+    with pytest.raises(ConfigError, match="parallel.sequence_parallel needs the Transformer Engine layer spec"):
+        build_model(sp, precision)
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        (
+            {"RTRL_MODEL__POSITION_EMBEDDING_TYPE": "learned_absolute", "RTRL_BATCHING__SEQ_LEN": "200"},
+            "batching.seq_len = 200 gives 199 positions but model.seq_length = 64",
+        ),
+        (
+            {"RTRL_PARALLEL__TP": "2", "RTRL_PARALLEL__SEQUENCE_PARALLEL": "true", "RTRL_BATCHING__SEQ_LEN": "128"},
+            "127 positions must divide evenly over parallel.tp = 2",
+        ),
+        (
+            {
+                "RTRL_PRECISION__BF16": "true",
+                "RTRL_PRECISION__FP8": "hybrid",
+                "RTRL_BATCHING__ROWS": "3",
+                "RTRL_BATCHING__SEQ_LEN": "128",
+            },
+            "3 x 127 tokens per micro-batch; FP8 GEMMs need a multiple of 8",
+        ),
+    ],
+)
+def test_micro_batch_shapes_are_checked_against_the_model(env, expected):
+    from trainer.config import check_input_shapes
+
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        check_input_shapes(load_settings(env=env))
+    check_input_shapes(load_settings(env={}))
+    check_input_shapes(
+        load_settings(Path(__file__).resolve().parent.parent / "deploy" / "production.example.toml", env={})
+    )
+
+
+@pytest.mark.slow
+def test_sequence_parallel_gradients_are_summed_over_tensor_parallel_ranks():
+    """Two tp ranks with rank-dependent gradients: the marked (sequence-parallel) ones become the sum on
+    both ranks, the others are left alone."""
+    script = str(Path(__file__).parent / "dist" / "sp_grads.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")} | {"OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()), script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = {r["rank"]: r for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
+    assert set(out) == {0, 1}
+    for rank, r in out.items():
+        assert r["marked"] and set(r["marked"].values()) == {3.0}
+        assert r["other"] == [float(rank + 1)]
 
 
 def test_train_and_loss_sections_make_the_train_config():

@@ -18,7 +18,7 @@ from rtrl.kafka import producer_config
 from schemas.codec import encode_batch
 from schemas.records import MicroBatch
 from tests.dist.train_run import synthetic_batches
-from trainer.data import Batch
+from trainer.batch import Batch
 from trainer.train import prepare
 
 RUN = [sys.executable, str(Path(__file__).parent / "dist" / "train_run.py")]

@@ -239,6 +239,36 @@ def model_config(settings: Settings) -> tuple[ModelConfig, PrecisionConfig]:
     return cfg, precision
 
 
+def check_input_shapes(settings: Settings) -> None:
+    """What the packed micro-batches (``batching.rows`` x ``batching.seq_len``; the model sees
+    ``seq_len - 1`` positions: each predicts the next token) must satisfy for the configured model:
+    learned positions cover them, sequence parallelism splits them evenly over ``parallel.tp``, FP8
+    GEMMs get token counts that are multiples of 8 (Transformer Engine). Errors name the settings."""
+    b, m, par, pr = settings.batching, settings.model, settings.parallel, settings.precision
+    positions = b.seq_len - 1
+    if m.position_embedding_type == "learned_absolute" and positions > m.seq_length:
+        _fail(
+            "batching.seq_len",
+            b.seq_len,
+            f"gives {positions} positions but model.seq_length = {m.seq_length} "
+            "learned ones exist; fix: raise model.seq_length or lower batching.seq_len",
+        )
+    if par.sequence_parallel and positions % par.tp:
+        _fail(
+            "batching.seq_len",
+            b.seq_len,
+            f"- 1 = {positions} positions must divide evenly over parallel.tp = "
+            f"{par.tp} with parallel.sequence_parallel; fix: make batching.seq_len - 1 a multiple of {par.tp}",
+        )
+    if pr.fp8 and (b.rows * positions) % 8:
+        _fail(
+            "batching.seq_len",
+            b.seq_len,
+            f"gives {b.rows} x {positions} tokens per micro-batch; FP8 GEMMs need a "
+            "multiple of 8; fix: make batching.rows x (batching.seq_len - 1) a multiple of 8",
+        )
+
+
 def world_from_env() -> tuple[int, int, int]:
     """(rank, local_rank, world_size) as torchrun sets them; (0, 0, 1) for a plain process."""
     return (

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from trainer.data import Batch
+from trainer.batch import Batch
 
 
 def drop_samples(batch: Batch, keep: list[bool]) -> Batch:

@@ -69,11 +69,11 @@ def require_transformer_engine(precision: PrecisionConfig) -> None:
             f"precision.fp8 = {precision.fp8!r} needs NVIDIA Transformer Engine, but "
             f"`import transformer_engine` failed ({detail}). Without it megatron-core silently "
             "trains in bf16. Install the 'gpu' extra on a CUDA machine (pip install 'rtrl[gpu]') "
-            "or set precision.fp8 = None."
+            'or turn FP8 off: precision.fp8 = "" (RTRL_PRECISION__FP8=).'
         )
     if not torch.cuda.is_available():
         raise TransformerEngineMissing(
-            f"precision.fp8 = {precision.fp8!r} needs a CUDA GPU; none is available. Set precision.fp8 = None."
+            f'precision.fp8 = {precision.fp8!r} needs a CUDA GPU; none is available. Turn FP8 off: precision.fp8 = "".'
         )
 
 
@@ -225,6 +225,13 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig | None = None):
     precision = precision or PrecisionConfig()
     cfg.check_precision(precision)
     require_transformer_engine(precision)  # before anything else: the clear error first
+    if cfg.parallel.sequence_parallel and not (torch.cuda.is_available() and transformer_engine_status()[0]):
+        # megatron-core's local spec norms assert `not config.sequence_parallel` (WrappedTorchNorm)
+        raise ConfigError(
+            "parallel.sequence_parallel needs the Transformer Engine layer spec (a CUDA GPU with the 'gpu' extra); "
+            "megatron-core's local spec, used here, cannot split norms along the sequence; fix: set "
+            "parallel.sequence_parallel = false (RTRL_PARALLEL__SEQUENCE_PARALLEL=false)"
+        )
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 

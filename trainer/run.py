@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rtrl import clickhouse
 from rtrl.settings import Settings
 from schemas.records import TrainStep
-from trainer.config import model_config
+from trainer.config import check_input_shapes, model_config
 from trainer.data import BatchStream
 from trainer.model import build_model, init_parallel
 from trainer.train import TrainConfig, train
@@ -44,6 +44,7 @@ def run(settings: Settings, bootstrap: str, console: Console | None = None) -> l
     ts = settings.train
     torch.set_num_threads(torch_threads(ts.torch_threads))
     cfg, precision = model_config(settings)
+    check_input_shapes(settings)
     info = init_parallel(cfg)
     model, reference = build_model(cfg, precision), build_model(cfg, precision)
     reference.load_state_dict(model.state_dict())  # the KL reference: the run's initial weights
@@ -59,7 +60,11 @@ def run(settings: Settings, bootstrap: str, console: Console | None = None) -> l
             f"{'bf16' if precision.bf16 else 'fp32'}{' fp8 ' + precision.fp8 if precision.fp8 else ''}; "
             f"{sum(x.numel() for x in model.parameters()):,} parameters on this rank"
         )
-    ch = clickhouse.setup(settings.clickhouse_dsn, settings.clickhouse.database) if lead else None
+    ch = (
+        clickhouse.setup(settings.clickhouse_dsn, settings.clickhouse.database, settings.clickhouse.timeout_s)
+        if lead
+        else None
+    )
     streams: list[BatchStream] = []
 
     def make_source(offsets):

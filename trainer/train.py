@@ -31,7 +31,7 @@ import torch
 from rtrl.settings import Settings
 from schemas.records import TrainStep
 from trainer import checkpoint
-from trainer.data import Batch
+from trainer.batch import Batch
 from trainer.dedup import TrainedSet
 from trainer.loss import LossConfig, LossOutput, policy_loss
 from trainer.model import forward_logprobs, logprobs_from_logits
@@ -232,6 +232,7 @@ def train(
             for p in prepared:  # every stage holds the same micro-batches
                 _count_lags(lag_hist, p)
         pipe.reduce_tied_embedding_grads(model)
+        reduce_sequence_parallel_grads(model)
         dp.reduce_gradients(model)
         if cfg.grad_clip > 0:
             clip_grad_norm(model, cfg.grad_clip)
@@ -445,6 +446,26 @@ class Pipeline:
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
         torch.distributed.all_reduce(weight.grad, group=ps.get_embedding_group())
+
+
+def reduce_sequence_parallel_grads(model: Any) -> None:
+    """Under sequence parallelism each tensor-parallel rank runs the norms (and row-parallel biases) on
+    its slice of the sequence, so their gradients are partial: sum them over the tensor-parallel group
+    (megatron marks these parameters ``sequence_parallel``; this is what its ``finalize_model_grads``
+    does, which the trainer does not use). A no-op without such parameters or with tp = 1."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() == 1:
+        return
+    grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not grads:
+        return
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    flat = _flatten_dense_tensors(grads)
+    torch.distributed.all_reduce(flat, group=ps.get_tensor_model_parallel_group())
+    for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(reduced)
 
 
 def clip_grad_norm(model: Any, max_norm: float) -> float:

@@ -15,7 +15,7 @@ def synthetic_batches(n: int, seed: int = 0):
     """Deterministic packed micro-batches (2 rows x 33 tokens, two samples per row)."""
     import numpy as np
 
-    from trainer.data import Batch
+    from trainer.batch import Batch
 
     rng = np.random.default_rng(seed)
     out = []
