@@ -28,7 +28,7 @@ from schemas.codec import Invalid, JsonCodec, decode_batch, encode_batch, event_
 from schemas.records import BatchStats, DeadLetter, MicroBatch, Reward, Rollout
 from simulator.generate import generate
 from tests.test_batching import ro, rw
-from tests.test_reward_flow import _hostile
+from tests.test_reward_flow import HOSTILE_KINDS, _hostile
 
 SALT = "inprocess-flow-salt"
 VERSIONS = ["v2", "v1-discard-broken"]
@@ -206,15 +206,7 @@ def test_reward_flow_dead_letters_bad_input_with_its_reason(reward_world, worker
     ids = [msgspec.json.decode(m.value)["event_id"] for _, m in items[: len(items) - len(hostile)]]
     kinds = Counter(d.kind for d in dead)
     assert kinds.pop("duplicate") == len(ids) - len(set(ids))
-    assert kinds == {
-        "malformed": 2,
-        "unknown_type": 1,
-        "invalid": 2,
-        "oversize": 1,
-        "never_started": 1,
-        "too_late": 1,
-        "future": 1,
-    }
+    assert kinds == HOSTILE_KINDS
     settings = _settings()
     assert all(d.source == settings.topic("events") for d in dead)
     bad = [d for d in dead if d.kind != "duplicate"]

@@ -113,6 +113,18 @@ def test_out_of_order_delivery_changes_no_final_reward():
 # ---------------------------------------------------------------- in-process flow
 
 
+#: dead letters by kind that _hostile()'s payloads give (duplicates counted apart)
+HOSTILE_KINDS = {
+    "malformed": 2,
+    "unknown_type": 1,
+    "invalid": 2,
+    "oversize": 1,
+    "never_started": 1,
+    "too_late": 1,
+    "future": 1,
+}
+
+
 def _hostile(sample: bytes) -> dict[str, bytes | None]:
     base = msgspec.json.decode(sample)
     return {
@@ -158,15 +170,7 @@ def test_flow_end_to_end_with_bad_input(broker, topic_prefix, ch_dsn, ch_client,
     q = lambda sql: ch_client.query(sql.format(db=ch_db)).result_rows  # noqa: E731
     kinds = dict(q("SELECT kind, count() FROM {db}.dead_letters FINAL GROUP BY kind"))
     assert kinds.pop("duplicate") == len(payloads) - len(distinct)
-    assert kinds == {
-        "malformed": 2,
-        "unknown_type": 1,
-        "invalid": 2,
-        "oversize": 1,
-        "never_started": 1,
-        "too_late": 1,
-        "future": 1,
-    }
+    assert kinds == HOSTILE_KINDS
     reasons = dict(q("SELECT kind, any(reason) FROM {db}.dead_letters FINAL GROUP BY kind"))
     assert "allowed lateness" in reasons["too_late"] and "never sent trajectory_started" in reasons["never_started"]
     assert q("SELECT uniqExact(trajectory_id) FROM {db}.rewards FINAL WHERE reward_version = 'v2'")[0][0] == len(
