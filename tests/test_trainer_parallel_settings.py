@@ -306,7 +306,11 @@ def _load_at_one_rank(config: Path, ckpt: Path, layout: str, probe: str) -> list
         f"s = load_settings({str(config)!r}, env={{}}).updated({{'parallel.{layout}': 1}})\n"
         "cfg, prec = model_config(s); init_parallel(cfg)\n"
         "init, m = build_model(cfg, prec), build_model(cfg, prec)\n"
-        f"checkpoint.load({str(ckpt)!r}, m, restore_rng=False)\n" + probe
+        f"checkpoint.load({str(ckpt)!r}, m, restore_rng=False)\n"
+        + probe
+        # tear the process group down before exit: left to interpreter shutdown, gloo's threads were seen
+        # to abort the process once (after the probe had printed)
+        + "import sys; sys.stdout.flush(); torch.distributed.destroy_process_group()\n"
     )
     check = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert check.returncode == 0, check.stderr[-3000:]
