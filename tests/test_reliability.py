@@ -72,6 +72,9 @@ def test_kill_9_each_part_mid_cycle_loses_and_repeats_nothing(tmp_path):
     try:
         sup.start_all()
         sup.wait(720, tick)
+    except BaseException:
+        sup.close()  # a part that kept dying: stop the services too (the checks below never run)
+        raise
     finally:
         sup.stop_parts()
     try:
