@@ -92,12 +92,11 @@ def decide(
 
     ``samples``: how many completions the behaviour rates were computed from. A score a rule needs
     that a row lacks raises ValueError naming it."""
-    behaviour = [r.metric for r in rules.behaviour]
-    _require(candidate, [rules.solve_metric, *behaviour], "candidate")
-    _require(serving, [rules.solve_metric, *behaviour], "serving")
+    _require(candidate, list(rules.metrics), "candidate")
+    _require(serving, list(rules.metrics), "serving")
     bases = [("serving", serving)]
     if rules.compare_with_first:
-        _require(first, behaviour, "first")
+        _require(first, [r.metric for r in rules.behaviour], "first")
         bases.append(("first", first))
     label = rules.solve_metric.replace("_", " ")
     c, p, tol = candidate[rules.solve_metric], serving[rules.solve_metric], rules.solve_tolerance

@@ -55,9 +55,8 @@ TABLES: dict[str, type] = {
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def redact(dsn: str) -> str:
-    """The DSN without its password, for error messages (one rule: :func:`rtrl.settings.redact_dsn`)."""
-    return redact_dsn(dsn)
+#: the DSN without its password, for messages (the one rule lives with the settings)
+redact = redact_dsn
 
 
 def _prepare_chdb_dir(dsn: str) -> None:

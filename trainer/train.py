@@ -426,9 +426,7 @@ class Pipeline:
         data-parallel group, as before."""
         if self.size == 1:
             return dp.all_true(flag)
-        t = torch.tensor([0.0 if flag else 1.0], dtype=torch.float64)
-        torch.distributed.all_reduce(t)
-        return float(t) == 0.0
+        return _sum([0.0 if flag else 1.0], group=None)[0] == 0.0  # the default group: every rank
 
     def reduce_tied_embedding_grads(self, model: Any) -> None:
         """With tied embeddings the first stage holds the input embedding and the last stage a copy of
@@ -458,14 +456,26 @@ def reduce_sequence_parallel_grads(model: Any) -> None:
     if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() == 1:
         return
     grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    _sum_grads(grads, ps.get_tensor_model_parallel_group())
+
+
+def _sum_grads(grads: list[torch.Tensor], group: Any) -> None:
+    """Sum ``grads`` in place over ``group`` (one flat all-reduce)."""
     if not grads:
         return
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
     flat = _flatten_dense_tensors(grads)
-    torch.distributed.all_reduce(flat, group=ps.get_tensor_model_parallel_group())
+    torch.distributed.all_reduce(flat, group=group)
     for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
         g.copy_(reduced)
+
+
+def _sum(values: list[float], group: Any) -> list[float]:
+    """``values`` summed element-wise over ``group`` (None = every rank)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    torch.distributed.all_reduce(t, group=group)
+    return t.tolist()
 
 
 def clip_grad_norm(model: Any, max_norm: float) -> float:
@@ -528,20 +538,12 @@ class DataParallel:
     def reduce_gradients(self, model: Any) -> None:
         if self.size == 1:
             return
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        flat = _flatten_dense_tensors(grads)
-        torch.distributed.all_reduce(flat, group=self.group)
-        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            g.copy_(reduced)
+        _sum_grads([p.grad for p in model.parameters() if p.grad is not None], self.group)
 
     def sum(self, values: list[float]) -> list[float]:
         if self.size == 1:
             return values
-        t = torch.tensor(values, dtype=torch.float64)
-        torch.distributed.all_reduce(t, group=self.group)
-        return t.tolist()
+        return _sum(values, self.group)
 
     def all_true(self, flag: bool) -> bool:
         return self.sum([0.0 if flag else 1.0])[0] == 0.0
