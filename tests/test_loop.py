@@ -14,6 +14,19 @@ from tests.test_cli import _run
 
 pytestmark = pytest.mark.slow  # whole main-job runs (minutes)
 
+
+def _small_loop(tmp_path) -> dict[str, str]:
+    """A two-cycle main job small enough for a test (a fresh data folder)."""
+    return {
+        "RTRL_DATA_DIR": str(tmp_path),
+        "RTRL_LOOP__CYCLES": "2",
+        "RTRL_LOOP__SAMPLES_PER_CYCLE": "256",
+        "RTRL_LOOP__EVAL_TASKS": "50",
+        "RTRL_LOOP__WARM_START_STEPS": "100",
+        "RTRL_LOOP__RATE": "40",
+    }
+
+
 DUMP = """
 import json, sys
 from rtrl import clickhouse
@@ -41,14 +54,7 @@ def test_main_job_closes_the_loop_and_rollback(tmp_path):
     """`rtrl run` (small): v0 is promoted, each cycle trains on micro-batches the flows built from the
     served traffic and ends in a gated decision recorded in ClickHouse with its eval; the table and the
     PNG are written. `rtrl rollback` then marks the serving version rolled back and re-promotes its parent."""
-    env = {
-        "RTRL_DATA_DIR": str(tmp_path),
-        "RTRL_LOOP__CYCLES": "2",
-        "RTRL_LOOP__SAMPLES_PER_CYCLE": "256",
-        "RTRL_LOOP__EVAL_TASKS": "50",
-        "RTRL_LOOP__WARM_START_STEPS": "100",
-        "RTRL_LOOP__RATE": "40",
-    }
+    env = _small_loop(tmp_path)
     proc = _run(["run"], env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
@@ -125,13 +131,7 @@ def test_ab_mode_serves_candidates_beside_control_and_decides_from_clickhouse(tm
     """With loop.ab_share a candidate that passed the evals serves a share of the traffic (arm
     'candidate') until ClickHouse holds enough of its trajectories; the monitors' comparison with the
     serving version then promotes it or rejects it with the alerts as the reason."""
-    env = {
-        "RTRL_DATA_DIR": str(tmp_path),
-        "RTRL_LOOP__CYCLES": "2",
-        "RTRL_LOOP__SAMPLES_PER_CYCLE": "256",
-        "RTRL_LOOP__EVAL_TASKS": "50",
-        "RTRL_LOOP__WARM_START_STEPS": "100",
-        "RTRL_LOOP__RATE": "40",
+    env = _small_loop(tmp_path) | {
         "RTRL_LOOP__AB_SHARE": "0.4",
         "RTRL_LOOP__AB_TRAJECTORIES": "60",
         "RTRL_LOOP__SOLVE_TOLERANCE": "1.0",

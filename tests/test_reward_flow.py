@@ -113,6 +113,18 @@ def test_out_of_order_delivery_changes_no_final_reward():
 # ---------------------------------------------------------------- in-process flow
 
 
+def _services_env(broker, topic_prefix: str, ch_dsn: str, ch_db: str, tmp_path) -> dict[str, str]:
+    """The test's broker, topics and ClickHouse database, the flow stopping at the end of its topic."""
+    return {
+        "RTRL_KAFKA__BOOTSTRAP": broker.bootstrap,
+        "RTRL_KAFKA__TOPIC_PREFIX": topic_prefix,
+        "RTRL_CLICKHOUSE__DSN": ch_dsn,
+        "RTRL_CLICKHOUSE__DATABASE": ch_db,
+        "RTRL_FLOW__TAIL": "false",
+        "RTRL_DATA_DIR": str(tmp_path),
+    }
+
+
 #: dead letters by kind that _hostile()'s payloads give (duplicates counted apart)
 HOSTILE_KINDS = {
     "malformed": 2,
@@ -155,14 +167,7 @@ def test_flow_end_to_end_with_bad_input(broker, topic_prefix, ch_dsn, ch_client,
         topic_prefix + "events",
         [(b"k", v) for _, v in payloads] + [(b"k", v) for v in hostile.values()],
     )
-    env = {
-        "RTRL_KAFKA__BOOTSTRAP": broker.bootstrap,
-        "RTRL_KAFKA__TOPIC_PREFIX": topic_prefix,
-        "RTRL_CLICKHOUSE__DSN": ch_dsn,
-        "RTRL_CLICKHOUSE__DATABASE": ch_db,
-        "RTRL_FLOW__TAIL": "false",
-        "RTRL_DATA_DIR": str(tmp_path),
-    }
+    env = _services_env(broker, topic_prefix, ch_dsn, ch_db, tmp_path)
     run_main(build_flow(_settings(env)))
 
     distinct = {msgspec.json.decode(v)["event_id"] for _, v in payloads}
@@ -203,14 +208,7 @@ def test_clickhouse_outage_loses_nothing(broker, topic_prefix, ch_dsn, ch_client
     tables = ["events", "rewards", "trajectories"]
     for t in tables:
         ch_client.command(f"DETACH TABLE {ch_db}.{t}")
-    env = {
-        "RTRL_KAFKA__BOOTSTRAP": broker.bootstrap,
-        "RTRL_KAFKA__TOPIC_PREFIX": topic_prefix,
-        "RTRL_CLICKHOUSE__DSN": ch_dsn,
-        "RTRL_CLICKHOUSE__DATABASE": ch_db,
-        "RTRL_FLOW__TAIL": "false",
-        "RTRL_DATA_DIR": str(tmp_path),
-    }
+    env = _services_env(broker, topic_prefix, ch_dsn, ch_db, tmp_path)
     flow = build_flow(_settings(env))  # built before the outage check runs in the sink
     caplog.set_level(logging.WARNING, logger="rtrl.sinks")
     errors: list[BaseException] = []
