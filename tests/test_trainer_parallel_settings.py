@@ -153,20 +153,20 @@ def test_micro_batch_shapes_are_checked_against_the_model(env, expected):
 
 
 @pytest.mark.slow
-def test_sequence_parallel_gradients_are_summed_over_tensor_parallel_ranks():
+def test_sequence_parallel_gradients_are_summed_over_tensor_parallel_ranks(tmp_path):
     """Two tp ranks with rank-dependent gradients: the marked (sequence-parallel) ones become the sum on
     both ranks, the others are left alone."""
     script = str(Path(__file__).parent / "dist" / "sp_grads.py")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")} | {"OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()), script],
+        [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()), script, str(tmp_path)],
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = {r["rank"]: r for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
+    out = {r["rank"]: r for r in (json.loads(f.read_text()) for f in tmp_path.glob("rank*.json"))}
     assert set(out) == {0, 1}
     for rank, r in out.items():
         assert r["marked"] and set(r["marked"].values()) == {3.0}

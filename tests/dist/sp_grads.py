@@ -4,6 +4,8 @@ over the tensor-parallel group by trainer.train.reduce_sequence_parallel_grads; 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import torch
 
@@ -26,11 +28,13 @@ def main() -> None:
             other.append(name)
     reduce_sequence_parallel_grads(model)
     params = dict(model.named_parameters())
-    print(json.dumps({
+    # one file per rank: two ranks printing to the same pipe can interleave their lines
+    out = Path(sys.argv[1]) / f"rank{info.tp_rank}.json"
+    out.write_text(json.dumps({
         "rank": info.tp_rank,
         "marked": {n: float(params[n].grad.unique().item()) for n in marked},
         "other": sorted({float(params[n].grad.unique().item()) for n in other}),
-    }), flush=True)
+    }))
 
 
 if __name__ == "__main__":
