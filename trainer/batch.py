@@ -1,12 +1,23 @@
-"""One micro-batch as the trainer uses it: validated arrays decoded from the Arrow IPC payload (pure)."""
+"""One micro-batch as the trainer uses it: validated arrays decoded from the Arrow IPC payload (pure).
+
+:func:`to_batch` raises only :class:`schemas.codec.Invalid` (which the stream dead-letters), for any
+bytes: beyond the record's own checks it refuses what would stop or poison a training step, namely no
+rows, a loss-mask value other than 0 or 1, a negative token id, NaN or inf in the advantage or
+behaviour log-prob of a trained token, and, given the model's :class:`BatchLimits`, token ids outside
+the vocabulary and a shape the model was not built for (the attention mask alone is rows x seq_len^2).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from schemas.codec import decode_batch
+from schemas.codec import Invalid, decode_batch
+
+if TYPE_CHECKING:
+    from rtrl.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -25,11 +36,34 @@ class Batch:
     offset: int
 
 
-def to_batch(data: bytes, partition: int, offset: int) -> Batch:
-    """Decode and validate one Arrow IPC micro-batch (raises Invalid with the reason)."""
+@dataclass(frozen=True)
+class BatchLimits:
+    """What the trainer's model takes; a micro-batch outside it is refused (None = not checked)."""
+
+    max_seq_len: int | None = None  # tokens per row
+    max_rows: int | None = None  # rows per micro-batch
+    vocab_size: int | None = None  # token ids must lie below it
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> BatchLimits:
+        """Rows as long as the packing's or the model's (the larger), as many as the packing's, token ids
+        of the model's vocabulary: everything the settings let the batch flow send."""
+        b = settings.batching
+        return cls(max(b.seq_len, settings.model.seq_length), b.rows, settings.model.vocab_size)
+
+
+def to_batch(data: bytes, partition: int, offset: int, limits: BatchLimits | None = None) -> Batch:
+    """Decode and validate one Arrow IPC micro-batch (raises only Invalid, with the reason)."""
     mb = decode_batch(data)  # full validation: schema, shapes, segment ids
     seq, rows = mb.seq_len, len(mb.token_ids)
-    return Batch(
+    lim = limits or BatchLimits()
+    if rows == 0:
+        raise Invalid("$.token_ids", "a micro-batch has at least one row")
+    if lim.max_seq_len is not None and seq > lim.max_seq_len:
+        raise Invalid("$.seq_len", f"{seq} tokens per row; this trainer takes at most {lim.max_seq_len}")
+    if lim.max_rows is not None and rows > lim.max_rows:
+        raise Invalid("$.token_ids", f"{rows} rows; this trainer takes at most {lim.max_rows} (batching.rows)")
+    b = Batch(
         batch_id=mb.batch_id,
         tokens=np.asarray(mb.token_ids, dtype=np.int64).reshape(rows, seq),
         loss_mask=np.asarray(mb.loss_mask, dtype=np.float32).reshape(rows, seq),
@@ -41,3 +75,14 @@ def to_batch(data: bytes, partition: int, offset: int) -> Batch:
         partition=partition,
         offset=offset,
     )
+    if not np.isin(b.loss_mask, (0.0, 1.0)).all():
+        raise Invalid("$.loss_mask", "loss-mask values must be 0 or 1")
+    if (b.tokens < 0).any():
+        raise Invalid("$.token_ids", "negative token id")
+    if lim.vocab_size is not None and (b.tokens >= lim.vocab_size).any():
+        raise Invalid("$.token_ids", f"token id beyond the vocabulary of {lim.vocab_size} (model.vocab_size)")
+    trained = b.loss_mask > 0
+    for name, values in (("advantages", b.advantages), ("behaviour_logprobs", b.behaviour_logprobs)):
+        if not np.isfinite(values[trained]).all():
+            raise Invalid(f"$.{name}", "NaN or infinity on a trained token")
+    return b

@@ -7,8 +7,9 @@
   store; :meth:`BatchStream.commit` commits it to the consumer group only after the optimizer step
   that used the batches (for lag monitoring — the checkpoint stays the source of truth), so a resumed
   run neither skips nor repeats a micro-batch.
-- **Invalid micro-batches** (not Arrow IPC, wrong schema, ragged rows) are dead-lettered to
-  ``rtrl.dead_letters`` with the reason and skipped; their offsets still advance.
+- **Invalid micro-batches** (not Arrow IPC, wrong schema, ragged rows, corrupted bytes of any kind, a
+  shape or token ids outside the model's ``limits``) are dead-lettered to ``rtrl.dead_letters`` with
+  the reason and skipped; their offsets still advance. Decoding raises nothing but ``Invalid``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from rtrl.errors import ServiceUnavailable
 from rtrl.kafka import base_config, check_broker, producer_config
 from schemas.codec import Invalid, JsonCodec, dead_letter
 from schemas.records import DeadLetter
-from trainer.batch import Batch, to_batch
+from trainer.batch import Batch, BatchLimits, to_batch
 
 GROUP = "rtrl-trainer"
 
@@ -39,7 +40,9 @@ class BatchStream:
         dp_size: int = 1,
         start: dict[str, int] | None = None,
         timeout_s: float = 10.0,
+        limits: BatchLimits | None = None,
     ):
+        self.limits = limits
         meta = check_broker(bootstrap, timeout_s)
         if topic not in meta.topics:
             raise ServiceUnavailable(f"topic {topic} does not exist on {bootstrap}; fix: run `rtrl topics`")
@@ -81,7 +84,7 @@ class BatchStream:
             try:
                 if value is None:  # a null (tombstone) message: dead-lettered like any malformed payload
                     raise Invalid("$", "empty message (null value)", "malformed")
-                return to_batch(value, p, off)
+                return to_batch(value, p, off, self.limits)
             except Invalid as e:
                 self._dead_letter(msg, e)
         return None
