@@ -5,6 +5,9 @@ the serving version's and no behaviour rule (:class:`monitors.alerts.AlertRule`)
 serving version - nor, with ``compare_with_first``, against the first version (v0), which catches
 slow drift: many small steps, each within the limits of its parent, that add up.
 
+A candidate trained by a step whose training-inference mismatch fired :class:`monitors.alerts.MismatchRule`
+(``GateRules.mismatch``) is refused too: its update was computed from log-probs the sampler did not use.
+
 The behaviour metrics are rates over ``samples`` sampled completions; every rule's sample-count
 column (``trajectories`` for the default rules) is set to ``samples`` on both sides, so a rule with
 ``min_samples`` above it is skipped rather than fired (as :func:`monitors.alerts.evaluate` does).
@@ -12,10 +15,10 @@ column (``trajectories`` for the default rules) is set to ``samples`` on both si
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
-from monitors.alerts import AlertRule, evaluate
+from monitors.alerts import AlertRule, MismatchRule, evaluate, mismatch_alerts, mismatch_summary
 
 #: the eval gate's behaviour rules on sampled held-out completions (rates of 0..1)
 EVAL_RULES: tuple[AlertRule, ...] = (
@@ -42,6 +45,8 @@ class GateRules:
     """Also judge the behaviour rules against the first version (slow drift)."""
     summary: tuple[tuple[str, str], ...] = SUMMARY_METRICS
     """(label, metric) pairs a promotion's reason quotes; metrics the scores lack are left out."""
+    mismatch: MismatchRule | None = field(default_factory=MismatchRule)
+    """Training-inference mismatch limits on the candidate's training steps (None = not checked)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "behaviour", tuple(self.behaviour))
@@ -53,6 +58,8 @@ class GateRules:
         bad = [r for r in self.behaviour if not isinstance(r, AlertRule)]
         if bad:
             raise ValueError(f"GateRules.behaviour takes monitors.alerts.AlertRule only, not {bad!r}")
+        if self.mismatch is not None and not isinstance(self.mismatch, MismatchRule):
+            raise ValueError(f"GateRules.mismatch takes a monitors.alerts.MismatchRule or None, not {self.mismatch!r}")
 
     @property
     def metrics(self) -> tuple[str, ...]:
@@ -86,12 +93,15 @@ def decide(
     first: Mapping[str, float],
     samples: int,
     rules: GateRules = GateRules(),
+    training: Iterable[object] = (),
 ) -> Decision:
-    """Promote when the solve metric did not drop beyond the tolerance and no behaviour rule fires
-    against the serving version or (``compare_with_first``) the first one.
+    """Promote when the solve metric did not drop beyond the tolerance, no behaviour rule fires
+    against the serving version or (``compare_with_first``) the first one, and no step that trained
+    the candidate had its training-inference mismatch above ``rules.mismatch``.
 
-    ``samples``: how many completions the behaviour rates were computed from. A score a rule needs
-    that a row lacks raises ValueError naming it."""
+    ``samples``: how many completions the behaviour rates were computed from. ``training``: the
+    candidate's ``train_metrics`` rows (:class:`schemas.records.TrainStep` or mappings). A score a rule
+    needs that a row lacks raises ValueError naming it."""
     _require(candidate, list(rules.metrics), "candidate")
     _require(serving, list(rules.metrics), "serving")
     bases = [("serving", serving)]
@@ -107,6 +117,8 @@ def decide(
     for name, base in bases:
         ev = evaluate(dict(candidate) | counts, dict(base) | counts, rules.behaviour)
         problems += [f"vs {name}: {a.message}" for a in ev.alerts]
+    if rules.mismatch is not None and (fired := mismatch_alerts(training, rules.mismatch)):
+        problems.append(f"trained while the mismatch alert fired: {mismatch_summary(fired)}")
     if problems:
         return Decision(False, "; ".join(problems), tuple(problems))
     reason = f"{label} {c:.3f} (serving {p:.3f})"

@@ -7,7 +7,7 @@ The loop's default suite is :class:`simulator.evalsuite.HeldOutTasks`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from evalgate.gate import Decision, GateRules, decide
@@ -37,7 +37,9 @@ def run_gate(
     serving_scores: Mapping[str, float],
     first_scores: Mapping[str, float],
     rules: GateRules | None = None,
+    training: Iterable[object] = (),
 ) -> tuple[dict[str, float], Decision]:
-    """Score ``candidate_model`` with ``suite`` and decide on it; (its scores, the decision)."""
+    """Score ``candidate_model`` with ``suite`` and decide on it; (its scores, the decision). ``training``:
+    the candidate's ``train_metrics`` rows, judged by ``rules.mismatch``."""
     scores = dict(suite.evaluate(candidate_model))
-    return scores, decide(scores, serving_scores, first_scores, suite.samples, rules or GateRules())
+    return scores, decide(scores, serving_scores, first_scores, suite.samples, rules or GateRules(), training)

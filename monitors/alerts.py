@@ -6,6 +6,11 @@ not fall (the second), and so on. :func:`evaluate` compares a candidate's row wi
 and returns an :class:`Evaluation` that says, separately, which rules fired (``alerts``), which
 could not be judged for lack of data (``skipped``) and which were checked and passed.
 
+:class:`MismatchRule` and :func:`mismatch_alerts` judge the trainer's own steps (``train_metrics``
+rows): a step whose training-inference mismatch (k3 KL or largest absolute log-ratio between the
+behaviour log-probs and the trainer's on on-policy tokens) is above a limit fires, and the eval gate
+refuses a candidate trained by such a step.
+
 :func:`relative_change_ci` and :func:`standard_error` turn the view's n / mean / variance
 figures into a relative change with a 95% confidence interval (delta method on a ratio of
 independent estimates), as in the seed post's A/B table.
@@ -14,7 +19,7 @@ independent estimates), as in the seed post's A/B table.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -175,6 +180,93 @@ def evaluate(
         else:
             passed.append(rule.metric)
     return Evaluation(tuple(alerts), tuple(skipped), tuple(passed))
+
+
+# ---------------------------------------------------------------- training-inference mismatch
+
+
+@dataclass(frozen=True)
+class MismatchRule:
+    """Limits on the training-inference mismatch the trainer measures per step (``train_metrics``:
+    ``mismatch_k3``, ``mismatch_max_abs_log_ratio``, over on-policy trained tokens).
+
+    A large mismatch means the log-probs the inference engine sampled with and the trainer's disagree
+    (numerics, a stale or wrong checkpoint, a tokenizer or sampling bug): the importance ratios are then
+    noise and the update is not what the loss says. The trainer recomputes log-probs with the weights it
+    has, which within a cycle have moved on from the sampling version, so the measure also holds the
+    policy's own drift since then (on the loop's defaults a step's largest |log-ratio| reached ~7 and its
+    mean k3 2.4 from drift alone, against ~5e-7 at the first step of a cycle): the default limit (max
+    |log-ratio| 15, k3 not checked) sits well above that and catches a sampler that does not sample from
+    the weights it reports (a wrong checkpoint, a temperature, a tokenizer mismatch), not bf16-level noise."""
+
+    k3: float = 0.0
+    """Largest tolerated per-step mean k3 KL(behaviour || trainer); 0 = not checked (the default,
+    ``loop.mismatch_k3_max``: the mean is heavy-tailed under drift, one token with a log-ratio of 5.6
+    among 112 gave 2.4)."""
+    max_abs_log_ratio: float = 15.0
+    """Largest tolerated per-step max |trainer - behaviour log-prob| (15: a ratio of e^15); 0 = not checked
+    (default: ``loop.mismatch_log_ratio_max``)."""
+
+    def __post_init__(self) -> None:
+        for name in ("k3", "max_abs_log_ratio"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"MismatchRule.{name} must be a finite number >= 0 (0 = not checked), not {v!r}")
+
+    @property
+    def limits(self) -> dict[str, float]:
+        """train_metrics column -> limit, for the limits that are checked."""
+        both = {"mismatch_k3": self.k3, "mismatch_max_abs_log_ratio": self.max_abs_log_ratio}
+        return {k: v for k, v in both.items() if v > 0}
+
+
+@dataclass(frozen=True)
+class StepAlert:
+    """A trainer step whose mismatch exceeded a :class:`MismatchRule` limit."""
+
+    run_id: str
+    step: int
+    metric: str
+    value: float
+    threshold: float
+    message: str
+
+
+def _step_field(row: object, key: str) -> object:
+    if isinstance(row, Mapping):
+        if key not in row:
+            raise KeyError(f"train_metrics row has no column {key!r} (migration 0007_train_safety adds it)")
+        return row[key]
+    return getattr(row, key)
+
+
+def mismatch_alerts(steps: Iterable[object], rule: MismatchRule = MismatchRule()) -> tuple[StepAlert, ...]:
+    """The steps whose mismatch is above ``rule``'s limits (strictly; NaN fires), in order.
+
+    ``steps`` are ``train_metrics`` rows: :class:`schemas.records.TrainStep` records or mappings with the
+    columns ``run_id``, ``step``, ``mismatch_k3`` and ``mismatch_max_abs_log_ratio``."""
+    out: list[StepAlert] = []
+    for row in steps:
+        for metric, limit in rule.limits.items():
+            v = float(_step_field(row, metric))  # type: ignore[arg-type]
+            if v <= limit:
+                continue
+            run_id, step = str(_step_field(row, "run_id")), int(_step_field(row, "step"))  # type: ignore[call-overload]
+            message = f"{metric} {v:.4g} > {limit:g} at step {step} of run {run_id}"
+            out.append(StepAlert(run_id, step, metric, v, limit, message))
+    return tuple(out)
+
+
+def mismatch_summary(alerts: Sequence[StepAlert]) -> str:
+    """One line for a checkpoint's reason: how many steps fired and the worst value per metric."""
+    if not alerts:
+        return "training-inference mismatch within limits"
+    parts = []
+    for metric in dict.fromkeys(a.metric for a in alerts):
+        worst = max((a for a in alerts if a.metric == metric), key=lambda a: (math.isnan(a.value), a.value))
+        steps = sorted({a.step for a in alerts if a.metric == metric})
+        parts.append(f"{metric} above {worst.threshold:g} in {len(steps)} step(s), worst {worst.message}")
+    return "training-inference mismatch: " + "; ".join(parts)
 
 
 # ---------------------------------------------------------------- confidence intervals

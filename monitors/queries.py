@@ -17,8 +17,11 @@ from monitors.alerts import (
     Alert,
     AlertRule,
     Evaluation,
+    MismatchRule,
     Skipped,
+    StepAlert,
     evaluate,
+    mismatch_alerts,
     relative_change_ci,
     standard_error,
 )
@@ -129,6 +132,20 @@ def check_promotion(
     rows = behaviour_rows(ch, db, [candidate_version, parent_version], org_id)
     cand, par = rows[int(candidate_version)], rows[int(parent_version)]
     return GateReport(int(candidate_version), int(parent_version), org_id, cand, par, evaluate(cand, par, rules))
+
+
+# ---------------------------------------------------------------- training-inference mismatch
+
+
+def train_mismatch(ch: Any, db: str, run_id: str, rule: MismatchRule = MismatchRule()) -> tuple[StepAlert, ...]:
+    """The steps of training run ``run_id`` (``train_metrics`` FINAL) whose mismatch fired ``rule``."""
+    _, rows = _rows(
+        ch,
+        f"SELECT run_id, step, mismatch_k3, mismatch_max_abs_log_ratio FROM {_check_name(db)}.train_metrics FINAL "
+        "WHERE run_id = {run:String} ORDER BY step",
+        {"run": run_id},
+    )
+    return mismatch_alerts(rows, rule)
 
 
 # ---------------------------------------------------------------- A/B table

@@ -337,6 +337,23 @@ class TrainStep(msgspec.Struct, **_STRICT):
     sample_ids: Annotated[
         list[Id], doc("Samples trained in this step: within the policy lag, repeats of trained ones left out.")
     ] = []
+    grad_norm: Annotated[
+        float,
+        doc("Global gradient norm before clipping (over every rank's shard; clipping scales it to train.grad_clip)."),
+    ] = 0.0
+    dual_clip_fraction: Annotated[
+        float, doc("Share of trained tokens whose negative-advantage term the dual-clip bound replaced.")
+    ] = 0.0
+    seq_guarded_tokens: Annotated[
+        UInt64, doc("Tokens whose sequence the per-sequence ratio guard masked (dropped) or truncated.")
+    ] = 0
+    mismatch_k3: Annotated[
+        float,
+        doc("Training-inference mismatch: mean k3 KL(behaviour || trainer) over on-policy trained tokens."),
+    ] = 0.0
+    mismatch_max_abs_log_ratio: Annotated[
+        float, doc("Training-inference mismatch: largest |trainer - behaviour log-prob| over on-policy trained tokens.")
+    ] = 0.0
 
 
 # ---------------------------------------------------------------- batch flow counters (table batch_stats)

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from evalgate import EVAL_RULES, Decision, EvalSuite, GateRules, decide, run_gate
-from monitors.alerts import AlertRule
+from monitors.alerts import AlertRule, MismatchRule
 
 EV = {"solve_rate": 0.30, "broken_tool_call_rate": 0.08, "clarify_rate": 0.10, "edit_rate": 0.80}
 RULES = GateRules(solve_tolerance=0.02)
@@ -219,3 +219,73 @@ def test_the_loop_gates_with_the_suite_it_is_given(broker, topic_prefix, ch_clie
     assert loop.evals[0]["solve_rate"] == 0.61
     (v0,) = clickhouse.select(ch_client, ch_db, "checkpoints")
     assert v0.version == 0 and v0.status == "promoted" and v0.eval_results["solve_rate"] == 0.61
+
+
+# ---------------------------------------------------------------- training-inference mismatch
+
+
+def _step(step: int, k3: float, max_abs: float, run_id: str = "loop-0-v1"):
+    from schemas.records import TrainStep
+
+    return TrainStep(
+        run_id=run_id,
+        step=step,
+        policy_version=0,
+        loss=0.0,
+        pg_loss=0.0,
+        kl=0.0,
+        clip_fraction=0.0,
+        is_truncated_fraction=0.0,
+        tokens=10,
+        on_policy_fraction=1.0,
+        lag_histogram={"0": 2},
+        tokens_per_s=1.0,
+        batch_ids=[f"b{step}"],
+        at=1,
+        mismatch_k3=k3,
+        mismatch_max_abs_log_ratio=max_abs,
+    )
+
+
+def test_a_candidate_trained_while_the_mismatch_alert_fired_is_refused():
+    """The gate refuses a candidate one of whose training steps had its mismatch above the limits, naming
+    the metric, the step and the limit; the same candidate trained without it, or with the rule off, passes."""
+    rules = GateRules(solve_tolerance=0.02, mismatch=MismatchRule(k3=0.5, max_abs_log_ratio=8.0))
+    calm = [_step(1, 0.01, 0.3), _step(2, 0.5, 8.0), _step(3, 0.2, 2.0)]  # at the limits: not above
+    assert decide(EV, EV, EV, 400, rules, training=calm).promote
+    spiked = calm + [_step(4, 3.1, 2.0), _step(5, 0.1, 24.0), _step(6, 4.0, 9.0)]
+    d = decide(EV, EV, EV, 400, rules, training=spiked)
+    assert not d.promote
+    assert d.reason.startswith("trained while the mismatch alert fired: training-inference mismatch: ")
+    assert "mismatch_k3 above 0.5 in 2 step(s), worst mismatch_k3 4 > 0.5 at step 6 of run loop-0-v1" in d.reason
+    assert "mismatch_max_abs_log_ratio above 8 in 2 step(s), worst mismatch_max_abs_log_ratio 24 > 8 at step 5" in (
+        d.reason
+    )
+    # rows read back as mappings (e.g. from ClickHouse) work the same
+    as_rows = [{f: getattr(s, f) for f in s.__struct_fields__} for s in spiked]
+    assert decide(EV, EV, EV, 400, rules, training=as_rows) == d
+    assert decide(EV, EV, EV, 400, dataclasses.replace(rules, mismatch=None), training=spiked).promote
+    # other problems are still listed with it
+    worse = decide(EV | {"solve_rate": 0.1}, EV, EV, 400, rules, training=spiked)
+    assert len(worse.problems) == 2 and worse.problems[0].startswith("solve rate")
+    # run_gate hands the candidate's steps to decide
+    suite = FixedSuite({"m": EV})
+    assert not run_gate(suite, "m", EV, EV, rules, training=spiked)[1].promote
+    assert run_gate(suite, "m", EV, EV, rules, training=calm)[1].promote
+
+
+def test_the_loops_gate_takes_the_mismatch_limits_from_settings():
+    from app.loop import loop_gate_rules
+    from rtrl.settings import load_settings
+
+    rules = loop_gate_rules(load_settings(env={}))
+    assert rules.mismatch == MismatchRule(k3=0.0, max_abs_log_ratio=15.0) == MismatchRule()
+    env = {
+        "RTRL_LOOP__MISMATCH_K3_MAX": "0.1",
+        "RTRL_LOOP__MISMATCH_LOG_RATIO_MAX": "0",
+        "RTRL_LOOP__SOLVE_TOLERANCE": "0",
+    }
+    rules = loop_gate_rules(load_settings(env=env))
+    assert rules.solve_tolerance == 0.0 and rules.mismatch == MismatchRule(k3=0.1, max_abs_log_ratio=0.0)
+    assert not decide(EV, EV, EV, 400, rules, training=[_step(1, 0.2, 100.0)]).promote
+    assert decide(EV, EV, EV, 400, rules, training=[_step(1, 0.05, 100.0)]).promote  # max |log-ratio| is off

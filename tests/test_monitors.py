@@ -13,10 +13,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from monitors.alerts import DEFAULT_RULES, AlertRule, evaluate, relative_change_ci
-from monitors.queries import ab_table, behaviour, check_promotion, format_ab_table, reward_stats
+from monitors.alerts import (
+    DEFAULT_RULES,
+    AlertRule,
+    MismatchRule,
+    StepAlert,
+    evaluate,
+    mismatch_alerts,
+    mismatch_summary,
+    relative_change_ci,
+)
+from monitors.queries import ab_table, behaviour, check_promotion, format_ab_table, reward_stats, train_mismatch
 from rtrl.clickhouse import insert
-from schemas.records import DeadLetter, Reward, TrajectorySummary
+from schemas.records import DeadLetter, Reward, TrainStep, TrajectorySummary
 
 T0 = 1_750_000_000_000
 Z = 1.96
@@ -586,3 +595,91 @@ def test_analyst_queries_run_and_say_what_they_answer(ch_client, ch_db):
         assert rows, title
     dead = ch_client.query(in_database(queries["Dead letters by kind"], ch_db)).result_rows
     assert dead[0][:3] == ("malformed", "rtrl.events", 3)
+
+
+# ---------------------------------------------------------------- training-inference mismatch (train_metrics)
+
+
+def train_step(run_id: str, step: int, k3: float, max_abs: float) -> TrainStep:
+    return TrainStep(
+        run_id=run_id,
+        step=step,
+        policy_version=3,
+        loss=0.1,
+        pg_loss=0.1,
+        kl=0.01,
+        clip_fraction=0.1,
+        is_truncated_fraction=0.0,
+        tokens=100,
+        on_policy_fraction=0.9,
+        lag_histogram={"0": 9, "1": 1},
+        tokens_per_s=1000.0,
+        batch_ids=[f"{run_id}-b{step}"],
+        at=T0 + step,
+        sample_ids=[f"{run_id}-s{step}"],
+        grad_norm=1.5 + step,
+        dual_clip_fraction=0.01,
+        seq_guarded_tokens=step,
+        mismatch_k3=k3,
+        mismatch_max_abs_log_ratio=max_abs,
+    )
+
+
+def test_mismatch_rule_fires_above_the_limits_and_not_at_or_below():
+    """Strictly above a limit fires (one alert per metric and step); at or below does not; NaN fires;
+    a limit of 0 is not checked; negative or infinite limits are refused."""
+    rule = MismatchRule(k3=0.5, max_abs_log_ratio=8.0)
+    steps = [
+        train_step("r", 1, 0.49, 7.9),
+        train_step("r", 2, 0.5, 8.0),
+        train_step("r", 3, 0.51, 8.0),
+        train_step("r", 4, 0.1, 8.01),
+        train_step("r", 5, 2.0, 30.0),
+        train_step("r", 6, math.nan, 1.0),
+    ]
+    fired = mismatch_alerts(steps, rule)
+    assert [(a.step, a.metric) for a in fired] == [
+        (3, "mismatch_k3"),
+        (4, "mismatch_max_abs_log_ratio"),
+        (5, "mismatch_k3"),
+        (5, "mismatch_max_abs_log_ratio"),
+        (6, "mismatch_k3"),
+    ]
+    assert fired[0] == StepAlert("r", 3, "mismatch_k3", 0.51, 0.5, "mismatch_k3 0.51 > 0.5 at step 3 of run r")
+    assert mismatch_alerts(steps[:2], rule) == ()
+    assert [a.step for a in mismatch_alerts(steps, MismatchRule(k3=0.5, max_abs_log_ratio=0.0))] == [3, 5, 6]
+    assert mismatch_alerts(steps, MismatchRule(k3=0.0, max_abs_log_ratio=0.0)) == ()
+    assert mismatch_summary(()) == "training-inference mismatch within limits"
+    summary = mismatch_summary(mismatch_alerts(steps[:5], rule))
+    assert summary == (
+        "training-inference mismatch: mismatch_k3 above 0.5 in 2 step(s), worst mismatch_k3 2 > 0.5 at step 5 "
+        "of run r; mismatch_max_abs_log_ratio above 8 in 2 step(s), worst mismatch_max_abs_log_ratio 30 > 8 at "
+        "step 5 of run r"
+    )
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="MismatchRule.k3"):
+            MismatchRule(k3=bad)
+    with pytest.raises(KeyError, match="mismatch_k3"):
+        mismatch_alerts([{"run_id": "r", "step": 1}], rule)
+
+
+def test_train_mismatch_reads_train_metrics_from_clickhouse(ch_client, ch_db):
+    """Migration 0007 adds the safety columns to train_metrics (verify() agrees with TrainStep); the rows
+    round-trip, and monitors.queries.train_mismatch fires on exactly the run's steps above the limits,
+    reading FINAL (a replayed step replaces itself)."""
+    from rtrl.clickhouse import select, verify
+
+    verify(ch_client, ch_db)
+    rows = [train_step("a", 1, 0.01, 0.5), train_step("a", 2, 3.0, 0.5), train_step("a", 3, 0.02, 20.0)]
+    rows += [train_step("b", 1, 9.0, 99.0)]
+    insert(ch_client, ch_db, "train_metrics", rows)
+    insert(ch_client, ch_db, "train_metrics", [train_step("a", 1, 0.01, 0.5)])  # a replay of step 1
+    back = select(ch_client, ch_db, "train_metrics", "WHERE run_id = 'a' ORDER BY step")
+    assert back == rows[:3]
+    fired = train_mismatch(ch_client, ch_db, "a", MismatchRule(k3=2.0, max_abs_log_ratio=15.0))
+    assert [(a.step, a.metric, a.value) for a in fired] == [
+        (2, "mismatch_k3", 3.0),
+        (3, "mismatch_max_abs_log_ratio", 20.0),
+    ]
+    assert train_mismatch(ch_client, ch_db, "a", MismatchRule(k3=5.0, max_abs_log_ratio=25.0)) == ()
+    assert train_mismatch(ch_client, ch_db, "nobody") == ()

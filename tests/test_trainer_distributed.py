@@ -1,6 +1,6 @@
 """Distributed training on CPU with torchrun and gloo: DP=2, TP=2 and PP=2 (also with tied embeddings) runs of
-the same global batches match the single-process run (losses and final parameters) within floating-point
-tolerance."""
+the same global batches match the single-process run (losses, the pre-clip gradient norm and the
+training-inference mismatch of each step, final parameters) within floating-point tolerance."""
 
 from __future__ import annotations
 
@@ -20,14 +20,20 @@ SCRIPT = str(Path(__file__).parent / "dist" / "train_run.py")
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
 
-def _parse(stdout: str) -> tuple[list[float], dict]:
+#: per-step metrics reduced over the ranks besides the loss: the pre-clip gradient norm (sum of squares over
+#: shards and stages), the mismatch's token-weighted mean (SUM) and its maximum (MAX over the replicas)
+REDUCED = ("grad_norm", "mismatch_k3", "mismatch_max_abs_log_ratio")
+
+
+def _parse(stdout: str) -> tuple[list[float], dict, list[list[float]]]:
     lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     losses = [x["loss"] for x in lines if "step" in x]
+    metrics = [[x[k] for k in REDUCED] for x in lines if "step" in x]
     params = next(x["params"] for x in lines if "params" in x)
-    return losses, params
+    return losses, params, metrics
 
 
-def _run(cmd: list[str]) -> tuple[list[float], dict]:
+def _run(cmd: list[str]) -> tuple[list[float], dict, list[list[float]]]:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return _parse(proc.stdout)
@@ -36,14 +42,14 @@ def _run(cmd: list[str]) -> tuple[list[float], dict]:
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     """The single-process runs (untied and tied embeddings), each with the checkpoint of its initial weights."""
-    runs: dict[bool, tuple[list[float], dict, Path]] = {}
+    runs: dict[bool, tuple[list[float], dict, list[list[float]], Path]] = {}
 
-    def run(tie: bool) -> tuple[list[float], dict, Path]:
+    def run(tie: bool) -> tuple[list[float], dict, list[list[float]], Path]:
         if tie not in runs:
             out = tmp_path_factory.mktemp("single-tied" if tie else "single")
             cmd = [sys.executable, SCRIPT, str(out / "run"), "--steps", "3", "--checkpoint-every", "100", "--params"]
-            losses, params = _run(cmd + ["--init", str(out / "init")] + (["--tie"] if tie else []))
-            runs[tie] = losses, params, out / "init"
+            losses, params, metrics = _run(cmd + ["--init", str(out / "init")] + (["--tie"] if tie else []))
+            runs[tie] = losses, params, metrics, out / "init"
         return runs[tie]
 
     return run
@@ -64,9 +70,9 @@ def test_two_process_run_matches_single_process(single, layout, tmp_path):
     single-process run's initial weights (its checkpoint, resharded to two stages); each stage reports its
     own layers under their global names."""
     tie = "--tie" in layout
-    want_losses, want_params, init = single(tie)
+    want_losses, want_params, want_metrics, init = single(tie)
     init_args = ["--init", str(init)] if "--pp" in layout else []
-    losses, params = _run(
+    losses, params, metrics = _run(
         [
             TORCHRUN,
             "--nproc_per_node",
@@ -85,6 +91,7 @@ def test_two_process_run_matches_single_process(single, layout, tmp_path):
         ]
     )
     np.testing.assert_allclose(losses, want_losses, rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(metrics, want_metrics, rtol=1e-4, atol=1e-7, err_msg=str(REDUCED))
     assert params.keys() == want_params.keys()
     for name in params:
         np.testing.assert_allclose(params[name], want_params[name], rtol=1e-4, atol=1e-4, err_msg=name)

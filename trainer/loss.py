@@ -2,16 +2,24 @@
 
 DESIGN.md, "Near-on-policy training". All per-token inputs share one shape (``[T]`` or ``[B, S]``):
 ``logprobs`` lp (current policy, with grad), ``behaviour_logprobs`` b (the rollout's), ``ref_logprobs``
-ref (reference model), ``advantages`` A, ``loss_mask`` m (1 = trained token, 0 = not) and ``off_policy``
-o (1 = the token's sample has policy lag >= 1). b, ref and A are data: they are detached here.
+ref (reference model), ``advantages`` A, ``loss_mask`` m (1 = trained token, 0 = not), ``off_policy``
+o (1 = the token's sample has policy lag >= 1) and, optionally, ``seq_ids`` s (which sequence - packed
+sample - each token belongs to; any integers, equal within a sequence). b, ref and A are data: they
+are detached here.
 
-Per trained token t (m_t = 1), with config ``eps_low``, ``eps_high``, ``is_cap`` = C, ``kl_coef`` = beta::
+Per trained token t (m_t = 1), with config ``eps_low``, ``eps_high``, ``is_cap`` = C, ``kl_coef`` = beta
+and the guards ``log_ratio_clamp`` = L, ``dual_clip`` = c, ``k3_clamp`` = K (each 0 = off)::
 
-    r_t   = exp(lp_t - b_t)                                   # ratio to the behaviour policy
+    d_t   = clamp(lp_t - b_t, -L, L)                          # log-ratio clamp (before any exp)
+    r_t   = exp(d_t)                                          # ratio to the behaviour policy
     w_t   = min(r_t, C)  if o_t = 1   else   r_t              # truncated IS weight, off-policy only
     pg_t  = -min(w_t * A_t, clip(r_t, 1 - eps_low, 1 + eps_high) * A_t)
-    kl_t  = exp(ref_t - lp_t) - (ref_t - lp_t) - 1            # k3: >= 0, unbiased for KL(pi || ref)
-    loss  = sum_t m_t * (pg_t + beta * kl_t) / norm
+    pg_t  = min(pg_t, -c * A_t)      if A_t < 0              # dual-clip, every negative-advantage token
+    x_t   = clamp(ref_t - lp_t, -L, L)
+    kl_t  = min(exp(x_t) - x_t - 1, K)                        # k3 (>= 0, unbiased for KL(pi || ref)), clamped
+    loss  = sum_t m_t * (f_t * pg_t + beta * kl_t) / norm
+
+f_t = 1 and m_t is the input mask unless the per-sequence guard is on (below).
 
 - The unclipped branch of an off-policy token uses w_t, so a stale sample's weight never exceeds C,
   also where the clip does not bind (negative advantages, where PPO's min picks the unclipped r_t*A_t).
@@ -19,19 +27,62 @@ Per trained token t (m_t = 1), with config ``eps_low``, ``eps_high``, ``is_cap``
   gradient is zero (as in dual-clip PPO). On-policy tokens (o_t = 0) are plain PPO-clip.
 - Where the clipped branch is the active min (it changed the value: clip(r)*A < w*A) the value is
   constant in lp, so the gradient is zero; ties take the unclipped branch (same value and gradient).
+- Dual-clip (Ye et al. 2020, "Mastering complex control in MOBA games"): PPO's min leaves the
+  objective of a token with A_t < 0 unbounded as r_t grows (pg_t = r_t*|A_t|, gradient r_t*|A_t|):
+  one token whose inference engine and trainer disagree (r = e^25) gives a gradient of ~7e10*|A_t|.
+  Dual-clip bounds it at c*|A_t| = -c*A_t: where r_t*|A_t| (or w_t*|A_t|) would exceed it the value
+  is the constant -c*A_t and the gradient zero. With c > 1 + eps_high it binds only for r_t > c (on-
+  policy; off-policy tokens only when C > c), so at the default c = 3 it never binds on tokens within
+  the clip range. It applies to every token with A_t < 0, on- and off-policy. Requires c > 1.
+- Log-ratio clamp: d_t and x_t are clamped to [-L, L] before exp, so no ratio or k3 overflows (e^20 ~
+  4.9e8 at the default L = 20, far beyond any clip or cap: a clamped token is clipped, truncated or
+  dual-clipped anyway). Inside the range torch.clamp is the identity with gradient exactly 1; outside
+  it the gradient through that log-ratio is zero.
+- k3 clamp: kl_t is at most K (default 10, as veRL's ``low_var_kl``); where it binds the KL term's
+  value is K and its gradient zero. k3 <= 10 holds for x in about [-11, 2.6] (the policy may assign a
+  token up to e^11 times the reference's probability, or e^-2.6 = 7% of it, before the clamp binds).
+- Bound: with dual-clip and the k3 clamp on, every trained token's |pg_t| and |d pg_t / d lp_t| are
+  at most max(1 + eps_high, c) * |A_t|, its kl_t is in [0, K] and |d kl_t / d lp_t| <= max(1, K + x_K)
+  where x_K > 0 solves exp(x) - x - 1 = K (x_K ~ 2.61 for K = 10). So the loss and its gradient are
+  bounded by the advantages and the config, whatever lp, b and ref are.
+- Guards off (L = c = K = 0, the ``LossConfig()`` defaults; the trainer's settings turn them on, see
+  :data:`GUARDED`): the plain formula. With every guard on and no token beyond a guard's threshold,
+  the loss and its gradient are bit-identical to the plain formula (clamp and where select the same
+  values; their gradients are exactly the same).
+
+Per-sequence importance-ratio guard (``seq_ratio_guard``, after veRL's rollout correction,
+``rollout_rs`` / ``rollout_is`` in "geometric" mode). Each sequence's geometric-mean ratio over its
+trained tokens is ``g_s = exp(mean_{t in s, m_t = 1} d_t)`` (d_t after the log-ratio clamp, detached).
+With the band [``seq_ratio_low``, ``seq_ratio_high``] = [lo, hi]:
+
+- ``off`` (default): nothing changes (seq_ids are not needed).
+- ``mask``: every token of a sequence with g_s < lo or g_s > hi gets m_t = 0: it leaves the loss
+  (policy gradient and KL) and the token metrics, as if it had not been sent (rejection sampling).
+- ``truncate``: the policy-gradient term of every token of a sequence with g_s > hi is multiplied by
+  the constant f_t = hi / g_s < 1 (detached), which caps the sequence's geometric-mean weight at hi
+  (truncated importance sampling); the KL term is untouched. A sequence below lo is kept: its weights
+  are small already and truncation only caps (use ``mask`` to drop it).
+
 - Dr. GRPO normalisation: ``norm`` is a constant passed in (e.g. global batch size x max sequence
   length), not the number of trained tokens, and there is no per-sequence length normalisation; so
   padding or masked tokens never change the loss, and each token's gradient scale is independent of
   the batch's composition.
-- Tokens with m_t = 0 contribute exactly nothing, to the value or the gradient, even if their
-  inputs are inf or nan (they are replaced before any exp).
+- Tokens with m_t = 0 contribute exactly nothing, to the value, the gradient or any metric, even if
+  their inputs are inf or nan (they are replaced before any exp).
 
-Metrics in :class:`LossOutput` are detached python floats over trained tokens (N = their number):
-``pg_loss`` = sum_t m_t*pg_t / norm (so ``loss = pg_loss + beta * kl * N / norm``); ``kl`` = sum_t m_t*kl_t / N;
-``clip_fraction`` = share of trained tokens whose clipped branch was the active min; ``is_truncated_fraction``
-= share of trained tokens that are off-policy with r_t > C; ``mean_ratio`` = mean r_t (untruncated);
-``tokens`` = N; ``on_policy_tokens`` = trained tokens with o_t = 0. With N = 0 the loss is a zero that
-still has a grad path and every per-token mean is 0.0.
+Metrics in :class:`LossOutput` are detached python floats over trained tokens (N = their number, after
+the sequence guard): ``pg_loss`` = sum_t m_t*f_t*pg_t / norm (so ``loss = pg_loss + beta * kl * N / norm``);
+``kl`` = sum_t m_t*kl_t / N; ``clip_fraction`` = share of trained tokens whose clipped branch was the active
+min; ``dual_clip_fraction`` = share of trained tokens where the dual-clip bound replaced the value;
+``is_truncated_fraction`` = share of trained tokens that are off-policy with r_t > C; ``mean_ratio`` =
+mean r_t (untruncated); ``tokens`` = N; ``on_policy_tokens`` = trained tokens with o_t = 0;
+``seq_guarded_tokens`` = input-trained tokens whose sequence the guard masked or truncated.
+Training-inference mismatch, over the on-policy tokens of the *input* mask (M = ``mismatch_tokens``,
+m_t = 1 and o_t = 0, before the sequence guard): ``mismatch_k3`` = (1/M) sum_t exp(d_t) - d_t - 1, the
+k3 estimator of KL(pi_behaviour || pi_trainer) on tokens sampled from the behaviour policy
+(d_t = lp_t - b_t, clamped to [-L, L] when L > 0, so it stays finite), and ``mismatch_max_abs_log_ratio``
+= max_t |lp_t - b_t| (unclamped). With N = 0 the loss is a zero that still has a grad path and every
+per-token mean is 0.0 (likewise the mismatch metrics with M = 0).
 
 Inputs in half precision are computed in float32; float64 stays float64.
 
@@ -46,21 +97,35 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-__all__ = ["LossConfig", "LossOutput", "policy_loss", "token_logprobs"]
+__all__ = ["GUARDED", "SEQ_RATIO_GUARDS", "LossConfig", "LossOutput", "policy_loss", "token_logprobs"]
+
+#: values of LossConfig.seq_ratio_guard
+SEQ_RATIO_GUARDS = ("off", "mask", "truncate")
 
 
 @dataclass(frozen=True)
 class LossConfig:
-    """Hyper-parameters of :func:`policy_loss` (validated on construction)."""
+    """Hyper-parameters of :func:`policy_loss` (validated on construction). The numeric guards default
+    to 0 = off (the plain formula); :data:`GUARDED` (= the settings' defaults) turns them on."""
 
     eps_low: float = 0.2  # clip range below 1: in (0, 1)
     eps_high: float = 0.28  # clip range above 1 ("clip-higher"): > 0
     is_cap: float = 2.0  # C, cap of off-policy tokens' IS weight: >= 1 (a cap below 1 would shrink r = 1)
     kl_coef: float = 0.01  # beta, weight of the k3 KL to the reference: >= 0 (0 disables it)
+    log_ratio_clamp: float = 0.0  # L, |lp - b| and |ref - lp| clamped to L before exp: > 0, or 0 = off
+    dual_clip: float = 0.0  # c, a negative-advantage token's pg is at most -c*A: > 1, or 0 = off
+    k3_clamp: float = 0.0  # K, each token's k3 KL is at most K: > 0, or 0 = off
+    seq_ratio_guard: str = "off"  # per-sequence geometric-mean ratio guard: off | mask | truncate
+    seq_ratio_low: float = 0.5  # lo of the band: in (0, 1]
+    seq_ratio_high: float = 2.0  # hi of the band: >= 1
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
+            if f.name == "seq_ratio_guard":
+                if v not in SEQ_RATIO_GUARDS:
+                    raise ValueError(f"LossConfig.seq_ratio_guard must be one of {SEQ_RATIO_GUARDS}, got {v!r}")
+                continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ValueError(f"LossConfig.{f.name} must be a finite number, got {v!r}")
         if not 0.0 < self.eps_low < 1.0:
@@ -71,6 +136,21 @@ class LossConfig:
             raise ValueError(f"LossConfig.is_cap must be >= 1, got {self.is_cap!r}")
         if not self.kl_coef >= 0.0:
             raise ValueError(f"LossConfig.kl_coef must be >= 0, got {self.kl_coef!r}")
+        if not self.log_ratio_clamp >= 0.0:
+            raise ValueError(f"LossConfig.log_ratio_clamp must be > 0 (or 0 = off), got {self.log_ratio_clamp!r}")
+        if not (self.dual_clip == 0.0 or self.dual_clip > 1.0):
+            raise ValueError(f"LossConfig.dual_clip must be > 1 (or 0 = off), got {self.dual_clip!r}")
+        if not self.k3_clamp >= 0.0:
+            raise ValueError(f"LossConfig.k3_clamp must be > 0 (or 0 = off), got {self.k3_clamp!r}")
+        if not 0.0 < self.seq_ratio_low <= 1.0:
+            raise ValueError(f"LossConfig.seq_ratio_low must be in (0, 1], got {self.seq_ratio_low!r}")
+        if not self.seq_ratio_high >= 1.0:
+            raise ValueError(f"LossConfig.seq_ratio_high must be >= 1, got {self.seq_ratio_high!r}")
+
+
+#: the guards the trainer runs with by default (the settings' ``loss`` defaults): log-ratio clamp 20,
+#: dual-clip 3, k3 clamp 10 (the values veRL and dual-clip PPO use); the sequence guard stays off
+GUARDED = LossConfig(log_ratio_clamp=20.0, dual_clip=3.0, k3_clamp=10.0)
 
 
 @dataclass(frozen=True)
@@ -85,6 +165,11 @@ class LossOutput:
     mean_ratio: float
     tokens: int
     on_policy_tokens: int
+    dual_clip_fraction: float = 0.0
+    seq_guarded_tokens: int = 0
+    mismatch_k3: float = 0.0
+    mismatch_max_abs_log_ratio: float = 0.0
+    mismatch_tokens: int = 0
 
 
 def _as_flag(x: Tensor, name: str, shape: torch.Size) -> Tensor:
@@ -98,6 +183,29 @@ def _as_flag(x: Tensor, name: str, shape: torch.Size) -> Tensor:
     return flag
 
 
+def _sequence_guard(
+    log_ratio: Tensor, mask: Tensor, seq_ids: Tensor, cfg: LossConfig
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """(mask after the guard, per-token pg factor or None, tokens whose sequence was guarded).
+
+    ``log_ratio`` is d_t (clamped, 0 where not trained); everything here is detached."""
+    ids = seq_ids[mask]
+    uniq, inv = torch.unique(ids, return_inverse=True)
+    d = log_ratio.detach()[mask]
+    count = torch.zeros(len(uniq), dtype=d.dtype).index_add_(0, inv, torch.ones_like(d))
+    mean = torch.zeros(len(uniq), dtype=d.dtype).index_add_(0, inv, d) / count.clamp(min=1)  # log g_s
+    high = mean > math.log(cfg.seq_ratio_high)
+    guarded = torch.zeros_like(mask)
+    if cfg.seq_ratio_guard == "mask":
+        outside = (mean < math.log(cfg.seq_ratio_low)) | high
+        guarded[mask] = outside[inv]
+        return mask & ~guarded, None, guarded
+    guarded[mask] = high[inv]
+    factor = torch.ones_like(log_ratio)
+    factor[mask] = torch.exp(math.log(cfg.seq_ratio_high) - mean).clamp(max=1.0)[inv]
+    return mask, factor, guarded
+
+
 def policy_loss(
     logprobs: Tensor,
     behaviour_logprobs: Tensor,
@@ -107,8 +215,11 @@ def policy_loss(
     off_policy: Tensor,
     norm: float,
     config: LossConfig | None = None,
+    seq_ids: Tensor | None = None,
 ) -> LossOutput:
-    """Dr. GRPO clipped surrogate with truncated off-policy IS weights plus beta * k3 KL, summed / ``norm``."""
+    """Dr. GRPO clipped surrogate with truncated off-policy IS weights plus beta * k3 KL, summed / ``norm``,
+    with the guards of ``config``. ``seq_ids`` (integers, the shape of ``logprobs``) names each token's
+    sequence; the sequence guard needs it."""
     cfg = config if config is not None else LossConfig()
     if isinstance(norm, bool) or not isinstance(norm, (int, float)) or not math.isfinite(norm) or norm <= 0:
         raise ValueError(f"norm must be a finite number > 0, got {norm!r}")
@@ -124,15 +235,33 @@ def policy_loss(
             raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)} (the shape of logprobs)")
     mask = _as_flag(loss_mask, "loss_mask", shape)
     off = _as_flag(off_policy, "off_policy", shape)
+    if seq_ids is not None and (seq_ids.shape != shape or seq_ids.is_floating_point() or seq_ids.dtype == torch.bool):
+        raise ValueError(
+            f"seq_ids must be an integer tensor of shape {tuple(shape)} (the shape of logprobs), "
+            f"got {seq_ids.dtype} {tuple(seq_ids.shape)}"
+        )
+    if cfg.seq_ratio_guard != "off" and seq_ids is None:
+        raise ValueError(f"seq_ratio_guard = {cfg.seq_ratio_guard!r} needs seq_ids (each token's sequence)")
 
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
     lp = logprobs.to(dtype)
     zero = lp.new_zeros(())
     # Masked positions get 0 log-ratios and advantages *before* any exp, so inf/nan there cannot
     # reach the value or (through where's backward) the gradient.
-    log_ratio = torch.where(mask, lp - behaviour_logprobs.detach().to(dtype), zero)
+    raw_log_ratio = torch.where(mask, lp - behaviour_logprobs.detach().to(dtype), zero)
     ref_minus_lp = torch.where(mask, ref_logprobs.detach().to(dtype) - lp, zero)
     adv = torch.where(mask, advantages.detach().to(dtype), zero)
+    log_ratio = raw_log_ratio
+    if cfg.log_ratio_clamp > 0:
+        log_ratio = torch.clamp(raw_log_ratio, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+        ref_minus_lp = torch.clamp(ref_minus_lp, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+
+    input_mask = mask
+    factor: Tensor | None = None
+    seq_guarded = torch.zeros_like(mask)
+    if cfg.seq_ratio_guard != "off":
+        assert seq_ids is not None
+        mask, factor, seq_guarded = _sequence_guard(log_ratio, mask, seq_ids, cfg)
 
     ratio = torch.exp(log_ratio)
     truncated = off & (ratio > cfg.is_cap) & mask
@@ -141,7 +270,16 @@ def policy_loss(
     clipped = torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high) * adv
     clip_active = (clipped < unclipped) & mask
     pg = -torch.where(clip_active, clipped, unclipped)
+    dual_active = torch.zeros_like(mask)
+    if cfg.dual_clip > 0:
+        bound = -cfg.dual_clip * adv
+        dual_active = mask & (adv < 0) & (pg > bound)
+        pg = torch.where(dual_active, bound, pg)
+    if factor is not None:
+        pg = torch.where(seq_guarded, pg * factor, pg)
     kl = torch.exp(ref_minus_lp) - ref_minus_lp - 1.0
+    if cfg.k3_clamp > 0:
+        kl = torch.clamp(kl, max=cfg.k3_clamp)
 
     pg_sum = torch.where(mask, pg, zero).sum()
     kl_sum = torch.where(mask, kl, zero).sum()
@@ -150,6 +288,11 @@ def policy_loss(
     with torch.no_grad():
         n = int(mask.sum())
         per = 1.0 / n if n else 0.0
+        on = input_mask & ~off  # mismatch: every on-policy token sent for training, before the sequence guard
+        m = int(on.sum())
+        d = log_ratio.detach() if cfg.log_ratio_clamp > 0 else raw_log_ratio.detach()
+        k3 = torch.where(on, torch.exp(d) - d - 1.0, zero)
+        max_abs = float(torch.where(on, raw_log_ratio.detach().abs(), zero).max()) if m else 0.0
         return LossOutput(
             loss=loss,
             pg_loss=float(pg_sum) / norm,
@@ -159,6 +302,11 @@ def policy_loss(
             mean_ratio=float(torch.where(mask, ratio, zero).sum()) * per,
             tokens=n,
             on_policy_tokens=int((mask & ~off).sum()),
+            dual_clip_fraction=float(dual_active.sum()) * per,
+            seq_guarded_tokens=int(seq_guarded.sum()),
+            mismatch_k3=float(k3.sum()) / m if m else 0.0,
+            mismatch_max_abs_log_ratio=max_abs,
+            mismatch_tokens=m,
         )
 
 

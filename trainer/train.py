@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -33,7 +34,7 @@ from schemas.records import TrainStep
 from trainer import checkpoint
 from trainer.batch import Batch
 from trainer.dedup import TrainedSet
-from trainer.loss import LossConfig, LossOutput, policy_loss
+from trainer.loss import GUARDED, LossConfig, LossOutput, policy_loss
 from trainer.model import forward_logprobs, logprobs_from_logits
 
 
@@ -77,14 +78,16 @@ class TrainConfig:
     warmup_steps: int = 0
     """Linear learning-rate warm-up from 0 to ``lr`` over this many steps."""
     grad_clip: float = 1.0
-    """Clip the global gradient norm (over every rank's shard) to this; 0 = off."""
+    """Clip the global gradient norm (over every rank's shard) to this; 0 = off. The norm before clipping is
+    recorded either way (``TrainStep.grad_norm``)."""
     max_policy_lag: int = 4
     norm_tokens: int = 0
     """Constant loss normaliser (Dr. GRPO); 0 = micro_batches_per_step x rows x seq_len of the first batch."""
     checkpoint_every: int = 5
     checkpoint_dir: str = ""
     idle_timeout_s: float = 30.0
-    loss: LossConfig = field(default_factory=LossConfig)
+    loss: LossConfig = field(default_factory=lambda: GUARDED)
+    """The loss and its guards; default :data:`trainer.loss.GUARDED` (= the settings' ``loss`` defaults)."""
 
     @classmethod
     def from_settings(cls, settings: Settings, **run: Any) -> TrainConfig:
@@ -107,7 +110,18 @@ class TrainConfig:
             "norm_tokens": ls.norm_tokens,
             "checkpoint_every": ts.checkpoint_every,
             "idle_timeout_s": ts.idle_timeout_s,
-            "loss": LossConfig(eps_low=ls.eps_low, eps_high=ls.eps_high, is_cap=ls.is_cap, kl_coef=ls.kl_coef),
+            "loss": LossConfig(
+                eps_low=ls.eps_low,
+                eps_high=ls.eps_high,
+                is_cap=ls.is_cap,
+                kl_coef=ls.kl_coef,
+                log_ratio_clamp=ls.log_ratio_clamp,
+                dual_clip=ls.dual_clip,
+                k3_clamp=ls.k3_clamp,
+                seq_ratio_guard=ls.seq_ratio_guard,
+                seq_ratio_low=ls.seq_ratio_low,
+                seq_ratio_high=ls.seq_ratio_high,
+            ),
         } | run
         return cls(**params)
 
@@ -124,6 +138,8 @@ class Prepared:
     advantages: torch.Tensor
     behaviour: torch.Tensor
     off_policy: torch.Tensor
+    segments: torch.Tensor
+    """Each target's sample (its segment id, -1 = padding): the loss's sequence ids."""
     lags: np.ndarray  # per sample
     stale_tokens: int
 
@@ -154,6 +170,7 @@ def prepare(batch: Batch, policy_version: int, max_policy_lag: int) -> Prepared:
         advantages=torch.from_numpy(np.ascontiguousarray(batch.advantages[:, 1:])),
         behaviour=torch.from_numpy(np.ascontiguousarray(batch.behaviour_logprobs[:, 1:])),
         off_policy=torch.from_numpy(np.ascontiguousarray(token_lag >= 1)),
+        segments=torch.from_numpy(np.ascontiguousarray(seg_t)),
         lags=lags,
         stale_tokens=stale,
     )
@@ -213,6 +230,11 @@ def train(
             "trunc_tok": 0.0,
             "tokens": 0,
             "on": 0,
+            "dual_tok": 0.0,
+            "guarded": 0,
+            "mm_k3_tok": 0.0,
+            "mm_tok": 0,
+            "mm_max": 0.0,
         }
         lag_hist: dict[str, int] = {}
         if pipe.size == 1:
@@ -221,7 +243,9 @@ def train(
                 lp = forward_logprobs(model, p.tokens, p.positions, p.targets, p.attention_mask)
                 with torch.no_grad():
                     ref = forward_logprobs(reference, p.tokens, p.positions, p.targets, p.attention_mask)
-                out = policy_loss(lp, p.behaviour, ref, p.advantages, p.loss_mask, p.off_policy, norm, cfg.loss)
+                out = policy_loss(
+                    lp, p.behaviour, ref, p.advantages, p.loss_mask, p.off_policy, norm, cfg.loss, p.segments
+                )
                 out.loss.backward()
                 _add_metrics(sums, out)
                 _count_lags(lag_hist, p)
@@ -234,12 +258,13 @@ def train(
         pipe.reduce_tied_embedding_grads(model)
         reduce_sequence_parallel_grads(model)
         dp.reduce_gradients(model)
-        if cfg.grad_clip > 0:
-            clip_grad_norm(model, cfg.grad_clip)
+        # the global norm before clipping, for train_metrics (computed, not applied, with clipping off)
+        grad_norm = clip_grad_norm(model, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
         for group in opt.param_groups:  # linear warm-up (by optimizer step, so a resumed run continues it)
             group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
-        keys = ["loss", "pg", "kl_tok", "clip_tok", "trunc_tok", "tokens", "on"]
+        keys = [k for k in sums if k != "mm_max"]
         totals = dp.sum(pipe.from_last_stage([sums[k] for k in keys]))  # the last stage computed them
+        (mm_max,) = dp.max(pipe.from_last_stage([sums["mm_max"]]))  # a max: MAX over the replicas, not SUM
         sums = dict(zip(keys, totals))
         sums["tokens"], sums["on"] = int(sums["tokens"]), int(sums["on"])
         lag_hist = dp.merge_counts(lag_hist)
@@ -263,6 +288,11 @@ def train(
             tokens=int(sums["tokens"]),
             on_policy_fraction=sums["on"] / n,
             lag_histogram=lag_hist,
+            grad_norm=grad_norm,
+            dual_clip_fraction=sums["dual_tok"] / n,
+            seq_guarded_tokens=int(sums["guarded"]),
+            mismatch_k3=sums["mm_k3_tok"] / max(1, sums["mm_tok"]),
+            mismatch_max_abs_log_ratio=mm_max,
             tokens_per_s=sums["tokens"] / max(1e-9, time.monotonic() - t0),
             batch_ids=batch_ids,
             sample_ids=sample_ids,
@@ -286,6 +316,11 @@ def _add_metrics(sums: dict[str, float], out: LossOutput) -> None:
     sums["trunc_tok"] += out.is_truncated_fraction * out.tokens
     sums["tokens"] += out.tokens
     sums["on"] += out.on_policy_tokens
+    sums["dual_tok"] += out.dual_clip_fraction * out.tokens
+    sums["guarded"] += out.seq_guarded_tokens
+    sums["mm_k3_tok"] += out.mismatch_k3 * out.mismatch_tokens
+    sums["mm_tok"] += out.mismatch_tokens
+    sums["mm_max"] = max(sums["mm_max"], out.mismatch_max_abs_log_ratio)
 
 
 def _count_lags(lag_hist: dict[str, int], p: Prepared) -> None:
@@ -382,7 +417,7 @@ def pipeline_step(
 
     def loss_func(p: Prepared, ref: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         lp = logprobs_from_logits(logits, p.targets)
-        out = policy_loss(lp, p.behaviour, ref, p.advantages, p.loss_mask, p.off_policy, norm, loss_cfg)
+        out = policy_loss(lp, p.behaviour, ref, p.advantages, p.loss_mask, p.off_policy, norm, loss_cfg, p.segments)
         outs.append(out)
         return out.loss, torch.tensor(out.tokens, dtype=torch.int), {}
 
@@ -544,6 +579,14 @@ class DataParallel:
         if self.size == 1:
             return values
         return _sum(values, self.group)
+
+    def max(self, values: list[float]) -> list[float]:
+        """``values``' element-wise maximum over the replicas (a MAX all-reduce; ``sum`` is a SUM one)."""
+        if self.size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return t.tolist()
 
     def all_true(self, flag: bool) -> bool:
         return self.sum([0.0 if flag else 1.0])[0] == 0.0
