@@ -5,91 +5,468 @@
 chdb holds a data folder in one process only, so parts of the loop that run as separate processes
 (reward flow, batch flow, trainer) cannot each open it. This process owns the folder and answers
 ClickHouse's HTTP protocol on loopback, so every other process uses ``clickhouse.dsn =
-http://127.0.0.1:P`` through clickhouse-connect's ordinary HTTP client - the same code path as a
-real ClickHouse server. Every statement runs on the real engine; only the transport is ours.
+http://rtrl_writer@127.0.0.1:P/?password_file=…`` through clickhouse-connect's ordinary HTTP client - the
+same code path as a real ClickHouse server. Every statement runs on the real engine; only the transport
+is ours. It is the single-machine stand-in for a ClickHouse server: production points ``clickhouse.dsn``
+at a real server whose users, roles and grants are ``deploy/clickhouse/security.sql``.
 
 What it speaks: ``GET``/``POST /?query=…`` (the query text from the URL and/or the body, as
-ClickHouse concatenates them), ``database``, ``default_format``, ``param_*`` query parameters,
-the statement at the head of the body before the data, request bodies compressed with lz4/zstd/gzip/deflate, chunked bodies, ``INSERT … FORMAT F`` with the
-data in the body (written to a private file and inserted ``FROM INFILE``), ``/ping``, errors as
-HTTP 500 with ``X-ClickHouse-Exception-Code`` and ClickHouse's message. Other settings in the URL
-are accepted and ignored (the engine's defaults apply). Statements run one at a time.
+ClickHouse concatenates them), ``database``, ``default_format``, ``param_*``, ``readonly`` and
+``max_execution_time`` query parameters (other settings in the URL are accepted and ignored), request
+bodies compressed with lz4/zstd/gzip/deflate, chunked bodies, ``INSERT … FORMAT F`` / ``VALUES`` with
+the data in the body or inline (written to a private file and inserted ``FROM INFILE``), ``/ping``,
+errors with ``X-ClickHouse-Exception-Code`` and ClickHouse's message. Statements run one at a time.
+
+Safe by default (each point tested in tests/test_chserver_security.py):
+
+- It binds to loopback only.
+- Every request but ``/ping`` authenticates as ClickHouse's HTTP does (basic auth, ``X-ClickHouse-User``
+  / ``X-ClickHouse-Key`` or ``user``/``password`` parameters), checked in constant time; else 401 with
+  code 516. Two users: :data:`WRITER` (the flows, trainer and tools) and :data:`ANALYST` (``readonly=1``:
+  read statements on :data:`rtrl.clickhouse.ANALYST_TABLES` only, the grants of the analyst role in
+  deploy/clickhouse/security.sql). Their tokens are random per run, in owner-only files (``0600`` in a
+  ``0700`` folder, :func:`rtrl.files.write_private`) that clients read (``password_file``), never in a
+  DSN, environment or command line.
+- The statement is classified by the engine's own parser (``formatQuerySingleLine`` refuses several
+  statements; ``parseQueryToJSON`` / ``EXPLAIN AST`` give the tree) and what runs is the engine's
+  canonical text of the one statement that was checked. Refused for everyone (code 497): table
+  functions and table/database engines that touch files or the network (``file``, ``url``, ``s3``,
+  ``remote``, ``mysql``, ``executable``, … - everything but :data:`TABLE_FUNCTIONS` and :data:`ENGINES`),
+  ``INTO OUTFILE``, client-side ``FROM INFILE``, ``SYSTEM``, ``KILL``, ``BACKUP``/``RESTORE``,
+  dictionaries, ``ATTACH``, access management. A read-only request (the analyst, or ``readonly=1`` in
+  the URL) may only run read statements (else code 164) and the engine enforces ``readonly=1`` too.
+- Each request runs in a fresh engine session with its own database and settings: one client's
+  ``USE`` or ``SET`` ends with its request.
+- Caps (:class:`Limits`): body size, decompressed size (inflated in steps, refused as soon as it
+  passes the cap), the time to read a request (a byte-a-second client is cut off), concurrent
+  connections (bounded worker threads; the excess get 503 at once) and ``max_execution_time``.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import gzip
+import hmac
+import io
+import ipaddress
 import json
-import os
 import re
+import secrets
+import socket
 import sys
 import tempfile
 import threading
+import time
 import uuid
 import zlib
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import cast
-from urllib.parse import parse_qsl, urlsplit
+from typing import Any, cast
+from urllib.parse import parse_qsl, quote, urlsplit
 
-from rtrl.clickhouse import on_engine_thread
+from rtrl.clickhouse import ANALYST_TABLES, on_engine_thread
+from rtrl.files import private_dir, write_private
 
-_INSERT = re.compile(r"^\s*INSERT\s+INTO\s+(?P<target>.+?)\s+FORMAT\s+(?P<fmt>\w+)\s*$", re.IGNORECASE | re.DOTALL)
-_INSERT_HEAD = re.compile(rb"^\s*INSERT\s+INTO\s+[^\n]+?\s+FORMAT\s+\w+[ \t]*(\r?\n|$)", re.IGNORECASE)
+WRITER = "rtrl_writer"
+ANALYST = "rtrl_analyst"
+USERS = (WRITER, ANALYST)
+
+#: table functions anyone may use (the rest touch files or the network, or read tables by pattern)
+TABLE_FUNCTIONS = frozenset(
+    {"numbers", "numbers_mt", "zeros", "zeros_mt", "generate_series", "generateseries", "values", "null"}
+    | {"view", "format", "generaterandom", "input"}
+)
+#: table and database engines a CREATE may use (the rest touch files or the network)
+ENGINES = frozenset(
+    {"mergetree", "replacingmergetree", "summingmergetree", "aggregatingmergetree", "collapsingmergetree"}
+    | {"versionedcollapsingmergetree", "coalescingmergetree", "graphitemergetree", "memory", "log", "tinylog"}
+    | {"stripelog", "null", "set", "join", "buffer", "view", "materializedview", "atomic", "ordinary"}
+)
+#: functions refused everywhere besides the engines' and table functions' names (they read files)
+FUNCTIONS = frozenset({"file", "catboostevaluate"})
+#: further functions a read-only request may not use (they read tables by name, around the table check)
+ANALYST_FUNCTIONS = frozenset({"merge", "loop", "joinget", "joingetornull", "dictionary", "hascolumnintable"})
+#: system tables a read-only request may read (what clients ask on connecting)
+ANALYST_SYSTEM_TABLES = frozenset({"one", "numbers", "numbers_mt", "zeros", "settings", "functions", "formats"})
+#: statements a read-only request may run (as the engine's parser names them)
+READ_KINDS = frozenset(
+    {"SelectWithUnionQuery", "SelectIntersectExceptQuery", "SelectQuery", "ShowTablesQuery", "ExplainQuery"}
+    | {"DescribeQuery", "ShowCreateTableQuery", "ShowCreateViewQuery", "ShowCreateDatabaseQuery"}
+    | {"ExistsTableQuery", "ExistsViewQuery", "ExistsDatabaseQuery", "ShowProcesslistQuery"}
+)
+#: statements the engine cannot give as JSON that may still run (their functions are checked)
+INTROSPECTION_KINDS = READ_KINDS - {"SelectWithUnionQuery", "SelectIntersectExceptQuery", "SelectQuery"}
+#: statements refused for everyone
+REFUSED_KINDS = frozenset({"SystemQuery", "KillQueryQuery", "BackupQuery"})
+#: the keys an INSERT whose data comes in the request may have in its tree
+_DATA_INSERT_KEYS = frozenset({"type", "database", "table", "columns", "format"})
+
 _CODE = re.compile(r"Code:\s*(\d+)")
+_DATA_START = re.compile(rb"\bVALUES\b|\bFORMAT\s+[A-Za-z0-9_]+", re.IGNORECASE)
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_CHUNK = 1 << 20
 
 
-def decompress(data: bytes, encoding: str) -> bytes:
+@dataclass(frozen=True)
+class Limits:
+    """What one client can take from the server."""
+
+    max_body_bytes: int = 256 << 20  #: request body as sent (compressed)
+    max_decompressed_bytes: int = 512 << 20  #: request body after Content-Encoding
+    max_query_bytes: int = 256 << 10  #: statement text (ClickHouse's max_query_size)
+    read_timeout_s: float = 30.0  #: to read one request, headers and body (also a keep-alive's idle time)
+    max_connections: int = 64  #: connections served at once (one thread each); the excess get 503
+    max_execution_time_s: float = 300.0  #: default and ceiling of a statement's max_execution_time
+
+
+class RequestError(Exception):
+    """A refusal the client gets as ClickHouse sends it: HTTP status, code, name and message."""
+
+    def __init__(self, status: int, code: int, name: str, message: str):
+        super().__init__(f"Code: {code}. DB::Exception: {message}. ({name})")
+        self.status, self.code = status, code
+
+
+def _too_large(what: str, limit: int) -> RequestError:
+    return RequestError(413, 307, "TOO_MANY_BYTES", f"{what} is larger than the server's limit of {limit} bytes")
+
+
+def _denied(message: str) -> RequestError:
+    return RequestError(403, 497, "ACCESS_DENIED", message)
+
+
+def _readonly(user: str, what: str) -> RequestError:
+    return RequestError(403, 164, "READONLY", f"{user}: Cannot execute query in readonly mode ({what})")
+
+
+# ---------------------------------------------------------------- tokens
+
+
+def auth_dir_for(path: str | Path) -> Path:
+    """Where the front of the chdb folder ``path`` keeps its users' token files (owner-only)."""
+    return Path(path).resolve() / "rtrl-auth"
+
+
+def token_file(auth_dir: str | Path, user: str) -> Path:
+    return Path(auth_dir) / f"{user}.token"
+
+
+def ensure_tokens(auth_dir: str | Path, fresh: bool = True) -> dict[str, str]:
+    """One random token per user in ``auth_dir`` (0700), each in its own 0600 file created with that mode;
+    ``fresh`` replaces existing ones (a new run), else they are kept (a restarted front, same clients)."""
+    folder = private_dir(auth_dir)
+    tokens = {}
+    for user in USERS:
+        f = token_file(folder, user)
+        if fresh or not f.exists():
+            write_private(f, secrets.token_urlsafe(32).encode())
+        tokens[user] = f.read_text().strip()
+    return tokens
+
+
+def dsn_for(host: str, port: int, auth_dir: str | Path, user: str = WRITER) -> str:
+    """The DSN a client connects with: no secret in it, only the path of the file holding the token."""
+    return f"http://{user}@{host}:{port}/?password_file={quote(str(token_file(auth_dir, user)), safe='/')}"
+
+
+# ---------------------------------------------------------------- request bodies
+
+
+class _Inflate:
+    """zlib/deflate as a reader that inflates at most ``n`` bytes per read."""
+
+    def __init__(self, data: bytes):
+        self.d, self.rest = zlib.decompressobj(zlib.MAX_WBITS | 32), data  # zlib or gzip header
+
+    def read(self, n: int) -> bytes:
+        if self.d.eof:
+            return b""
+        out = self.d.decompress(self.rest, n)
+        self.rest = self.d.unconsumed_tail
+        return out
+
+
+def decompress(data: bytes, encoding: str, limit: int = Limits.max_decompressed_bytes) -> bytes:
+    """``data`` decoded per Content-Encoding, inflated a MiB at a time and refused (413, code 307) as
+    soon as it passes ``limit`` bytes: a small bomb never inflates further than the limit."""
     encoding = encoding.strip().lower()
     if encoding in ("", "identity"):
         return data
+    reader: Any
     if encoding == "lz4":
         import lz4.frame
 
-        return lz4.frame.decompress(data)
-    if encoding == "zstd":
+        reader = lz4.frame.LZ4FrameFile(io.BytesIO(data), "rb")
+    elif encoding == "zstd":
         import zstandard
 
-        return zstandard.ZstdDecompressor().decompressobj().decompress(data)
-    if encoding == "gzip":
-        return gzip.decompress(data)
-    if encoding == "deflate":
-        return zlib.decompress(data)
-    raise ValueError(f"unsupported Content-Encoding {encoding!r} (lz4, zstd, gzip or deflate)")
+        reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True)
+    elif encoding == "gzip":
+        reader = gzip.GzipFile(fileobj=io.BytesIO(data), mode="rb")
+    elif encoding == "deflate":
+        reader = _Inflate(data)
+    else:
+        raise ValueError(f"unsupported Content-Encoding {encoding!r} (lz4, zstd, gzip or deflate)")
+    out = bytearray()
+    for _ in range(limit // _CHUNK + 2):  # each read adds up to a MiB; one more than the limit is refused
+        piece = reader.read(min(_CHUNK, limit + 1 - len(out)))
+        if not piece:
+            return bytes(out)
+        out += piece
+        if len(out) > limit:
+            break
+    raise _too_large("the decompressed request body", limit)
+
+
+# ---------------------------------------------------------------- statements
+
+
+def _escape_param(text: str) -> str:
+    """A string as a ``{q:String}`` query parameter (chdb reads parameters in the escaped TSV form)."""
+    return (
+        text.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r").replace("\0", "\\0")
+    )
+
+
+def _quote_ident(name: str) -> str:
+    return "`" + name.replace("\\", "\\\\").replace("`", "\\`") + "`"
+
+
+@dataclass
+class Statement:
+    """One statement as the engine parsed it: what runs, and what the policy looks at."""
+
+    kind: str  #: the root node's type, e.g. SelectWithUnionQuery, InsertQuery, CreateQuery
+    sql: str  #: the engine's canonical text of it (what runs)
+    ast: dict | None  #: parseQueryToJSON's tree (None for the few statements it cannot serialise)
+    functions: set[str]  #: every function / table function / engine name in it, lower-case
+    data: bytes | None = None  #: an INSERT's data (from the body or inline)
+
+
+def _walk(node: Any):
+    if isinstance(node, dict):
+        yield node
+        for v in node.values():
+            yield from _walk(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _walk(v)
+
+
+class Policy:
+    """What each request may run, decided on the engine's parse tree (pure: no I/O)."""
+
+    def __init__(self, table_functions: set[str], engines: set[str], database: str):
+        names = {n.lower() for n in table_functions | engines}
+        self.forbidden = (names - TABLE_FUNCTIONS - ENGINES) | FUNCTIONS
+        self.table_functions = {n.lower() for n in table_functions}
+        self.analyst_tables = {f"{database}.{t}" for t in ANALYST_TABLES} | {
+            f"system.{t}" for t in ANALYST_SYSTEM_TABLES
+        }
+
+    def check(self, st: Statement, user: str, readonly: bool, database: str) -> None:
+        """Raise RequestError (497 or 164) unless ``user`` may run ``st``."""
+        for name in sorted(st.functions):
+            if name in self.forbidden or name.startswith(("iceberg", "deltalake", "hudi", "paimon")):
+                raise _denied(
+                    f"{user}: {name} is refused by the embedded ClickHouse front (it reaches files or the network)"
+                )
+        if st.kind in REFUSED_KINDS:
+            raise _denied(f"{user}: {st.kind} is refused by the embedded ClickHouse front")
+        if st.ast is None and st.kind not in INTROSPECTION_KINDS:
+            raise _denied(
+                f"{user}: {st.kind} is not available on the embedded ClickHouse front (access control and "
+                "administration belong to a real server: deploy/clickhouse/security.sql)"
+            )
+        for node in _walk(st.ast):
+            if "out_file" in node:
+                raise _denied(f"{user}: INTO OUTFILE is refused (it writes a file on the server)")
+            if "infile" in node:
+                raise _denied(f"{user}: FROM INFILE is refused (it reads a file on the server)")
+            if "attach_from_path" in node or node.get("attach") is True:
+                raise _denied(f"{user}: ATTACH is refused by the embedded ClickHouse front")
+            if node.get("is_dictionary") is True and node.get("type") == "CreateQuery":
+                raise _denied(f"{user}: dictionaries are refused (their sources read files or the network)")
+        if not readonly:
+            return
+        if st.kind not in READ_KINDS or (
+            st.kind == "ExplainQuery" and (st.ast or {}).get("query", {}).get("type") not in READ_KINDS
+        ):
+            raise _readonly(user, f"{st.kind} is not a read")
+        bad = sorted(st.functions & ANALYST_FUNCTIONS)
+        if bad:
+            raise _readonly(user, f"{bad[0]} is not available to read-only users")
+        if st.ast is not None:
+            for table in sorted(self._tables(st.ast, database)):
+                if table not in self.analyst_tables:
+                    raise _denied(
+                        f"{user}: Not enough privileges. To execute this query, it's necessary to have the grant "
+                        f"SELECT ON {table} (read-only users read {', '.join(sorted(ANALYST_TABLES))})"
+                    )
+
+    def _tables(self, ast: dict, database: str) -> set[str]:
+        """Every table, view or parameterised view ``ast`` reads, as ``db.name`` (CTE names left out)."""
+        ctes = {n["name"] for n in _walk(ast) if n.get("type") == "WithElement" and "name" in n}
+        found = set()
+        for node in _walk(ast):
+            name = None
+            if node.get("type") == "TableIdentifier":
+                name = node.get("name")
+            elif node.get("type") == "TableExpression" and "table_function" in node:
+                fn = node["table_function"].get("name", "")
+                if fn.lower() not in self.table_functions:
+                    name = fn  # a parameterised view, e.g. rtrl.reward_stats(rv = 'v2')
+            elif node.get("type") == "Function" and str(node.get("name", "")).lower() in (
+                "in",
+                "notin",
+                "globalin",
+                "globalnotin",
+                "nullin",
+                "notnullin",
+                "globalnullin",
+                "globalnotnullin",
+            ):
+                args = node.get("arguments", {}).get("children", [])
+                if len(args) == 2 and args[1].get("type") == "Identifier":
+                    name = args[1].get("name")  # x IN t reads table t
+            if name and name not in ctes:
+                found.add(name if "." in name else f"{database}.{name}")
+        return found
+
+
+# ---------------------------------------------------------------- the engine
 
 
 class Engine:
-    """One chdb connection; every call runs on the process's one chdb thread
+    """The chdb folder; every call runs on the process's one chdb thread
     (:func:`rtrl.clickhouse.on_engine_thread`: chdb wants Python-created threads, one at a time)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, limits: Limits = Limits(), database: str = "rtrl"):
         import chdb
 
-        self.conn = on_engine_thread(chdb.connect, str(Path(path).resolve()))
-        self.database: str | None = None
-        self.spool = Path(tempfile.mkdtemp(prefix="rtrl-chserver-"))
+        self.path, self.limits = str(Path(path).resolve()), limits
+        self.conn = on_engine_thread(chdb.connect, self.path)  # holds the folder; parses statements
+        self.spool = Path(tempfile.mkdtemp(prefix="rtrl-chserver-"))  # 0700: INSERT data on its way in
+        names = on_engine_thread(self._names)
+        self.policy = Policy(names["table_functions"], names["table_engines"] | names["database_engines"], database)
 
-    def run(self, sql: str, fmt: str, params: dict[str, str], database: str | None, data: bytes | None):
-        return on_engine_thread(self._run, sql, fmt, params, database, data)
+    def _names(self) -> dict[str, set[str]]:
+        out = {}
+        for table in ("table_functions", "table_engines", "database_engines"):
+            text = self.conn.query(f"SELECT name FROM system.{table}", "TabSeparatedRaw").bytes().decode()
+            out[table] = set(text.split())
+        return out
 
-    def _run(self, sql: str, fmt: str, params: dict[str, str], database: str | None, data: bytes | None):
-        if database and database != self.database:
-            self.conn.query(f"USE `{database.replace('`', '')}`", "TabSeparated")
-            self.database = database
-        if data is None:
-            return self.conn.query(sql, fmt, params=params)
-        m = _INSERT.match(sql)
-        if m is None:
-            raise ValueError(
-                "Code: 62. DB::Exception: a request body with data needs INSERT INTO … FORMAT … in the query"
-            )
-        spool = self.spool / f"{uuid.uuid4().hex}.{m['fmt']}"
-        spool.write_bytes(data)
+    def _call(self, fn: str, text: str) -> str:
+        res = self.conn.query(f"SELECT {fn}({{q:String}})", "TabSeparatedRaw", params={"q": _escape_param(text)})
+        return res.bytes().decode().removesuffix("\n")
+
+    def _parse(self, text: str) -> Statement:
+        """The one statement in ``text`` (SYNTAX_ERROR if there are several), parsed by the engine."""
+        canonical = self._call("formatQuerySingleLine", text)  # refuses multi-statements
         try:
-            return self.conn.query(
-                f"INSERT INTO {m['target']} FROM INFILE '{spool}' FORMAT {m['fmt']}", fmt, params=params
+            ast = json.loads(self._call("parseQueryToJSON", canonical))
+        except Exception as e:  # noqa: BLE001 - a statement the JSON form does not cover: EXPLAIN AST's tree
+            if "does not support JSON" not in str(e) and "not supported by parseQueryToJSON" not in str(e):
+                raise
+            lines = self.conn.query(f"EXPLAIN AST {canonical}", "TabSeparatedRaw").bytes().decode().splitlines()
+            kind = lines[0].split()[0] if lines else "?"
+            functions = {
+                ln.split()[1].lower() for ln in lines if ln.strip().startswith("Function ") and len(ln.split()) > 1
+            }
+            return Statement(kind, canonical, None, functions)
+        functions = {str(n["name"]).lower() for n in _walk(ast) if n.get("type") == "Function" and "name" in n}
+        return Statement(str(ast.get("type")), canonical, ast, functions)
+
+    def _data_insert(self, text: bytes) -> tuple[Statement, int] | None:
+        """An ``INSERT … FORMAT F`` / ``VALUES`` at the head of ``text`` whose data follows it: the statement
+        and where the data starts. The engine decides: the first candidate prefix it parses as a complete
+        INSERT with a format and no SELECT is the head (a keyword inside a comment or string never is)."""
+        head = text[: self.limits.max_query_bytes]
+        for m in list(_DATA_START.finditer(head))[:32]:
+            try:
+                prefix = head[: m.end()].decode()
+                ast = json.loads(self._call("parseQueryToJSON", prefix))
+            except Exception:  # noqa: BLE001,S112 - not a complete statement there: the next candidate
+                continue
+            if ast.get("type") != "InsertQuery" or "format" not in ast or "select" in ast:
+                continue
+            st = Statement("InsertQuery", self._call("formatQuerySingleLine", prefix), ast, set())
+            st.functions = {str(n["name"]).lower() for n in _walk(ast) if n.get("type") == "Function" and "name" in n}
+            return st, m.end()
+        return None
+
+    def prepare(self, url_query: str, body: bytes) -> Statement:
+        return cast(Statement, on_engine_thread(self._prepare, url_query, body))
+
+    def _prepare(self, url_query: str, body: bytes) -> Statement:
+        if url_query and body:
+            found = self._data_insert(url_query.encode())
+            if found and not url_query.encode()[found[1] :].strip():
+                found[0].data = body  # the statement in the URL, the data in the body
+                return found[0]
+            text = url_query.encode() + b"\n" + body  # ClickHouse concatenates them
+        else:
+            text = url_query.encode() or body
+        found = self._data_insert(text)
+        if found is not None:
+            st, start = found
+            data = text[start:]
+            if st.ast and st.ast.get("format", "").lower() != "values":
+                data = re.sub(rb"^[ \t]*\r?\n?", b"", data, count=1)  # the separator after FORMAT F
+            st.data = data
+            return st
+        if len(text) > self.limits.max_query_bytes:
+            raise RequestError(
+                400, 62, "SYNTAX_ERROR", f"Max query size exceeded ({len(text)} > {self.limits.max_query_bytes} bytes)"
             )
+        try:
+            sql = text.decode()
+        except UnicodeDecodeError:
+            raise RequestError(400, 62, "SYNTAX_ERROR", "the statement is not valid UTF-8") from None
+        return self._parse(sql)
+
+    def run(self, st: Statement, fmt: str, params: dict[str, str], database: str, readonly: bool, max_time: float):
+        return on_engine_thread(self._run, st, fmt, params, database, readonly, max_time)
+
+    def _run(self, st: Statement, fmt: str, params: dict[str, str], database: str, readonly: bool, max_time: float):
+        import chdb
+
+        session = chdb.connect(self.path)  # a fresh session: no USE or SET outlives its request
+        try:
+            session.query(f"SET max_execution_time = {max_time:g}")
+            if database:
+                session.query(f"USE {_quote_ident(database)}")
+            if readonly:
+                session.query("SET readonly = 1")  # the engine enforces it as well
+            if st.data is None:
+                return session.query(st.sql, fmt, params=params)
+            return self._insert(session, st, fmt, params)
+        finally:
+            session.close()
+
+    def _insert(self, session: Any, st: Statement, fmt: str, params: dict[str, str]):
+        ast = st.ast or {}
+        extra = set(ast) - _DATA_INSERT_KEYS
+        if extra:
+            raise RequestError(
+                400, 48, "NOT_IMPLEMENTED", f"INSERT with {', '.join(sorted(extra))} and data is not supported here"
+            )
+        target = _quote_ident(ast["table"]["name"])
+        if "database" in ast:
+            target = f"{_quote_ident(ast['database']['name'])}.{target}"
+        cols = ast.get("columns", {}).get("children", [])
+        if cols:
+            target += " (" + ", ".join(_quote_ident(c["name"]) for c in cols) + ")"
+        form = str(ast["format"])
+        if not _IDENT.match(form):
+            raise RequestError(400, 73, "UNKNOWN_FORMAT", f"unknown format {form!r}")
+        spool = self.spool / f"{uuid.uuid4().hex}.{form}"
+        spool.write_bytes(st.data or b"")
+        try:  # the one FROM INFILE that runs: ours, of a file we wrote
+            return session.query(f"INSERT INTO {target} FROM INFILE '{spool}' FORMAT {form}", fmt, params=params)
         finally:
             spool.unlink(missing_ok=True)
 
@@ -97,36 +474,94 @@ class Engine:
         on_engine_thread(self.conn.close)
 
 
+# ---------------------------------------------------------------- HTTP
+
+
+def _basic(header: str) -> tuple[str, str] | None:
+    if not header.lower().startswith("basic "):
+        return None
+    try:
+        user, _, key = base64.b64decode(header[6:].strip(), validate=True).decode().partition(":")
+    except Exception:  # noqa: BLE001 - a malformed header is a failed login
+        return None
+    return user, key
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     engine: Engine  # set on the subclass the server is built with
+    tokens: dict[str, str]
+    limits: Limits
+    server: Server
 
     def log_message(self, *args) -> None:  # no access log on stderr
         pass
 
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(self.limits.read_timeout_s)
+
+    def handle_one_request(self) -> None:
+        self.server.arm(self.connection)  # until the request is read: a slow client is cut off
+        try:
+            super().handle_one_request()
+        finally:
+            self.server.disarm(self.connection)
+
     def _body(self) -> bytes:
+        limit = self.limits.max_body_bytes
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            parts = []
-            while True:
-                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+            parts, total = [], 0
+            for _ in range(limit + 1):  # every chunk but the last holds a byte at least
+                size = int(self.rfile.readline(1024).split(b";")[0].strip() or b"0", 16)
                 if size == 0:
-                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                        pass
+                    for _ in range(100):  # trailers
+                        if self.rfile.readline(65537) in (b"\r\n", b"\n", b""):
+                            break
                     break
-                parts.append(self.rfile.read(size))
-                self.rfile.readline()
+                total += size
+                if total > limit:
+                    self.close_connection = True
+                    raise _too_large("the request body", limit)
+                part = self.rfile.read(size)
+                if len(part) < size:
+                    raise ConnectionError("the request body ended early")
+                parts.append(part)
+                self.rfile.readline(1024)
             data = b"".join(parts)
         else:
-            data = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        return decompress(data, self.headers.get("Content-Encoding", ""))
+            n = int(self.headers.get("Content-Length") or 0)
+            if n < 0:
+                raise ValueError("negative Content-Length")
+            if n > limit:
+                self.close_connection = True
+                raise _too_large("the request body", limit)
+            data = self.rfile.read(n)
+            if len(data) < n:
+                raise ConnectionError("the request body ended early")
+        return decompress(data, self.headers.get("Content-Encoding", ""), self.limits.max_decompressed_bytes)
 
     def _reply(self, status: int, body: bytes, headers: dict[str, str]) -> None:
-        self.send_response(status)
-        for k, v in headers.items():
-            self.send_header(k, v)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        try:
+            self.send_response(status)
+            for k, v in headers.items():
+                self.send_header(k, v)
+            self.send_header("Content-Length", str(len(body)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(body)
+        except OSError:  # the client went away (or was cut off): nothing to tell it
+            self.close_connection = True
+
+    def _error(self, e: RequestError, base: dict[str, str] | None = None) -> None:
+        headers = (base or {}) | {
+            "X-ClickHouse-Exception-Code": str(e.code),
+            "Content-Type": "text/plain; charset=UTF-8",
+        }
+        if e.code == 516:
+            headers["WWW-Authenticate"] = 'Basic realm="rtrl-chserver", charset="UTF-8"'
+        self._reply(e.status, (str(e) + "\n").encode(), headers)
 
     def do_GET(self) -> None:
         self._guarded(lambda: b"")
@@ -136,38 +571,72 @@ class Handler(BaseHTTPRequestHandler):
 
     def _guarded(self, body) -> None:
         try:
-            self._handle(body())
+            data = body()
+        except RequestError as e:
+            self.server.disarm(self.connection)
+            return self._error(e)
         except Exception as e:  # noqa: BLE001 - a request we cannot read: say why instead of dropping the connection
-            self._reply(
-                400,
-                f"Code: 1000. DB::Exception: bad request: {type(e).__name__}: {e}".encode(),
-                {"X-ClickHouse-Exception-Code": "1000", "Content-Type": "text/plain; charset=UTF-8"},
+            self.close_connection = True
+            self.server.disarm(self.connection)
+            return self._error(RequestError(400, 1000, "BAD_REQUEST", f"bad request: {type(e).__name__}: {e}"))
+        self.server.disarm(self.connection)  # read in time: the statement has its own limit
+        try:
+            self._handle(data)
+        except RequestError as e:
+            self._error(e)
+
+    def _user(self, args: dict[str, str]) -> str:
+        """The authenticated user; 401 / code 516 otherwise (compared in constant time)."""
+        user = self.headers.get("X-ClickHouse-User") or args.get("user")
+        key = self.headers.get("X-ClickHouse-Key") or args.get("password")
+        basic = _basic(self.headers.get("Authorization", ""))
+        if basic is not None:
+            user, key = basic
+        user = user or "default"
+        expected = self.tokens.get(user)
+        ok = hmac.compare_digest((key or "").encode(), (expected or secrets.token_urlsafe(32)).encode())
+        if not ok or expected is None:
+            raise RequestError(
+                401,
+                516,
+                "AUTHENTICATION_FAILED",
+                f"{user}: Authentication failed: password is incorrect, or there is no user with such name",
             )
+        return user
 
     def _handle(self, body: bytes) -> None:
         url = urlsplit(self.path)
         if url.path.rstrip("/") == "/ping":
             return self._reply(200, b"Ok.\n", {"Content-Type": "text/plain"})
         args = dict(parse_qsl(url.query, keep_blank_values=True))
+        user = self._user(args)
         query_id = args.get("query_id") or uuid.uuid4().hex
         base = {
             "X-ClickHouse-Query-Id": query_id,
             "X-ClickHouse-Timezone": "UTC",
             "X-ClickHouse-Server-Display-Name": "rtrl-chserver",
         }
-        query, data = args.get("query", ""), None
-        if query and body and _INSERT.match(query):
-            data = body  # the statement in the URL, the data in the body
-        elif body and not query and (head := _INSERT_HEAD.match(body)):
-            query, data = head.group(0).decode().strip(), body[head.end() :]  # statement, newline, data
-        elif body:
-            query = f"{query} {body.decode()}" if query else body.decode()
-        if not query.strip():
+        query = args.get("query", "")
+        if not query.strip() and not body.strip():
             return self._reply(200, b"Ok.\n", base | {"Content-Type": "text/plain"})
         fmt = args.get("default_format") or "TabSeparated"
         params = {k[6:]: v for k, v in args.items() if k.startswith("param_")}
+        database = args.get("database") or "default"
         try:
-            res = self.engine.run(query, fmt, params, args.get("database"), data)
+            readonly = user == ANALYST or int(args.get("readonly") or 0) > 0
+            wanted = float(args.get("max_execution_time") or 0)
+        except ValueError as e:
+            return self._error(RequestError(400, 72, "CANNOT_PARSE_NUMBER", f"bad setting in the URL: {e}"), base)
+        cap = self.limits.max_execution_time_s
+        max_time = min(wanted, cap) if wanted > 0 else cap
+        if not _IDENT.match(database):
+            return self._error(RequestError(400, 81, "UNKNOWN_DATABASE", f"Database {database!r} does not exist"), base)
+        try:
+            st = self.engine.prepare(query, body)
+            self.engine.policy.check(st, user, readonly, database)
+            res = self.engine.run(st, fmt, params, database, readonly, max_time)
+        except RequestError as e:
+            return self._error(e, base)
         except Exception as e:  # noqa: BLE001 - the engine's own message, as a server sends it
             text = str(e)
             code = _CODE.search(text)
@@ -199,21 +668,127 @@ class Handler(BaseHTTPRequestHandler):
         )
 
 
-class ClickHouseServer:
-    """Serve ``path`` on ``host:port`` (0 = a free port) in background threads of this process."""
+class Server(ThreadingHTTPServer):
+    """At most ``limits.max_connections`` connections at once, one thread each (more are answered 503,
+    code 202, at once); a reaper shuts the socket of any request not read within ``limits.read_timeout_s``."""
 
-    def __init__(self, path: str | Path, host: str = "127.0.0.1", port: int = 0):
-        Path(path).mkdir(parents=True, exist_ok=True)
-        self.engine = Engine(str(path))
-        handler = type("BoundHandler", (Handler,), {"engine": self.engine})
-        self.httpd = ThreadingHTTPServer((host, port), handler)
-        self.httpd.daemon_threads = True
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[Handler], limits: Limits):
+        self.limits = limits
+        self.slots = threading.BoundedSemaphore(limits.max_connections)
+        self.deadlines: dict[socket.socket, float] = {}
+        self.deadlines_lock = threading.Lock()
+        self.stopping = threading.Event()
+        super().__init__(address, handler)
+        self.reaper = threading.Thread(target=self._reap, name="chserver-reaper", daemon=True)
+        self.reaper.start()
+
+    def arm(self, sock: socket.socket) -> None:
+        with self.deadlines_lock:
+            self.deadlines[sock] = time.monotonic() + self.limits.read_timeout_s
+
+    def disarm(self, sock: socket.socket) -> None:
+        with self.deadlines_lock:
+            self.deadlines.pop(sock, None)
+
+    def _reap(self) -> None:
+        while not self.stopping.wait(0.1):
+            now = time.monotonic()
+            with self.deadlines_lock:
+                late = [s for s, d in self.deadlines.items() if d < now]
+                for s in late:
+                    del self.deadlines[s]
+            for s in late:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)  # the handler's blocked read returns; it closes
+                except OSError:
+                    pass
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            body = b"Code: 202. DB::Exception: Too many simultaneous connections. (TOO_MANY_SIMULTANEOUS_QUERIES)\n"
+            try:
+                request.settimeout(1.0)
+                request.sendall(
+                    b"HTTP/1.1 503 Service Unavailable\r\nX-ClickHouse-Exception-Code: 202\r\n"
+                    b"Content-Type: text/plain; charset=UTF-8\r\nConnection: close\r\n"
+                    + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def server_close(self) -> None:
+        self.stopping.set()
+        super().server_close()
+
+
+def check_loopback(host: str) -> str:
+    """``host`` if it is a loopback address (or ``localhost``); ValueError naming the fix otherwise."""
+    try:
+        ok = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        ok = False
+    if not ok or ":" in host:
+        raise ValueError(
+            f"the embedded ClickHouse front binds to loopback only (127.0.0.1), not {host!r}: it is the "
+            "single-machine stand-in for a ClickHouse server; to share data across machines run a real "
+            "ClickHouse server (users and grants: deploy/clickhouse/security.sql) and set clickhouse.dsn to it"
+        )
+    return "127.0.0.1" if host == "localhost" else host
+
+
+class ClickHouseServer:
+    """Serve ``path`` on loopback ``host:port`` (0 = a free port) in background threads of this process,
+    its users' tokens in ``auth_dir`` (default :func:`auth_dir_for`; ``fresh_tokens=False`` keeps them)."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        limits: Limits = Limits(),
+        auth_dir: str | Path | None = None,
+        fresh_tokens: bool = True,
+        database: str = "rtrl",
+    ):
+        host = check_loopback(host)
+        private_dir(path)
+        self.auth_dir = Path(auth_dir) if auth_dir else auth_dir_for(path)
+        tokens = ensure_tokens(self.auth_dir, fresh=fresh_tokens)
+        self.engine = Engine(str(path), limits, database)
+        attrs = {"engine": self.engine, "tokens": tokens, "limits": limits}
+        handler = type("BoundHandler", (Handler,), attrs)
+        self.httpd = Server((host, port), handler, limits)
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="chserver", daemon=True)
 
     @property
+    def address(self) -> tuple[str, int]:
+        return cast("tuple[str, int]", self.httpd.server_address[:2])  # AF_INET: host is a str
+
+    @property
     def dsn(self) -> str:
-        host, port = cast("tuple[str, int]", self.httpd.server_address[:2])  # AF_INET: host is a str
-        return f"http://{host}:{port}"
+        """The writer's DSN (user and token file; no secret)."""
+        return dsn_for(*self.address, self.auth_dir, WRITER)
+
+    @property
+    def analyst_dsn(self) -> str:
+        return dsn_for(*self.address, self.auth_dir, ANALYST)
 
     def start(self) -> ClickHouseServer:
         self.thread.start()
@@ -225,45 +800,88 @@ class ClickHouseServer:
         self.engine.close()
 
 
-def spawn(path: str | Path, ready_timeout_s: float = 60.0, log: Path | None = None):
-    """Start ``python -m devservices.chserver path`` as a child process; returns (Popen, dsn) once it answers."""
+def spawn(
+    path: str | Path,
+    ready_timeout_s: float = 60.0,
+    log: Path | None = None,
+    *,
+    port: int = 0,
+    fresh_tokens: bool = True,
+    extra_args: list[str] | None = None,
+):
+    """Start ``python -m devservices.chserver path`` as a child process; returns (Popen, dsn) once it answers.
+
+    The DSN is the writer's, ``http://rtrl_writer@127.0.0.1:P/?password_file=<path>/rtrl-auth/rtrl_writer.token``:
+    it carries no secret, :func:`rtrl.clickhouse.connect` reads the token from that owner-only file. A
+    restart of the same front (a supervisor's) passes the previous ``port`` and ``fresh_tokens=False``,
+    so its clients' DSN and token stay valid. ``extra_args`` go to the command line (limits, see ``--help``).
+    """
     import subprocess
-    import time
 
     ready = Path(tempfile.mkdtemp(prefix="rtrl-chserver-ready-")) / "dsn"
     out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - the child keeps it
+    cmd = [sys.executable, "-m", "devservices.chserver", str(path), "--ready-file", str(ready), "--port", str(port)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "devservices.chserver", str(path), "--ready-file", str(ready)],
+        cmd + ([] if fresh_tokens else ["--keep-tokens"]) + list(extra_args or []),
         stdout=out,
         stderr=subprocess.STDOUT,
     )
     deadline = time.monotonic() + ready_timeout_s
-    while not ready.exists():
+    for _ in range(int(ready_timeout_s / 0.05) + 2):
+        if ready.exists():
+            return proc, ready.read_text()
         if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            from rtrl.errors import ServiceUnavailable
-
-            raise ServiceUnavailable(
-                f"embedded ClickHouse server for {path} did not start within {ready_timeout_s:g}s "
-                f"(exit code {proc.poll()}); is another process holding that folder?"
-            )
+            break
         time.sleep(0.05)
-    return proc, ready.read_text()
+    proc.kill()
+    from rtrl.errors import ServiceUnavailable
+
+    raise ServiceUnavailable(
+        f"embedded ClickHouse server for {path} did not start within {ready_timeout_s:g}s "
+        f"(exit code {proc.poll()}); is another process holding that folder?"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m devservices.chserver", description=__doc__.splitlines()[0])
     p.add_argument("path", help="chdb data folder this server owns")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="a loopback address (anything else is refused)")
     p.add_argument("--port", type=int, default=0, help="0 = a free port")
-    p.add_argument("--ready-file", help="write the DSN here once serving (atomically)")
+    p.add_argument("--ready-file", help="write the writer's DSN here once serving (atomically)")
+    p.add_argument("--auth-dir", help="owner-only folder of the users' token files (default PATH/rtrl-auth)")
+    p.add_argument("--keep-tokens", action="store_true", help="reuse the token files there (a restart)")
+    p.add_argument("--database", default="rtrl", help="database of the analyst tables")
+    d = Limits()
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    p.add_argument("--max-decompressed-bytes", type=int, default=d.max_decompressed_bytes)
+    p.add_argument("--read-timeout-s", type=float, default=d.read_timeout_s)
+    p.add_argument("--max-connections", type=int, default=d.max_connections)
+    p.add_argument("--max-execution-time-s", type=float, default=d.max_execution_time_s)
     a = p.parse_args(argv)
-    server = ClickHouseServer(a.path, a.host, a.port).start()
+    limits = Limits(
+        max_body_bytes=a.max_body_bytes,
+        max_decompressed_bytes=a.max_decompressed_bytes,
+        read_timeout_s=a.read_timeout_s,
+        max_connections=a.max_connections,
+        max_execution_time_s=a.max_execution_time_s,
+    )
+    try:
+        server = ClickHouseServer(
+            a.path,
+            a.host,
+            a.port,
+            limits=limits,
+            auth_dir=a.auth_dir,
+            fresh_tokens=not a.keep_tokens,
+            database=a.database,
+        ).start()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if a.ready_file:
-        tmp = Path(a.ready_file + ".tmp")
-        tmp.write_text(server.dsn)
-        os.replace(tmp, a.ready_file)
+        write_private(a.ready_file, server.dsn.encode())
     print(f"serving {a.path} at {server.dsn}", flush=True)
+    print(f"read-only analysts: {server.analyst_dsn}", flush=True)
     import signal
 
     stop = threading.Event()

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import urllib.parse
 import urllib.request
 
 import clickhouse_connect
@@ -37,6 +38,12 @@ def step(run_id: str, n: int) -> TrainStep:
     )
 
 
+def address(dsn: str) -> str:
+    """``http://host:port`` of a DSN (which names a user and a password file)."""
+    u = urllib.parse.urlsplit(dsn)
+    return f"http://{u.hostname}:{u.port}"
+
+
 @pytest.fixture
 def server(tmp_path):
     proc, dsn = spawn(tmp_path / "ch")
@@ -58,15 +65,15 @@ def test_records_round_trip_through_the_http_protocol(server):
     assert got == [(sum(10 * n for n in range(41, 51)),)]
     ch.command("DELETE FROM rtrl.train_metrics WHERE step > 10")
     assert ch.query("SELECT count() FROM rtrl.train_metrics").result_rows == [(10,)]
-    with urllib.request.urlopen(f"{dsn}/ping", timeout=5) as r:
+    with urllib.request.urlopen(f"{address(dsn)}/ping", timeout=5) as r:  # /ping needs no credentials
         assert r.read() == b"Ok.\n"
 
 
 @pytest.mark.parametrize("compress", ["lz4", "zstd", "gzip", False])
 def test_compressed_and_plain_request_bodies(server, compress):
     _, dsn, _ = server
-    host, port = dsn.removeprefix("http://").split(":")
-    c = clickhouse_connect.get_client(host=host, port=int(port), compress=compress)
+    plain, password = clickhouse.split_password_file(dsn)  # the writer's token, from its owner-only file
+    c = clickhouse_connect.get_client(dsn=plain, password=password, compress=compress)
     c.command("CREATE TABLE IF NOT EXISTS default.t (k UInt32, v String) ENGINE = MergeTree ORDER BY k")
     c.command("TRUNCATE TABLE default.t")
     c.insert("default.t", [[i, f"v{i}"] for i in range(1000)], column_names=["k", "v"])
@@ -78,7 +85,12 @@ def test_engine_errors_keep_their_code_and_message(server):
     ch = clickhouse.connect(dsn)
     with pytest.raises(Exception, match="Code: 60"):
         ch.query("SELECT * FROM default.no_such_table")
-    req = urllib.request.Request(f"{dsn}/?query=SELECT%201", data=b"not an insert", method="POST")
+    req = urllib.request.Request(
+        f"{address(dsn)}/?query=SELECT%201",
+        data=b"not an insert",
+        method="POST",
+        headers={"X-ClickHouse-User": "rtrl_writer", "X-ClickHouse-Key": clickhouse.split_password_file(dsn)[1] or ""},
+    )
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=5)
     assert e.value.code == 500 and e.value.headers["X-ClickHouse-Exception-Code"]

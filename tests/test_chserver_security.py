@@ -1,0 +1,498 @@
+"""The embedded ClickHouse front is safe by default (devservices/chserver.py), and deploy/clickhouse/security.sql
+is the same split for a real server. Every test talks real HTTP to a real front process on a free loopback port,
+every statement runs on the real engine (chdb); every wait is bounded."""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import http.client
+import os
+import re
+import socket
+import stat
+import subprocess
+import sys
+import time
+import tracemalloc
+import urllib.parse
+import zlib
+from pathlib import Path
+
+import pytest
+
+from devservices import chserver
+from rtrl import clickhouse
+from rtrl.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+LIMITS = ["--read-timeout-s", "2", "--max-execution-time-s", "4", "--max-decompressed-bytes", str(8 << 20)]
+LIMITS += ["--max-body-bytes", str(4 << 20), "--max-connections", "48"]
+
+
+def address(dsn: str) -> tuple[str, int]:
+    u = urllib.parse.urlsplit(dsn)
+    return u.hostname or "", u.port or 0
+
+
+def token(dsn: str) -> str:
+    return clickhouse.split_password_file(dsn)[1] or ""
+
+
+def analyst(dsn: str) -> str:
+    return dsn.replace(chserver.WRITER, chserver.ANALYST)
+
+
+def request(dsn, sql="", *, user=None, key=None, body=b"", params=None, headers=None, timeout=20.0):
+    """(status, exception code, body) of one raw HTTP request; the writer's credentials unless told."""
+    host, port = address(dsn)
+    user = chserver.WRITER if user is None else user
+    key = token(dsn) if key is None else key
+    q = {"query": sql} if sql else {}
+    path = "/?" + urllib.parse.urlencode(q | (params or {}))
+    h = dict(headers or {})
+    if user:
+        h["Authorization"] = "Basic " + base64.b64encode(f"{user}:{key}".encode()).decode()
+    c = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        c.request("POST" if body else "GET", path, body=body or None, headers=h)
+        r = c.getresponse()
+        return r.status, r.getheader("X-ClickHouse-Exception-Code"), r.read()
+    finally:
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("front") / "ch"
+    proc, dsn = chserver.spawn(folder, extra_args=LIMITS)
+    ch = clickhouse.setup(dsn, "rtrl", 10)
+    ch.command("INSERT INTO rtrl.checkpoints (version, status) VALUES (1, 'promoted')")
+    yield proc, dsn, folder
+    proc.kill()
+    proc.wait(30)
+
+
+def rows(dsn, sql, **kw) -> bytes:
+    status, code, out = request(dsn, sql, **kw)
+    assert status == 200, (code, out)
+    return out
+
+
+# ---------------------------------------------------------------- loopback, tokens, authentication
+
+
+def test_binds_to_loopback_only(tmp_path, front):
+    for host in ("0.0.0.0", "192.168.1.10", "::", "example.com", ""):
+        with pytest.raises(ValueError, match="loopback only"):
+            chserver.check_loopback(host)
+    assert chserver.check_loopback("localhost") == "127.0.0.1"
+    out = subprocess.run(
+        [sys.executable, "-m", "devservices.chserver", str(tmp_path / "x"), "--host", "0.0.0.0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "loopback only" in out.stderr
+    assert not (tmp_path / "x").exists()  # refused before anything was created
+    assert address(front[1])[0] == "127.0.0.1"
+
+
+def test_tokens_are_per_run_in_owner_only_files_and_never_in_the_dsn_or_argv(front, tmp_path):
+    proc, dsn, folder = front
+    auth = chserver.auth_dir_for(folder)
+    assert stat.S_IMODE(auth.stat().st_mode) == 0o700
+    for user in chserver.USERS:
+        f = chserver.token_file(auth, user)
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600 and f.stat().st_uid == os.getuid()
+        secret = f.read_text().strip()
+        assert len(secret) >= 32 and secret not in dsn
+        assert secret.encode() not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        assert secret.encode() not in Path(f"/proc/{proc.pid}/environ").read_bytes()
+    assert "password_file=" in dsn and str(chserver.token_file(auth, chserver.WRITER)) in urllib.parse.unquote(dsn)
+    # a new run gets new tokens; a restart of the same front (keep) keeps them
+    first = chserver.ensure_tokens(tmp_path / "auth")
+    assert chserver.ensure_tokens(tmp_path / "auth", fresh=False) == first
+    second = chserver.ensure_tokens(tmp_path / "auth")
+    assert all(second[u] != first[u] for u in chserver.USERS)
+
+
+def test_requests_without_the_right_token_get_516(front):
+    _, dsn, _ = front
+    wrong = [
+        {"user": ""},  # no credentials at all: the default user, which does not exist
+        {"user": chserver.WRITER, "key": "not-the-token"},
+        {"user": chserver.WRITER, "key": token(analyst(dsn))},  # the analyst's token for the writer
+        {"user": "default", "key": token(dsn)},
+        {"user": "nobody", "key": token(dsn)},
+    ]
+    for creds in wrong:
+        status, code, out = request(dsn, "SELECT 1", **creds)
+        assert (status, code) == (401, "516") and b"AUTHENTICATION_FAILED" in out, creds
+    # ClickHouse's other ways to authenticate work; /ping stays open as on a real server
+    headers = {"X-ClickHouse-User": chserver.WRITER, "X-ClickHouse-Key": token(dsn)}
+    assert request(dsn, "SELECT 1", user="", headers=headers)[2] == b"1\n"
+    status, code, _ = request(dsn, "SELECT 1", user="", headers=headers | {"X-ClickHouse-Key": "x"})
+    assert (status, code) == (401, "516")
+    host, port = address(dsn)
+    c = http.client.HTTPConnection(host, port, timeout=10)
+    c.request("GET", "/ping")
+    assert c.getresponse().read() == b"Ok.\n"
+    c.close()
+    # rtrl's client reads the token from the file; a wrong one is one clear line
+    bad = Path(chserver.token_file(chserver.auth_dir_for(front[2]), chserver.WRITER)).parent / "wrong.token"
+    bad.write_text("nope")
+    with pytest.raises(ConfigError, match="refused the credentials"):
+        clickhouse.connect(dsn.split("?")[0] + "?password_file=" + str(bad), 10)
+    with pytest.raises(ConfigError, match="cannot read the ClickHouse password file"):
+        clickhouse.connect(dsn.split("?")[0] + "?password_file=/no/such/file", 10)
+
+
+# ---------------------------------------------------------------- read-only analysts
+
+WRITES = [
+    "INSERT INTO rtrl.checkpoints (version, status) VALUES (9, 'x')",
+    "insert into rtrl.checkpoints (version, status) values (9, 'x')",
+    "/* just a read */ INSERT INTO rtrl.checkpoints (version) SELECT 9",
+    "WITH x AS (SELECT 9 AS v) INSERT INTO rtrl.checkpoints (version) SELECT v FROM x",
+    "SELECT 1; DROP TABLE rtrl.checkpoints",
+    "SELECT 1 -- a comment\n; DROP TABLE rtrl.checkpoints",
+    "(SELECT 1); TRUNCATE TABLE rtrl.checkpoints",
+    "ALTER TABLE rtrl.checkpoints DELETE WHERE 1",
+    "DELETE FROM rtrl.checkpoints WHERE 1",
+    "DROP TABLE rtrl.checkpoints",
+    "TRUNCATE TABLE rtrl.checkpoints",
+    "CREATE TABLE rtrl.x (a Int32) ENGINE = Memory",
+    "OPTIMIZE TABLE rtrl.checkpoints FINAL",
+    "RENAME TABLE rtrl.checkpoints TO rtrl.gone",
+    "SYSTEM FLUSH LOGS",
+    "KILL QUERY WHERE 1",
+    "SET readonly = 0",
+    "USE system",
+    "SELECT count() FROM rtrl.checkpoints SETTINGS readonly = 0",
+    "SELECT count() FROM rtrl.checkpoints SETTINGS max_execution_time = 1000",
+    "EXPLAIN PIPELINE INSERT INTO rtrl.checkpoints (version) SELECT 9",
+]
+
+
+@pytest.mark.parametrize("sql", WRITES)
+def test_the_analyst_can_only_read(front, sql):
+    _, dsn, _ = front
+    status, code, out = request(analyst(dsn), sql, user=chserver.ANALYST)
+    assert status != 200 and code in ("164", "497", "62"), (status, code, out)
+    assert rows(dsn, "SELECT count() FROM rtrl.checkpoints WHERE version = 1") == b"1\n"
+    assert rows(dsn, "SELECT count() FROM rtrl.checkpoints WHERE version = 9") == b"0\n"
+
+
+def test_the_analyst_reads_the_analyst_tables_and_nothing_else(front):
+    _, dsn, _ = front
+    a = clickhouse.connect(analyst(dsn), 10)  # clickhouse-connect's own client, as an analyst uses it
+    for table in clickhouse.ANALYST_TABLES:
+        source = f"rtrl.{table}(rv = 'v2')" if table == "reward_stats" else f"rtrl.{table}"
+        assert a.query(f"SELECT count() FROM {source}").result_rows[0][0] >= 0
+    assert a.query("SELECT version FROM rtrl.checkpoints FINAL").result_rows == [(1,)]
+    assert a.query(
+        "WITH c AS (SELECT version FROM rtrl.checkpoints) SELECT count() FROM c WHERE version IN c"
+    ).result_rows == [(1,)]
+    assert a.query("SELECT getSetting('readonly')").result_rows == [(1,)]  # the engine enforces it too
+    for sql in [
+        "SELECT count() FROM rtrl.events",
+        "SELECT count() FROM rtrl.rollouts",
+        "select * from rtrl.checkpoints where version in (select policy_version from rtrl.batches)",
+        "SELECT 1 WHERE 1 IN rtrl.events",
+        "SELECT count() FROM merge('rtrl', '.*')",
+        "SELECT * FROM system.query_log",
+    ]:
+        status, code, out = request(analyst(dsn), sql, user=chserver.ANALYST)
+        assert status != 200 and code in ("164", "497"), (sql, code, out)
+
+
+def test_readonly_in_the_url_makes_a_request_read_only(front):
+    _, dsn, _ = front
+    sql = "INSERT INTO rtrl.checkpoints (version, status) VALUES (5, 'x')"
+    status, code, _ = request(dsn, sql, params={"readonly": "1"})
+    assert (status, code) == (403, "164")
+    assert rows(dsn, "SELECT getSetting('readonly')", params={"readonly": "1"}) == b"1\n"
+    rows(dsn, sql)
+    assert rows(dsn, "SELECT count() FROM rtrl.checkpoints WHERE version = 5") == b"1\n"
+    rows(dsn, "DELETE FROM rtrl.checkpoints WHERE version = 5")
+
+
+# ---------------------------------------------------------------- files and network
+
+
+HOSTILE = [
+    "SELECT * FROM file('/etc/passwd', LineAsString)",
+    "select * from FILE('/etc/passwd', LineAsString)",
+    "SELECT * FROM `file` ('/etc/passwd', LineAsString)",
+    "SELECT * FROM /* c */ file\n(\n'/etc/passwd', LineAsString)",
+    "SELECT file('/etc/hostname')",
+    "SELECT * FROM (SELECT * FROM (SELECT * FROM file('/etc/passwd', LineAsString)))",
+    "SELECT 1 WHERE 'x' IN (SELECT * FROM url('http://127.0.0.1:1/', LineAsString))",
+    "SELECT * FROM url('http://127.0.0.1:1/', CSV)",
+    "SELECT * FROM s3('http://127.0.0.1:1/b/k', CSV)",
+    "SELECT * FROM remote('127.0.0.1:9000', system.one)",
+    "SELECT * FROM mysql('127.0.0.1:3306', 'd', 't', 'u', 'p')",
+    "SELECT * FROM postgresql('127.0.0.1:5432', 'd', 't', 'u', 'p')",
+    "SELECT * FROM executable('x.sh', TSV, 'a String')",
+    "SELECT * FROM hdfs('hdfs://127.0.0.1:1/x', CSV)",
+    "SELECT * FROM view(SELECT * FROM file('/etc/passwd', LineAsString))",
+    "SELECT 1 INTO OUTFILE '/tmp/rtrl-outfile-test'",
+    "(SELECT 1) INTO OUTFILE '/tmp/rtrl-outfile-test' FORMAT CSV",
+    "INSERT INTO FUNCTION file('/tmp/rtrl-outfile-test', TSV) SELECT 1",
+    "INSERT INTO rtrl.checkpoints FROM INFILE '/etc/passwd' FORMAT LineAsString",
+    "CREATE TABLE default.f (a String) ENGINE = File(TSV)",
+    "CREATE TABLE default.f (a String) ENGINE = URL('http://127.0.0.1:1/', CSV)",
+    "CREATE TABLE default.f (a String) ENGINE = S3('http://127.0.0.1:1/b/k', CSV)",
+    "CREATE TABLE default.f AS url('http://127.0.0.1:1/', CSV, 'a String')",
+    "CREATE DATABASE m ENGINE = MySQL('127.0.0.1:3306', 'd', 'u', 'p')",
+    "CREATE DICTIONARY default.d (a String) PRIMARY KEY a SOURCE(FILE(path '/etc/passwd' format 'TSV')) "
+    "LAYOUT(FLAT()) LIFETIME(0)",
+    "ATTACH TABLE default.f FROM '/etc' (a String) ENGINE = MergeTree ORDER BY a",
+    "BACKUP TABLE rtrl.checkpoints TO File('/tmp/rtrl-backup-test')",
+    "SYSTEM RELOAD CONFIG",
+    "DESCRIBE TABLE file('/etc/passwd', LineAsString)",
+    "SELECT catboostEvaluate('/etc/passwd', 1)",
+]
+
+
+@pytest.mark.parametrize("sql", HOSTILE)
+def test_files_and_the_network_are_refused_for_every_user(front, sql):
+    _, dsn, _ = front
+    status, code, out = request(dsn, sql)  # the writer: it may write tables, never files or sockets
+    assert status != 200 and code in ("497", "62"), (status, code, out)
+    assert b"root:" not in out
+    assert not Path("/tmp/rtrl-outfile-test").exists() and not Path("/tmp/rtrl-backup-test").exists()
+
+
+def test_the_internal_insert_path_still_works_and_inline_data_cannot_smuggle_a_statement(front):
+    _, dsn, _ = front
+    rows(dsn, "CREATE TABLE IF NOT EXISTS default.k (a Int32) ENGINE = MergeTree ORDER BY a")
+    rows(dsn, "CREATE TABLE IF NOT EXISTS default.keep (a Int32) ENGINE = Memory")
+    rows(dsn, "INSERT INTO default.k FORMAT TSV", body=b"1\n2\n")  # statement in the URL, data in the body
+    rows(dsn, "", body=b"INSERT INTO default.k FORMAT TSV\n3\n4\n")  # statement and data in the body
+    rows(dsn, "INSERT INTO default.k VALUES (5), (6)")
+    rows(dsn, "", body=b"INSERT INTO default.k /* VALUES (99) */ VALUES (7)")
+    for smuggle in [
+        "INSERT INTO default.k VALUES (8); DROP TABLE default.keep",
+        "INSERT INTO default.k FORMAT TSV\n8\n;DROP TABLE default.keep",
+    ]:
+        request(dsn, "", body=smuggle.encode())  # an error or a row; never the DROP
+        assert rows(dsn, "EXISTS TABLE default.keep") == b"1\n"
+    assert rows(dsn, "SELECT sum(a) FROM default.k WHERE a < 8") == str(sum(range(1, 8))).encode() + b"\n"
+
+
+# ---------------------------------------------------------------- isolation between clients
+
+
+def test_database_and_settings_never_leak_between_requests(front):
+    _, dsn, _ = front
+    for sql in ["USE system", "SET max_execution_time = 1234", "SET readonly = 2", "SET max_threads = 1"]:
+        rows(dsn, sql)  # each only in its own request's session
+        assert rows(dsn, "SELECT currentDatabase()") == b"default\n"
+        assert rows(dsn, "SELECT currentDatabase()", params={"database": "rtrl"}) == b"rtrl\n"
+        assert rows(dsn, "SELECT getSetting('readonly'), getSetting('max_execution_time')") == b"0\t4\n"
+        assert rows(analyst(dsn), "SELECT currentDatabase()", user=chserver.ANALYST) == b"default\n"
+    # two clients, interleaved: each sees its own database
+    a, b = clickhouse.connect(dsn, 10), clickhouse.connect(dsn, 10)
+    a.command("USE rtrl")
+    assert b.query("SELECT currentDatabase()").result_rows == [("default",)]
+
+
+# ---------------------------------------------------------------- limits
+
+
+def test_max_execution_time_is_honoured_from_the_url_and_by_default(front):
+    _, dsn, _ = front
+    slow = "SELECT sleepEachRow(0.5) FROM numbers(40) SETTINGS max_block_size = 1"
+    t = time.monotonic()
+    status, code, _ = request(dsn, slow, params={"max_execution_time": "1"})
+    assert (status, code) == (500, "159") and time.monotonic() - t < 3.5
+    t = time.monotonic()
+    status, code, _ = request(dsn, slow, params={"max_execution_time": "1000"})  # the server's ceiling: 4 s
+    assert (status, code) == (500, "159") and time.monotonic() - t < 7.5
+    t = time.monotonic()
+    status, code, _ = request(dsn, "SELECT count() FROM numbers(1e12)", params={"max_execution_time": "1"})
+    assert (status, code) == (500, "159") and time.monotonic() - t < 4
+
+
+def test_request_body_size_is_capped(front):
+    _, dsn, _ = front
+    host, port = address(dsn)
+    s = socket.create_connection((host, port), timeout=10)
+    try:  # announces 1 GiB, sends nothing: refused at once, nothing read
+        s.sendall(b"POST /?query=SELECT%201 HTTP/1.1\r\nHost: x\r\nContent-Length: 1073741824\r\n\r\n")
+        head = s.recv(4096)
+    finally:
+        s.close()
+    assert head.startswith(b"HTTP/1.1 413") and b"X-ClickHouse-Exception-Code: 307" in head
+    s = socket.create_connection((host, port), timeout=10)
+    try:  # chunked: refused as soon as the chunks announced pass the cap
+        s.sendall(b"POST /?query=SELECT%201 HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        s.sendall(b"100000\r\n" + bytes(1 << 20) + b"\r\n" + b"40000000\r\n")  # 1 MiB, then 1 GiB announced
+        head = s.recv(4096)
+    finally:
+        s.close()
+    assert head.startswith(b"HTTP/1.1 413") and b"X-ClickHouse-Exception-Code: 307" in head
+    assert rows(dsn, "SELECT 1") == b"1\n"
+
+
+def _bomb(encoding: str, size: int = 256 << 20) -> bytes:
+    """``size`` zero bytes compressed, built a MiB at a time (the test never holds them inflated)."""
+    zero = bytes(1 << 20)
+    if encoding in ("gzip", "deflate"):
+        c = zlib.compressobj(9, zlib.DEFLATED, 31 if encoding == "gzip" else 15)
+        return b"".join(c.compress(zero) for _ in range(size >> 20)) + c.flush()
+    if encoding == "zstd":
+        import zstandard
+
+        z = zstandard.ZstdCompressor().compressobj()
+        return b"".join(z.compress(zero) for _ in range(size >> 20)) + z.flush()
+    import lz4.frame
+
+    l4 = lz4.frame.LZ4FrameCompressor()
+    return l4.begin() + b"".join(l4.compress(zero) for _ in range(size >> 20)) + l4.flush()
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "zstd", "lz4"])
+def test_a_decompression_bomb_is_refused_after_at_most_the_limit(front, encoding):
+    _, dsn, _ = front
+    bomb = _bomb(encoding)
+    assert len(bomb) < 4 << 20  # passes the body cap: only the inflated size can stop it
+    status, code, out = request(
+        dsn, "INSERT INTO default.k FORMAT TSV", body=bomb, headers={"Content-Encoding": encoding}
+    )
+    assert (status, code) == (413, "307"), out
+    assert rows(dsn, "SELECT 1") == b"1\n"  # the front is fine
+    # in process: inflating stops at the limit (peak memory about the limit, not 256 MiB)
+    tracemalloc.start()
+    try:
+        with pytest.raises(chserver.RequestError, match="TOO_MANY_BYTES"):
+            chserver.decompress(bomb, encoding, 8 << 20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 40 << 20, peak
+    assert chserver.decompress(gzip.compress(b"1\n2\n"), "gzip", 8 << 20) == b"1\n2\n"
+
+
+def _threads(pid: int) -> int:
+    m = re.search(r"^Threads:\s+(\d+)", Path(f"/proc/{pid}/status").read_text(), re.M)
+    assert m
+    return int(m.group(1))
+
+
+def test_forty_slow_clients_are_cut_off_and_do_not_starve_the_others(front):
+    proc, dsn, _ = front
+    host, port = address(dsn)
+    base = _threads(proc.pid)
+    slow = []
+    for _ in range(40):
+        s = socket.create_connection((host, port), timeout=10)
+        s.sendall(b"POST /?query=SELECT%201 HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+        slow.append(s)
+    t0 = time.monotonic()
+    closed: set[int] = set()
+    for tick in range(16):  # a byte every 0.5 s each, for up to 8 s (the read limit is 2 s)
+        for i, s in enumerate(slow):
+            if i in closed:
+                continue
+            try:
+                s.sendall(b"x")
+                s.settimeout(0.001)
+                if s.recv(4096) == b"":
+                    closed.add(i)
+            except (BlockingIOError, TimeoutError):
+                pass
+            except OSError:
+                closed.add(i)
+        if tick == 1:  # meanwhile, an ordinary client is served at once
+            t = time.monotonic()
+            assert rows(dsn, "SELECT 42") == b"42\n" and time.monotonic() - t < 1.5
+            assert _threads(proc.pid) <= base + 48 + 2
+        if len(closed) == len(slow):
+            break
+        time.sleep(0.5)
+    took = time.monotonic() - t0
+    for s in slow:
+        s.close()
+    assert len(closed) == 40 and took < 6, (len(closed), took)
+
+
+def test_connections_are_bounded(tmp_path):
+    proc, dsn = chserver.spawn(tmp_path / "ch", extra_args=["--max-connections", "4", "--read-timeout-s", "2"])
+    try:
+        host, port = address(dsn)
+        base = _threads(proc.pid)
+        idle = [socket.create_connection((host, port), timeout=10) for _ in range(4)]
+        time.sleep(0.3)
+        busy = []
+        for _ in range(6):  # past the bound: answered 503 / code 202 at once, no thread started
+            s = socket.create_connection((host, port), timeout=10)
+            busy.append(s.recv(4096))
+            s.close()
+        assert all(b.startswith(b"HTTP/1.1 503") and b"Exception-Code: 202" in b for b in busy)
+        assert _threads(proc.pid) <= base + 4
+        for s in idle:  # the idle ones are cut off at the read limit; then clients are served again
+            assert s.recv(16) == b""
+            s.close()
+        time.sleep(0.3)
+        assert rows(dsn, "SELECT 7") == b"7\n"
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
+# ---------------------------------------------------------------- a real server's security (deploy/)
+
+SECURITY_SQL = ROOT / "deploy" / "clickhouse" / "security.sql"
+
+
+def test_the_deploy_sql_parses_on_the_engine_and_grants_the_analyst_the_fronts_tables(front):
+    _, dsn, _ = front
+    ch = clickhouse.connect(dsn, 10)
+    statements = clickhouse.Migration(0, SECURITY_SQL.name, SECURITY_SQL.read_text()).statements("rtrl")
+    canonical = [
+        ch.query("SELECT formatQuerySingleLine({q:String})", parameters={"q": s}).result_rows[0][0] for s in statements
+    ]
+    kinds = {re.match(r"(CREATE \w+( PROFILE)?|GRANT)", c).group(0) for c in canonical}  # type: ignore[union-attr]
+    assert kinds == {"CREATE SETTINGS PROFILE", "CREATE ROLE", "GRANT", "CREATE USER", "CREATE QUOTA"}
+    analyst_grants = {
+        m.group(1) for c in canonical if (m := re.fullmatch(r"GRANT SELECT ON rtrl\.(\w+) TO rtrl_analyst_role", c))
+    }
+    assert analyst_grants == set(clickhouse.ANALYST_TABLES)
+    assert not [
+        c for c in canonical if c.startswith("GRANT") and c.endswith("TO rtrl_analyst_role") and " SELECT ON " not in c
+    ]
+    profile = next(c for c in canonical if "PROFILE IF NOT EXISTS `rtrl_analyst_profile`" in c)
+    assert "readonly = 1" in profile and "max_execution_time" in profile and "max_memory_usage" in profile
+    assert any(c.startswith("CREATE QUOTA") and "TO rtrl_analyst_role" in c for c in canonical)
+    assert all("sha256_password BY 'CHANGE_ME" in c for c in canonical if c.startswith("CREATE USER"))
+
+
+def test_the_analyst_grants_applied_where_the_embedded_engine_can(front, tmp_path):
+    """chdb has no access control to apply them to: its one user (``default`` from users_xml, the only user
+    directory) may not CREATE ROLE/USER/SETTINGS PROFILE/QUOTA (code 497, shown below) and a session cannot
+    switch user. So the front applies them: its analyst user has the profile's readonly = 1 and a
+    max_execution_time, reads only the granted tables, and cannot write (test_the_analyst_can_only_read)."""
+    code = (
+        "import chdb, sys\n"
+        "c = chdb.connect(sys.argv[1])\n"
+        "for s in ['CREATE ROLE IF NOT EXISTS rtrl_analyst_role', 'CREATE USER IF NOT EXISTS u']:\n"
+        "    try:\n"
+        "        c.query(s); print('applied')\n"
+        "    except Exception as e:\n"
+        "        print(str(e).split('.')[0])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ch")], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split("\n")[:2] == ["Code: 497", "Code: 497"], out.stdout + out.stderr
+    _, dsn, _ = front
+    a = analyst(dsn)
+    got = rows(a, "SELECT getSetting('readonly'), getSetting('max_execution_time')", user=chserver.ANALYST)
+    assert got == b"1\t4\n"
+    for table in clickhouse.TABLES:
+        status, code_, _ = request(a, f"SELECT count() FROM rtrl.{table}", user=chserver.ANALYST)
+        assert (status == 200) == (table in clickhouse.ANALYST_TABLES), (table, code_)
+        status, code_, _ = request(a, f"INSERT INTO rtrl.{table} SELECT * FROM rtrl.{table}", user=chserver.ANALYST)
+        assert (status, code_) == (403, "164"), table
