@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from rtrl.errors import ServiceUnavailable
+from rtrl.files import private_dir
 from rtrl.kafka import check_broker
 
 
@@ -73,7 +74,7 @@ class LocalBroker:
 
     def up(self, timeout_s: float = 30.0) -> str:
         """Start (or reuse) the broker and wait until it answers; return its bootstrap address."""
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.data_dir)  # owner-only: noida-db keeps its control token here
         existing = self.running_port()
         if existing:
             self.port = existing

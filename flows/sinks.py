@@ -31,6 +31,7 @@ from bytewax.outputs import FixedPartitionedSink, StatefulSinkPartition
 from confluent_kafka import Producer
 
 from rtrl import clickhouse
+from rtrl.files import private_dir
 from rtrl.kafka import produce, producer_config
 from schemas.records import EventBase
 from schemas.types import to_arrow
@@ -165,7 +166,7 @@ def write_archive(root: Path, events: pa.Table) -> None:
         path = folder / f"part-{digest}.parquet"
 
         def put(folder: Path = folder, path: Path = path, part: pa.Table = part) -> None:
-            folder.mkdir(parents=True, exist_ok=True)
+            private_dir(folder)
             tmp = path.with_suffix(".tmp")
             pq.write_table(part, tmp, compression="zstd")
             os.replace(tmp, path)

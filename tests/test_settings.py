@@ -19,9 +19,9 @@ def test_defaults_are_valid_and_embedded():
 def test_file_then_environment_override(tmp_path):
     """The environment wins over the file, which wins over the defaults; values are typed."""
     f = tmp_path / "rtrl.toml"
-    f.write_text('data_dir = "/tmp/x"\n[kafka]\nbootstrap = "h:1"\npartitions = 8\n[sdk]\nqueue_size = 10\n')
+    f.write_text('data_dir = "/tmp/x"\n[kafka]\nbootstrap = "localhost:1"\npartitions = 8\n[sdk]\nqueue_size = 10\n')
     s = load_settings(f, env={"RTRL_KAFKA__PARTITIONS": "3", "RTRL_SIMULATOR__DUPLICATE_RATE": "0.5"})
-    assert (s.data_dir, s.kafka.bootstrap, s.kafka.partitions, s.sdk.queue_size) == ("/tmp/x", "h:1", 3, 10)
+    assert (s.data_dir, s.kafka.bootstrap, s.kafka.partitions, s.sdk.queue_size) == ("/tmp/x", "localhost:1", 3, 10)
     assert s.simulator.duplicate_rate == 0.5
 
 
@@ -140,7 +140,7 @@ def test_updated_copies_are_validated(monkeypatch):
     monkeypatch.setenv("RTRL_FLOW__TAIL", "true")
     assert load_settings().updated({"flow.tail": False}).flow.tail is False
     s = load_settings(env={})
-    assert s.updated({"kafka.bootstrap": "h:1"}).kafka.bootstrap == "h:1" and s.kafka.bootstrap == ""
+    assert s.updated({"kafka.bootstrap": "localhost:1"}).kafka.bootstrap == "localhost:1" and s.kafka.bootstrap == ""
     with pytest.raises(ConfigError, match="kafka.partitions = 0 must be > 0"):
         s.updated({"kafka.partitions": 0})
     with pytest.raises(ConfigError, match="unknown setting 'kafka.partition'"):
@@ -184,5 +184,7 @@ def test_shipped_example_configs_load(tmp_path):
     from app.loop import loop_settings
 
     loop_settings(load_settings(deploy / "rtrl.example.toml", env={}))  # a copy of the example runs the main job
-    prod = load_settings(deploy / "production.example.toml", env={})
+    with pytest.raises(ConfigError, match="sdk.salt is the public default"):  # its secret comes from the environment
+        load_settings(deploy / "production.example.toml", env={})
+    prod = load_settings(deploy / "production.example.toml", env={"RTRL_SDK__SALT": "the-production-secret"})
     assert prod.kafka.bootstrap.count(",") == 2 and prod.clickhouse.dsn.startswith("https://")

@@ -148,7 +148,10 @@ def test_micro_batch_shapes_are_checked_against_the_model(env, expected):
         check_input_shapes(load_settings(env=env))
     check_input_shapes(load_settings(env={}))
     check_input_shapes(
-        load_settings(Path(__file__).resolve().parent.parent / "deploy" / "production.example.toml", env={})
+        load_settings(
+            Path(__file__).resolve().parent.parent / "deploy" / "production.example.toml",
+            env={"RTRL_SDK__SALT": "the-production-secret"},
+        )
     )
 
 
