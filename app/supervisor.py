@@ -7,65 +7,158 @@ any part that dies - what systemd or Kubernetes does in production. Each part re
 (Bytewax recovery, the trainer's state file and step checkpoints, the server re-reading
 ``rtrl.deployments``), so a kill -9 of any one of them costs time, not data. Logs go to
 ``<data_dir>/logs/<part>.log``.
+
+Supervision:
+
+* each part leads its own process group; before a dead part is restarted its whole group is ended
+  (SIGTERM, a bounded wait, SIGKILL for stragglers), so helpers it forked (a checkpoint writer) never
+  outlive it, and at the end of the run no process of the run is left;
+* the embedded ClickHouse front is supervised like a part: restarted on the same port and with the
+  same token file, so every client reconnects (the flows' sinks retry, the trainer's and the
+  supervisor's clients wait out the outage);
+* the restart budget is a rate, as systemd (``StartLimitBurst`` in ``StartLimitIntervalSec``) and
+  Kubernetes count it: ``loop.max_restarts`` restarts of one part within a sliding window of
+  ``loop.restart_window_s``; one more death in the window ends the run with one line naming the part
+  and its log.
 """
 
 from __future__ import annotations
 
+import collections
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from app.loop import loop_settings
-from app.parts import PARTS
+from app.parts import PARTS, PatientClickHouse
 from app.services import Services, spawn_embedded_clickhouse
 from rtrl import clickhouse
 from rtrl.errors import ServiceUnavailable
 from rtrl.settings import Settings, as_env
 
+#: the embedded ClickHouse front's name among the supervised processes (its log: logs/clickhouse.log)
+CLICKHOUSE = "clickhouse"
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    """Signal a part's whole process group (it leads its own session)."""
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``, from /proc."""
+    found = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            stat = (p / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp ...
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            found.append(int(p.name))
+    return found
+
+
+def end_group(pgid: int, timeout_s: float = 5.0) -> None:
+    """End process group ``pgid``: SIGTERM, wait up to ``timeout_s`` for it to empty, SIGKILL what is left."""
+    for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait_s
+        while group_members(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not group_members(pgid):
+            return
+
+
+class RestartBudget:
+    """At most ``limit`` restarts per name within a sliding window of ``window_s`` seconds."""
+
+    def __init__(self, limit: int, window_s: float, clock=time.monotonic):
+        self.limit, self.window_s, self.clock = limit, window_s, clock
+        self.times: dict[str, collections.deque[float]] = collections.defaultdict(collections.deque)
+        self.total: collections.Counter[str] = collections.Counter()
+
+    def allow(self, name: str) -> bool:
+        """Record a restart of ``name`` if the window has room for it; False when it has none."""
+        now, times = self.clock(), self.times[name]
+        while times and times[0] <= now - self.window_s:
+            times.popleft()
+        if len(times) >= self.limit:
+            return False
+        times.append(now)
+        self.total[name] += 1
+        return True
 
 
 class Supervisor:
-    def __init__(self, settings: Settings, max_restarts: int = 5):
+    def __init__(self, settings: Settings, max_restarts: int | None = None, restart_window_s: float | None = None):
         # the parts run with the loop's settings; a user value the loop cannot honour is refused here, once
-        self.settings, self.max_restarts = loop_settings(settings), max_restarts
+        self.settings = loop_settings(settings)
+        ls = self.settings.loop
+        self.budget = RestartBudget(
+            ls.max_restarts if max_restarts is None else max_restarts,
+            ls.restart_window_s if restart_window_s is None else restart_window_s,
+        )
         self.log_dir = settings.data_path / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.services: Services | None = None
         self.ch_proc: subprocess.Popen | None = None
+        self.ch_folder: str | None = None
+        self.ch_port: int | None = None
         self.procs: dict[str, subprocess.Popen] = {}
-        self.restarts: Counter[str] = Counter()
+        self.exits: list[tuple[str, int | None]] = []  # (name, exit code) of every process that ended
         self.lock = threading.Lock()
         self.done = threading.Event()
         self.failure: str | None = None
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
 
+    @property
+    def restarts(self) -> collections.Counter[str]:
+        """Restarts per part (and ``clickhouse``) over the whole run."""
+        return self.budget.total
+
     # ------------------------------------------------------------ services
+
+    def _spawn_clickhouse(self) -> str:
+        """The embedded front on its folder; after the first start on the same port (and token file)."""
+        assert self.ch_folder is not None
+        kwargs: dict[str, Any] = {"log": self.log_dir / f"{CLICKHOUSE}.log"}
+        if self.ch_port is not None:  # a restart: the same port and token files, so every client's DSN stays valid
+            kwargs |= {"port": self.ch_port, "fresh_tokens": False}
+        proc, dsn = spawn_embedded_clickhouse(self.ch_folder, **kwargs)
+        with self.lock:
+            self.ch_proc = proc
+        from urllib.parse import urlsplit
+
+        self.ch_port = urlsplit(dsn).port
+        return dsn
 
     def start_services(self) -> None:
         """The embedded ClickHouse behind its server (unless a server is configured), then the broker,
         topics and migrations as every job gets them (:class:`app.services.Services`)."""
         s = self.settings
         if s.clickhouse_dsn.startswith("chdb://"):
-            self.ch_proc, self.dsn = spawn_embedded_clickhouse(
-                s.clickhouse_dsn[len("chdb://") :], log=self.log_dir / "clickhouse.log"
-            )
+            self.ch_folder = s.clickhouse_dsn[len("chdb://") :]
+            self.dsn = self._spawn_clickhouse()
         else:
             self.dsn = s.clickhouse_dsn
-        self.services = Services(s.updated({"clickhouse.dsn": self.dsn}))
-        self.bootstrap, self.ch = self.services.bootstrap, self.services.ch
+        try:
+            self.services = Services(s.updated({"clickhouse.dsn": self.dsn}))
+        except BaseException:
+            self.close()
+            raise
+        self.bootstrap = self.services.bootstrap
+        # the supervisor's own queries wait out a restart of the front, then fail as one line naming it
+        self.ch: Any = PatientClickHouse(
+            self.dsn, s.clickhouse.timeout_s, patience_s=max(60.0, 3 * s.clickhouse.timeout_s)
+        )
         child = s.updated({"kafka.bootstrap": self.bootstrap, "clickhouse.dsn": self.dsn})
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")} | as_env(child)
 
@@ -94,37 +187,73 @@ class Supervisor:
         self._watcher = threading.Thread(target=self._watch, name="supervisor", daemon=True)
         self._watcher.start()
 
+    def pid(self, name: str) -> int:
+        """The process id of a part or of the ClickHouse front (``clickhouse``) as it runs now."""
+        with self.lock:
+            proc = self.ch_proc if name == CLICKHOUSE else self.procs[name]
+        if proc is None:
+            raise KeyError(name)
+        return proc.pid
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> int:
-        """Send ``sig`` to a part (kill -9 by default); the supervisor restarts it. Returns its pid."""
+        """Send ``sig`` to a part's process group (kill -9 by default); the supervisor restarts it. Returns its pid."""
         with self.lock:
             proc = self.procs[name]
-        _signal_group(proc, sig)
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
         return proc.pid
 
     def log_tail(self, name: str, lines: int = 15) -> str:
         path = self.log_dir / f"{name}.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
+    def _give_up(self, name: str, rc: int | None) -> None:
+        b = self.budget
+        self.failure = (
+            f"{'the ClickHouse front' if name == CLICKHOUSE else 'part ' + name} died {b.limit + 1} times within "
+            f"{b.window_s:g}s (loop.max_restarts = {b.limit}, loop.restart_window_s = {b.window_s:g}; "
+            f"last exit code {rc}); log {self.log_dir / (name + '.log')}:\n{self.log_tail(name)}"
+        )
+        self.done.set()
+
     def _watch(self) -> None:
         while not self._stop.wait(0.2):
             with self.lock:
                 items = list(self.procs.items())
+                ch = self.ch_proc
+            if ch is not None and ch.poll() is not None and not self._stop.is_set():
+                self.exits.append((CLICKHOUSE, ch.returncode))
+                if not self.budget.allow(CLICKHOUSE):
+                    return self._give_up(CLICKHOUSE, ch.returncode)
+                try:
+                    self._spawn_clickhouse()
+                except ServiceUnavailable as e:
+                    self.failure = f"the ClickHouse front could not be restarted: {e}"
+                    self.done.set()
+                    return
             for name, proc in items:
                 rc = proc.poll()
                 if rc is None or self._stop.is_set():
                     continue
-                if name == "train" and rc == 0:
-                    self.done.set()  # every cycle decided
-                    return
-                self.restarts[name] += 1
-                if self.restarts[name] > self.max_restarts:
-                    self.failure = (
-                        f"part {name} died {self.restarts[name]} times (last exit code {rc}); "
-                        f"log {self.log_dir / (name + '.log')}:\n{self.log_tail(name)}"
-                    )
+                end_group(proc.pid)  # whatever the dead part forked goes with it
+                self.exits.append((name, rc))
+                if name == "train" and rc == 0 and self.decided_all():
                     self.done.set()
                     return
+                if not self.budget.allow(name):
+                    return self._give_up(name, rc)
                 self.start(name)
+
+    def decided_all(self) -> bool:
+        """Whether the trainer's state file records every decision (``loop.cycles``); a trainer that exits 0
+        before that was stopped, and is restarted like any part that ended."""
+        state = self.settings.data_path / "loop" / "state.json"
+        try:
+            return json.loads(state.read_text())["version"] >= self.settings.loop.cycles
+        except (OSError, ValueError, KeyError):
+            return False
 
     def wait(self, timeout_s: float, tick=None) -> None:
         """Until the trainer has made every decision (``tick()`` is called about once a second)."""
@@ -140,53 +269,66 @@ class Supervisor:
             raise ServiceUnavailable(self.failure)
 
     def stop_parts(self) -> None:
-        """The policy server first (SIGTERM: it flushes its rollouts and events), then the rest."""
+        """The policy server first (SIGTERM: it flushes its rollouts and events), then the rest, each
+        stopping cleanly (the flows snapshot, the trainer checkpoints); SIGKILL for any that does not
+        within its time, and every part's process group is ended."""
         self._stop.set()
-        if self._watcher is not None:
-            self._watcher.join(5)
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(30)
         with self.lock:
             procs = dict(self.procs)
-        order = ["serve"] + [n for n in procs if n != "serve"]
-        for name in order:
-            proc = procs.get(name)
-            if proc is None or proc.poll() is not None:
-                continue
-            _signal_group(proc, signal.SIGTERM)
-            try:
-                proc.wait(30 if name == "serve" else 5)
-            except subprocess.TimeoutExpired:
-                _signal_group(proc, signal.SIGKILL)
-                proc.wait()
-        for proc in procs.values():  # whatever a part forked and left behind
-            _signal_group(proc, signal.SIGKILL)
+        order = [("serve", procs.pop("serve"))] if "serve" in procs else []
+        for group in (order, list(procs.items())):
+            running = [(name, proc) for name, proc in group if proc.poll() is None]
+            for _, proc in running:
+                proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            for name, proc in running:
+                try:
+                    proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(10)
+                self.exits.append((name, proc.returncode))
+            for _, proc in group:
+                end_group(proc.pid, timeout_s=2.0)  # whatever a part forked and left behind
 
     def drain_rewards(self, timeout_s: float = 300.0) -> None:
         """Run the reward flow from its recovery state to the end of ``rtrl.events`` and close every
         window still open (no traffic is coming any more): afterwards every event has its reward."""
         proc = self.start("rewards", "--to-end")
-        if proc.wait(timeout_s) != 0:
-            raise ServiceUnavailable(f"draining the reward flow failed:\n{self.log_tail('rewards')}")
+        try:
+            rc = proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            rc = None
+        end_group(proc.pid)
+        if rc != 0:
+            raise ServiceUnavailable(f"draining the reward flow failed (exit code {rc}):\n{self.log_tail('rewards')}")
 
     def close(self) -> None:
         self.stop_parts()
-        if self.ch_proc is not None:
-            self.ch_proc.terminate()
+        with self.lock:
+            ch, self.ch_proc = self.ch_proc, None
+        if ch is not None:
+            ch.terminate()
             try:
-                self.ch_proc.wait(30)
+                ch.wait(30)
             except subprocess.TimeoutExpired:
-                self.ch_proc.kill()
-            self.ch_proc = None
+                ch.kill()
+                ch.wait(10)
         if self.services is not None:
             self.services.close()  # the local broker, if it started one
             self.services = None
 
 
-def run_processes(settings: Settings, console) -> list[dict]:
-    """The main job with every part in its own process: progress from ClickHouse, then the same table and plots."""
+def run_processes(settings: Settings, console, resume: bool = False) -> list[dict]:
+    """The main job with every part in its own process: progress from ClickHouse, then the same table and
+    plots. With ``resume`` the data folder of a crashed run is kept and every part continues from it."""
     from app.loop import cycle_progress, final_report, fresh_start
 
     console.rule("[bold]rtrl main job: the closed loop, one process per part")
-    fresh_start(settings)
+    if not resume:
+        fresh_start(settings)
     t0 = time.monotonic()
     sup = Supervisor(settings)
     try:
@@ -196,7 +338,7 @@ def run_processes(settings: Settings, console) -> list[dict]:
             f"broker {sup.bootstrap} · ClickHouse {clickhouse.redact(sup.dsn)}"
             f"{' (the embedded folder behind devservices.chserver)' if sup.ch_proc is not None else ''} · "
             f"parts: {', '.join(PARTS)} · "
-            f"logs in {sup.log_dir}"
+            f"logs in {sup.log_dir}{' · resuming the run in ' + str(settings.data_path) if resume else ''}"
         )
         sup.start_all()
         shown: set[int] = set()
@@ -204,10 +346,13 @@ def run_processes(settings: Settings, console) -> list[dict]:
             task = bar.add_task("loop", total=ls.cycles, info="")
 
             def tick() -> None:
-                rows = sup.ch.query(
-                    f"SELECT version, parent, status, reason FROM {db}.checkpoints FINAL "
-                    "WHERE version > 0 AND status IN ('promoted', 'rejected') ORDER BY version"
-                ).result_rows
+                try:
+                    rows = sup.ch.query(
+                        f"SELECT version, parent, status, reason FROM {db}.checkpoints FINAL "
+                        "WHERE version > 0 AND status IN ('promoted', 'rejected') ORDER BY version"
+                    ).result_rows
+                except ServiceUnavailable:
+                    return  # ClickHouse is gone for now: the watcher restarts it or ends the run
                 for version, parent, status, reason in rows:
                     if version not in shown:
                         shown.add(version)

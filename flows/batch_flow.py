@@ -38,7 +38,7 @@ from bytewax.operators import StatefulBatchLogic
 from bytewax.outputs import Sink
 
 from flows.batching import BatchBuilder, BatchConfig
-from flows.kafka_io import kafka_source
+from flows.kafka_io import kafka_source, paused
 from flows.processor import Message
 from flows.sinks import ClickHouseSink, KafkaSink
 from flows.wiring import injected, require_bootstrap
@@ -90,8 +90,8 @@ def stats_row(cohort: str, bb: BatchBuilder, samples: int, batches: int) -> Batc
 class _CohortLogic(StatefulBatchLogic):
     """Bytewax wrapper around one cohort's :class:`BatchBuilder` (the snapshotted state)."""
 
-    def __init__(self, state: dict, idle_s: float):
-        self.state, self.idle_s = state, idle_s
+    def __init__(self, state: dict, idle_s: float, stop: threading.Event | None = None):
+        self.state, self.idle_s, self.stop = state, idle_s, stop
         self.bb: BatchBuilder = state["builder"]
         self.quiet_since: datetime | None = None
 
@@ -122,6 +122,8 @@ class _CohortLogic(StatefulBatchLogic):
         return self._out(self.bb.flush_ready()), StatefulBatchLogic.RETAIN
 
     def on_eof(self) -> tuple[list, bool]:
+        if paused(self.stop):  # stopped, not the end of the input: what waits stays in the snapshot
+            return [], StatefulBatchLogic.RETAIN
         return self._out(self.bb.flush()), StatefulBatchLogic.RETAIN
 
     def snapshot(self) -> dict:
@@ -195,7 +197,8 @@ def build_flow(
 
     ``sources`` maps each name of :data:`INPUTS` to a Bytewax source and ``sinks`` each name of
     :data:`OUTPUTS` to a sink; left out, they are :func:`kafka_inputs` / :func:`service_outputs`
-    (``bootstrap`` overrides ``kafka.bootstrap``; setting ``stop`` ends an in-process run cleanly).
+    (``bootstrap`` overrides ``kafka.bootstrap``; setting ``stop`` ends an in-process run cleanly,
+    flushing what waits; a :class:`flows.kafka_io.Pause` keeps it for a restart from the recovery state).
     With both given the flow touches neither Kafka nor ClickHouse."""
     cfg, bs = batch_config(settings), settings.batching  # bad settings fail before any I/O
     sources = kafka_inputs(settings, bootstrap, stop) if sources is None else injected(sources, INPUTS, "sources")
@@ -212,7 +215,7 @@ def build_flow(
 
     def build(resume: dict | None) -> _CohortLogic:
         return _CohortLogic(
-            resume or {"builder": BatchBuilder(cfg), "cohort": "", "samples": 0, "batches": 0}, bs.idle_flush_s
+            resume or {"builder": BatchBuilder(cfg), "cohort": "", "samples": 0, "batches": 0}, bs.idle_flush_s, stop
         )
 
     out = op.stateful_batch("batches", keyed, build)

@@ -31,7 +31,7 @@ from bytewax.inputs import Source
 from bytewax.operators import StatefulBatchLogic
 from bytewax.outputs import Sink
 
-from flows.kafka_io import kafka_source
+from flows.kafka_io import kafka_source, paused
 from flows.processor import FlowOutput, RewardProcessor
 from flows.sinks import ClickHouseSink, KafkaSink
 from flows.windowing import PartitionWindows, WindowConfig
@@ -60,13 +60,15 @@ def window_config(settings: Settings) -> WindowConfig:
 class _PartitionLogic(StatefulBatchLogic):
     """Bytewax wrapper: the processor's windows are the snapshotted state of one partition key."""
 
-    def __init__(self, processor: RewardProcessor):
-        self.processor = processor
+    def __init__(self, processor: RewardProcessor, stop: threading.Event | None = None):
+        self.processor, self.stop = processor, stop
 
     def on_batch(self, values: list) -> tuple[list[FlowOutput], bool]:
         return [self.processor.process(values)], StatefulBatchLogic.RETAIN
 
     def on_eof(self) -> tuple[list[FlowOutput], bool]:
+        if paused(self.stop):  # stopped, not the end of the input: open windows stay open in the snapshot
+            return [], StatefulBatchLogic.RETAIN
         return [self.processor.finish()], StatefulBatchLogic.RETAIN
 
     def snapshot(self) -> PartitionWindows:
@@ -122,8 +124,9 @@ def build_flow(
 
     ``sources`` maps each name of :data:`INPUTS` to a Bytewax source and ``sinks`` each name of
     :data:`OUTPUTS` to a sink; left out, they are :func:`kafka_inputs` / :func:`service_outputs`
-    (``bootstrap`` overrides ``kafka.bootstrap``; setting ``stop`` ends an in-process run cleanly).
-    With both given the flow touches neither Kafka nor ClickHouse."""
+    (``bootstrap`` overrides ``kafka.bootstrap``; setting ``stop`` ends an in-process run cleanly,
+    closing every open window as at the end of the input; a :class:`flows.kafka_io.Pause` keeps them
+    open for a restart from the recovery state). With both given the flow touches neither Kafka nor ClickHouse."""
     source_topic = settings.topic("events")
     cfg = window_config(settings)
     versions = settings.rewards.versions
@@ -132,7 +135,7 @@ def build_flow(
     sinks = service_outputs(settings, bootstrap) if sinks is None else injected(sinks, OUTPUTS, "sinks")
 
     def build(resume: PartitionWindows | None) -> _PartitionLogic:
-        return _PartitionLogic(RewardProcessor(source_topic, cfg, versions, settings.sdk.max_event_bytes, resume))
+        return _PartitionLogic(RewardProcessor(source_topic, cfg, versions, settings.sdk.max_event_bytes, resume), stop)
 
     # The source makes a tracked Python object per Kafka message; with the default generation-0
     # threshold (700) the cyclic GC ran ~2,000 times per 200k events and took ~30% of the worker's
