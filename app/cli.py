@@ -1,6 +1,6 @@
 """``rtrl`` command line: one entry point per job.
 
-    rtrl run                 the main job: the closed loop (see app.loop)
+    rtrl run [--resume]      the main job: the closed loop (see app.loop); --resume continues a crashed run
     rtrl rollback V          mark version V rolled back and re-promote its parent (deployments + ClickHouse)
     rtrl ab                  two simulated policy profiles through the reward flow, compared (app.ab)
     rtrl broker up|down|status   the local Kafka-protocol broker under data_dir/broker
@@ -30,16 +30,18 @@ from rtrl.errors import RtrlError
 from rtrl.settings import Settings, describe, load_settings
 
 
-def _bootstrap(settings: Settings) -> str:
-    from app.services import bootstrap_for
+def _bootstrap(settings: Settings, clickhouse_too: bool = False) -> str:
+    """The broker's address once it answers (and ClickHouse's, with ``clickhouse_too``): checked before any
+    long work, so an unreachable service is one line naming its address, not a failure minutes later."""
+    from app.services import preflight
 
-    return bootstrap_for(settings)
+    return preflight(settings, clickhouse_too=clickhouse_too)
 
 
 def cmd_run(settings: Settings, args: argparse.Namespace, console: Console) -> int:
     from app.loop import run_loop
 
-    run_loop(settings, console)
+    run_loop(settings, console, resume=args.resume)
     return 0
 
 
@@ -126,9 +128,17 @@ def cmd_simulate(settings: Settings, args: argparse.Namespace, console: Console)
     console.print({k: v for k, v in stats(emissions).items() if not isinstance(v, dict)})
     console.print(
         f"sent {result.accepted:,} in {result.seconds:.1f}s; delivered {final.delivered:,}, "
-        f"failed {final.failed}, dropped {final.dropped}"
+        f"failed {final.failed}, dropped {final.dropped}, undelivered {final.pending}"
     )
-    return 0 if not (final.failed or final.dropped) else 1
+    lost = final.accepted + final.dropped - final.delivered  # failed, still pending at close, or dropped
+    if lost:
+        console.print(
+            f"[red]error:[/] {lost:,} of {final.accepted + final.dropped:,} events were not delivered to {bootstrap} "
+            f"(last error: {final.last_error or 'none reported'})",
+            highlight=False,
+        )
+        return 1
+    return 0
 
 
 def cmd_flow(settings: Settings, args: argparse.Namespace, console: Console) -> int:
@@ -139,14 +149,14 @@ def cmd_flow(settings: Settings, args: argparse.Namespace, console: Console) -> 
         f"{args.name} flow: recovery in {recovery_path(settings, args.name)}, snapshot "
         f"every {settings.flow.snapshot_s:g}s ({'following the topics' if tail else 'until the end of the topics'})"
     )
-    run_flow(settings, args.name, _bootstrap(settings), workers=args.workers)
+    run_flow(settings, args.name, _bootstrap(settings, clickhouse_too=True), workers=args.workers)
     return 0
 
 
 def cmd_train(settings: Settings, args: argparse.Namespace, console: Console) -> int:
     from trainer.run import run
 
-    run(settings, _bootstrap(settings), console=console)
+    run(settings, _bootstrap(settings, clickhouse_too=True), console=console)
     return 0
 
 
@@ -161,16 +171,53 @@ def cmd_config(settings: Settings, args: argparse.Namespace, console: Console) -
     return 0
 
 
+def _count(text: str) -> int:
+    """argparse type of a count of workers: a whole number >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is not a count: give 1 or more")
+    return n
+
+
+def _port(text: str) -> int:
+    """argparse type of a TCP port: 1..65535."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 < n < 65536:
+        raise argparse.ArgumentTypeError(f"{n} is not a port: give 1..65535")
+    return n
+
+
+def _version(text: str) -> int:
+    """argparse type of a policy version: a whole number >= 0."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a version number") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} is not a version: versions start at 0")
+    return n
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rtrl", description="real-time RL loop for LLM coding agents")
     p.add_argument("--config", help="TOML settings file (default: $RTRL_CONFIG)")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug output")
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser(
-        "run", help="the main job: the closed loop on the configured (default: embedded) services"
-    ).set_defaults(fn=cmd_run)
+    run = sub.add_parser("run", help="the main job: the closed loop on the configured (default: embedded) services")
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in data_dir (e.g. after a crash) instead of wiping it and starting afresh",
+    )
+    run.set_defaults(fn=cmd_run)
     rb = sub.add_parser("rollback", help="mark a promoted version rolled back and re-promote its parent")
-    rb.add_argument("version", type=int)
+    rb.add_argument("version", type=_version)
     rb.add_argument("--reason", default="manual rollback")
     rb.set_defaults(fn=cmd_rollback)
     sub.add_parser(
@@ -178,13 +225,13 @@ def parser() -> argparse.ArgumentParser:
     ).set_defaults(fn=cmd_ab)
     b = sub.add_parser("broker", help="start/stop the local Kafka-protocol broker")
     b.add_argument("action", choices=["up", "down", "status"])
-    b.add_argument("--port", type=int, default=None, help="port to bind (default: a free one)")
+    b.add_argument("--port", type=_port, default=None, help="port to bind (default: a free one)")
     b.set_defaults(fn=cmd_broker)
     sub.add_parser("topics", help="create Kafka topics (idempotent)").set_defaults(fn=cmd_topics)
     sub.add_parser("migrate", help="apply ClickHouse migrations and verify").set_defaults(fn=cmd_migrate)
     chs = sub.add_parser("clickhouse", help="serve the embedded ClickHouse folder over ClickHouse's HTTP interface")
     chs.add_argument("action", choices=["serve"])
-    chs.add_argument("--port", type=int, default=8123)
+    chs.add_argument("--port", type=_port, default=8123)
     chs.set_defaults(fn=cmd_clickhouse)
     pt = sub.add_parser(
         "part",
@@ -194,11 +241,11 @@ def parser() -> argparse.ArgumentParser:
     pt.add_argument("--to-end", action="store_true", help="flows: stop at the end of the topics")
     pt.set_defaults(fn=cmd_part)
     s = sub.add_parser("simulate", help="send simulated users' events through the SDK")
-    s.add_argument("--policy-version", type=int, default=0)
+    s.add_argument("--policy-version", type=_version, default=0)
     s.set_defaults(fn=cmd_simulate)
     f = sub.add_parser("flow", help="run a streaming flow with Bytewax recovery")
     f.add_argument("name", choices=["rewards", "batches"])
-    f.add_argument("-w", "--workers", type=int, default=1, help="worker threads in this process")
+    f.add_argument("-w", "--workers", type=_count, default=1, help="worker threads in this process")
     f.set_defaults(fn=cmd_flow)
     sub.add_parser("train", help="train on rtrl.batches (torchrun -m trainer for DP/TP/PP)").set_defaults(fn=cmd_train)
     c = sub.add_parser("config", help="show the effective settings")

@@ -17,7 +17,8 @@ A cycle:
 4. the eval gate scores the candidate on held-out tasks against the serving version and the first
    one (solve rate may not drop beyond ``loop.solve_tolerance``; the behaviour of sampled
    completions - broken tool calls, clarifying questions, edits - is judged by the monitors' alert
-   rules). In A/B mode (``loop.ab_share``) a candidate that passes then serves a share of the
+   rules; a candidate trained by a step whose training-inference mismatch fired the mismatch alert,
+   ``loop.mismatch_log_ratio_max`` / ``loop.mismatch_k3_max``, is refused). In A/B mode (``loop.ab_share``) a candidate that passes then serves a share of the
    traffic until the monitors can compare its live behaviour with the serving version's in
    ClickHouse; an alert rejects it. Promotion or rejection, with the reason, goes to ClickHouse
    ``checkpoints`` and ``rtrl.deployments``; a rejected candidate's weights are dropped unless
@@ -38,6 +39,7 @@ import shutil
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from pathlib import Path
 
 import msgspec
@@ -50,8 +52,10 @@ from client.sdk import RtrlClient
 from evalgate import EvalSuite, GateRules, run_gate
 from flows.batch_flow import build_flow as batch_flow
 from flows.reward_flow import build_flow as reward_flow
+from monitors.alerts import MismatchRule
 from monitors.queries import check_promotion
 from rtrl import clickhouse
+from rtrl.files import RUN_PARTS, check_cleanable, data_folder, private_dir
 from rtrl.kafka import producer_config
 from rtrl.settings import Settings, refuse_overrides, refuse_user_set
 from schemas.codec import JsonCodec
@@ -61,6 +65,7 @@ from simulator.policy import warm_start
 from simulator.serve import PolicyServer
 from simulator.tasks import COMPLETION_LEN, PROMPT_LEN, VOCAB, sample_task
 from trainer import checkpoint
+from trainer.batch import BatchLimits
 from trainer.config import ModelConfig, PrecisionConfig, model_config
 from trainer.data import BatchStream
 from trainer.dedup import TrainedSet
@@ -159,6 +164,33 @@ def cycle_progress(console: Console):
     )
 
 
+class Stopped(Exception):
+    """The loop was asked to stop (SIGTERM/SIGINT) mid-cycle: the trainer saved what it trained (its step
+    checkpoint, with the offsets and what it has seen) and made no decision; a restart resumes there."""
+
+
+class _StoppableSource:
+    """The trainer's micro-batch source, ending its waits when the loop stops. Its ``position`` is the
+    committed one: a checkpoint taken after a step left half-read never skips what that step had read."""
+
+    def __init__(self, source: BatchStream, stop: threading.Event):
+        self.source, self.stop = source, stop
+
+    def get(self, timeout_s: float = 30.0):
+        deadline = time.monotonic() + timeout_s
+        while not self.stop.is_set():
+            b = self.source.get(max(0.0, min(0.5, deadline - time.monotonic())))
+            if b is not None or time.monotonic() >= deadline:
+                return b
+        return None
+
+    def position(self) -> dict[str, int]:
+        return self.source.committed_position()
+
+    def __getattr__(self, name: str):
+        return getattr(self.source, name)
+
+
 @dataclass
 class CycleResult:
     version: int
@@ -168,6 +200,16 @@ class CycleResult:
     eval: dict[str, float]
     steps: list[TrainStep] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
+
+
+def loop_gate_rules(settings: Settings) -> GateRules:
+    """The loop's default gate: ``loop.solve_tolerance`` and the training-inference mismatch limits
+    (``loop.mismatch_k3_max``, ``loop.mismatch_log_ratio_max``) on the candidate's training steps."""
+    ls = settings.loop
+    return GateRules(
+        solve_tolerance=ls.solve_tolerance,
+        mismatch=MismatchRule(k3=ls.mismatch_k3_max, max_abs_log_ratio=ls.mismatch_log_ratio_max),
+    )
 
 
 class Loop:
@@ -180,7 +222,7 @@ class Loop:
     last checkpoint left off.
 
     ``suite`` scores candidates (default: :class:`simulator.evalsuite.HeldOutTasks` of ``loop.eval_tasks``
-    tasks) and ``rules`` judge the scores (default: :class:`evalgate.GateRules` with ``loop.solve_tolerance``)."""
+    tasks) and ``rules`` judge the scores and the candidate's training steps (default: :func:`loop_gate_rules`)."""
 
     def __init__(
         self,
@@ -195,14 +237,14 @@ class Loop:
         s, ls = self.settings, self.settings.loop
         self.db = s.clickhouse.database
         self.ckpt_root = s.data_path / "loop" / "checkpoints"
-        self.ckpt_root.mkdir(parents=True, exist_ok=True)
+        private_dir(self.ckpt_root)
         self.state_path = s.data_path / "loop" / "state.json"
         cfg, precision = loop_model_config(s)
         init_parallel(cfg)
         torch.manual_seed(ls.seed)
         self.model, self.reference = build_model(cfg, precision), build_model(cfg, precision)
         self.suite: EvalSuite = suite if suite is not None else HeldOutTasks(ls.eval_tasks, ls.seed)
-        self.rules = rules if rules is not None else GateRules(solve_tolerance=ls.solve_tolerance)
+        self.rules = rules if rules is not None else loop_gate_rules(self.settings)
         self.stop = threading.Event()
         self.threads: list[threading.Thread] = []
         self.offsets: dict[str, int] | None = None
@@ -220,9 +262,20 @@ class Loop:
     # ------------------------------------------------------------ parts
 
     def start_flows(self) -> None:
-        for name, build in (("reward-flow", reward_flow), ("batch-flow", batch_flow)):
+        """Both flows as threads, with Bytewax recovery in ``<data_dir>/recovery/<name>`` (what ``--resume``
+        continues from after a crash)."""
+        from bytewax.recovery import RecoveryConfig, init_db_dir
+
+        from app.parts import recovery_path
+
+        for name, build in (("rewards", reward_flow), ("batches", batch_flow)):
             flow = build(self.settings, bootstrap=self.bootstrap, stop=self.stop)
-            t = threading.Thread(target=run_main, args=(flow,), name=name, daemon=True)
+            recovery = recovery_path(self.settings, name)
+            if not recovery.exists() or not any(recovery.iterdir()):
+                recovery.mkdir(parents=True, exist_ok=True)
+                init_db_dir(recovery, 1)
+            kwargs = {"recovery_config": RecoveryConfig(str(recovery), backup_interval=timedelta(0))}
+            t = threading.Thread(target=run_main, args=(flow,), kwargs=kwargs, name=f"{name}-flow", daemon=True)
             t.start()
             self.threads.append(t)
 
@@ -327,6 +380,8 @@ class Loop:
         """Samples trigger (``wanted`` samples of the serving version), wall-time trigger, or the
         serving version's samples have dried up after at least half of ``wanted`` (samples that never
         get a reward - e.g. broken calls under v1-discard-broken - never arrive)."""
+        if self.stop.is_set():
+            return True
         now, done = time.monotonic(), self.cycle_on_policy
         self._progress.append((now, done))
         while len(self._progress) > 1 and self._progress[1][0] <= now - 3.0:
@@ -375,9 +430,10 @@ class Loop:
                     s.topic("dead_letters"),
                     start=offsets,
                     timeout_s=s.kafka.timeout_s,
+                    limits=BatchLimits.from_settings(s),
                 )
             )
-            return streams[-1]
+            return _StoppableSource(streams[-1], self.stop)
 
         # the samples trigger: most of what this version serves (the policy server serves about
         # samples_per_cycle per version and decision; some never get a reward, e.g. the broken
@@ -408,16 +464,18 @@ class Loop:
             trained=self.trained,
             start=self.offsets,
         )
-        self.offsets = streams[-1].committed_position()
         for st in streams:
             st.close()
+        if self.stop.is_set():  # the step checkpoint holds what was trained; no decision without the whole cycle
+            raise Stopped(f"stopped during cycle {version}")
+        self.offsets = streams[-1].committed_position()
         steps = clickhouse.select(self.ch, self.db, "train_metrics", f"WHERE run_id = '{run_id}' ORDER BY step")
         times["train"] = time.monotonic() - t
         t = time.monotonic()
         path = self.ckpt_root / f"v{version}"
         if not checkpoint.is_complete(path):  # (a resumed cycle may have written it before the crash)
             checkpoint.save(path, self.model, extra={"version": version, "offsets": self.offsets})
-        ev, verdict = run_gate(self.suite, self.model, self.evals[serving], self.evals[0], self.rules)
+        ev, verdict = run_gate(self.suite, self.model, self.evals[serving], self.evals[0], self.rules, training=steps)
         ok, reason = verdict.promote, verdict.reason
         if not steps:
             ok, reason = False, "no micro-batch arrived within the cycle's wall time"
@@ -504,9 +562,11 @@ def announce(settings: Settings, ch, producer: Producer, ck: Checkpoint) -> None
         raise RuntimeError("deployment announcement not acknowledged")
 
 
-def run_loop(settings: Settings, console: Console | None = None) -> list[dict]:
+def run_loop(settings: Settings, console: Console | None = None, resume: bool = False) -> list[dict]:
     """The main job: ``loop.cycles`` cycles on the configured services, then the table and plots
-    (with ``loop.processes``, every part in its own process: :func:`app.supervisor.run_processes`)."""
+    (with ``loop.processes``, every part in its own process: :func:`app.supervisor.run_processes`).
+    Without ``resume`` it starts afresh (:func:`fresh_start`); with it, it continues the run the data
+    folder holds - its decisions, the flows' recovery state, the topics and tables - up to ``loop.cycles``."""
     from app.services import Services
 
     console = console or Console()
@@ -514,9 +574,10 @@ def run_loop(settings: Settings, console: Console | None = None) -> list[dict]:
     if settings.loop.processes:
         from app.supervisor import run_processes
 
-        return run_processes(settings, console)
+        return run_processes(settings, console, resume=resume)
     console.rule("[bold]rtrl main job: the closed loop")
-    fresh_start(settings)
+    if not resume:
+        fresh_start(settings)
     torch.set_num_threads(1)  # the policy server, the flows and the broker share the cores
     t0 = time.monotonic()
     services = Services(settings)
@@ -527,16 +588,19 @@ def run_loop(settings: Settings, console: Console | None = None) -> list[dict]:
             f"broker {services.bootstrap} · ClickHouse {clickhouse.redact(settings.clickhouse_dsn)} · "
             f"training on reward {rv} · {ls.cycles} cycles of {ls.samples_per_cycle:,} samples"
         )
-        loop.initial()
-        console.print(
-            f"v0 (warm start): held-out solve rate {loop.evals[0]['solve_rate']:.3f}, broken calls "
-            f"{loop.evals[0]['broken_tool_call_rate']:.3f}"
-        )
+        if resume and loop.resume():
+            console.print(f"resumed: {loop.version} decisions made, serving v{loop.serving}")
+        else:
+            loop.initial()
+            console.print(
+                f"v0 (warm start): held-out solve rate {loop.evals[0]['solve_rate']:.3f}, broken calls "
+                f"{loop.evals[0]['broken_tool_call_rate']:.3f}"
+            )
         loop.start_flows()
         loop.start_server()
         with cycle_progress(console) as bar:
-            task = bar.add_task("loop", total=ls.cycles, info="")
-            for _ in range(ls.cycles):
+            task = bar.add_task("loop", total=ls.cycles, completed=loop.version, info="")
+            while loop.version < ls.cycles:
                 r = loop.cycle()
                 colour = "green" if r.status == "promoted" else "red"
                 bar.console.print(
@@ -559,8 +623,10 @@ def run_loop(settings: Settings, console: Console | None = None) -> list[dict]:
 def fresh_start(settings: Settings) -> None:
     """On the embedded defaults the main job starts afresh (a previous run's broker, ClickHouse, loop)."""
     if not settings.kafka.bootstrap and not settings.clickhouse.dsn:
-        for part in ("broker", "clickhouse", "loop", "recovery", "logs"):
+        check_cleanable(settings.data_path)  # never a folder rtrl did not mark as its own
+        for part in RUN_PARTS:
             shutil.rmtree(settings.data_path / part, ignore_errors=True)
+    data_folder(settings.data_path)
 
 
 def final_report(settings: Settings, ch, console: Console, t0: float) -> list[dict]:

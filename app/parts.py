@@ -14,6 +14,13 @@
 
 Every part uses the loop's settings (:func:`app.loop.loop_settings`), ``kafka.bootstrap`` and
 ``clickhouse.dsn`` (a server: chdb holds a folder in one process only).
+
+SIGTERM and SIGINT stop every part cleanly with exit code 0: the flows end their input, take a final
+snapshot and keep what is open in it (:class:`flows.kafka_io.Pause`), the policy server flushes its
+rollouts and events, and the trainer stops before its next step and checkpoints what it trained (it
+makes no decision on a half cycle). A restart continues from there, losing and repeating nothing.
+A short ClickHouse outage (the supervisor restarting the embedded front) is waited out: the flows'
+sinks retry, and the trainer's calls are retried (:class:`PatientClickHouse`).
 """
 
 from __future__ import annotations
@@ -21,9 +28,13 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
+from rtrl.errors import RtrlError, ServiceUnavailable
+from rtrl.files import private_dir
 from rtrl.settings import Settings, load_settings
 
 PARTS = ("rewards", "batches", "serve", "train")
@@ -35,10 +46,16 @@ def recovery_path(settings: Settings, name: str) -> Path:
     return Path(setting or settings.data_path / "recovery" / name)
 
 
-def run_flow(settings: Settings, name: str, bootstrap: str, workers: int = 1) -> None:
-    """A flow under ``bytewax.run``'s driver with recovery in ``<data_dir>/recovery/<name>`` (or the setting)."""
+def run_flow(
+    settings: Settings, name: str, bootstrap: str, workers: int = 1, stop: threading.Event | None = None
+) -> None:
+    """A flow under ``bytewax.run``'s driver with recovery in ``<data_dir>/recovery/<name>`` (or the setting).
+    It runs until the end of its topics (``tail`` off), or until ``stop`` - by default SIGTERM or SIGINT
+    (:func:`flows.kafka_io.stop_on_signals`): a clean stop with a final snapshot, then a normal return."""
     from bytewax.recovery import RecoveryConfig, init_db_dir
     from bytewax.run import cli_main
+
+    from flows.kafka_io import stop_on_signals
 
     if name == "rewards":
         from flows.reward_flow import build_flow
@@ -46,10 +63,10 @@ def run_flow(settings: Settings, name: str, bootstrap: str, workers: int = 1) ->
         from flows.batch_flow import build_flow
     recovery = recovery_path(settings, name)
     if not recovery.exists() or not any(recovery.iterdir()):
-        recovery.mkdir(parents=True, exist_ok=True)
+        private_dir(recovery)
         init_db_dir(recovery, 1)
     cli_main(
-        build_flow(settings, bootstrap=bootstrap),
+        build_flow(settings, bootstrap=bootstrap, stop=stop if stop is not None else stop_on_signals()),
         workers_per_process=workers,
         epoch_interval=timedelta(seconds=settings.flow.snapshot_s),
         recovery_config=RecoveryConfig(str(recovery), backup_interval=timedelta(0)),
@@ -64,7 +81,8 @@ def _stop_on_term() -> threading.Event:
 
 
 def serve(settings: Settings, bootstrap: str) -> None:
-    """The policy server until SIGTERM (which flushes its rollouts and the SDK's events)."""
+    """The policy server until SIGTERM or SIGINT (which flushes its rollouts and the SDK's events)."""
+    stop = _stop_on_term()  # before the slow start: a signal during it is a clean stop too
     import os
     import time
 
@@ -82,37 +100,89 @@ def serve(settings: Settings, bootstrap: str) -> None:
     seed = settings.loop.seed * 1_000_003 + os.getpid() + time.time_ns() % 1_000_000
     server = policy_server(settings, bootstrap, client, seed)
     try:
-        serve_until(server, settings.loop, _stop_on_term())
+        serve_until(server, settings.loop, stop)
     finally:
         server.close()
         client.close()
 
 
-def train(settings: Settings, bootstrap: str) -> None:
-    """The trainer and eval gate until ``loop.cycles`` decisions exist (resuming whatever was done)."""
-    import torch
+class PatientClickHouse:
+    """A ClickHouse client that waits out a short outage of its server: a call that fails for want of a
+    connection is retried (with a new client) until ``patience_s`` have passed, then reported as one
+    ServiceUnavailable naming the address. Only for idempotent use: the tables replace replayed rows."""
 
-    from app.loop import Loop
+    def __init__(self, dsn: str, timeout_s: float, patience_s: float):
+        from rtrl import clickhouse
+
+        self._connect = lambda: clickhouse.connect(dsn, timeout_s)
+        self._where, self._patience_s = clickhouse.redact(dsn), patience_s
+        self._client: Any = None
+        self._call(lambda: None, "connect")
+
+    def _call(self, fn: Any, name: str) -> Any:
+        from clickhouse_connect.driver.exceptions import OperationalError
+
+        deadline = time.monotonic() + self._patience_s
+        while True:
+            try:
+                if self._client is None:
+                    self._client = self._connect()
+                return fn()
+            except (OperationalError, ServiceUnavailable, ConnectionError) as e:
+                self._client = None  # a new client (and connection) for the next try
+                if time.monotonic() > deadline:
+                    raise ServiceUnavailable(
+                        f"ClickHouse at {self._where} did not come back within {self._patience_s:g}s "
+                        f"({name}: {type(e).__name__})"
+                    ) from None
+                time.sleep(0.5)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return lambda *a, **kw: self._call(lambda: getattr(self._client, name)(*a, **kw), name)
+
+
+def clickhouse_for_part(settings: Settings) -> Any:
+    """The part's ClickHouse client: patient with a server (the supervisor may be restarting it), plain with chdb."""
     from rtrl import clickhouse
 
+    dsn, timeout_s = settings.clickhouse_dsn, settings.clickhouse.timeout_s
+    if dsn.startswith("chdb://"):
+        return clickhouse.connect(dsn, timeout_s)
+    return PatientClickHouse(dsn, timeout_s, patience_s=max(60.0, 3 * timeout_s))
+
+
+def train(settings: Settings, bootstrap: str) -> None:
+    """The trainer and eval gate until ``loop.cycles`` decisions exist (resuming whatever was done),
+    or until SIGTERM/SIGINT (then it checkpoints what it trained and returns)."""
+    stop = _stop_on_term()  # before the slow imports and the warm start: a signal then is a clean stop too
+    import torch
+
+    from app.loop import Loop, Stopped
+
     torch.set_num_threads(1)
-    ch = clickhouse.connect(settings.clickhouse_dsn, settings.clickhouse.timeout_s)
-    loop = Loop(settings, bootstrap, ch, serve=False)
+    loop = Loop(settings, bootstrap, clickhouse_for_part(settings), serve=False)
+    loop.stop = stop  # ends the trainer's waits and its cycle before the next step
     try:
         if loop.resume():
             print(f"resumed: {loop.version} decisions made, serving v{loop.serving}", flush=True)
-        else:
+        elif not stop.is_set():
             loop.initial()
             print(f"v0 (warm start): held-out solve rate {loop.evals[0]['solve_rate']:.3f}", flush=True)
-        while loop.version < settings.loop.cycles:
+        while loop.version < settings.loop.cycles and not stop.is_set():
             r = loop.cycle()
             print(
                 f"v{r.version} <- v{r.parent}: {r.status} after {len(r.steps)} steps "
                 f"({r.seconds['train']:.0f}s): {r.reason}",
                 flush=True,
             )
+    except Stopped as e:
+        print(f"{e}: the step checkpoint holds what was trained; a restart resumes there", flush=True)
     finally:
         loop.close()
+    if stop.is_set():
+        print("stopped cleanly", flush=True)
 
 
 def main(argv: list[str] | None = None, settings: Settings | None = None) -> int:
@@ -122,13 +192,17 @@ def main(argv: list[str] | None = None, settings: Settings | None = None) -> int
         print(f"usage: python -m app.parts {'|'.join(PARTS)}  (flows: --to-end)", file=sys.stderr)
         return 2
     from app.loop import loop_settings
-    from app.services import bootstrap_for
+    from app.services import preflight
 
-    settings = loop_settings(settings or load_settings())
-    if to_end:
-        settings = settings.updated({"flow.tail": False, "batching.tail": False})
-    bootstrap = bootstrap_for(settings)
     name = argv[0]
+    try:  # settings and services checked before the long work (a warm start, a flow's recovery)
+        settings = loop_settings(settings or load_settings())
+        if to_end:
+            settings = settings.updated({"flow.tail": False, "batching.tail": False})
+        bootstrap = preflight(settings, clickhouse_too=name != "serve")
+    except RtrlError as e:
+        print(f"error: part {name}: {e}", file=sys.stderr)
+        return 2
     if name in ("rewards", "batches"):
         run_flow(settings, name, bootstrap)
     elif name == "serve":

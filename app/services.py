@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rtrl import clickhouse
-from rtrl.kafka import ensure_topics_for
+from rtrl.files import data_folder
+from rtrl.kafka import check_broker, ensure_topics_for
 from rtrl.settings import Settings
 
 if TYPE_CHECKING:
@@ -29,11 +30,18 @@ def local_broker(data_dir: Path, port: int | None = None) -> LocalBroker:
     return LocalBroker(data_dir, port=port)
 
 
-def spawn_embedded_clickhouse(folder: str, log: Path) -> tuple[subprocess.Popen, str]:
-    """The embedded ClickHouse folder behind its HTTP front in its own process: (process, http DSN)."""
+def spawn_embedded_clickhouse(
+    folder: str, log: Path, *, port: int = 0, fresh_tokens: bool = True
+) -> tuple[subprocess.Popen, str]:
+    """The embedded ClickHouse folder behind its HTTP front in its own process: (process, writer's DSN).
+
+    The DSN (``http://rtrl_writer@127.0.0.1:P/?password_file=…``) names the owner-only file of the run's
+    token, never the token: pass it on as ``clickhouse.dsn`` and :func:`rtrl.clickhouse.connect` reads the
+    file. To restart a front that died without disturbing its clients, pass its ``port`` and
+    ``fresh_tokens=False``: same DSN, same token."""
     from devservices import chserver
 
-    return chserver.spawn(folder, log=log)
+    return chserver.spawn(folder, log=log, port=port, fresh_tokens=fresh_tokens)
 
 
 def serve_embedded_clickhouse(argv: list[str]) -> Any:
@@ -44,16 +52,31 @@ def serve_embedded_clickhouse(argv: list[str]) -> Any:
 
 
 def bootstrap_for(settings: Settings) -> str:
-    """``kafka.bootstrap`` if set, else the local broker under ``data_dir/broker`` (started or reused)."""
+    """``kafka.bootstrap`` if set (checked: ServiceUnavailable naming it unless a broker answers within
+    ``kafka.timeout_s``), else the local broker under ``data_dir/broker`` (started or reused)."""
     if settings.kafka.bootstrap:
+        check_broker(settings.kafka.bootstrap, settings.kafka.timeout_s)
         return settings.kafka.bootstrap
     return local_broker(settings.data_path / "broker").up(timeout_s=max(30.0, settings.kafka.timeout_s))
+
+
+def preflight(settings: Settings, *, clickhouse_too: bool = True) -> str:
+    """Before any long work (a warm start, a flow, a training run): the data folder made owner-only, the
+    broker checked (its bootstrap returned) and, with ``clickhouse_too``, a ClickHouse server answering
+    ``/ping`` within ``clickhouse.timeout_s``. Each failure is one ServiceUnavailable naming the address."""
+    data_folder(settings.data_path)
+    bootstrap = bootstrap_for(settings)
+    dsn = settings.clickhouse_dsn
+    if clickhouse_too and dsn.startswith(("http://", "https://")):
+        clickhouse.ping(dsn, settings.clickhouse.timeout_s)
+    return bootstrap
 
 
 class Services:
     """The broker (local noida-db unless ``kafka.bootstrap`` is set) and ClickHouse, set up and migrated."""
 
     def __init__(self, settings: Settings):
+        data_folder(settings.data_path)  # owner-only: the broker's control token and every reward live there
         self.local_broker: LocalBroker | None = None
         if settings.kafka.bootstrap:
             self.bootstrap = settings.kafka.bootstrap

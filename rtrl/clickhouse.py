@@ -14,15 +14,19 @@ import functools
 import hashlib
 import re
 import threading
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import clickhouse_connect
 import pyarrow as pa
 
 from rtrl.errors import ConfigError, SchemaMismatch, ServiceUnavailable
+from rtrl.files import private_dir
 from rtrl.settings import redact_dsn
 from schemas.records import (
     BatchStats,
@@ -52,6 +56,20 @@ TABLES: dict[str, type] = {
     "batch_stats": BatchStats,
 }
 
+#: what a read-only analyst may SELECT: the monitors' views, the tables they read, and the tables of
+#: outcomes and decisions (not raw events, rollouts or training data). The analyst role of
+#: deploy/clickhouse/security.sql grants exactly these; the embedded front's analyst user reads only these.
+ANALYST_TABLES = (
+    "behaviour",
+    "reward_stats",
+    "trajectories",
+    "rewards",
+    "checkpoints",
+    "dead_letters",
+    "train_metrics",
+    "batch_stats",
+)
+
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -65,13 +83,14 @@ def _prepare_chdb_dir(dsn: str) -> None:
         return
     folder = Path(path)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        private_dir(folder)  # every reward is in there: owner-only
         probe = folder / ".rtrl-write-probe"
         probe.write_text("ok")
         probe.unlink()
-    except OSError as e:
+    except (OSError, ConfigError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).split(";")[0]
         raise ConfigError(
-            f"ClickHouse data folder {folder} is not writable ({e.strerror or e}); "
+            f"ClickHouse data folder {folder} is not writable ({why}); "
             "fix: set clickhouse.dsn (RTRL_CLICKHOUSE__DSN) to chdb:///a/writable/folder, or data_dir to a writable folder"
         ) from None
 
@@ -125,18 +144,80 @@ def connect(dsn: str, timeout_s: float = 10.0) -> Any:
                 ) from None
             raise ServiceUnavailable(f"embedded ClickHouse at {dsn} could not be opened: {text}") from None
     if dsn.startswith(("http://", "https://")):
+        ping(dsn, timeout_s)  # bounded: the client's own first query would wait send_receive_timeout, twice
+        dsn, password = split_password_file(dsn)
         try:
             client = clickhouse_connect.get_client(
-                dsn=dsn, connect_timeout=timeout_s, send_receive_timeout=max(timeout_s, 30.0)
+                dsn=dsn, password=password or "", connect_timeout=timeout_s, send_receive_timeout=max(timeout_s, 30.0)
             )
             client.command("SELECT 1")
             return client
         except Exception as e:
+            if "AUTHENTICATION_FAILED" in str(e) or "Code: 516" in str(e):
+                raise ConfigError(
+                    f"ClickHouse server at {redact(dsn)} refused the credentials; fix: set the user in "
+                    "clickhouse.dsn and its password in the file named by clickhouse.password_file"
+                ) from None
             raise ServiceUnavailable(
                 f"ClickHouse server at {redact(dsn)} did not answer within {timeout_s:g}s ({type(e).__name__}); "
                 "fix: start it or point clickhouse.dsn (RTRL_CLICKHOUSE__DSN) at a reachable server"
             ) from None
     raise ConfigError(f"clickhouse.dsn {dsn!r} must start with chdb:// or http(s)://")
+
+
+def split_password_file(dsn: str) -> tuple[str, str | None]:
+    """``dsn`` without its ``password_file=PATH`` parameter, and the password read from that file (None
+    without one): the DSN, environment and command lines then carry the path, never the secret."""
+    u = urlsplit(dsn)
+    pairs = parse_qsl(u.query, keep_blank_values=True)
+    files = [v for k, v in pairs if k == "password_file"]
+    if not files:
+        return dsn, None
+    try:
+        password = Path(files[-1]).read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(
+            f"cannot read the ClickHouse password file {files[-1]} ({getattr(e, 'strerror', None) or e}); "
+            "fix: point clickhouse.password_file at a readable file holding the password"
+        ) from None
+    rest = urlencode([(k, v) for k, v in pairs if k != "password_file"])
+    return urlunsplit(u._replace(query=rest)), password
+
+
+def ping(dsn: str, timeout_s: float) -> None:
+    """``GET /ping`` on the server of ``dsn``; ServiceUnavailable unless it answers ``Ok.`` within ``timeout_s``
+    in all (connect, send and a server that accepts and then says nothing or drips bytes)."""
+    u = urlsplit(dsn)
+    url = f"{u.scheme}://{u.hostname}:{u.port or (8443 if u.scheme == 'https' else 8123)}/ping"
+    answer: list[Any] = []
+
+    def probe() -> None:
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 - http(s) checked above
+                answer.append(r.read(64))
+        except Exception as e:  # noqa: BLE001 - reported below, by type
+            answer.append(e)
+
+    t = threading.Thread(target=probe, name="rtrl-ch-ping", daemon=True)
+    t.start()
+    t.join(timeout_s)  # the socket timeout ends the thread soon after, on its own
+    got = answer[0] if answer else None
+    if isinstance(got, bytes) and got.strip() == b"Ok.":
+        return
+    if got is None:
+        why = "no answer"
+    elif isinstance(got, urllib.error.HTTPError):
+        why = f"HTTP {got.code} on /ping"
+    elif isinstance(got, urllib.error.URLError):
+        why = str(got.reason)
+    elif isinstance(got, Exception):
+        why = f"{type(got).__name__}: {got}"
+    else:
+        why = f"/ping answered {got[:20]!r}"
+    raise ServiceUnavailable(
+        f"ClickHouse server at {redact(dsn)} did not answer within {timeout_s:g}s ({why}); "
+        "fix: start it or point clickhouse.dsn (RTRL_CLICKHOUSE__DSN) at a reachable server"
+    )
 
 
 def _check_name(database: str) -> str:

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal, cast
+from urllib.parse import urlencode, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
@@ -36,6 +37,9 @@ ENV_PREFIX = "RTRL_"
 ENV_CONFIG_FILE = "RTRL_CONFIG"
 #: settings whose values are secrets: shown as ``***`` by describe() and repr
 SECRETS = ("sdk.salt",)
+#: the SDK's salt when none is set: public (it is in this file), so refused outside local mode
+DEFAULT_SALT = "rtrl-local-dev-salt"
+_LOOPBACK = ("localhost", "127.0.0.1", "::1", "[::1]", "")
 
 
 def _s(default: Any, help: str, **constraints: Any) -> Any:
@@ -49,9 +53,10 @@ def redact_dsn(dsn: str) -> str:
 
 
 class Section(BaseModel):
-    """One component's settings: unknown keys are errors; assignments are validated too."""
+    """One component's settings: unknown keys are errors; assignments are validated too; numbers are finite
+    (an infinite timeout or a NaN rate is a typo, never a wish)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 # ---------------------------------------------------------------- foundation: services
@@ -88,6 +93,8 @@ class KafkaSettings(Section):
             host, _, port = part.strip().rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"must be host:port[,host:port...]; {part.strip()!r} is not")
+            if not 0 < int(port) < 65536:
+                raise ValueError(f"has port {port} in {part.strip()!r}: a port is 1..65535")
         return v
 
     @model_validator(mode="after")
@@ -104,11 +111,22 @@ class ClickHouseSettings(Section):
     dsn: str = _s("", "ClickHouse DSN; empty = embedded chdb:///<data_dir>/clickhouse")
     database: str = _s("rtrl", "database holding rtrl's tables", pattern=r"^[A-Za-z0-9_]+$")
     timeout_s: float = _s(10.0, "seconds to wait for a ClickHouse server before reporting it unreachable", gt=0)
+    password_file: str = _s(
+        "",
+        "file holding the password of the DSN's user, read when connecting (the DSN and environment then carry "
+        "no secret; same as a password_file=PATH parameter in the DSN); empty = the DSN's own",
+    )
 
     @field_validator("dsn")
     @classmethod
     def _dsn(cls, v: str) -> str:
-        if v == "" or v.startswith(("chdb://", "http://", "https://")):
+        if v.startswith(("http://", "https://")):
+            try:
+                urlsplit(v).port  # noqa: B018 - raises on a port outside 1..65535 or not a number
+            except ValueError:
+                raise ValueError(f"has a bad port in {redact_dsn(v)!r}: a port is 1..65535") from None
+            return v
+        if v == "" or v.startswith("chdb://"):
             return v
         raise ValueError(
             "must be empty (embedded chdb under data_dir), chdb:///abs/path, chdb://memory or http(s)://host:port"
@@ -121,7 +139,11 @@ class ClickHouseSettings(Section):
 
 class SdkSettings(Section):
     salt: str = _s(
-        "rtrl-local-dev-salt", "secret salt for hashing user ids; set your own in production", min_length=8, repr=False
+        DEFAULT_SALT,
+        "secret salt for hashing user ids; the default is public and refused outside local mode (services "
+        "not on loopback): set your own, e.g. with RTRL_SDK__SALT",
+        min_length=8,
+        repr=False,
     )
     queue_size: int = _s(100_000, "events the SDK buffers before it drops (and counts) new ones", gt=0)
     linger_ms: int = _s(5, "producer linger: how long to wait to fill a batch", ge=0)
@@ -200,6 +222,28 @@ class LossSettings(Section):
     is_cap: float = _s(2.0, "cap of an off-policy token's importance weight", ge=1)
     kl_coef: float = _s(0.01, "weight of the k3 KL term to the reference model (0 = off)", ge=0)
     norm_tokens: int = _s(0, "constant loss normaliser (Dr. GRPO); 0 = micro-batches x rows x seq_len of a step", ge=0)
+    log_ratio_clamp: float = _s(
+        20.0, "clamp log-ratios (trainer vs behaviour, reference vs trainer) to +-this before exp (0 = off)", ge=0
+    )
+    dual_clip: float = _s(
+        3.0, "dual-clip: a negative-advantage token's loss is at most this x |advantage| (> 1; 0 = off)", ge=0
+    )
+    k3_clamp: float = _s(10.0, "clamp each token's k3 KL to at most this (0 = off)", ge=0)
+    seq_ratio_guard: Literal["off", "mask", "truncate"] = _s(
+        "off",
+        "per-sequence importance-ratio guard on the geometric-mean ratio to the behaviour policy: "
+        "mask (drop sequences outside [seq_ratio_low, seq_ratio_high]), truncate (cap a sequence's "
+        "weight at seq_ratio_high) or off",
+    )
+    seq_ratio_low: float = _s(0.5, "lower end of the sequence guard's band of geometric-mean ratios", gt=0, le=1)
+    seq_ratio_high: float = _s(2.0, "upper end of the sequence guard's band of geometric-mean ratios", ge=1)
+
+    @field_validator("dual_clip")
+    @classmethod
+    def _dual_clip(cls, v: float) -> float:
+        if v != 0 and not v > 1:
+            raise ValueError("must be > 1 (a bound below the ratio 1 would clip on-policy tokens), or 0 = off")
+        return v
 
 
 class TrainSettings(Section):
@@ -307,6 +351,20 @@ class LoopSettings(Section):
     )
     eval_tasks: int = _s(200, "held-out tasks of the eval suite", gt=0)
     solve_tolerance: float = _s(0.03, "largest tolerated drop of the held-out solve rate before a rejection", ge=0)
+    mismatch_log_ratio_max: float = _s(
+        15.0,
+        "training-inference mismatch alert: a candidate trained by a step whose largest |trainer - behaviour "
+        "log-prob| on on-policy tokens exceeded this is refused (it includes the policy's drift within a cycle: "
+        "up to ~7 seen on the defaults); 0 = off",
+        ge=0,
+    )
+    mismatch_k3_max: float = _s(
+        0.0,
+        "training-inference mismatch alert on a step's mean k3 KL between behaviour and trainer log-probs on "
+        "on-policy tokens; 0 = off (the default: within the loop's many-step cycles one drifted token, e^5.6, "
+        "gave a step 2.4 where the median is 0.03; set it where a version trains few steps)",
+        ge=0,
+    )
     ab_share: float = _s(
         0.0,
         "A/B mode: share of traffic a candidate that passed the evals serves before the "
@@ -333,6 +391,19 @@ class LoopSettings(Section):
         "run each part (reward flow, batch flow, policy server, trainer) as its own process "
         "under a supervisor that restarts any that dies; ClickHouse is then served to them "
         "by devservices.chserver",
+    )
+    max_restarts: int = _s(
+        5,
+        "with loop.processes: restarts of one part (or the embedded ClickHouse front) allowed within "
+        "loop.restart_window_s; one more death in that window ends the run (systemd's StartLimitBurst)",
+        ge=0,
+    )
+    restart_window_s: float = _s(
+        60.0,
+        "with loop.processes: the sliding window over which loop.max_restarts is counted, per part "
+        "(systemd's StartLimitIntervalSec): a part that crashes now and then is restarted for ever",
+        gt=0,
+        allow_inf_nan=False,
     )
 
     @field_validator("warm_right_easy")
@@ -374,7 +445,12 @@ class Settings(BaseSettings):
     """Every rtrl setting; a section per component."""
 
     model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", validate_assignment=True, case_sensitive=False
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_assignment=True,
+        case_sensitive=False,
+        allow_inf_nan=False,
     )
 
     data_dir: str = _s(".rtrl", "folder for local state: broker data, embedded ClickHouse, reports")
@@ -404,13 +480,48 @@ class Settings(BaseSettings):
         # the environment wins over what load_settings passes in (the TOML file), which wins over defaults
         return (_Env(settings_cls), init_settings)
 
+    @field_validator("data_dir")
+    @classmethod
+    def _data_dir(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must name a folder: an empty data_dir would be the current folder, which rtrl run cleans")
+        p = Path(v).expanduser().resolve()
+        if p == Path(p.anchor) or p == Path.home().resolve():
+            raise ValueError(f"resolves to {p}: rtrl keeps (and cleans) its state there; use a folder of its own")
+        return v
+
+    @model_validator(mode="after")
+    def _salt(self) -> Settings:
+        if self.sdk.salt == DEFAULT_SALT and not self.local:
+            raise ValueError(
+                "sdk.salt is the public default while the services are not local (kafka.bootstrap "
+                f"{self.kafka.bootstrap!r}, clickhouse.dsn {redact_dsn(self.clickhouse.dsn)!r}): anyone could "
+                "recompute the user hashes; fix: set sdk.salt to a secret of your own with RTRL_SDK__SALT"
+            )
+        return self
+
+    @property
+    def local(self) -> bool:
+        """Local mode: every service is embedded or on loopback (where the public default salt is allowed)."""
+        hosts = [p.strip().rpartition(":")[0] for p in self.kafka.bootstrap.split(",") if p.strip()]
+        dsn = self.clickhouse.dsn
+        if dsn.startswith(("http://", "https://")):
+            hosts.append(urlsplit(dsn).hostname or "")
+        return all(h.lower() in _LOOPBACK for h in hosts)
+
     @property
     def data_path(self) -> Path:
         return Path(self.data_dir).expanduser().resolve()
 
     @property
     def clickhouse_dsn(self) -> str:
-        return self.clickhouse.dsn or f"chdb://{self.data_path / 'clickhouse'}"
+        dsn = self.clickhouse.dsn or f"chdb://{self.data_path / 'clickhouse'}"
+        if self.clickhouse.password_file and dsn.startswith("http") and "password_file=" not in dsn:
+            # rtrl.clickhouse.connect reads the password from the file named in the DSN
+            dsn += ("&" if "?" in dsn else ("?" if dsn.count("/") > 2 else "/?")) + urlencode(
+                {"password_file": self.clickhouse.password_file}
+            )
+        return dsn
 
     def topic(self, name: str) -> str:
         """Full topic name for a logical name such as ``events``."""
@@ -482,6 +593,7 @@ _MESSAGES = {
     "too_short": "must have at least {min_length} item(s)",
     "string_pattern_mismatch": "may only contain letters, digits, '.', '_' and '-'",
     "literal_error": "must be one of {expected}",
+    "finite_number": "must be a finite number (not inf or nan)",
 }
 
 
@@ -499,18 +611,21 @@ def _validate(build, source_of: Any, sources: Mapping[str, str]) -> Settings:
             text = str(e.get("ctx", {}).get("error", e["msg"]))
         else:
             text = _MESSAGES.get(e["type"], e["msg"]).format(**e.get("ctx", {}))
-        if not loc[1:]:  # a check across the section's settings: its message names them
+        if not loc:  # a check across sections: its message names the settings and the fix
+            raise ConfigError(f"settings: {text}") from None
+        if not loc[1:] and loc[0] in SECTIONS:  # a check across the section's settings: its message names them
             raise ConfigError(f"settings [{loc[0]}]: {text} (from {sources.get(loc[0], source_of)})") from None
         value = e.get("input")
         shown = "***" if name in SECRETS else redact_dsn(value) if isinstance(value, str) else value
         helps = (
             cast("type[BaseModel]", Settings.model_fields[loc[0]].annotation).model_fields.get(loc[1])  # a model
             if loc[0] in SECTIONS
-            else None
+            else Settings.model_fields.get(loc[0])
         )
+        where = f"under [{loc[0]}]" if loc[1:] else "at its top"
         raise ConfigError(
             f"setting {name} = {shown!r} {text} (from {sources.get(name, source_of)}); fix: give {name} a valid "
-            f"value in the config file under [{loc[0]}] or with {env_name(name)}"
+            f"value in the config file {where} or with {env_name(name)}"
             + (f" ({helps.description})" if helps is not None and helps.description else "")
         ) from None
 
@@ -525,10 +640,20 @@ def load_settings(path: str | os.PathLike | None = None, env: Mapping[str, str] 
     if path is not None:
         p = Path(path)
         try:
-            doc = tomllib.loads(p.read_text())
+            doc = tomllib.loads(p.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(
                 f"config file {p} does not exist; fix: pass an existing file or unset {ENV_CONFIG_FILE}"
+            ) from None
+        except IsADirectoryError:
+            raise ConfigError(f"config file {p} is a folder; fix: pass the TOML file itself") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"config file {p} is not UTF-8 text (byte {e.start}); fix: save it as UTF-8 TOML"
+            ) from None
+        except OSError as e:
+            raise ConfigError(
+                f"config file {p} cannot be read ({e.strerror or e}); fix: check its permissions"
             ) from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from None

@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rtrl import clickhouse
 from rtrl.settings import Settings
 from schemas.records import TrainStep
+from trainer.batch import BatchLimits
 from trainer.config import check_input_shapes, model_config
 from trainer.data import BatchStream
 from trainer.model import build_model, init_parallel
@@ -77,6 +78,7 @@ def run(settings: Settings, bootstrap: str, console: Console | None = None) -> l
                 info.dp,
                 start=offsets,
                 timeout_s=settings.kafka.timeout_s,
+                limits=BatchLimits.from_settings(settings),
             )
         )
         return streams[-1]
