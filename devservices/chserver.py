@@ -14,15 +14,18 @@ What it speaks: ``GET``/``POST /?query=…`` (the query text from the URL and/or
 ClickHouse concatenates them), ``database``, ``default_format``, ``param_*``, ``readonly`` and
 ``max_execution_time`` query parameters (other settings in the URL are accepted and ignored), request
 bodies compressed with lz4/zstd/gzip/deflate, chunked bodies, ``INSERT … FORMAT F`` / ``VALUES`` with
-the data in the body or inline (written to a private file and inserted ``FROM INFILE``), ``/ping``,
-errors with ``X-ClickHouse-Exception-Code`` and ClickHouse's message. Statements run one at a time.
+the data in the body or inline (written to a private file and inserted ``FROM INFILE``; small ``VALUES``
+data runs as ``INSERT … SELECT * FROM values(<data>)``, so its expressions are checked like any statement's,
+and larger data is read as literals only), ``/ping``, errors with ``X-ClickHouse-Exception-Code`` and
+ClickHouse's message. Statements run one at a time; a request waits at most ``queue_timeout_s`` for the
+engine (then 503, code 202).
 
 Safe by default (each point tested in tests/test_chserver_security.py):
 
 - It binds to loopback only.
 - Every request but ``/ping`` authenticates as ClickHouse's HTTP does (basic auth, ``X-ClickHouse-User``
-  / ``X-ClickHouse-Key`` or ``user``/``password`` parameters), checked in constant time; else 401 with
-  code 516. Two users: :data:`WRITER` (the flows, trainer and tools) and :data:`ANALYST` (``readonly=1``:
+  / ``X-ClickHouse-Key`` or ``user``/``password`` parameters), checked in constant time from the request
+  line and headers before any of the body is read; else 401 with code 516. Two users: :data:`WRITER` (the flows, trainer and tools) and :data:`ANALYST` (``readonly=1``:
   read statements on :data:`rtrl.clickhouse.ANALYST_TABLES` only, the grants of the analyst role in
   deploy/clickhouse/security.sql). Their tokens are random per run, in owner-only files (``0600`` in a
   ``0700`` folder, :func:`rtrl.files.write_private`) that clients read (``password_file``), never in a
@@ -37,22 +40,26 @@ Safe by default (each point tested in tests/test_chserver_security.py):
   the URL) may only run read statements (else code 164) and the engine enforces ``readonly=1`` too.
 - Each request runs in a fresh engine session with its own database and settings: one client's
   ``USE`` or ``SET`` ends with its request.
+- A read-only request's tables are checked in the tree (or EXPLAIN AST's text for DESCRIBE, SHOW CREATE,
+  EXISTS); a CTE named like a real table, or holding a dot, is refused.
 - Caps (:class:`Limits`): body size, decompressed size (inflated in steps, refused as soon as it
-  passes the cap), the time to read a request (a byte-a-second client is cut off), concurrent
-  connections (bounded worker threads; the excess get 503 at once) and ``max_execution_time``.
+  passes the cap; at most ``max_inflating`` bodies at once), the time to read the headers and then the
+  body (a byte-a-second client is cut off), concurrent connections (bounded worker threads; the excess
+  get 503 at once), the wait for the engine and ``max_execution_time``: no ``SETTINGS`` or ``SET`` may
+  lift or change it (code 452), only lower it.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
-import gzip
 import hmac
 import io
 import ipaddress
 import json
 import re
 import secrets
+import shutil
 import socket
 import sys
 import tempfile
@@ -102,6 +109,19 @@ INTROSPECTION_KINDS = READ_KINDS - {"SelectWithUnionQuery", "SelectIntersectExce
 REFUSED_KINDS = frozenset({"SystemQuery", "KillQueryQuery", "BackupQuery"})
 #: the keys an INSERT whose data comes in the request may have in its tree
 _DATA_INSERT_KEYS = frozenset({"type", "database", "table", "columns", "format"})
+#: settings that bound a statement's time: a statement may only lower max_execution_time (within the cap)
+TIME_SETTINGS = frozenset(
+    {"max_execution_time", "max_execution_time_leaf", "timeout_overflow_mode", "timeout_overflow_mode_leaf"}
+    | {"timeout_before_checking_execution_speed", "max_estimated_execution_time"}
+)
+#: what every session runs first: VALUES data is read as literals (never evaluated: ``file()`` in data)
+SESSION_SETTINGS = ("input_format_values_interpret_expressions", "input_format_values_deduce_templates_of_expressions")
+#: functions whose right argument, a bare identifier, names a table (``x IN t``)
+_IN_FUNCTIONS = frozenset(
+    {"in", "notin", "globalin", "globalnotin", "nullin", "notnullin", "globalnullin", "globalnotnullin"}
+)
+#: introspection statements whose first EXPLAIN AST line names a table: ``Kind db name``
+_NAMED_TABLE_KINDS = frozenset({"ShowCreateTableQuery", "ShowCreateViewQuery", "ExistsTableQuery", "ExistsViewQuery"})
 
 _CODE = re.compile(r"Code:\s*(\d+)")
 _DATA_START = re.compile(rb"\bVALUES\b|\bFORMAT\s+[A-Za-z0-9_]+", re.IGNORECASE)
@@ -119,6 +139,9 @@ class Limits:
     read_timeout_s: float = 30.0  #: to read one request, headers and body (also a keep-alive's idle time)
     max_connections: int = 64  #: connections served at once (one thread each); the excess get 503
     max_execution_time_s: float = 300.0  #: default and ceiling of a statement's max_execution_time
+    header_timeout_s: float = 10.0  #: to read a request's line and headers (at most read_timeout_s)
+    queue_timeout_s: float = 30.0  #: to wait for the engine (statements run one at a time); then 503
+    max_inflating: int = 2  #: compressed request bodies inflated at once (the others wait, then 503)
 
 
 class RequestError(Exception):
@@ -175,17 +198,36 @@ def dsn_for(host: str, port: int, auth_dir: str | Path, user: str = WRITER) -> s
 
 
 class _Inflate:
-    """zlib/deflate as a reader that inflates at most ``n`` bytes per read."""
+    """zlib/deflate as a reader that inflates at most ``n`` bytes per read, across concatenated members
+    (as gzip allows); a stream that ends inside a member is an error, not silently shorter data."""
 
     def __init__(self, data: bytes):
         self.d, self.rest = zlib.decompressobj(zlib.MAX_WBITS | 32), data  # zlib or gzip header
+        self.done = not data
 
     def read(self, n: int) -> bytes:
-        if self.d.eof:
-            return b""
-        out = self.d.decompress(self.rest, n)
-        self.rest = self.d.unconsumed_tail
-        return out
+        for _ in range(len(self.rest) + 2):  # each turn consumes input or ends: bounded by the data
+            if self.done:
+                return b""
+            if self.d.eof:  # the rest of the input is in unused_data (unconsumed_tail repeats it)
+                self.rest = self.d.unused_data
+                if not self.rest:
+                    self.done = True
+                    return b""
+                self.d = zlib.decompressobj(zlib.MAX_WBITS | 32)  # the next member
+            before = len(self.rest)
+            try:
+                out = self.d.decompress(self.rest, n)
+            except zlib.error as e:
+                raise RequestError(
+                    400, 354, "CANNOT_DECOMPRESS", f"the compressed request body is malformed: {e}"
+                ) from None
+            self.rest = self.d.unconsumed_tail
+            if out:
+                return out
+            if not self.d.eof and len(self.rest) == before:
+                raise RequestError(400, 354, "CANNOT_DECOMPRESS", "the compressed request body ends early")
+        raise RequestError(400, 354, "CANNOT_DECOMPRESS", "the compressed request body is malformed")
 
 
 def decompress(data: bytes, encoding: str, limit: int = Limits.max_decompressed_bytes) -> bytes:
@@ -203,10 +245,8 @@ def decompress(data: bytes, encoding: str, limit: int = Limits.max_decompressed_
         import zstandard
 
         reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True)
-    elif encoding == "gzip":
-        reader = gzip.GzipFile(fileobj=io.BytesIO(data), mode="rb")
-    elif encoding == "deflate":
-        reader = _Inflate(data)
+    elif encoding in ("gzip", "deflate"):
+        reader = _Inflate(data)  # every member, each inflated a step at a time
     else:
         raise ValueError(f"unsupported Content-Encoding {encoding!r} (lz4, zstd, gzip or deflate)")
     out = bytearray()
@@ -243,6 +283,25 @@ class Statement:
     ast: dict | None  #: parseQueryToJSON's tree (None for the few statements it cannot serialise)
     functions: set[str]  #: every function / table function / engine name in it, lower-case
     data: bytes | None = None  #: an INSERT's data (from the body or inline)
+    explain: list[str] | None = None  #: EXPLAIN AST's lines when ``ast`` is None
+
+
+def _explain_tree(lines: list[str]) -> dict:
+    """EXPLAIN AST's indented text as nodes ``{"type", "text", "children"}`` (the root first)."""
+    root: dict = {"type": "", "text": "", "children": []}
+    stack: list[tuple[int, dict]] = [(-1, root)]
+    for line in lines:
+        if not line.strip():
+            continue
+        depth = len(line) - len(line.lstrip(" "))
+        body = re.sub(r"\s*\(children \d+\)$", "", line.strip())
+        kind, _, text = body.partition(" ")
+        node = {"type": kind, "text": text, "children": []}
+        while stack[-1][0] >= depth:
+            stack.pop()
+        stack[-1][1]["children"].append(node)
+        stack.append((depth, node))
+    return root
 
 
 def _walk(node: Any):
@@ -266,8 +325,18 @@ class Policy:
             f"system.{t}" for t in ANALYST_SYSTEM_TABLES
         }
 
-    def check(self, st: Statement, user: str, readonly: bool, database: str) -> None:
-        """Raise RequestError (497 or 164) unless ``user`` may run ``st``."""
+    def check(
+        self,
+        st: Statement,
+        user: str,
+        readonly: bool,
+        database: str,
+        max_time_s: float = Limits.max_execution_time_s,
+        existing: frozenset[tuple[str, str]] = frozenset(),
+    ) -> None:
+        """Raise RequestError (497, 164 or 452) unless ``user`` may run ``st``. ``max_time_s`` is the server's
+        ceiling of max_execution_time; ``existing`` the (database, table) pairs there are (for read-only
+        requests: a CTE may not take a real table's name)."""
         for name in sorted(st.functions):
             if name in self.forbidden or name.startswith(("iceberg", "deltalake", "hudi", "paimon")):
                 raise _denied(
@@ -280,6 +349,7 @@ class Policy:
                 f"{user}: {st.kind} is not available on the embedded ClickHouse front (access control and "
                 "administration belong to a real server: deploy/clickhouse/security.sql)"
             )
+        self._check_settings(st, user, max_time_s)
         for node in _walk(st.ast):
             if "out_file" in node:
                 raise _denied(f"{user}: INTO OUTFILE is refused (it writes a file on the server)")
@@ -299,40 +369,122 @@ class Policy:
         if bad:
             raise _readonly(user, f"{bad[0]} is not available to read-only users")
         if st.ast is not None:
-            for table in sorted(self._tables(st.ast, database)):
-                if table not in self.analyst_tables:
-                    raise _denied(
-                        f"{user}: Not enough privileges. To execute this query, it's necessary to have the grant "
-                        f"SELECT ON {table} (read-only users read {', '.join(sorted(ANALYST_TABLES))})"
-                    )
+            tables = self._tables(st.ast, database, user, existing)
+        else:
+            tables = self._explained_tables(st.explain or [], database, existing)
+        for table in sorted(tables):
+            if table not in self.analyst_tables:
+                raise _denied(
+                    f"{user}: Not enough privileges. To execute this query, it's necessary to have the grant "
+                    f"SELECT ON {table} (read-only users read {', '.join(sorted(ANALYST_TABLES))})"
+                )
 
-    def _tables(self, ast: dict, database: str) -> set[str]:
-        """Every table, view or parameterised view ``ast`` reads, as ``db.name`` (CTE names left out)."""
-        ctes = {n["name"] for n in _walk(ast) if n.get("type") == "WithElement" and "name" in n}
+    def _check_settings(self, st: Statement, user: str, max_time_s: float) -> None:
+        """A statement may lower max_execution_time (SETTINGS or SET), never raise or lift it, nor change how
+        the time limit acts: the server's ceiling holds for every user."""
+
+        def refuse(what: str) -> RequestError:
+            return RequestError(
+                400,
+                452,
+                "SETTING_CONSTRAINT_VIOLATION",
+                f"{user}: {what} (the embedded ClickHouse front caps max_execution_time at {max_time_s:g} s; "
+                "a statement may only lower it)",
+            )
+
+        if st.ast is None:
+            if any(ln.strip() == "Set" for ln in st.explain or []):
+                raise refuse(f"SETTINGS on {st.kind} is not available")
+            return
+        for node in _walk(st.ast):
+            if node.get("type") != "SetQuery":
+                continue
+            for change in node.get("changes", []):
+                name = str(change.get("name", "")).lower()
+                if name not in TIME_SETTINGS:
+                    continue
+                value = (change.get("value") or {}).get("value")
+                try:
+                    seconds = float(value)  # type: ignore[arg-type]
+                except (TypeError, ValueError):
+                    seconds = -1.0
+                if name != "max_execution_time" or not 0 < seconds <= max_time_s:
+                    raise refuse(f"setting {name} to {value!r} is not allowed")
+
+    @staticmethod
+    def _qualified(node: dict, database: str) -> str:
+        """``db.name`` of a table identifier node: qualified only when the engine parsed two parts
+        (a backquoted name holding a dot is a name in ``database``)."""
+        parts = node.get("name_parts")
+        if isinstance(parts, list) and len(parts) == 2:
+            return f"{parts[0]}.{parts[1]}"
+        return f"{database}.{node.get('name')}"
+
+    def _tables(self, ast: dict, database: str, user: str, existing: frozenset[tuple[str, str]]) -> set[str]:
+        """Every table, view or parameterised view ``ast`` reads, as ``db.name``. A bare name that a CTE of
+        the query defines is left out; a CTE name holding a dot or equal to a real table's name is refused
+        (a CTE is visible in its own scope only: a table of that name elsewhere would pass unchecked)."""
+        ctes = {str(n["name"]) for n in _walk(ast) if n.get("type") == "WithElement" and "name" in n}
+        real = {name.lower() for _, name in existing} | {t.lower() for t in ANALYST_TABLES}
+        for cte in sorted(ctes):
+            if "." in cte or cte.lower() in real:
+                raise _denied(
+                    f"{user}: a CTE named {cte!r} is refused for read-only users (it names or shadows a table)"
+                )
         found = set()
         for node in _walk(ast):
-            name = None
+            ref = None
             if node.get("type") == "TableIdentifier":
-                name = node.get("name")
+                ref = node
             elif node.get("type") == "TableExpression" and "table_function" in node:
                 fn = node["table_function"].get("name", "")
                 if fn.lower() not in self.table_functions:
-                    name = fn  # a parameterised view, e.g. rtrl.reward_stats(rv = 'v2')
-            elif node.get("type") == "Function" and str(node.get("name", "")).lower() in (
-                "in",
-                "notin",
-                "globalin",
-                "globalnotin",
-                "nullin",
-                "notnullin",
-                "globalnullin",
-                "globalnotnullin",
-            ):
+                    ref = {"name": fn, "name_parts": fn.split(".") if "." in fn else None}  # parameterised view
+            elif node.get("type") == "Function" and str(node.get("name", "")).lower() in _IN_FUNCTIONS:
                 args = node.get("arguments", {}).get("children", [])
                 if len(args) == 2 and args[1].get("type") == "Identifier":
-                    name = args[1].get("name")  # x IN t reads table t
-            if name and name not in ctes:
-                found.add(name if "." in name else f"{database}.{name}")
+                    ref = args[1]  # x IN t reads table t
+            if ref is None or not ref.get("name"):
+                continue
+            bare = not (isinstance(ref.get("name_parts"), list) and len(ref["name_parts"]) == 2)
+            if bare and ref["name"] in ctes:
+                continue
+            found.add(self._qualified(ref, database))
+        return found
+
+    def _explained_tables(self, lines: list[str], database: str, existing: frozenset[tuple[str, str]]) -> set[str]:
+        """The tables a statement without a JSON tree (DESCRIBE, SHOW CREATE, EXISTS) names, from EXPLAIN
+        AST's text. That text cannot tell ``db.t`` from a backquoted dotted name: a dotted name is read as
+        both when a table of that dotted name exists in ``database``. CTEs are not exempt here."""
+
+        def names(text: str) -> set[str]:
+            if "." not in text:
+                return {f"{database}.{text}"}
+            bare = f"{database}.{text}"
+            return {text, bare} if (database, text) in existing else {text}
+
+        found: set[str] = set()
+        head = lines[0] if lines else ""
+        kind = head.split(" ")[0]
+        if kind in _NAMED_TABLE_KINDS:
+            parts = re.sub(r"\s*\(children \d+\)$", "", head).split(" ")
+            if len(parts) != 3 or not parts[2]:
+                found.add(f"{database}.?")  # a name the text cannot carry: refused
+            else:
+                found.add(f"{parts[1] or database}.{parts[2]}")
+        for node in _walk(_explain_tree(lines)):
+            kind = node.get("type")
+            if kind == "TableIdentifier":
+                found |= names(node["text"])
+            elif kind == "TableExpression":
+                for child in node["children"]:
+                    fn = child["text"] if child["type"] == "Function" else ""
+                    if fn and fn.lower() not in self.table_functions:
+                        found |= names(fn)
+            elif kind == "Function" and node["text"].lower() in _IN_FUNCTIONS:
+                args = node["children"][0]["children"] if node["children"] else []
+                if len(args) == 2 and args[1]["type"] == "Identifier":
+                    found |= names(args[1]["text"])
         return found
 
 
@@ -348,7 +500,12 @@ class Engine:
 
         self.path, self.limits = str(Path(path).resolve()), limits
         self.conn = on_engine_thread(chdb.connect, self.path)  # holds the folder; parses statements
-        self.spool = Path(tempfile.mkdtemp(prefix="rtrl-chserver-"))  # 0700: INSERT data on its way in
+        # INSERT data on its way in: inside the folder (owner-only), emptied at each start, so a front
+        # killed with SIGKILL leaves nothing behind that the next start does not clear
+        self.spool = Path(self.path) / "rtrl-spool"
+        shutil.rmtree(self.spool, ignore_errors=True)
+        private_dir(self.spool)
+        self.gate = threading.Lock()  # one request on the engine at a time; the others wait, bounded
         names = on_engine_thread(self._names)
         self.policy = Policy(names["table_functions"], names["table_engines"] | names["database_engines"], database)
 
@@ -376,7 +533,7 @@ class Engine:
             functions = {
                 ln.split()[1].lower() for ln in lines if ln.strip().startswith("Function ") and len(ln.split()) > 1
             }
-            return Statement(kind, canonical, None, functions)
+            return Statement(kind, canonical, None, functions, explain=lines)
         functions = {str(n["name"]).lower() for n in _walk(ast) if n.get("type") == "Function" and "name" in n}
         return Statement(str(ast.get("type")), canonical, ast, functions)
 
@@ -398,6 +555,60 @@ class Engine:
             return st, m.end()
         return None
 
+    def execute(self, query: str, body: bytes, user: str, readonly: bool, database: str, run_args: dict) -> Any:
+        """Parse, check and run one request's statement, waiting at most ``limits.queue_timeout_s`` for the
+        engine (it runs one statement at a time); 503 / code 202 once that wait is over."""
+        wait = self.limits.queue_timeout_s
+        if not self.gate.acquire(timeout=wait):
+            raise RequestError(
+                503,
+                202,
+                "TOO_MANY_SIMULTANEOUS_QUERIES",
+                f"Too many simultaneous queries: waited {wait:g} s for the engine, which runs one statement at "
+                "a time (try again later)",
+            )
+        try:
+            st = self.prepare(query, body)
+            existing = self.tables() if readonly else frozenset()
+            self.policy.check(st, user, readonly, database, self.limits.max_execution_time_s, existing)
+            return self.run(st, database=database, readonly=readonly, **run_args)
+        finally:
+            self.gate.release()
+
+    def tables(self) -> frozenset[tuple[str, str]]:
+        """Every (database, table) there is now."""
+        text = on_engine_thread(
+            lambda: self.conn.query("SELECT database, name FROM system.tables", "JSONCompactEachRow").bytes()
+        )
+        return frozenset(tuple(json.loads(ln)) for ln in text.decode().splitlines() if ln.strip())  # type: ignore[misc]
+
+    def _values_as_sql(self, st: Statement) -> Statement:
+        """An ``INSERT … VALUES`` whose data is small enough to parse as the statement
+        ``INSERT INTO t SELECT * FROM values(<data>)``: expressions in its data (``now()``, ``file(…)``) are
+        then parsed, checked by the policy and run as any statement's are. Larger data, or data that does
+        not parse so, stays data and is read as literals only (the session never evaluates VALUES data)."""
+        ast = st.ast or {}
+        data = (st.data or b"").strip().removesuffix(b";").strip()
+        if str(ast.get("format", "")).lower() != "values" or set(ast) - _DATA_INSERT_KEYS or not data:
+            return st
+        if len(data) > self.limits.max_query_bytes or not data.startswith(b"("):
+            return st
+        try:
+            text = f"INSERT INTO {self._target(ast)} SELECT * FROM values({data.decode()})"
+            return self._parse(text)
+        except Exception:  # noqa: BLE001 - not one expression list: the literal-only data path
+            return st
+
+    @staticmethod
+    def _target(ast: dict) -> str:
+        target = _quote_ident(ast["table"]["name"])
+        if "database" in ast:
+            target = f"{_quote_ident(ast['database']['name'])}.{target}"
+        cols = ast.get("columns", {}).get("children", [])
+        if cols:
+            target += " (" + ", ".join(_quote_ident(c["name"]) for c in cols) + ")"
+        return target
+
     def prepare(self, url_query: str, body: bytes) -> Statement:
         return cast(Statement, on_engine_thread(self._prepare, url_query, body))
 
@@ -406,7 +617,7 @@ class Engine:
             found = self._data_insert(url_query.encode())
             if found and not url_query.encode()[found[1] :].strip():
                 found[0].data = body  # the statement in the URL, the data in the body
-                return found[0]
+                return self._values_as_sql(found[0])
             text = url_query.encode() + b"\n" + body  # ClickHouse concatenates them
         else:
             text = url_query.encode() or body
@@ -417,7 +628,7 @@ class Engine:
             if st.ast and st.ast.get("format", "").lower() != "values":
                 data = re.sub(rb"^[ \t]*\r?\n?", b"", data, count=1)  # the separator after FORMAT F
             st.data = data
-            return st
+            return self._values_as_sql(st)
         if len(text) > self.limits.max_query_bytes:
             raise RequestError(
                 400, 62, "SYNTAX_ERROR", f"Max query size exceeded ({len(text)} > {self.limits.max_query_bytes} bytes)"
@@ -437,6 +648,8 @@ class Engine:
         session = chdb.connect(self.path)  # a fresh session: no USE or SET outlives its request
         try:
             session.query(f"SET max_execution_time = {max_time:g}")
+            for name in SESSION_SETTINGS:
+                session.query(f"SET {name} = 0")
             if database:
                 session.query(f"USE {_quote_ident(database)}")
             if readonly:
@@ -454,12 +667,7 @@ class Engine:
             raise RequestError(
                 400, 48, "NOT_IMPLEMENTED", f"INSERT with {', '.join(sorted(extra))} and data is not supported here"
             )
-        target = _quote_ident(ast["table"]["name"])
-        if "database" in ast:
-            target = f"{_quote_ident(ast['database']['name'])}.{target}"
-        cols = ast.get("columns", {}).get("children", [])
-        if cols:
-            target += " (" + ", ".join(_quote_ident(c["name"]) for c in cols) + ")"
+        target = self._target(ast)
         form = str(ast["format"])
         if not _IDENT.match(form):
             raise RequestError(400, 73, "UNKNOWN_FORMAT", f"unknown format {form!r}")
@@ -471,7 +679,10 @@ class Engine:
             spool.unlink(missing_ok=True)
 
     def close(self) -> None:
-        on_engine_thread(self.conn.close)
+        try:
+            on_engine_thread(self.conn.close)
+        finally:
+            shutil.rmtree(self.spool, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- HTTP
@@ -502,18 +713,30 @@ class Handler(BaseHTTPRequestHandler):
         self.connection.settimeout(self.limits.read_timeout_s)
 
     def handle_one_request(self) -> None:
-        self.server.arm(self.connection)  # until the request is read: a slow client is cut off
+        # the request line and headers within the (short) header deadline: a slow or idle client is cut off
+        self.server.arm(self.connection, min(self.limits.header_timeout_s, self.limits.read_timeout_s))
         try:
             super().handle_one_request()
         finally:
             self.server.disarm(self.connection)
 
-    def _body(self) -> bytes:
+    def _chunk_size(self) -> int:
+        """The size on a chunk-size line (``hex[;extensions]``); 400 for anything else."""
+        line = self.rfile.readline(1024)
+        if not line:
+            raise ConnectionError("the request body ended early")
+        size = line.split(b";", 1)[0].strip()
+        if not line.endswith(b"\n") or not re.fullmatch(rb"[0-9A-Fa-f]{1,15}", size):
+            self.close_connection = True
+            raise RequestError(400, 1000, "BAD_REQUEST", f"bad chunk size line {line[:40]!r}")
+        return int(size, 16)
+
+    def _raw_body(self) -> bytes:
         limit = self.limits.max_body_bytes
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
             parts, total = [], 0
             for _ in range(limit + 1):  # every chunk but the last holds a byte at least
-                size = int(self.rfile.readline(1024).split(b";")[0].strip() or b"0", 16)
+                size = self._chunk_size()
                 if size == 0:
                     for _ in range(100):  # trailers
                         if self.rfile.readline(65537) in (b"\r\n", b"\n", b""):
@@ -527,19 +750,47 @@ class Handler(BaseHTTPRequestHandler):
                 if len(part) < size:
                     raise ConnectionError("the request body ended early")
                 parts.append(part)
-                self.rfile.readline(1024)
-            data = b"".join(parts)
-        else:
+                if self.rfile.readline(3) not in (b"\r\n", b"\n"):
+                    self.close_connection = True
+                    raise RequestError(400, 1000, "BAD_REQUEST", "a chunk does not end with CRLF")
+            return b"".join(parts)
+        try:
             n = int(self.headers.get("Content-Length") or 0)
-            if n < 0:
-                raise ValueError("negative Content-Length")
-            if n > limit:
-                self.close_connection = True
-                raise _too_large("the request body", limit)
-            data = self.rfile.read(n)
-            if len(data) < n:
-                raise ConnectionError("the request body ended early")
-        return decompress(data, self.headers.get("Content-Encoding", ""), self.limits.max_decompressed_bytes)
+        except ValueError:
+            n = -1
+        if n < 0:
+            self.close_connection = True
+            raise RequestError(400, 1000, "BAD_REQUEST", "bad Content-Length")
+        if n > limit:
+            self.close_connection = True
+            raise _too_large("the request body", limit)
+        data = self.rfile.read(n)
+        if len(data) < n:
+            raise ConnectionError("the request body ended early")
+        return data
+
+    def _body(self) -> bytes:
+        """The request body, read within ``limits.read_timeout_s`` and inflated per Content-Encoding (at most
+        ``limits.max_inflating`` bodies at once, server-wide)."""
+        self.server.arm(self.connection, self.limits.read_timeout_s)
+        try:
+            data = self._raw_body()
+        finally:
+            self.server.disarm(self.connection)  # read in time: the statement has its own limit
+        encoding = self.headers.get("Content-Encoding", "")
+        if encoding.strip().lower() in ("", "identity"):
+            return data
+        if not self.server.inflating.acquire(timeout=self.limits.queue_timeout_s):
+            raise RequestError(
+                503, 202, "TOO_MANY_SIMULTANEOUS_QUERIES", "too many compressed request bodies at once (try again)"
+            )
+        try:
+            return decompress(data, encoding, self.limits.max_decompressed_bytes)
+        finally:
+            self.server.inflating.release()
+
+    def _has_body(self) -> bool:
+        return bool(self.headers.get("Transfer-Encoding")) or self.headers.get("Content-Length", "0").strip() != "0"
 
     def _reply(self, status: int, body: bytes, headers: dict[str, str]) -> None:
         try:
@@ -564,24 +815,38 @@ class Handler(BaseHTTPRequestHandler):
         self._reply(e.status, (str(e) + "\n").encode(), headers)
 
     def do_GET(self) -> None:
-        self._guarded(lambda: b"")
+        self._guarded(read_body=False)
 
     def do_POST(self) -> None:
-        self._guarded(self._body)
+        self._guarded(read_body=True)
 
-    def _guarded(self, body) -> None:
+    def _guarded(self, read_body: bool) -> None:
+        """Authenticate from the request line and headers (where ClickHouse's HTTP credentials are), then
+        read the body: an unauthenticated client never gets a byte of its body read or inflated."""
+        self.server.disarm(self.connection)  # the headers are in
+        url = urlsplit(self.path)
+        args = dict(parse_qsl(url.query, keep_blank_values=True))
+        if not read_body and self._has_body():
+            self.close_connection = True  # a GET's body is never read: the connection cannot go on
+        if url.path.rstrip("/") == "/ping":
+            if read_body and self._has_body():
+                self.close_connection = True
+            return self._reply(200, b"Ok.\n", {"Content-Type": "text/plain"})
         try:
-            data = body()
+            user = self._user(args)
         except RequestError as e:
-            self.server.disarm(self.connection)
+            if self._has_body():
+                self.close_connection = True  # its body stays unread
+            return self._error(e)
+        try:
+            data = self._body() if read_body else b""
+        except RequestError as e:
             return self._error(e)
         except Exception as e:  # noqa: BLE001 - a request we cannot read: say why instead of dropping the connection
             self.close_connection = True
-            self.server.disarm(self.connection)
             return self._error(RequestError(400, 1000, "BAD_REQUEST", f"bad request: {type(e).__name__}: {e}"))
-        self.server.disarm(self.connection)  # read in time: the statement has its own limit
         try:
-            self._handle(data)
+            self._handle(data, args, user)
         except RequestError as e:
             self._error(e)
 
@@ -604,12 +869,7 @@ class Handler(BaseHTTPRequestHandler):
             )
         return user
 
-    def _handle(self, body: bytes) -> None:
-        url = urlsplit(self.path)
-        if url.path.rstrip("/") == "/ping":
-            return self._reply(200, b"Ok.\n", {"Content-Type": "text/plain"})
-        args = dict(parse_qsl(url.query, keep_blank_values=True))
-        user = self._user(args)
+    def _handle(self, body: bytes, args: dict[str, str], user: str) -> None:
         query_id = args.get("query_id") or uuid.uuid4().hex
         base = {
             "X-ClickHouse-Query-Id": query_id,
@@ -632,9 +892,8 @@ class Handler(BaseHTTPRequestHandler):
         if not _IDENT.match(database):
             return self._error(RequestError(400, 81, "UNKNOWN_DATABASE", f"Database {database!r} does not exist"), base)
         try:
-            st = self.engine.prepare(query, body)
-            self.engine.policy.check(st, user, readonly, database)
-            res = self.engine.run(st, fmt, params, database, readonly, max_time)
+            run_args = {"fmt": fmt, "params": params, "max_time": max_time}
+            res = self.engine.execute(query, body, user, readonly, database, run_args)
         except RequestError as e:
             return self._error(e, base)
         except Exception as e:  # noqa: BLE001 - the engine's own message, as a server sends it
@@ -680,13 +939,15 @@ class Server(ThreadingHTTPServer):
         self.deadlines: dict[socket.socket, float] = {}
         self.deadlines_lock = threading.Lock()
         self.stopping = threading.Event()
+        self.inflating = threading.BoundedSemaphore(max(1, limits.max_inflating))
         super().__init__(address, handler)
         self.reaper = threading.Thread(target=self._reap, name="chserver-reaper", daemon=True)
         self.reaper.start()
 
-    def arm(self, sock: socket.socket) -> None:
+    def arm(self, sock: socket.socket, seconds: float) -> None:
+        """Shut ``sock`` unless :meth:`disarm` comes within ``seconds``."""
         with self.deadlines_lock:
-            self.deadlines[sock] = time.monotonic() + self.limits.read_timeout_s
+            self.deadlines[sock] = time.monotonic() + seconds
 
     def disarm(self, sock: socket.socket) -> None:
         with self.deadlines_lock:
@@ -738,14 +999,16 @@ class Server(ThreadingHTTPServer):
 
 
 def check_loopback(host: str) -> str:
-    """``host`` if it is a loopback address (or ``localhost``); ValueError naming the fix otherwise."""
+    """``host`` if it is an IPv4 loopback address (or ``localhost``); ValueError naming the fix otherwise.
+    IPv6's ``::1`` is refused too: rtrl's clients build ``http://host:port`` URLs (no IPv6 brackets)."""
     try:
         ok = host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         ok = False
     if not ok or ":" in host:
         raise ValueError(
-            f"the embedded ClickHouse front binds to loopback only (127.0.0.1), not {host!r}: it is the "
+            f"the embedded ClickHouse front binds to loopback only, on IPv4 (127.0.0.1 or localhost; not ::1), "
+            f"not {host!r}: it is the "
             "single-machine stand-in for a ClickHouse server; to share data across machines run a real "
             "ClickHouse server (users and grants: deploy/clickhouse/security.sql) and set clickhouse.dsn to it"
         )
@@ -827,13 +1090,17 @@ def spawn(
         stderr=subprocess.STDOUT,
     )
     deadline = time.monotonic() + ready_timeout_s
-    for _ in range(int(ready_timeout_s / 0.05) + 2):
-        if ready.exists():
-            return proc, ready.read_text()
-        if proc.poll() is not None or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    proc.kill()
+    try:
+        for _ in range(int(ready_timeout_s / 0.05) + 2):
+            if ready.exists():
+                return proc, ready.read_text()
+            if proc.poll() is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        proc.kill()
+        proc.wait(30)
+    finally:
+        shutil.rmtree(ready.parent, ignore_errors=True)  # the DSN is read (or the child is gone)
     from rtrl.errors import ServiceUnavailable
 
     raise ServiceUnavailable(
@@ -857,6 +1124,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--read-timeout-s", type=float, default=d.read_timeout_s)
     p.add_argument("--max-connections", type=int, default=d.max_connections)
     p.add_argument("--max-execution-time-s", type=float, default=d.max_execution_time_s)
+    p.add_argument("--header-timeout-s", type=float, default=d.header_timeout_s)
+    p.add_argument("--queue-timeout-s", type=float, default=d.queue_timeout_s, help="wait for the engine; then 503")
+    p.add_argument("--max-inflating", type=int, default=d.max_inflating)
     a = p.parse_args(argv)
     limits = Limits(
         max_body_bytes=a.max_body_bytes,
@@ -864,6 +1134,9 @@ def main(argv: list[str] | None = None) -> int:
         read_timeout_s=a.read_timeout_s,
         max_connections=a.max_connections,
         max_execution_time_s=a.max_execution_time_s,
+        header_timeout_s=a.header_timeout_s,
+        queue_timeout_s=a.queue_timeout_s,
+        max_inflating=a.max_inflating,
     )
     try:
         server = ClickHouseServer(

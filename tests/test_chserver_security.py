@@ -13,6 +13,8 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import tracemalloc
 import urllib.parse
@@ -27,7 +29,7 @@ from rtrl.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 LIMITS = ["--read-timeout-s", "2", "--max-execution-time-s", "4", "--max-decompressed-bytes", str(8 << 20)]
-LIMITS += ["--max-body-bytes", str(4 << 20), "--max-connections", "48"]
+LIMITS += ["--max-body-bytes", str(4 << 20), "--max-connections", "48", "--queue-timeout-s", "1"]
 
 
 def address(dsn: str) -> tuple[str, int]:
@@ -41,6 +43,12 @@ def token(dsn: str) -> str:
 
 def analyst(dsn: str) -> str:
     return dsn.replace(chserver.WRITER, chserver.ANALYST)
+
+
+def basic(dsn: str, user: str = chserver.WRITER) -> bytes:
+    """The Authorization header line of ``user`` (the writer unless told), for raw sockets."""
+    key = token(dsn if user == chserver.WRITER else analyst(dsn))
+    return b"Authorization: Basic " + base64.b64encode(f"{user}:{key}".encode()) + b"\r\n"
 
 
 def request(dsn, sql="", *, user=None, key=None, body=b"", params=None, headers=None, timeout=20.0):
@@ -86,7 +94,10 @@ def test_binds_to_loopback_only(tmp_path, front):
     for host in ("0.0.0.0", "192.168.1.10", "::", "example.com", ""):
         with pytest.raises(ValueError, match="loopback only"):
             chserver.check_loopback(host)
+    with pytest.raises(ValueError, match=r"127\.0\.0\.1 or localhost; not ::1"):  # no IPv6: says so
+        chserver.check_loopback("::1")
     assert chserver.check_loopback("localhost") == "127.0.0.1"
+    assert chserver.check_loopback("127.0.0.2") == "127.0.0.2"
     out = subprocess.run(
         [sys.executable, "-m", "devservices.chserver", str(tmp_path / "x"), "--host", "0.0.0.0"],
         cwd=ROOT,
@@ -180,7 +191,7 @@ WRITES = [
 def test_the_analyst_can_only_read(front, sql):
     _, dsn, _ = front
     status, code, out = request(analyst(dsn), sql, user=chserver.ANALYST)
-    assert status != 200 and code in ("164", "497", "62"), (status, code, out)
+    assert status != 200 and code in ("164", "497", "62", "452"), (status, code, out)
     assert rows(dsn, "SELECT count() FROM rtrl.checkpoints WHERE version = 1") == b"1\n"
     assert rows(dsn, "SELECT count() FROM rtrl.checkpoints WHERE version = 9") == b"0\n"
 
@@ -203,9 +214,36 @@ def test_the_analyst_reads_the_analyst_tables_and_nothing_else(front):
         "SELECT 1 WHERE 1 IN rtrl.events",
         "SELECT count() FROM merge('rtrl', '.*')",
         "SELECT * FROM system.query_log",
+        # a CTE named like a table, in another scope, never exempts the table (qualified or not)
+        "SELECT count() FROM rtrl.events WHERE 1 IN (WITH `rtrl.events` AS (SELECT 1) SELECT 1)",
+        "SELECT count() FROM rtrl.events WHERE 1 IN (WITH events AS (SELECT 1) SELECT 1)",
+        "WITH `rtrl.checkpoints` AS (SELECT 1) SELECT count() FROM rtrl.events",
+        "WITH checkpoints AS (SELECT count() FROM rtrl.events) SELECT * FROM checkpoints",
+        # schemas of other tables: DESCRIBE, SHOW CREATE and EXISTS have no JSON tree, EXPLAIN AST's text is read
+        "DESCRIBE TABLE rtrl.events",
+        "DESC rtrl.rollouts",
+        "DESCRIBE (SELECT * FROM rtrl.events)",
+        "DESCRIBE (SELECT 1 WHERE 1 IN rtrl.events)",
+        "SHOW CREATE TABLE rtrl.events",
+        "SHOW CREATE VIEW rtrl.events",
+        "EXISTS TABLE rtrl.events",
+        "SHOW CREATE TABLE `rtrl.checkpoints`",
     ]:
         status, code, out = request(analyst(dsn), sql, user=chserver.ANALYST)
         assert status != 200 and code in ("164", "497"), (sql, code, out)
+    for sql in [  # unqualified, in the analyst's database: the CTE names a real table
+        "SELECT count() FROM events WHERE 1 IN (WITH events AS (SELECT 1) SELECT 1)",
+        "DESCRIBE events",
+        "EXISTS events",
+    ]:
+        status, code, out = request(analyst(dsn), sql, user=chserver.ANALYST, params={"database": "rtrl"})
+        assert status != 200 and code in ("164", "497"), (sql, code, out)
+    # the analyst tables' schemas stay readable
+    assert rows(analyst(dsn), "EXISTS TABLE rtrl.checkpoints", user=chserver.ANALYST) == b"1\n"
+    assert b"version" in rows(analyst(dsn), "DESCRIBE TABLE rtrl.checkpoints", user=chserver.ANALYST)
+    assert b"CREATE" in rows(
+        analyst(dsn), "SHOW CREATE TABLE checkpoints", user=chserver.ANALYST, params={"database": "rtrl"}
+    )
 
 
 def test_readonly_in_the_url_makes_a_request_read_only(front):
@@ -254,6 +292,9 @@ HOSTILE = [
     "SYSTEM RELOAD CONFIG",
     "DESCRIBE TABLE file('/etc/passwd', LineAsString)",
     "SELECT catboostEvaluate('/etc/passwd', 1)",
+    "INSERT INTO default.k VALUES (file('/etc/hostname'))",  # an expression in VALUES data
+    "INSERT INTO default.k (a) VALUES (length(file('/etc/hostname')))",
+    "SELECT * FROM format(Values, 'a String', '(file(''/etc/hostname''))')",
 ]
 
 
@@ -261,7 +302,7 @@ HOSTILE = [
 def test_files_and_the_network_are_refused_for_every_user(front, sql):
     _, dsn, _ = front
     status, code, out = request(dsn, sql)  # the writer: it may write tables, never files or sockets
-    assert status != 200 and code in ("497", "62"), (status, code, out)
+    assert status != 200 and code in ("497", "62", "344"), (status, code, out)
     assert b"root:" not in out
     assert not Path("/tmp/rtrl-outfile-test").exists() and not Path("/tmp/rtrl-backup-test").exists()
 
@@ -281,6 +322,17 @@ def test_the_internal_insert_path_still_works_and_inline_data_cannot_smuggle_a_s
         request(dsn, "", body=smuggle.encode())  # an error or a row; never the DROP
         assert rows(dsn, "EXISTS TABLE default.keep") == b"1\n"
     assert rows(dsn, "SELECT sum(a) FROM default.k WHERE a < 8") == str(sum(range(1, 8))).encode() + b"\n"
+    # VALUES data too large to check as a statement is read as literals only: file() there is never run
+    rows(dsn, "CREATE TABLE IF NOT EXISTS default.s (a String) ENGINE = Memory")
+    big = b"INSERT INTO default.s VALUES " + b"('x'), " * 60000 + b"(file('/etc/hostname'))"
+    status, code, out = request(dsn, "", body=big)
+    assert (status, code) == (500, "344") and b"Interpreting expressions is disabled" in out, out[:300]
+    hostname = Path("/etc/hostname").read_text().strip() if Path("/etc/hostname").exists() else "x"
+    assert rows(dsn, "SELECT countIf(a != 'x') FROM default.s") == b"0\n", hostname
+    rows(dsn, "", body=b"INSERT INTO default.s VALUES " + b"('y'), " * 60000 + b"('z')")  # literals: fine
+    assert rows(dsn, "SELECT count() FROM default.s WHERE a IN ('y', 'z')") == b"60001\n"
+    rows(dsn, "INSERT INTO default.k VALUES (toInt32(10) + 1), (20)")  # expressions in small data are checked
+    assert rows(dsn, "SELECT sum(a) FROM default.k WHERE a > 10") == b"31\n"
 
 
 # ---------------------------------------------------------------- isolation between clients
@@ -288,7 +340,7 @@ def test_the_internal_insert_path_still_works_and_inline_data_cannot_smuggle_a_s
 
 def test_database_and_settings_never_leak_between_requests(front):
     _, dsn, _ = front
-    for sql in ["USE system", "SET max_execution_time = 1234", "SET readonly = 2", "SET max_threads = 1"]:
+    for sql in ["USE system", "SET max_execution_time = 3", "SET readonly = 2", "SET max_threads = 1"]:
         rows(dsn, sql)  # each only in its own request's session
         assert rows(dsn, "SELECT currentDatabase()") == b"default\n"
         assert rows(dsn, "SELECT currentDatabase()", params={"database": "rtrl"}) == b"rtrl\n"
@@ -317,25 +369,135 @@ def test_max_execution_time_is_honoured_from_the_url_and_by_default(front):
     assert (status, code) == (500, "159") and time.monotonic() - t < 4
 
 
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SELECT sleepEachRow(0.5) FROM numbers(40) SETTINGS max_block_size = 1, max_execution_time = 0",
+        "SELECT 1 SETTINGS max_execution_time = 1000",
+        "SELECT 1 SETTINGS max_execution_time = '0'",
+        "SELECT * FROM (SELECT 1 SETTINGS max_execution_time = 0)",
+        "SELECT 1 SETTINGS timeout_overflow_mode = 'break'",
+        "SELECT 1 SETTINGS max_execution_time_leaf = 0",
+        "SET max_execution_time = 0",
+        "INSERT INTO default.k SETTINGS max_execution_time = 0 SELECT 1",
+        "CREATE VIEW default.v AS SELECT 1 SETTINGS max_execution_time = 0",
+        "DESCRIBE TABLE default.k SETTINGS max_execution_time = 0",
+    ],
+)
+def test_no_statement_lifts_the_time_cap(front, sql):
+    _, dsn, _ = front
+    status, code, out = request(dsn, sql)
+    assert (status, code) == (400, "452") and b"caps max_execution_time at 4 s" in out, out
+    # lowering it is fine
+    assert rows(dsn, "SELECT getSetting('max_execution_time') SETTINGS max_execution_time = 2") == b"2\n"
+
+
+def test_the_wait_for_the_engine_is_bounded(front):
+    _, dsn, _ = front
+    slow: list = []
+    sleeper = threading.Thread(
+        target=lambda: slow.append(request(dsn, "SELECT sleepEachRow(0.5) FROM numbers(6) SETTINGS max_block_size = 1"))
+    )
+    sleeper.start()
+    try:
+        time.sleep(0.7)
+        t = time.monotonic()
+        status, code, out = request(dsn, "SELECT 1")  # the engine is busy for 3 s; the queue waits 1 s
+        took = time.monotonic() - t
+    finally:
+        sleeper.join(30)
+    assert (status, code) == (503, "202") and b"TOO_MANY_SIMULTANEOUS_QUERIES" in out, out
+    assert 0.8 < took < 2.5, took
+    assert slow and slow[0][0] == 200
+    assert rows(dsn, "SELECT 1") == b"1\n"
+
+
 def test_request_body_size_is_capped(front):
     _, dsn, _ = front
     host, port = address(dsn)
+    auth = basic(dsn)
     s = socket.create_connection((host, port), timeout=10)
     try:  # announces 1 GiB, sends nothing: refused at once, nothing read
-        s.sendall(b"POST /?query=SELECT%201 HTTP/1.1\r\nHost: x\r\nContent-Length: 1073741824\r\n\r\n")
+        s.sendall(b"POST /?query=SELECT%201 HTTP/1.1\r\nHost: x\r\n" + auth + b"Content-Length: 1073741824\r\n\r\n")
         head = s.recv(4096)
     finally:
         s.close()
     assert head.startswith(b"HTTP/1.1 413") and b"X-ClickHouse-Exception-Code: 307" in head
+    chunked = b"POST /?query=SELECT%201 HTTP/1.1\r\nHost: x\r\n" + auth + b"Transfer-Encoding: chunked\r\n\r\n"
     s = socket.create_connection((host, port), timeout=10)
     try:  # chunked: refused as soon as the chunks announced pass the cap
-        s.sendall(b"POST /?query=SELECT%201 HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        s.sendall(chunked)
         s.sendall(b"100000\r\n" + bytes(1 << 20) + b"\r\n" + b"40000000\r\n")  # 1 MiB, then 1 GiB announced
         head = s.recv(4096)
     finally:
         s.close()
     assert head.startswith(b"HTTP/1.1 413") and b"X-ClickHouse-Exception-Code: 307" in head
+    for bad in [b"-1", b"-0", b"+10", b"0x10", b"zz", b"1 0", b"", b"1" * 20]:  # int(b"-1", 16) == -1: read to EOF
+        s = socket.create_connection((host, port), timeout=10)
+        try:  # the client keeps its socket open: a read to EOF would hang until the read limit
+            s.sendall(chunked + bad + b"\r\n" + bytes(100))
+            t = time.monotonic()
+            head = s.recv(4096)
+        finally:
+            s.close()
+        assert head.startswith(b"HTTP/1.1 400") and time.monotonic() - t < 1.5, (bad, head[:200])
+    s = socket.create_connection((host, port), timeout=10)
+    try:  # chunk extensions are allowed (and ignored)
+        s.sendall(chunked.replace(b"SELECT%201", b"") + b"8;name=value\r\nSELECT 5\r\n0\r\n\r\n")
+        head = b""
+        for _ in range(20):  # the reply may come in several pieces
+            head += s.recv(4096)
+            if head.endswith(b"\n5\n"):
+                break
+    finally:
+        s.close()
+    assert head.startswith(b"HTTP/1.1 200") and head.endswith(b"\r\n\r\n5\n"), head
     assert rows(dsn, "SELECT 1") == b"1\n"
+
+
+def test_unauthenticated_bodies_are_never_read(front):
+    proc, dsn, _ = front
+    host, port = address(dsn)
+    for auth in [b"", b"Authorization: Basic " + base64.b64encode(b"rtrl_writer:wrong") + b"\r\n"]:
+        s = socket.create_connection((host, port), timeout=10)
+        try:  # announces 3 MiB (under the cap) and sends none of it: refused from the headers, at once
+            s.sendall(b"POST /?query=SELECT%201 HTTP/1.1\r\nHost: x\r\n" + auth + b"Content-Length: 3145728\r\n\r\n")
+            t = time.monotonic()
+            head = s.recv(4096)
+        finally:
+            s.close()
+        assert head.startswith(b"HTTP/1.1 401") and b"X-ClickHouse-Exception-Code: 516" in head, head
+        assert b"Connection: close" in head and time.monotonic() - t < 1.5
+    # a client that never finishes its headers is cut off at the header deadline (here the read limit, 2 s)
+    s = socket.create_connection((host, port), timeout=10)
+    try:
+        s.sendall(b"POST /?query=SELECT%201 HTTP/1.1\r\nHost: x\r\n")
+        t = time.monotonic()
+        assert s.recv(4096) == b"" and time.monotonic() - t < 4
+    finally:
+        s.close()
+    assert rows(dsn, "SELECT 1") == b"1\n"
+
+
+def test_gzip_and_deflate_bodies_with_several_members_are_read_whole(front):
+    _, dsn, _ = front
+    rows(dsn, "CREATE TABLE IF NOT EXISTS default.m (a Int32) ENGINE = Memory")
+    rows(dsn, "TRUNCATE TABLE default.m")
+    for encoding, body in [
+        ("gzip", gzip.compress(b"1\n2\n") + gzip.compress(b"3\n")),
+        ("deflate", zlib.compress(b"4\n") + zlib.compress(b"5\n6\n")),
+    ]:
+        rows(dsn, "INSERT INTO default.m FORMAT TSV", body=body, headers={"Content-Encoding": encoding})
+    assert rows(dsn, "SELECT count(), sum(a) FROM default.m") == b"6\t21\n"
+    status, code, _ = request(  # cut short: an error, never fewer rows
+        dsn,
+        "INSERT INTO default.m FORMAT TSV",
+        body=gzip.compress(b"7\n8\n")[:-4],
+        headers={"Content-Encoding": "gzip"},
+    )
+    assert (status, code) == (400, "354")
+    assert chserver.decompress(gzip.compress(b"a") * 3, "gzip") == b"aaa"
+    assert rows(dsn, "SELECT count() FROM default.m") == b"6\n"
 
 
 def _bomb(encoding: str, size: int = 256 << 20) -> bytes:
@@ -389,8 +551,8 @@ def test_forty_slow_clients_are_cut_off_and_do_not_starve_the_others(front):
     base = _threads(proc.pid)
     slow = []
     for _ in range(40):
-        s = socket.create_connection((host, port), timeout=10)
-        s.sendall(b"POST /?query=SELECT%201 HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+        s = socket.create_connection((host, port), timeout=10)  # authenticated: their bodies are read
+        s.sendall(b"POST /?query=SELECT%201 HTTP/1.1\r\nHost: x\r\n" + basic(dsn) + b"Content-Length: 1000\r\n\r\n")
         slow.append(s)
     t0 = time.monotonic()
     closed: set[int] = set()
@@ -496,3 +658,28 @@ def test_the_analyst_grants_applied_where_the_embedded_engine_can(front, tmp_pat
         assert (status == 200) == (table in clickhouse.ANALYST_TABLES), (table, code_)
         status, code_, _ = request(a, f"INSERT INTO rtrl.{table} SELECT * FROM rtrl.{table}", user=chserver.ANALYST)
         assert (status, code_) == (403, "164"), table
+
+
+def test_a_stopped_front_leaves_no_temporary_folder(tmp_path, monkeypatch):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))  # the child's temporary folders
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))  # spawn's own (the ready file)
+    proc, dsn = chserver.spawn(tmp_path / "ch")
+    try:
+        assert not list(tmp.glob("rtrl-chserver-ready-*"))  # removed once the DSN is read
+        rows(dsn, "CREATE TABLE default.t (a Int32) ENGINE = Memory")
+        rows(dsn, "INSERT INTO default.t FORMAT TSV", body=b"1\n")  # through the spool folder
+        assert not list(tmp.iterdir())  # the spool is inside the (owner-only) folder, not in TMPDIR
+        assert (tmp_path / "ch" / "rtrl-spool").is_dir()
+    finally:
+        proc.kill()  # even a front killed with SIGKILL: the next start empties its spool
+        proc.wait(30)
+    (tmp_path / "ch" / "rtrl-spool" / "left-by-the-killed-one.TSV").write_bytes(b"1\n")
+    proc, dsn = chserver.spawn(tmp_path / "ch")
+    try:
+        assert list((tmp_path / "ch" / "rtrl-spool").iterdir()) == []
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+    assert not [p for p in tmp.iterdir() if p.name.startswith("rtrl-chserver")], list(tmp.iterdir())
