@@ -322,6 +322,9 @@ def test_decoded_batches_that_would_stop_training_are_invalid():
     assert _invalid(_with(token_ids=[[1, 2, 3, 4], [5, 6, 7, 8]]), limits).field == "$.token_ids"  # 8 >= vocab 8
     assert _invalid(_with(token_ids=[[1, 2, 3, 4], [5, 6, 7, 7]]), BatchLimits(max_seq_len=3)).field == "$.seq_len"
     assert _invalid(_with(token_ids=[[1, 2, 3, 4], [5, 6, 7, 7]]), BatchLimits(max_rows=1)).field == "$.token_ids"
+    rows4 = _with(token_ids=[[1, 2, 3, 4], [5, 6, 7, 7]])  # 4 tokens per row: 3 positions
+    assert "multiple of parallel.tp" in _invalid(rows4, BatchLimits(seq_multiple=2)).reason  # SP over tp = 2
+    assert to_batch(rows4, 0, 0, BatchLimits(seq_multiple=3)).tokens.shape == (2, 4)
     ok = to_batch(_with(advantages=[[0.5, 0.5, math.nan, math.inf], [0.5] * 4]), 0, 0, BatchLimits(4, 2, 9))
     assert ok.tokens.shape == (2, 4) and np.isnan(ok.advantages[0, 2])
 

@@ -43,13 +43,15 @@ class BatchLimits:
     max_seq_len: int | None = None  # tokens per row
     max_rows: int | None = None  # rows per micro-batch
     vocab_size: int | None = None  # token ids must lie below it
+    seq_multiple: int = 1  # the model's positions per row (tokens - 1) must be a multiple of it (SP over tp)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> BatchLimits:
         """Rows as long as the packing's or the model's (the larger), as many as the packing's, token ids
         of the model's vocabulary: everything the settings let the batch flow send."""
-        b = settings.batching
-        return cls(max(b.seq_len, settings.model.seq_length), b.rows, settings.model.vocab_size)
+        b, par = settings.batching, settings.parallel
+        multiple = par.tp if par.sequence_parallel else 1
+        return cls(max(b.seq_len, settings.model.seq_length), b.rows, settings.model.vocab_size, multiple)
 
 
 def to_batch(data: bytes, partition: int, offset: int, limits: BatchLimits | None = None) -> Batch:
@@ -61,6 +63,12 @@ def to_batch(data: bytes, partition: int, offset: int, limits: BatchLimits | Non
         raise Invalid("$.token_ids", "a micro-batch has at least one row")
     if lim.max_seq_len is not None and seq > lim.max_seq_len:
         raise Invalid("$.seq_len", f"{seq} tokens per row; this trainer takes at most {lim.max_seq_len}")
+    if (seq - 1) % lim.seq_multiple:  # each row gives seq - 1 positions (a token predicts the next)
+        raise Invalid(
+            "$.seq_len",
+            f"{seq} tokens per row; sequence parallelism splits the {seq - 1} positions over {lim.seq_multiple} "
+            "ranks, so seq_len - 1 must be a multiple of parallel.tp",
+        )
     if lim.max_rows is not None and rows > lim.max_rows:
         raise Invalid("$.token_ids", f"{rows} rows; this trainer takes at most {lim.max_rows} (batching.rows)")
     b = Batch(

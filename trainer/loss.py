@@ -192,8 +192,8 @@ def _sequence_guard(
     ids = seq_ids[mask]
     uniq, inv = torch.unique(ids, return_inverse=True)
     d = log_ratio.detach()[mask]
-    count = torch.zeros(len(uniq), dtype=d.dtype).index_add_(0, inv, torch.ones_like(d))
-    mean = torch.zeros(len(uniq), dtype=d.dtype).index_add_(0, inv, d) / count.clamp(min=1)  # log g_s
+    count = d.new_zeros(len(uniq)).index_add_(0, inv, torch.ones_like(d))
+    mean = d.new_zeros(len(uniq)).index_add_(0, inv, d) / count.clamp(min=1)  # log g_s
     high = mean > math.log(cfg.seq_ratio_high)
     guarded = torch.zeros_like(mask)
     if cfg.seq_ratio_guard == "mask":
