@@ -14,6 +14,7 @@ import functools
 import hashlib
 import re
 import threading
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -144,14 +145,19 @@ def connect(dsn: str, timeout_s: float = 10.0) -> Any:
                 ) from None
             raise ServiceUnavailable(f"embedded ClickHouse at {dsn} could not be opened: {text}") from None
     if dsn.startswith(("http://", "https://")):
+        deadline = time.monotonic() + timeout_s
         ping(dsn, timeout_s)  # bounded: the client's own first query would wait send_receive_timeout, twice
         dsn, password = split_password_file(dsn)
-        try:
+
+        def open_client() -> Any:
             client = clickhouse_connect.get_client(
                 dsn=dsn, password=password or "", connect_timeout=timeout_s, send_receive_timeout=max(timeout_s, 30.0)
             )
             client.command("SELECT 1")
             return client
+
+        try:  # the whole check within what is left of timeout_s (a server may answer /ping, then stall)
+            return _within(open_client, max(0.1, deadline - time.monotonic()))
         except Exception as e:
             if "AUTHENTICATION_FAILED" in str(e) or "Code: 516" in str(e):
                 raise ConfigError(
@@ -184,36 +190,51 @@ def split_password_file(dsn: str) -> tuple[str, str | None]:
     return urlunsplit(u._replace(query=rest)), password
 
 
+def _within(fn: Any, timeout_s: float) -> Any:
+    """``fn()``'s result, or its exception, or TimeoutError once ``timeout_s`` have passed (``fn`` then runs
+    on in a daemon thread until its own socket timeouts end it)."""
+    box: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            box.append((True, fn()))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box.append((False, e))
+
+    t = threading.Thread(target=run, name="rtrl-ch-bounded", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if not box:
+        raise TimeoutError(f"no answer within {timeout_s:g}s")
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
 def ping(dsn: str, timeout_s: float) -> None:
     """``GET /ping`` on the server of ``dsn``; ServiceUnavailable unless it answers ``Ok.`` within ``timeout_s``
     in all (connect, send and a server that accepts and then says nothing or drips bytes)."""
     u = urlsplit(dsn)
     url = f"{u.scheme}://{u.hostname}:{u.port or (8443 if u.scheme == 'https' else 8123)}/ping"
-    answer: list[Any] = []
 
-    def probe() -> None:
-        try:
-            with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 - http(s) checked above
-                answer.append(r.read(64))
-        except Exception as e:  # noqa: BLE001 - reported below, by type
-            answer.append(e)
+    def probe() -> bytes:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 - http(s) checked above
+            return r.read(64)
 
-    t = threading.Thread(target=probe, name="rtrl-ch-ping", daemon=True)
-    t.start()
-    t.join(timeout_s)  # the socket timeout ends the thread soon after, on its own
-    got = answer[0] if answer else None
-    if isinstance(got, bytes) and got.strip() == b"Ok.":
-        return
-    if got is None:
-        why = "no answer"
-    elif isinstance(got, urllib.error.HTTPError):
-        why = f"HTTP {got.code} on /ping"
-    elif isinstance(got, urllib.error.URLError):
-        why = str(got.reason)
-    elif isinstance(got, Exception):
-        why = f"{type(got).__name__}: {got}"
-    else:
+    try:
+        got = _within(probe, timeout_s)
+        if got.strip() == b"Ok.":
+            return
         why = f"/ping answered {got[:20]!r}"
+    except TimeoutError:
+        why = "no answer"
+    except urllib.error.HTTPError as e:
+        why = f"HTTP {e.code} on /ping"
+    except urllib.error.URLError as e:
+        why = str(e.reason)
+    except Exception as e:  # noqa: BLE001 - any failure of the probe is the server not answering
+        why = f"{type(e).__name__}: {e}"
     raise ServiceUnavailable(
         f"ClickHouse server at {redact(dsn)} did not answer within {timeout_s:g}s ({why}); "
         "fix: start it or point clickhouse.dsn (RTRL_CLICKHOUSE__DSN) at a reachable server"

@@ -18,6 +18,7 @@ constraints, and source priority are what it does; this module only adds the wor
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import os
 import re
 import tomllib
@@ -39,7 +40,17 @@ ENV_CONFIG_FILE = "RTRL_CONFIG"
 SECRETS = ("sdk.salt",)
 #: the SDK's salt when none is set: public (it is in this file), so refused outside local mode
 DEFAULT_SALT = "rtrl-local-dev-salt"
-_LOOPBACK = ("localhost", "127.0.0.1", "::1", "[::1]", "")
+
+
+def _is_loopback(host: str) -> bool:
+    """``localhost``, 127.0.0.0/8 or ::1 (brackets allowed); a name other than localhost is not."""
+    host = host.strip("[]").lower()
+    if host in ("", "localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _s(default: Any, help: str, **constraints: Any) -> Any:
@@ -485,8 +496,11 @@ class Settings(BaseSettings):
     def _data_dir(cls, v: str) -> str:
         if not v.strip():
             raise ValueError("must name a folder: an empty data_dir would be the current folder, which rtrl run cleans")
-        p = Path(v).expanduser().resolve()
-        if p == Path(p.anchor) or p == Path.home().resolve():
+        try:
+            p, home = Path(v).expanduser().resolve(), Path.home().resolve()
+        except RuntimeError:  # no HOME to expand "~" against
+            raise ValueError("starts with ~ but HOME is not set; give an absolute folder") from None
+        if p == Path(p.anchor) or p == home:
             raise ValueError(f"resolves to {p}: rtrl keeps (and cleans) its state there; use a folder of its own")
         return v
 
@@ -507,7 +521,7 @@ class Settings(BaseSettings):
         dsn = self.clickhouse.dsn
         if dsn.startswith(("http://", "https://")):
             hosts.append(urlsplit(dsn).hostname or "")
-        return all(h.lower() in _LOOPBACK for h in hosts)
+        return all(_is_loopback(h) for h in hosts)
 
     @property
     def data_path(self) -> Path:

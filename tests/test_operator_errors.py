@@ -171,6 +171,50 @@ def test_a_clickhouse_timeout_means_what_it_says(blackhole, capsys, monkeypatch)
     assert rc == 2 and refused in _one_error_line(lines)
 
 
+@pytest.fixture
+def stalls_after_ping():
+    """An HTTP server that answers ``/ping`` with ``Ok.`` and then never answers a query."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    release = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            if self.path.startswith("/ping"):
+                self.send_response(200)
+                self.send_header("Content-Length", "4")
+                self.end_headers()
+                self.wfile.write(b"Ok.\n")
+            else:
+                release.wait(30)
+
+        do_POST = do_GET
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    release.set()
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_server_that_answers_ping_and_then_stalls_is_reported_within_the_timeout(
+    stalls_after_ping, capsys, monkeypatch
+):
+    t0 = time.monotonic()
+    env = {"RTRL_CLICKHOUSE__DSN": stalls_after_ping, "RTRL_CLICKHOUSE__TIMEOUT_S": "2"}
+    rc, lines = _cli(["migrate"], env, capsys, monkeypatch)
+    took = time.monotonic() - t0
+    line = _one_error_line(lines)
+    assert rc == 2 and stalls_after_ping in line and "within 2s" in line, line
+    assert took < 2 + 3, f"clickhouse.timeout_s = 2 took {took:.1f}s"
+
+
 def _part(name: str, env: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")}
     return subprocess.run(
