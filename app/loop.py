@@ -264,17 +264,14 @@ class Loop:
     def start_flows(self) -> None:
         """Both flows as threads, with Bytewax recovery in ``<data_dir>/recovery/<name>`` (what ``--resume``
         continues from after a crash)."""
-        from bytewax.recovery import RecoveryConfig, init_db_dir
-
-        from app.parts import recovery_path
+        from app.parts import recovery_config
 
         for name, build in (("rewards", reward_flow), ("batches", batch_flow)):
             flow = build(self.settings, bootstrap=self.bootstrap, stop=self.stop)
-            recovery = recovery_path(self.settings, name)
-            if not recovery.exists() or not any(recovery.iterdir()):
-                recovery.mkdir(parents=True, exist_ok=True)
-                init_db_dir(recovery, 1)
-            kwargs = {"recovery_config": RecoveryConfig(str(recovery), backup_interval=timedelta(0))}
+            kwargs = {
+                "recovery_config": recovery_config(self.settings, name),
+                "epoch_interval": timedelta(seconds=self.settings.flow.snapshot_s),
+            }
             t = threading.Thread(target=run_main, args=(flow,), kwargs=kwargs, name=f"{name}-flow", daemon=True)
             t.start()
             self.threads.append(t)
@@ -621,10 +618,12 @@ def run_loop(settings: Settings, console: Console | None = None, resume: bool = 
 
 
 def fresh_start(settings: Settings) -> None:
-    """On the embedded defaults the main job starts afresh (a previous run's broker, ClickHouse, loop)."""
-    if not settings.kafka.bootstrap and not settings.clickhouse.dsn:
-        check_cleanable(settings.data_path)  # never a folder rtrl did not mark as its own
-        for part in RUN_PARTS:
+    """The main job starts afresh: a previous run's loop state, flow recovery and logs go; on the embedded
+    defaults its broker and ClickHouse too (with a cluster and a server configured, those are theirs)."""
+    check_cleanable(settings.data_path)  # never a folder rtrl did not mark as its own
+    embedded = not settings.kafka.bootstrap and not settings.clickhouse.dsn
+    for part in RUN_PARTS:
+        if embedded or part not in ("broker", "clickhouse"):
             shutil.rmtree(settings.data_path / part, ignore_errors=True)
     data_folder(settings.data_path)
 

@@ -46,13 +46,23 @@ def recovery_path(settings: Settings, name: str) -> Path:
     return Path(setting or settings.data_path / "recovery" / name)
 
 
+def recovery_config(settings: Settings, name: str) -> Any:
+    """Bytewax's RecoveryConfig for flow ``name``, its folder created (owner-only) and initialised once."""
+    from bytewax.recovery import RecoveryConfig, init_db_dir
+
+    recovery = recovery_path(settings, name)
+    if not recovery.exists() or not any(recovery.iterdir()):
+        private_dir(recovery)
+        init_db_dir(recovery, 1)
+    return RecoveryConfig(str(recovery), backup_interval=timedelta(0))
+
+
 def run_flow(
     settings: Settings, name: str, bootstrap: str, workers: int = 1, stop: threading.Event | None = None
 ) -> None:
     """A flow under ``bytewax.run``'s driver with recovery in ``<data_dir>/recovery/<name>`` (or the setting).
     It runs until the end of its topics (``tail`` off), or until ``stop`` - by default SIGTERM or SIGINT
     (:func:`flows.kafka_io.stop_on_signals`): a clean stop with a final snapshot, then a normal return."""
-    from bytewax.recovery import RecoveryConfig, init_db_dir
     from bytewax.run import cli_main
 
     from flows.kafka_io import stop_on_signals
@@ -61,15 +71,11 @@ def run_flow(
         from flows.reward_flow import build_flow
     else:
         from flows.batch_flow import build_flow
-    recovery = recovery_path(settings, name)
-    if not recovery.exists() or not any(recovery.iterdir()):
-        private_dir(recovery)
-        init_db_dir(recovery, 1)
     cli_main(
         build_flow(settings, bootstrap=bootstrap, stop=stop if stop is not None else stop_on_signals()),
         workers_per_process=workers,
         epoch_interval=timedelta(seconds=settings.flow.snapshot_s),
-        recovery_config=RecoveryConfig(str(recovery), backup_interval=timedelta(0)),
+        recovery_config=recovery_config(settings, name),
     )
 
 
@@ -185,6 +191,27 @@ def train(settings: Settings, bootstrap: str) -> None:
         print("stopped cleanly", flush=True)
 
 
+#: set by the supervisor for its parts: the part stops (cleanly, as on SIGTERM) when that process is gone
+SUPERVISOR_PID = "_RTRL_SUPERVISOR_PID"
+
+
+def _stop_with_supervisor(poll_s: float = 1.0) -> None:
+    """A part started by a supervisor that then dies (kill -9, OOM) would otherwise run on, orphaned, for
+    ever: it signals itself SIGTERM - the clean stop - once its parent is no longer that supervisor."""
+    import os
+
+    pid = os.environ.get(SUPERVISOR_PID)
+    if not pid or not pid.isdigit():
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(pid):
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="rtrl-supervisor-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None, settings: Settings | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     to_end = argv[1:] == ["--to-end"]
@@ -203,6 +230,7 @@ def main(argv: list[str] | None = None, settings: Settings | None = None) -> int
     except RtrlError as e:
         print(f"error: part {name}: {e}", file=sys.stderr)
         return 2
+    _stop_with_supervisor()
     if name in ("rewards", "batches"):
         run_flow(settings, name, bootstrap)
     elif name == "serve":

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from app.loop import loop_settings
-from app.parts import PARTS, PatientClickHouse
+from app.parts import PARTS, SUPERVISOR_PID, PatientClickHouse
 from app.services import Services, spawn_embedded_clickhouse
 from rtrl import clickhouse
 from rtrl.errors import ServiceUnavailable
@@ -161,6 +161,7 @@ class Supervisor:
         )
         child = s.updated({"kafka.bootstrap": self.bootstrap, "clickhouse.dsn": self.dsn})
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")} | as_env(child)
+        self.env[SUPERVISOR_PID] = str(os.getpid())  # parts stop by themselves should this process die
 
     # ------------------------------------------------------------ parts
 

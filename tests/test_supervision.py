@@ -1,0 +1,178 @@
+"""Supervision an always-on system can live with (issue 11, point 7), piece by piece; the whole of it
+under a seeded random kill schedule is tests/test_chaos.py.
+
+- The restart budget is a rate (N restarts within a sliding window), not a count over the supervisor's life.
+- Ending a dead part ends its whole process group: a helper it forked does not outlive it.
+- The supervisor's own ClickHouse queries wait out a restart of the front, then fail as one line.
+- ``rtrl run --resume`` continues a crashed run instead of wiping it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from app.parts import SUPERVISOR_PID, PatientClickHouse
+from app.supervisor import RestartBudget, end_group, group_members
+from devservices.broker import free_port
+from rtrl.errors import ServiceUnavailable
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_restart_budget_is_a_rate_within_a_sliding_window():
+    clock = _Clock()
+    budget = RestartBudget(limit=3, window_s=60.0, clock=clock)
+    assert [budget.allow("train") for _ in range(3)] == [True, True, True]
+    assert not budget.allow("train")  # a fourth death within the minute: give up
+    assert budget.allow("rewards")  # per part
+    clock.now += 60.0  # the first three fell out of the window
+    assert budget.allow("train")
+    # an always-on deployment that crashes once an hour never runs out (it died at its sixth crash before)
+    steady = RestartBudget(limit=5, window_s=60.0, clock=clock)
+    for _ in range(50):
+        clock.now += 3600.0
+        assert steady.allow("serve")
+    assert steady.total["serve"] == 50
+
+
+def test_ending_a_dead_part_ends_the_helpers_it_forked(tmp_path):
+    """The part is killed by PID (as an OOM killer or an operator does): its forked helper stays alive in
+    the part's process group until the supervisor ends the group."""
+    pidfile = tmp_path / "helper.pid"
+    script = (
+        "import os, subprocess, sys, time\n"
+        "h = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"open({str(pidfile)!r}, 'w').write(str(h.pid))\n"
+        "time.sleep(120)\n"
+    )
+    part = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    helper = int(pidfile.read_text())
+    os.kill(part.pid, signal.SIGKILL)
+    part.wait(10)
+    assert helper in group_members(part.pid)  # orphaned, still running: what the old supervisor left behind
+    end_group(part.pid, timeout_s=5.0)
+    assert group_members(part.pid) == []
+    stat = Path(f"/proc/{helper}/stat")  # gone, or a zombie waiting for init to reap it: not running
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_a_part_stops_cleanly_when_its_supervisor_is_killed(tmp_path):
+    """kill -9 of the supervisor: its parts notice their parent is gone and take the clean-stop path
+    (SIGTERM to themselves) instead of running on, orphaned, for ever."""
+    done = tmp_path / "stopped"
+    part = (
+        "import signal, sys, time\n"
+        "from app.parts import _stop_with_supervisor\n"
+        f"signal.signal(signal.SIGTERM, lambda *_: (open({str(done)!r}, 'w').write('clean'), sys.exit(0)))\n"
+        "_stop_with_supervisor(poll_s=0.05)\n"
+        "time.sleep(120)\n"
+    )
+    supervisor = (
+        "import os, subprocess, sys, time\n"
+        f"env = dict(os.environ, {SUPERVISOR_PID}=str(os.getpid()))\n"
+        f"subprocess.Popen([sys.executable, '-c', {part!r}], env=env, cwd={str(ROOT)!r}, start_new_session=True)\n"
+        "time.sleep(120)\n"
+    )
+    sup = subprocess.Popen([sys.executable, "-c", supervisor], cwd=ROOT)
+    time.sleep(3.0)  # the part is up and watching
+    assert not done.exists()
+    sup.kill()
+    sup.wait(10)
+    deadline = time.monotonic() + 30
+    while not done.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert done.read_text() == "clean"
+
+
+def test_the_supervisors_queries_fail_as_one_line_when_clickhouse_is_gone():
+    dsn = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(ServiceUnavailable) as err:
+        PatientClickHouse(dsn, timeout_s=0.5, patience_s=2.0)
+    message = str(err.value)
+    assert "\n" not in message and dsn in message and "did not come back within 2s" in message
+    assert time.monotonic() - t0 < 2.0 + 5.0
+
+
+def _small_run(tmp_path: Path, cycles: int) -> dict[str, str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")}
+    return clean | {
+        "RTRL_DATA_DIR": str(tmp_path),
+        "RTRL_LOOP__CYCLES": str(cycles),
+        "RTRL_LOOP__SAMPLES_PER_CYCLE": "256",
+        "RTRL_LOOP__EVAL_TASKS": "50",
+        "RTRL_LOOP__WARM_START_STEPS": "100",
+        "RTRL_LOOP__RATE": "40",
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_run_resume_continues_a_crashed_run(tmp_path):
+    """`rtrl run` is killed (SIGKILL to its process group) after its first decision; `rtrl run --resume`
+    keeps the data folder and continues from that decision: no new warm start, v1 not made again, and
+    the run ends with every cycle decided once."""
+    env = _small_run(tmp_path, cycles=3)
+    log = open(tmp_path / "first.log", "w")  # noqa: SIM115 - the child writes it
+    first = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "run"],
+        env=env,
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    state = tmp_path / "loop" / "state.json"
+    deadline = time.monotonic() + 600
+    try:
+        while time.monotonic() < deadline and first.poll() is None:
+            try:
+                if json.loads(state.read_text())["version"] >= 1:
+                    break
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.5)
+        assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        os.killpg(first.pid, signal.SIGKILL)  # the crash
+        first.wait(30)
+        decided = json.loads(state.read_text())  # what the crashed run had decided when it died
+    finally:
+        log.close()
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    assert 1 <= decided["version"] < 3
+    resumed = subprocess.run(
+        [sys.executable, "-m", "app.cli", "run", "--resume"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    out = resumed.stdout
+    assert resumed.returncode == 0, out[-3000:] + resumed.stderr[-3000:]
+    assert f"resumed: {decided['version']} decisions made" in out, out[-3000:]
+    assert "v0 (warm start)" not in out  # the crashed run's data folder was kept, not wiped
+    made = [int(v) for v in re.findall(r"^v(\d+) <- v\d+:", out, flags=re.M)]
+    assert made == list(range(decided["version"] + 1, 4)), out[-3000:]
+    assert json.loads(state.read_text())["version"] == 3
