@@ -67,13 +67,17 @@ def write_private(path: str | os.PathLike, data: bytes) -> Path:
 MARKER = ".rtrl-data"
 #: what ``rtrl run`` on the embedded defaults deletes for a fresh start
 RUN_PARTS = ("broker", "clickhouse", "loop", "recovery", "logs")
+#: files only rtrl writes: the marker, or (folders of runs before the marker existed) its broker's address
+#: file and the loop's state
+_SIGNS = (MARKER, "broker/rtrl-broker.json", "loop/state.json")
 
 
 def data_folder(path: str | os.PathLike) -> Path:
     """The data folder, owner-only, and marked as rtrl's unless it already holds one of :data:`RUN_PARTS`
     without the marker (someone else's folder: :func:`check_cleanable` then refuses to clean it)."""
     p = private_dir(path)
-    if not (p / MARKER).exists() and not any((p / name).exists() for name in RUN_PARTS):
+    ours = not any((p / name).exists() for name in RUN_PARTS) or any((p / sign).exists() for sign in _SIGNS)
+    if not (p / MARKER).exists() and ours:
         (p / MARKER).write_text("a data folder of rtrl: `rtrl run` may delete its contents\n")
     return p
 
@@ -82,7 +86,7 @@ def check_cleanable(path: str | os.PathLike) -> None:
     """Refuse (ConfigError) to clean :data:`RUN_PARTS` of a folder rtrl did not mark as its own."""
     p = Path(path)
     present = [name for name in RUN_PARTS if (p / name).exists()]
-    if present and not (p / MARKER).exists():
+    if present and not any((p / sign).exists() for sign in _SIGNS):
         raise ConfigError(
             f"data_dir {p} holds {', '.join(present)} but was not created by rtrl (no {MARKER} in it), so "
             "`rtrl run` will not delete them; fix: set data_dir to a folder of its own, or if that folder is "

@@ -331,3 +331,8 @@ def test_rtrl_run_never_cleans_a_folder_it_did_not_create(tmp_path):
     (ours / "logs").mkdir()
     fresh_start(load_settings(env={"RTRL_DATA_DIR": str(ours)}))
     assert not (ours / "logs").exists() and (ours / MARKER).exists()
+    older = tmp_path / "older"  # a data folder of a run from before the marker: its broker file says whose it is
+    (older / "broker").mkdir(parents=True)
+    (older / "broker" / "rtrl-broker.json").write_text("{}")
+    fresh_start(load_settings(env={"RTRL_DATA_DIR": str(older)}))
+    assert not (older / "broker").exists() and (older / MARKER).exists()
