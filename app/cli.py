@@ -272,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
 
         console.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)  # "[loop]" is text
         return 2
+    except KeyboardInterrupt:  # Ctrl-C of a foreground job: its finally blocks stopped what it started
+        console.print("interrupted", highlight=False)
+        return 130
 
 
 if __name__ == "__main__":

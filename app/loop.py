@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
@@ -71,6 +72,9 @@ from trainer.data import BatchStream
 from trainer.dedup import TrainedSet
 from trainer.model import build_model, init_parallel
 from trainer.train import TrainConfig, train
+
+if TYPE_CHECKING:
+    from app.services import Services
 
 #: samples per packed row and rows per micro-batch the loop's model is built for
 SEQ_LEN, ROWS, MICRO_BATCHES_PER_STEP = 64, 2, 4
@@ -268,9 +272,13 @@ class Loop:
 
         for name, build in (("rewards", reward_flow), ("batches", batch_flow)):
             flow = build(self.settings, bootstrap=self.bootstrap, stop=self.stop)
+            # snapshots at Bytewax's default 10 s, not flow.snapshot_s: each one pickles the partition's
+            # windows, closed ones included until allowed_lateness, so on two shared cores a 2 s epoch made
+            # the main job's cycles grow from ~15 s to ~100 s by cycle 9 (bench/RESULTS.md); a crash
+            # replays at most 10 s of events from Kafka, exactly once either way
             kwargs = {
                 "recovery_config": recovery_config(self.settings, name),
-                "epoch_interval": timedelta(seconds=self.settings.flow.snapshot_s),
+                "epoch_interval": timedelta(seconds=max(10.0, self.settings.flow.snapshot_s)),
             }
             t = threading.Thread(target=run_main, args=(flow,), kwargs=kwargs, name=f"{name}-flow", daemon=True)
             t.start()
@@ -578,6 +586,13 @@ def run_loop(settings: Settings, console: Console | None = None, resume: bool = 
     torch.set_num_threads(1)  # the policy server, the flows and the broker share the cores
     t0 = time.monotonic()
     services = Services(settings)
+    try:  # the local broker stops whatever ends the run (Ctrl-C included)
+        return _run_in_process(settings, services, console, resume, t0)
+    finally:
+        services.close()
+
+
+def _run_in_process(settings: Settings, services: Services, console: Console, resume: bool, t0: float) -> list[dict]:
     loop = Loop(settings, services.bootstrap, services.ch)
     ls, rv = loop.settings.loop, loop.settings.rewards.train_version
     try:
@@ -611,10 +626,7 @@ def run_loop(settings: Settings, console: Console | None = None, resume: bool = 
                 )
     finally:
         loop.close()
-    try:
-        return final_report(settings, services.ch, console, t0)
-    finally:
-        services.close()
+    return final_report(settings, services.ch, console, t0)
 
 
 def fresh_start(settings: Settings) -> None:

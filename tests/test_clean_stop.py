@@ -226,3 +226,34 @@ def test_trainer_stops_cleanly_and_resumes_where_it_stopped(tmp_path):
             assert "panic" not in text.lower() and "Traceback" not in text, (part, text[-2000:])
     finally:
         sup.close()
+
+
+@pytest.mark.timeout(600)
+def test_ctrl_c_of_the_main_job_is_one_line_and_stops_its_broker(tmp_path):
+    """SIGINT to a foreground `rtrl run` (Ctrl-C): exit 130 with one line, no traceback, and the local
+    broker it started is stopped (a KeyboardInterrupt used to skip its shutdown and leave it running)."""
+    from devservices.broker import LocalBroker
+    from tests.test_supervision import _small_run
+
+    env = _small_run(tmp_path, cycles=3)
+    run = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "run"],
+        env=env,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(run.stdout or []), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 300
+    while not any("v0 (warm start)" in line for line in lines) and time.monotonic() < deadline and run.poll() is None:
+        time.sleep(0.2)
+    assert run.poll() is None, "".join(lines)[-3000:]
+    run.send_signal(signal.SIGINT)
+    assert run.wait(120) == 130, "".join(lines)[-3000:]
+    reader.join(10)
+    out = "".join(lines)
+    assert "Traceback" not in out and out.rstrip().endswith("interrupted"), out[-3000:]
+    assert LocalBroker(tmp_path / "broker").running_port() is None
