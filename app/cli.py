@@ -1,6 +1,8 @@
 """``rtrl`` command line: one entry point per job.
 
-    rtrl run [--resume]      the main job: the closed loop (see app.loop); --resume continues a crashed run
+    rtrl --version           print the installed version
+    rtrl run [--resume]      the main job: the closed loop (see app.loop); --resume (alias --keep-data) continues
+                             the run in data_dir without deleting anything
     rtrl rollback V          mark version V rolled back and re-promote its parent (deployments + ClickHouse)
     rtrl ab                  two simulated policy profiles through the reward flow, compared (app.ab)
     rtrl broker up|down|status   the local Kafka-protocol broker under data_dir/broker
@@ -14,7 +16,8 @@
     rtrl train               the trainer on rtrl.batches (torchrun --nproc_per_node N -m trainer for DP/TP/PP)
     rtrl config              show the effective settings
 
-Every command takes ``--config FILE`` (or ``RTRL_CONFIG``) and ``RTRL_*`` environment overrides.
+Every command takes ``--config FILE`` (or ``RTRL_CONFIG``), ``-v/--verbose`` - before or after the command
+name - and ``RTRL_*`` environment overrides. Versions are written ``3`` or ``v3``.
 Errors a user can fix are printed as one line naming the setting or address, with exit code 2.
 """
 
@@ -27,6 +30,7 @@ import sys
 from rich.console import Console
 
 from rtrl.errors import RtrlError
+from rtrl.quiet import quiet_known_warnings
 from rtrl.settings import Settings, describe, load_settings
 
 
@@ -39,8 +43,19 @@ def _bootstrap(settings: Settings, clickhouse_too: bool = False) -> str:
 
 
 def cmd_run(settings: Settings, args: argparse.Namespace, console: Console) -> int:
-    from app.loop import run_loop
+    from app.loop import fresh_start_plan, run_loop
 
+    if args.resume:
+        console.print(f"keeping {settings.data_path}: nothing is deleted (--resume/--keep-data)", highlight=False)
+    else:
+        doomed = fresh_start_plan(settings)  # refuses (one line) a folder rtrl did not mark as its own
+        console.print(
+            f"fresh start: deleting {', '.join(str(d) for d in doomed)} (keep them: --keep-data)"
+            if doomed
+            else f"fresh start: nothing to delete in {settings.data_path}",
+            highlight=False,
+            soft_wrap=True,
+        )
     run_loop(settings, console, resume=args.resume)
     return 0
 
@@ -194,67 +209,118 @@ def _port(text: str) -> int:
 
 
 def _version(text: str) -> int:
-    """argparse type of a policy version: a whole number >= 0."""
+    """argparse type of a policy version: a whole number >= 0, written ``3`` or ``v3``."""
+    digits = text[1:] if text[:1] in ("v", "V") else text
     try:
-        n = int(text)
+        n = int(digits)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a version number") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a version number (write 3 or v3)") from None
     if n < 0:
         raise argparse.ArgumentTypeError(f"{n} is not a version: versions start at 0")
     return n
 
 
+def distribution_version() -> str:
+    """The installed ``rtrl`` distribution's version (pyproject.toml's name), else ``rtrl.__version__``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rtrl")
+    except PackageNotFoundError:
+        import rtrl
+
+        return str(getattr(rtrl, "__version__", "unknown"))
+
+
+def _global_options(p: argparse.ArgumentParser, default: object) -> None:
+    """``--config`` and ``-v``: on the main parser with real defaults, on each subcommand with
+    ``argparse.SUPPRESS`` so that a value given after the command name overrides one given before it."""
+    p.add_argument("--config", metavar="FILE", default=default, help="TOML settings file (default: $RTRL_CONFIG)")
+    p.add_argument(
+        "-v", "--verbose", action="store_true", default=False if default is None else default, help="log debug output"
+    )
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rtrl", description="real-time RL loop for LLM coding agents")
-    p.add_argument("--config", help="TOML settings file (default: $RTRL_CONFIG)")
-    p.add_argument("-v", "--verbose", action="store_true", help="log debug output")
-    sub = p.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="the main job: the closed loop on the configured (default: embedded) services")
+    p = argparse.ArgumentParser(
+        prog="rtrl",
+        description="real-time RL loop for LLM coding agents",
+        epilog="`rtrl COMMAND --help` describes a command; --config and -v go before or after it.",
+    )
+    p.add_argument("--version", action="version", version=f"rtrl {distribution_version()}")
+    _global_options(p, None)
+    common = argparse.ArgumentParser(add_help=False)
+    _global_options(common, argparse.SUPPRESS)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
+
+    def command(name: str, help_text: str, description: str | None = None) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_text, description=description or help_text, parents=[common])
+
+    run = command(
+        "run",
+        "the main job: the closed loop on the configured (default: embedded) services",
+        "The main job: the closed loop on the configured (default: embedded) services. It starts afresh, "
+        "deleting the previous run's folders in data_dir (it prints which), unless --resume/--keep-data.",
+    )
     run.add_argument(
         "--resume",
+        "--keep-data",
+        dest="resume",
         action="store_true",
-        help="continue the run in data_dir (e.g. after a crash) instead of wiping it and starting afresh",
+        help="delete nothing: continue the run in data_dir (e.g. after a crash), or start one on the data "
+        "there if it holds no run yet; without it the loop starts afresh",
     )
     run.set_defaults(fn=cmd_run)
-    rb = sub.add_parser("rollback", help="mark a promoted version rolled back and re-promote its parent")
-    rb.add_argument("version", type=_version)
-    rb.add_argument("--reason", default="manual rollback")
+    rb = command(
+        "rollback",
+        "mark a promoted version rolled back and re-promote its parent",
+        "Mark a promoted version rolled back and re-promote its parent (ClickHouse checkpoints and the "
+        "deployments topic).",
+    )
+    rb.add_argument("version", type=_version, help="the version to roll back, e.g. 3 or v3")
+    rb.add_argument("--reason", default="manual rollback", help="why, recorded with the decision (%(default)r)")
     rb.set_defaults(fn=cmd_rollback)
-    sub.add_parser(
-        "ab", help="two simulated policy profiles side by side through the reward flow, compared"
-    ).set_defaults(fn=cmd_ab)
-    b = sub.add_parser("broker", help="start/stop the local Kafka-protocol broker")
-    b.add_argument("action", choices=["up", "down", "status"])
+    command("ab", "two simulated policy profiles side by side through the reward flow, compared").set_defaults(
+        fn=cmd_ab
+    )
+    b = command("broker", "start/stop the local Kafka-protocol broker", "The local broker under data_dir/broker.")
+    b.add_argument("action", choices=["up", "down", "status"], help="up: start; down: stop; status: its address")
     b.add_argument("--port", type=_port, default=None, help="port to bind (default: a free one)")
     b.set_defaults(fn=cmd_broker)
-    sub.add_parser("topics", help="create Kafka topics (idempotent)").set_defaults(fn=cmd_topics)
-    sub.add_parser("migrate", help="apply ClickHouse migrations and verify").set_defaults(fn=cmd_migrate)
-    chs = sub.add_parser("clickhouse", help="serve the embedded ClickHouse folder over ClickHouse's HTTP interface")
-    chs.add_argument("action", choices=["serve"])
-    chs.add_argument("--port", type=_port, default=8123)
+    command("topics", "create Kafka topics (idempotent)").set_defaults(fn=cmd_topics)
+    command("migrate", "apply ClickHouse migrations and verify").set_defaults(fn=cmd_migrate)
+    chs = command("clickhouse", "serve the embedded ClickHouse folder over ClickHouse's HTTP interface")
+    chs.add_argument("action", choices=["serve"], help="serve: the folder of clickhouse.dsn = chdb://FOLDER")
+    chs.add_argument("--port", type=_port, default=8123, help="HTTP port to listen on (default: %(default)s)")
     chs.set_defaults(fn=cmd_clickhouse)
-    pt = sub.add_parser(
+    pt = command(
         "part",
-        help="one part of the closed loop as its own process (what `rtrl run` supervises with loop.processes = true)",
+        "one part of the closed loop as its own process (what `rtrl run` supervises with loop.processes = true)",
     )
-    pt.add_argument("name", choices=["rewards", "batches", "serve", "train"])
+    pt.add_argument("name", choices=["rewards", "batches", "serve", "train"], help="which part to run")
     pt.add_argument("--to-end", action="store_true", help="flows: stop at the end of the topics")
     pt.set_defaults(fn=cmd_part)
-    s = sub.add_parser("simulate", help="send simulated users' events through the SDK")
-    s.add_argument("--policy-version", type=_version, default=0)
+    s = command("simulate", "send simulated users' events through the SDK")
+    s.add_argument(
+        "--policy-version",
+        type=_version,
+        default=0,
+        help="the policy version the simulated events claim, e.g. 3 or v3 (default: %(default)s)",
+    )
     s.set_defaults(fn=cmd_simulate)
-    f = sub.add_parser("flow", help="run a streaming flow with Bytewax recovery")
-    f.add_argument("name", choices=["rewards", "batches"])
+    f = command("flow", "run a streaming flow with Bytewax recovery")
+    f.add_argument("name", choices=["rewards", "batches"], help="rewards: the reward flow; batches: micro-batches")
     f.add_argument("-w", "--workers", type=_count, default=1, help="worker threads in this process")
     f.set_defaults(fn=cmd_flow)
-    sub.add_parser("train", help="train on rtrl.batches (torchrun -m trainer for DP/TP/PP)").set_defaults(fn=cmd_train)
-    c = sub.add_parser("config", help="show the effective settings")
+    command("train", "train on rtrl.batches (torchrun -m trainer for DP/TP/PP)").set_defaults(fn=cmd_train)
+    c = command("config", "show the effective settings")
     c.add_argument("--example", action="store_true", help="print every setting at its default as TOML")
     c.set_defaults(fn=cmd_config)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_known_warnings()  # megatron's TE/Apex fallbacks and the like, one by one (rtrl/quiet.py)
     args = parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"

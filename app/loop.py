@@ -56,6 +56,7 @@ from flows.reward_flow import build_flow as reward_flow
 from monitors.alerts import MismatchRule
 from monitors.queries import check_promotion
 from rtrl import clickhouse
+from rtrl.errors import ConfigError
 from rtrl.files import RUN_PARTS, check_cleanable, data_folder, private_dir
 from rtrl.kafka import producer_config
 from rtrl.settings import Settings, refuse_overrides, refuse_user_set
@@ -538,10 +539,11 @@ def rollback(settings: Settings, bootstrap: str, ch, version: int, reason: str) 
     db = settings.clickhouse.database
     rows = {c.version: c for c in clickhouse.select(ch, db, "checkpoints")}
     if version not in rows:
-        raise ValueError(f"no checkpoint v{version} in {db}.checkpoints")
+        known = ", ".join(f"v{v}" for v in sorted(rows)) or "none (run `rtrl run` first)"
+        raise ConfigError(f"no checkpoint v{version} in {db}.checkpoints; known versions: {known}")
     bad = rows[version]
     if bad.parent is None:
-        raise ValueError(f"v{version} has no parent to roll back to")
+        raise ConfigError(f"v{version} has no parent to roll back to (it is the warm start)")
     parent = rows[bad.parent]
     producer = Producer(producer_config(bootstrap, settings.kafka.compression))
     now = time.time_ns() // 1_000_000
@@ -629,15 +631,23 @@ def _run_in_process(settings: Settings, services: Services, console: Console, re
     return final_report(settings, services.ch, console, t0)
 
 
-def fresh_start(settings: Settings) -> None:
-    """The main job starts afresh: a previous run's loop state, flow recovery and logs go; on the embedded
-    defaults its broker and ClickHouse too (with a cluster and a server configured, those are theirs)."""
+def fresh_start_plan(settings: Settings) -> list[Path]:
+    """The folders :func:`fresh_start` deletes (those that exist): a previous run's loop state, flow recovery
+    and logs; on the embedded defaults its broker and ClickHouse too (with a cluster and a server configured,
+    those are theirs). Refuses (ConfigError) a data folder rtrl did not mark as its own."""
     check_cleanable(settings.data_path)  # never a folder rtrl did not mark as its own
     embedded = not settings.kafka.bootstrap and not settings.clickhouse.dsn
-    for part in RUN_PARTS:
-        if embedded or part not in ("broker", "clickhouse"):
-            shutil.rmtree(settings.data_path / part, ignore_errors=True)
+    parts = [p for p in RUN_PARTS if embedded or p not in ("broker", "clickhouse")]
+    return [settings.data_path / p for p in parts if (settings.data_path / p).exists()]
+
+
+def fresh_start(settings: Settings) -> list[Path]:
+    """The main job starts afresh: deletes :func:`fresh_start_plan`'s folders, returned."""
+    doomed = fresh_start_plan(settings)
+    for folder in doomed:
+        shutil.rmtree(folder, ignore_errors=True)
     data_folder(settings.data_path)
+    return doomed
 
 
 def final_report(settings: Settings, ch, console: Console, t0: float) -> list[dict]:
