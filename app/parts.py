@@ -35,6 +35,7 @@ from typing import Any
 
 from rtrl.errors import RtrlError, ServiceUnavailable
 from rtrl.files import private_dir
+from rtrl.quiet import quiet_known_warnings
 from rtrl.settings import Settings, load_settings
 
 PARTS = ("rewards", "batches", "serve", "train")
@@ -214,6 +215,7 @@ def _stop_with_supervisor(poll_s: float = 1.0) -> None:
 
 def main(argv: list[str] | None = None, settings: Settings | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    quiet_known_warnings()
     to_end = argv[1:] == ["--to-end"]
     if not argv or argv[0] not in PARTS or (len(argv) > 1 and not (to_end and argv[0] in ("rewards", "batches"))):
         print(f"usage: python -m app.parts {'|'.join(PARTS)}  (flows: --to-end)", file=sys.stderr)

@@ -256,4 +256,6 @@ def test_ctrl_c_of_the_main_job_is_one_line_and_stops_its_broker(tmp_path):
     reader.join(10)
     out = "".join(lines)
     assert "Traceback" not in out and out.rstrip().endswith("interrupted"), out[-3000:]
+    # the main job's opening (through the warm start and the first checkpoint load) carries no warnings
+    assert not [line for line in lines[:30] if "Warning" in line], "".join(lines[:30])
     assert LocalBroker(tmp_path / "broker").running_port() is None

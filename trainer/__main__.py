@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from rtrl.errors import ConfigError, RtrlError
+from rtrl.quiet import quiet_known_warnings
 from rtrl.settings import load_settings
 
 
@@ -18,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer", description="train on rtrl.batches (DP/TP/PP from settings)")
     p.add_argument("--config", help="TOML settings file (default: $RTRL_CONFIG)")
     args = p.parse_args(argv)
+    quiet_known_warnings()
     try:
         settings = load_settings(args.config)
         if not settings.kafka.bootstrap:

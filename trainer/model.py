@@ -194,6 +194,7 @@ def transformer_config(cfg: ModelConfig, precision: PrecisionConfig):
         # On CPU every weight is initialised as one full master tensor from the CPU generator and
         # split over tp ranks: the same seed gives the same model for any tp.
         use_cpu_initialization=not cuda,
+        cuda_graph_scope=[],  # megatron's default "full" is its own deprecated spelling of [] (and warns)
         **kwargs,
     )
 
