@@ -22,7 +22,7 @@ from app.supervisor import CLICKHOUSE, Supervisor
 from rtrl import clickhouse
 from rtrl.kafka import read_topic
 from rtrl.settings import load_settings
-from tests.test_reliability import _reference_rewards
+from tests.test_reliability import _reference_rewards, trained_counts, unrewarded_samples
 
 pytestmark = pytest.mark.slow  # the loop as processes under a kill schedule (minutes)
 
@@ -154,19 +154,9 @@ def test_seeded_kill_schedule_keeps_every_invariant(tmp_path):
         assert stored == {(t, v, r): expected[(t, v, r)] for (t, v), r in latest.items()}
 
         # no micro-batch or sample trained twice; every trained sample has its reward
-        batches = ch.query(
-            f"SELECT count(), uniqExact(b) FROM {db}.train_metrics FINAL ARRAY JOIN batch_ids AS b"
-        ).result_rows[0]
-        samples = ch.query(
-            f"SELECT count(), uniqExact(s) FROM {db}.train_metrics FINAL ARRAY JOIN sample_ids AS s"
-        ).result_rows[0]
+        batches, samples = trained_counts(ch, db)
         assert batches[0] == batches[1] > 0 and samples[0] == samples[1] >= CYCLES * 300
-        rv = settings.rewards.train_version
-        unrewarded = ch.query(
-            f"SELECT count() FROM (SELECT s FROM {db}.train_metrics FINAL ARRAY JOIN sample_ids AS s) "
-            f"WHERE s NOT IN (SELECT trajectory_id FROM {db}.rewards FINAL WHERE reward_version = '{rv}')"
-        ).result_rows[0][0]
-        assert unrewarded == 0
+        assert unrewarded_samples(ch, db, settings.rewards.train_version) == 0
     finally:
         sup.close()
     deadline = time.monotonic() + 10

@@ -11,15 +11,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 
 import pytest
 
 from devservices.broker import free_port
-from flows.processor import Message, RewardProcessor
-from flows.reward_flow import window_config
 from rtrl.kafka import ensure_topics, read_topic
 from rtrl.settings import load_settings
+from tests.test_reliability import _reference_rewards, trained_counts
 from tests.test_reward_flow import SALT, VERSIONS, _payloads, _produce
 
 pytestmark = pytest.mark.slow  # real flows and parts as subprocesses, stopped and restarted
@@ -55,23 +54,6 @@ def _flow(env: dict[str, str]) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
     )
-
-
-def _offline_rewards(env: dict[str, str], bootstrap: str, topic: str) -> dict[tuple, tuple]:
-    """An uninterrupted run of the reward logic over every event in Kafka, partition by partition:
-    (trajectory, reward version, revision) -> (reward, components, flags), every revision."""
-    settings = load_settings(env={k: v for k, v in env.items() if k.startswith("RTRL_")})
-    by_partition = defaultdict(list)
-    for m in read_topic(bootstrap, topic, timeout_s=60):
-        by_partition[m.partition()].append(Message(m.key(), m.value(), m.partition(), m.offset()))
-    out = {}
-    for msgs in by_partition.values():
-        proc = RewardProcessor(topic, window_config(settings), settings.rewards.versions)
-        res = proc.process(sorted(msgs, key=lambda m: m.offset))
-        res.rewards.extend(proc.finish().rewards)
-        for r in res.rewards:
-            out[(r.trajectory_id, r.reward_version, r.revision)] = (r.reward, dict(r.components), list(r.flags))
-    return out
 
 
 @pytest.mark.timeout(420)
@@ -128,7 +110,9 @@ def test_reward_flow_stops_cleanly_and_resumes_without_loss_or_duplicates(broker
     )
     assert second.returncode == 0, second.stderr[-3000:]
 
-    expected = _offline_rewards(env, broker.bootstrap, prefix + "events")
+    expected = _reference_rewards(
+        load_settings(env={k: v for k, v in env.items() if k.startswith("RTRL_")}), broker.bootstrap
+    )
     dump = subprocess.run(
         [sys.executable, "-c", DUMP, f"chdb://{tmp_path}/clickhouse"], capture_output=True, text=True, timeout=120
     )
@@ -211,12 +195,7 @@ def test_trainer_stops_cleanly_and_resumes_where_it_stopped(tmp_path):
             f"SELECT version, argMax(status, created_at) FROM {db}.checkpoints FINAL GROUP BY version ORDER BY version"
         ).result_rows
         assert [v for v, _ in decided] == [0, 1, 2] and all(s in ("promoted", "rejected") for _, s in decided)
-        batches = ch.query(
-            f"SELECT count(), uniqExact(b) FROM {db}.train_metrics FINAL ARRAY JOIN batch_ids AS b"
-        ).result_rows[0]
-        samples = ch.query(
-            f"SELECT count(), uniqExact(s) FROM {db}.train_metrics FINAL ARRAY JOIN sample_ids AS s"
-        ).result_rows[0]
+        batches, samples = trained_counts(ch, db)
         assert batches[0] == batches[1] > 0 and samples[0] == samples[1] > 0
         # the other parts, stopped by the supervisor with SIGTERM at the end: exit 0, no panic
         ends = dict(sup.exits[-3:])

@@ -40,6 +40,26 @@ def _reference_rewards(settings, bootstrap: str) -> dict[tuple, tuple]:
     return out
 
 
+def trained_counts(ch, db: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(rows, distinct) of the trained micro-batch ids and of the trained sample ids in train_metrics:
+    equal counts mean nothing was trained twice."""
+    out = []
+    for column in ("batch_ids", "sample_ids"):
+        n, distinct = ch.query(
+            f"SELECT count(), uniqExact(x) FROM {db}.train_metrics FINAL ARRAY JOIN {column} AS x"
+        ).result_rows[0]
+        out.append((n, distinct))
+    return out[0], out[1]
+
+
+def unrewarded_samples(ch, db: str, reward_version: str) -> int:
+    """Trained samples with no reward of ``reward_version`` in ClickHouse."""
+    return ch.query(
+        f"SELECT count() FROM (SELECT s FROM {db}.train_metrics FINAL ARRAY JOIN sample_ids AS s) "
+        f"WHERE s NOT IN (SELECT trajectory_id FROM {db}.rewards FINAL WHERE reward_version = '{reward_version}')"
+    ).result_rows[0][0]
+
+
 @pytest.mark.timeout(900)
 def test_kill_9_each_part_mid_cycle_loses_and_repeats_nothing(tmp_path):
     settings = load_settings(
@@ -105,20 +125,9 @@ def test_kill_9_each_part_mid_cycle_loses_and_repeats_nothing(tmp_path):
         assert raw == final
 
         # no micro-batch and no sample trained twice, and each trained sample had its reward
-        batches = ch.query(
-            f"SELECT count(), uniqExact(b) FROM {db}.train_metrics FINAL ARRAY JOIN batch_ids AS b"
-        ).result_rows[0]
-        samples = ch.query(
-            f"SELECT count(), uniqExact(s) FROM {db}.train_metrics FINAL ARRAY JOIN sample_ids AS s"
-        ).result_rows[0]
+        batches, samples = trained_counts(ch, db)
         assert batches[0] == batches[1] > 0 and samples[0] == samples[1] >= CYCLES * 400
-        rv = settings.rewards.train_version
-        unrewarded = ch.query(
-            f"SELECT count() FROM (SELECT s FROM {db}.train_metrics FINAL ARRAY JOIN sample_ids AS s) "
-            f"WHERE s NOT IN (SELECT trajectory_id FROM {db}.rewards FINAL WHERE reward_version = "
-            f"'{rv}')"
-        ).result_rows[0][0]
-        assert unrewarded == 0
+        assert unrewarded_samples(ch, db, settings.rewards.train_version) == 0
     finally:
         sup.close()
     assert _processes_of(tmp_path) == []  # nothing left behind, not even what a killed part had forked
