@@ -128,6 +128,26 @@ def on_engine_thread(fn: Any, *args: Any, **kwargs: Any) -> Any:
     return _ENGINE.submit(fn, *args, **kwargs).result()
 
 
+def _folder_holder(path: str) -> str | None:
+    """Who holds the chdb folder ``path`` (ClickHouse keeps an flock on its ``status`` file while it runs):
+    ``"pid N"`` from that file, or None when nobody holds it. chdb's own error then only says
+    ``Error initializing EmbeddedServer``; the reason goes to stderr."""
+    import fcntl
+
+    status = Path(path) / "status"
+    try:
+        with open(status, "rb") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                pid = re.search(rb"PID: (\d+)", f.read())
+                return f"pid {int(pid[1])}" if pid else "a process"
+            fcntl.flock(f, fcntl.LOCK_UN)
+    except OSError:
+        return None
+    return None
+
+
 def connect(dsn: str, timeout_s: float = 10.0) -> Any:
     """A clickhouse-connect client for ``dsn``; fails within about ``timeout_s`` with a clear error."""
     if dsn.startswith("chdb://"):
@@ -142,6 +162,13 @@ def connect(dsn: str, timeout_s: float = 10.0) -> Any:
                 raise ConfigError(
                     f"this process already opened another chdb folder ({text.split('path')[-2:]}); "
                     "one process can hold one embedded ClickHouse folder: use one clickhouse.dsn per process"
+                ) from None
+            holder = _folder_holder(dsn[len("chdb://") :])
+            if holder is not None:
+                raise ServiceUnavailable(
+                    f"embedded ClickHouse folder {dsn[len('chdb://') :]} is held by another process ({holder}): "
+                    "one process can open a chdb folder; stop that process, or serve the folder to many "
+                    "processes with `rtrl clickhouse serve` and set clickhouse.dsn to the http:// DSN it prints"
                 ) from None
             raise ServiceUnavailable(f"embedded ClickHouse at {dsn} could not be opened: {text}") from None
     if dsn.startswith(("http://", "https://")):

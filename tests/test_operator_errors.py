@@ -336,3 +336,36 @@ def test_rtrl_run_never_cleans_a_folder_it_did_not_create(tmp_path):
     (older / "broker" / "rtrl-broker.json").write_text("{}")
     fresh_start(load_settings(env={"RTRL_DATA_DIR": str(older)}))
     assert not (older / "broker").exists() and (older / MARKER).exists()
+
+
+def test_a_chdb_folder_held_by_another_process_is_one_line_naming_it(tmp_path):
+    """chdb says only "Error initializing EmbeddedServer" when another process holds the folder; rtrl names the
+    folder, the holder's pid and the fix (serve it with `rtrl clickhouse serve`)."""
+    folder = tmp_path / "clickhouse"
+    hold = (
+        "import sys, time\nfrom rtrl import clickhouse\nclient = clickhouse.connect(sys.argv[1])\ntime.sleep(120)"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold, f"chdb://{folder}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 60  # the engine writes and locks its status file once it has started
+        while not (folder / "status").exists():
+            assert time.monotonic() < deadline and holder.poll() is None, os.listdir(folder)
+            time.sleep(0.2)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")}
+        proc = subprocess.run(
+            [sys.executable, "-m", "app.cli", "migrate"],
+            env=env | {"RTRL_CLICKHOUSE__DSN": f"chdb://{folder}", "RTRL_DATA_DIR": str(tmp_path / "data")},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), proc.stdout
+    assert f"held by another process (pid {holder.pid})" in lines[0] and "rtrl clickhouse serve" in lines[0]
+    assert "Traceback" not in proc.stdout + proc.stderr
