@@ -174,7 +174,7 @@ class FlowSettings(Section):
     max_future_s: float = _s(86400.0, "events further ahead of the partition watermark are rejected", gt=0)
     batch_rows: int = _s(20_000, "rows buffered per ClickHouse table / archive before a write (both flows)", gt=0)
     batch_seconds: float = _s(1.0, "longest a row waits in a sink buffer before a write (both flows)", gt=0)
-    archive_dir: str = _s("", "Parquet archive of raw events; empty = <data_dir>/archive")
+    archive_dir: str = _s("", "Parquet archive of raw events; empty = <data_dir>/archive/events")
     recovery_dir: str = _s("", "Bytewax recovery folder; empty = <data_dir>/recovery/rewards")
     snapshot_s: float = _s(
         2.0, "Bytewax snapshot (epoch) interval of both flows: the most work replayed after a crash", gt=0
