@@ -342,9 +342,7 @@ def test_a_chdb_folder_held_by_another_process_is_one_line_naming_it(tmp_path):
     """chdb says only "Error initializing EmbeddedServer" when another process holds the folder; rtrl names the
     folder, the holder's pid and the fix (serve it with `rtrl clickhouse serve`)."""
     folder = tmp_path / "clickhouse"
-    hold = (
-        "import sys, time\nfrom rtrl import clickhouse\nclient = clickhouse.connect(sys.argv[1])\ntime.sleep(120)"
-    )
+    hold = "import sys, time\nfrom rtrl import clickhouse\nclient = clickhouse.connect(sys.argv[1])\ntime.sleep(120)"
     holder = subprocess.Popen(
         [sys.executable, "-c", hold, f"chdb://{folder}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
