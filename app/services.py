@@ -31,17 +31,17 @@ def local_broker(data_dir: Path, port: int | None = None) -> LocalBroker:
 
 
 def spawn_embedded_clickhouse(
-    folder: str, log: Path, *, port: int = 0, fresh_tokens: bool = True
+    folder: str, log: Path, *, port: int = 0, fresh_tokens: bool = True, database: str = "rtrl"
 ) -> tuple[subprocess.Popen, str]:
     """The embedded ClickHouse folder behind its HTTP front in its own process: (process, writer's DSN).
 
     The DSN (``http://rtrl_writer@127.0.0.1:P/?password_file=…``) names the owner-only file of the run's
     token, never the token: pass it on as ``clickhouse.dsn`` and :func:`rtrl.clickhouse.connect` reads the
     file. To restart a front that died without disturbing its clients, pass its ``port`` and
-    ``fresh_tokens=False``: same DSN, same token."""
+    ``fresh_tokens=False``: same DSN, same token. ``database`` is the one whose tables the analyst may read."""
     from devservices import chserver
 
-    return chserver.spawn(folder, log=log, port=port, fresh_tokens=fresh_tokens)
+    return chserver.spawn(folder, log=log, port=port, fresh_tokens=fresh_tokens, extra_args=["--database", database])
 
 
 def serve_embedded_clickhouse(argv: list[str]) -> Any:

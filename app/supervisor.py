@@ -129,7 +129,10 @@ class Supervisor:
     def _spawn_clickhouse(self) -> str:
         """The embedded front on its folder; after the first start on the same port (and token file)."""
         assert self.ch_folder is not None
-        kwargs: dict[str, Any] = {"log": self.log_dir / f"{CLICKHOUSE}.log"}
+        kwargs: dict[str, Any] = {
+            "log": self.log_dir / f"{CLICKHOUSE}.log",
+            "database": self.settings.clickhouse.database,
+        }
         if self.ch_port is not None:  # a restart: the same port and token files, so every client's DSN stays valid
             kwargs |= {"port": self.ch_port, "fresh_tokens": False}
         proc, dsn = spawn_embedded_clickhouse(self.ch_folder, **kwargs)

@@ -10,6 +10,7 @@ import re
 import statistics
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -25,7 +26,7 @@ from monitors.alerts import (
 )
 from monitors.queries import ab_table, behaviour, check_promotion, format_ab_table, reward_stats, train_mismatch
 from rtrl.clickhouse import insert
-from schemas.records import DeadLetter, Reward, TrainStep, TrajectorySummary
+from schemas.records import Checkpoint, DeadLetter, Reward, TrainStep, TrajectorySummary
 
 T0 = 1_750_000_000_000
 Z = 1.96
@@ -523,6 +524,8 @@ def analyst_queries() -> dict[str, str]:
     out = {}
     for section in re.split(r"^## ", text, flags=re.M)[1:]:
         title = section.splitlines()[0].strip()
+        if title == "Connect":  # how to reach the database (bash and Python), not a query
+            continue
         blocks = re.findall(r"```sql\n(.*?)```", section, flags=re.S)
         assert len(blocks) == 1, title
         out[title] = blocks[0]
@@ -538,7 +541,31 @@ def test_analyst_queries_run_and_say_what_they_answer(ch_client, ch_db):
     """Every documented query runs as pasted (with the database renamed) on a populated database and
     returns rows, and each has a one-line description before it."""
     rng = random.Random(5)
-    insert(ch_client, ch_db, "trajectories", random_trajectories(rng, 1, 60) + random_trajectories(rng, 2, 60))
+    v1, v2 = random_trajectories(rng, 1, 60), random_trajectories(rng, 2, 60)
+    v2 = [msgspec.structs.replace(t, arm="candidate") if i % 2 else t for i, t in enumerate(v2)]  # A/B arms
+    insert(ch_client, ch_db, "trajectories", v1 + v2)
+    insert(ch_client, ch_db, "train_metrics", [train_step("loop-0-v2", s, 0.01, 0.5) for s in (1, 2)])
+    insert(
+        ch_client,
+        ch_db,
+        "checkpoints",
+        [
+            Checkpoint(
+                version=v,
+                parent=None if v == 1 else 1,
+                created_at=T0,
+                steps=2,
+                samples=10,
+                tokens=100,
+                eval_results={"solve_rate": 0.1 * v, "greedy_solve_rate": 0.05 * v},
+                status="promoted",
+                reason="test",
+                kafka_offsets={},
+                path="",
+            )
+            for v in (1, 2)
+        ],
+    )
     insert(
         ch_client,
         ch_db,
@@ -563,7 +590,7 @@ def test_analyst_queries_run_and_say_what_they_answer(ch_client, ch_db):
                 emitted_at=T0,
             )
             for i in range(10)
-            for rv in ("v1", "v2")
+            for rv in ("v1-discard-broken", "v2")
         ],
     )
     insert(
