@@ -80,8 +80,8 @@ def run(settings: Settings, console: Console | None = None) -> list[dict]:
         rows = report.version_rows(services.ch, db, settings.rewards.versions[0])
         ab = report.comparison(services.ch, db, rows)
         title = (
-            f"Behaviour and reward ({settings.rewards.versions[0]}) per policy version — simulated profiles, "
-            "from ClickHouse; change vs the first version [95% CI]"
+            f"Behaviour and reward ({settings.rewards.versions[0]}) per policy version: simulated profiles, "
+            "from ClickHouse"
         )
         console.print(report.table(rows, title, ab))
         png = report.plot(rows, Path(settings.data_path) / "reports" / "behaviour.png", "Behaviour per policy version")

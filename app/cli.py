@@ -28,6 +28,8 @@ import logging
 import sys
 
 from rich.console import Console
+from rich.table import Table
+from rich.text import Text
 
 from rtrl.errors import RtrlError
 from rtrl.quiet import quiet_known_warnings
@@ -121,7 +123,8 @@ def cmd_clickhouse(settings: Settings, args: argparse.Namespace, console: Consol
     if not dsn.startswith("chdb://"):
         console.print(f"clickhouse.dsn is already a server ({dsn}); nothing to serve")
         return 2
-    return serve_embedded_clickhouse([dsn[len("chdb://") :], "--port", str(args.port)])
+    database = settings.clickhouse.database  # the analyst user reads that database's tables
+    return serve_embedded_clickhouse([dsn[len("chdb://") :], "--port", str(args.port), "--database", database])
 
 
 def cmd_part(settings: Settings, args: argparse.Namespace, console: Console) -> int:
@@ -140,7 +143,8 @@ def cmd_simulate(settings: Settings, args: argparse.Namespace, console: Console)
     with RtrlClient.from_settings(settings, bootstrap=bootstrap) as client:
         result = drive(client, emissions, rate=settings.simulator.rate, progress=True)
         final = client.close()
-    console.print({k: v for k, v in stats(emissions).items() if not isinstance(v, dict)})
+    for line in simulated(stats(emissions), args.policy_version):
+        console.print(line, highlight=False)
     console.print(
         f"sent {result.accepted:,} in {result.seconds:.1f}s; delivered {final.delivered:,}, "
         f"failed {final.failed}, dropped {final.dropped}, undelivered {final.pending}"
@@ -156,6 +160,16 @@ def cmd_simulate(settings: Settings, args: argparse.Namespace, console: Console)
     return 0
 
 
+def simulated(s: dict, policy_version: int) -> list[str]:
+    """The simulator's run in two lines: what it sent, and the behaviour it simulated."""
+    return [
+        f"simulated v{policy_version}: {s['trajectories']:,} trajectories, {s['events']:,} events, "
+        f"{s['duplicates']:,} duplicates, {s['reordered']:,} reordered, {s['late_checks']:,} late checks",
+        f"behaviour: broken tool calls {s['broken_tool_call_rate']:.1%}, clarifying {s['clarification_rate']:.1%}, "
+        f"edits {s['edit_rate']:.1%} ({s['accept_rate']:.1%} accepted, {s['mean_persisted_fraction']:.1%} persisted)",
+    ]
+
+
 def cmd_flow(settings: Settings, args: argparse.Namespace, console: Console) -> int:
     from app.parts import recovery_path, run_flow
 
@@ -164,7 +178,8 @@ def cmd_flow(settings: Settings, args: argparse.Namespace, console: Console) -> 
         f"{args.name} flow: recovery in {recovery_path(settings, args.name)}, snapshot "
         f"every {settings.flow.snapshot_s:g}s ({'following the topics' if tail else 'until the end of the topics'})"
     )
-    run_flow(settings, args.name, _bootstrap(settings, clickhouse_too=True), workers=args.workers)
+    line = run_flow(settings, args.name, _bootstrap(settings, clickhouse_too=True), workers=args.workers)
+    console.print(line, highlight=False, soft_wrap=True)
     return 0
 
 
@@ -181,9 +196,19 @@ def cmd_config(settings: Settings, args: argparse.Namespace, console: Console) -
 
         sys.stdout.write(example_toml())
         return 0
-    for name, value, help_text in describe(settings):  # secrets redacted
-        console.print(f"[bold]{name}[/] = {value!r}  [dim]# {help_text}[/]", highlight=False)
+    console.print(settings_grid(describe(settings)))  # secrets redacted
     return 0
+
+
+def settings_grid(rows: list[tuple[str, object, str]]) -> Table:
+    """``name = value`` and ``# help`` side by side: a long help wraps within its column (a value too long for
+    the first, 40 characters, wraps within that), so every line fits the console."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(max_width=40, overflow="fold")
+    grid.add_column(ratio=1, style="dim")
+    for name, value, help_text in rows:
+        grid.add_row(Text.assemble((name, "bold"), f" = {value!r}"), f"# {help_text}")
+    return grid
 
 
 def _count(text: str) -> int:

@@ -52,7 +52,10 @@ from rich.console import Console
 from client.sdk import RtrlClient
 from evalgate import EvalSuite, GateRules, run_gate
 from flows.batch_flow import build_flow as batch_flow
+from flows.batch_flow import summary as batch_summary
+from flows.counts import FlowCounts
 from flows.reward_flow import build_flow as reward_flow
+from flows.reward_flow import summary as reward_summary
 from monitors.alerts import MismatchRule
 from monitors.queries import check_promotion
 from rtrl import clickhouse
@@ -252,6 +255,7 @@ class Loop:
         self.rules = rules if rules is not None else loop_gate_rules(self.settings)
         self.stop = threading.Event()
         self.threads: list[threading.Thread] = []
+        self.flow_counts = {"rewards": FlowCounts(), "batches": FlowCounts()}  # what the in-process flows moved
         self.offsets: dict[str, int] | None = None
         self.producer = Producer(producer_config(bootstrap, s.kafka.compression))
         self.server: PolicyServer | None = None
@@ -272,7 +276,7 @@ class Loop:
         from app.parts import recovery_config
 
         for name, build in (("rewards", reward_flow), ("batches", batch_flow)):
-            flow = build(self.settings, bootstrap=self.bootstrap, stop=self.stop)
+            flow = build(self.settings, bootstrap=self.bootstrap, stop=self.stop, counts=self.flow_counts[name])
             # snapshots at Bytewax's default 10 s, not flow.snapshot_s: each one pickles the partition's
             # windows, closed ones included until allowed_lateness, so on two shared cores a 2 s epoch made
             # the main job's cycles grow from ~15 s to ~100 s by cycle 9 (bench/RESULTS.md); a crash
@@ -289,6 +293,13 @@ class Loop:
         self.stop.set()
         for t in self.threads:
             t.join(timeout_s)
+
+    def flow_summaries(self) -> list[str]:
+        """One line per in-process flow: what it read and wrote in this process (after :meth:`stop_flows`)."""
+        return [
+            reward_summary(self.flow_counts["rewards"], self.settings.rewards.versions),
+            batch_summary(self.flow_counts["batches"]),
+        ]
 
     def announce(self, ck: Checkpoint) -> None:
         announce(self.settings, self.ch, self.producer, ck)
@@ -628,6 +639,9 @@ def _run_in_process(settings: Settings, services: Services, console: Console, re
                 )
     finally:
         loop.close()
+    if loop.threads:  # the flows ran (and have stopped): what they moved
+        for line in loop.flow_summaries():
+            console.print(line, highlight=False, soft_wrap=True)
     return final_report(settings, services.ch, console, t0)
 
 

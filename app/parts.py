@@ -60,24 +60,29 @@ def recovery_config(settings: Settings, name: str) -> Any:
 
 def run_flow(
     settings: Settings, name: str, bootstrap: str, workers: int = 1, stop: threading.Event | None = None
-) -> None:
+) -> str:
     """A flow under ``bytewax.run``'s driver with recovery in ``<data_dir>/recovery/<name>`` (or the setting).
     It runs until the end of its topics (``tail`` off), or until ``stop`` - by default SIGTERM or SIGINT
-    (:func:`flows.kafka_io.stop_on_signals`): a clean stop with a final snapshot, then a normal return."""
+    (:func:`flows.kafka_io.stop_on_signals`): a clean stop with a final snapshot, then a normal return.
+    Returns the one-line summary of what this run read and wrote (:mod:`flows.counts`)."""
     from bytewax.run import cli_main
 
+    from flows import batch_flow, reward_flow
+    from flows.counts import FlowCounts
     from flows.kafka_io import stop_on_signals
 
-    if name == "rewards":
-        from flows.reward_flow import build_flow
-    else:
-        from flows.batch_flow import build_flow
+    counts, t0 = FlowCounts(), time.monotonic()
+    build = reward_flow.build_flow if name == "rewards" else batch_flow.build_flow
     cli_main(
-        build_flow(settings, bootstrap=bootstrap, stop=stop if stop is not None else stop_on_signals()),
+        build(settings, bootstrap=bootstrap, stop=stop if stop is not None else stop_on_signals(), counts=counts),
         workers_per_process=workers,
         epoch_interval=timedelta(seconds=settings.flow.snapshot_s),
         recovery_config=recovery_config(settings, name),
     )
+    seconds = time.monotonic() - t0
+    if name == "rewards":
+        return reward_flow.summary(counts, settings.rewards.versions, seconds)
+    return batch_flow.summary(counts, seconds)
 
 
 def _stop_on_term() -> threading.Event:
@@ -234,7 +239,7 @@ def main(argv: list[str] | None = None, settings: Settings | None = None) -> int
         return 2
     _stop_with_supervisor()
     if name in ("rewards", "batches"):
-        run_flow(settings, name, bootstrap)
+        print(run_flow(settings, name, bootstrap), flush=True)
     elif name == "serve":
         serve(settings, bootstrap)
     else:

@@ -2,6 +2,10 @@
 
 Figures come from the monitors' views (``behaviour`` over ``trajectories FINAL``, ``reward_stats``
 over ``rewards FINAL``) and the A/B comparison with 95% intervals from :func:`monitors.queries.ab_table`.
+
+The tables fit 100 columns: short headers of two lines at most (:data:`HEADERS`, the abbreviations
+spelled out in a legend below the table), no outer frame, each change written under its value in at
+most six characters (a change of ten times or more as ``×N``).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from rich import box  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from monitors.queries import ab_table, behaviour_rows, reward_stats  # noqa: E402
@@ -33,6 +38,54 @@ METRICS = [
 
 #: metrics whose change is shown as a difference, not a ratio
 ABSOLUTE = {"reward_mean"}
+
+#: each metric's column header in the tables (two lines of at most 9 characters) and, for an
+#: abbreviation, what the legend below the table says it stands for
+HEADERS: dict[str, tuple[str, str | None]] = {
+    "trajectories": ("served", "trajectories of the version"),
+    "reward_mean": ("reward", None),
+    "broken_tool_call_rate": ("broken\ncalls", "broken tool calls"),
+    "clarification_rate": ("clarify", "clarifying questions"),
+    "edit_rate": ("edits", None),
+    "edit_persistence": ("edits\nkept", "edit persistence"),
+    "dissatisfied_rate": ("dissat.", "dissatisfied follow-ups"),
+    "latency_p50_ms": ("p50\nms", None),
+    "latency_p95_ms": ("p95\nms", None),
+    "solve_rate": ("held-out\nsolve", None),
+    "on_policy_fraction": ("on-policy\ntokens", None),
+}
+
+
+def _compact(title: str, names: list[str], changes: str) -> Table:
+    """A table without outer frame, with the legend of ``names``' abbreviations and of the change lines."""
+    spelled = [f"{HEADERS[n][0].replace(chr(10), ' ')}: {HEADERS[n][1]}" for n in names if HEADERS[n][1]]
+    return Table(
+        title=title,
+        caption=" · ".join(spelled) + f". Under each value: {changes}.",
+        caption_justify="left",
+        header_style="bold",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        padding=(0, 1, 0, 0),
+    )
+
+
+def _relative(change: float) -> str:
+    """A relative change in at most six characters: ``+4.2%``, ``-35%``, ``+640%``, ``×14``."""
+    if abs(change) < 1:
+        return f"{change:+.1%}"
+    return f"{change:+.0%}" if change < 9.995 else f"×{change + 1:.0f}"
+
+
+def _change(value: Any, base: Any, better: bool | None, absolute: bool) -> str | None:
+    """The change line under a value (green when better, red when worse), or None when there is none."""
+    if value is None or base is None or better is None:
+        return None
+    if absolute or not base:  # rewards sit around 0: a relative change would mislead
+        diff = value - base
+        return f"[{'green' if (diff > 0) == better else 'red'}]{diff:+.3f}[/]"
+    change = (value - base) / abs(base)
+    return f"[{'green' if (change > 0) == better else 'red'}]{_relative(change)}[/]"
 
 
 def version_rows(ch: Any, database: str, reward_version: str) -> list[dict[str, Any]]:
@@ -61,28 +114,27 @@ def _fmt(name: str, v: Any) -> str:
 
 
 def table(rows: list[dict[str, Any]], title: str, ab: list[dict[str, Any]] | None = None) -> Table:
-    """Rich table: one row per version; changes against the first version (with 95% CIs where ``ab`` has them)."""
-    t = Table(title=title, header_style="bold")
+    """Rich table: one row per version; under each value its change against the first version and, where
+    ``ab`` has its 95% interval, the interval's half-width (the delta-method interval is symmetric)."""
+    names = [name for name, _, _ in METRICS]
+    t = _compact(title, names, "the change vs the first version (green: better, red: worse) ± its 95% CI")
     t.add_column("version", justify="right")
-    for _, label, _ in METRICS:
-        t.add_column(label, justify="right")
+    for name in names:
+        t.add_column(HEADERS[name][0], justify="right")
     first = rows[0] if rows else {}
     ab_by_version = {r["policy_version"]: r for r in ab or []}
     for row in rows:
-        cells = [str(row["policy_version"])]
+        cells = [f"v{row['policy_version']}"]
         for name, _, better in METRICS:
             text = _fmt(name, row.get(name))
-            base, value = first.get(name), row.get(name)
-            if name in ABSOLUTE and row is not first and base is not None and value is not None:
-                diff = value - base  # rewards sit around 0: a relative change would mislead
-                text += f"\n[{'green' if (diff > 0) == better else 'red'}]{diff:+.3f}[/]"
-            elif row is not first and base and value is not None and better is not None:
-                change = (value - base) / abs(base)
-                good = (change > 0) == better
-                text += f"\n[{'green' if good else 'red'}]{change:+.1%}[/]"
+            change = None if row is first else _change(row.get(name), first.get(name), better, name in ABSOLUTE)
+            if change is not None:
+                text += "\n" + change
                 ci = ab_by_version.get(row["policy_version"], {})
-                if ci.get(f"{name}_ci_low") is not None:
-                    text += f"\n[dim][{ci[f'{name}_ci_low']:+.0%},{ci[f'{name}_ci_high']:+.0%}][/]"
+                low, high = ci.get(f"{name}_ci_low"), ci.get(f"{name}_ci_high")
+                if name not in ABSOLUTE and low is not None and high is not None:
+                    half = (high - low) / 2
+                    text += f"\n[dim]±{half:.0%}[/]" if half >= 1 else f"\n[dim]±{half:.1%}[/]"
             cells.append(text)
         t.add_row(*cells)
     return t
@@ -159,34 +211,28 @@ def checkpoint_rows(ch: Any, database: str, reward_version: str) -> list[dict[st
 
 
 def checkpoint_table(rows: list[dict[str, Any]], title: str) -> Table:
-    """Rich table per checkpoint with the change of each metric against the first checkpoint."""
-    t = Table(title=title, header_style="bold")
-    for col in ("version", "status", "served"):
-        t.add_column(col, justify="right")
-    for _, label, _ in CHECKPOINT_METRICS:
-        t.add_column(label, justify="right")
+    """Rich table per checkpoint (its parent and the gate's decision under it) with the change of each metric
+    against the first checkpoint under its value."""
+    names = ["trajectories"] + [name for name, _, _ in CHECKPOINT_METRICS]
+    t = _compact(title, names, "the change vs the first checkpoint (green: better, red: worse)")
+    t.add_column("version", justify="right")
+    for name in names:
+        t.add_column(HEADERS[name][0], justify="right")
     first = rows[0] if rows else {}
     for row in rows:
+        status = {
+            "promoted": "[green]promoted[/]",
+            "rejected": "[red]rejected[/]",
+            "rolled_back": "[yellow]rolled back[/]",
+        }.get(row["status"], row["status"])
         cells = [
-            f"v{row['version']}" + (f" ← v{row['parent']}" if row["parent"] is not None else ""),
-            {
-                "promoted": "[green]promoted[/]",
-                "rejected": "[red]rejected[/]",
-                "rolled_back": "[yellow]rolled back[/]",
-            }.get(row["status"], row["status"]),
+            f"v{row['version']}" + (f" ← v{row['parent']}" if row["parent"] is not None else "") + f"\n{status}",
             f"{row['trajectories']:,}",
         ]
         for name, _, better in CHECKPOINT_METRICS:
-            value, base = row.get(name), first.get(name)
-            text = _fmt(name, value)
-            if row is not first and value is not None and base is not None and better is not None:
-                if name in ("reward_mean",) or not base:
-                    diff = value - base
-                    text += f"\n[{'green' if (diff > 0) == better else 'red'}]{diff:+.3f}[/]"
-                else:
-                    change = (value - base) / abs(base)
-                    text += f"\n[{'green' if (change > 0) == better else 'red'}]{change:+.0%}[/]"
-            cells.append(text)
+            text = _fmt(name, row.get(name))
+            change = None if row is first else _change(row.get(name), first.get(name), better, name in ABSOLUTE)
+            cells.append(text if change is None else f"{text}\n{change}")
         t.add_row(*cells)
     return t
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 
@@ -38,6 +39,7 @@ from bytewax.operators import StatefulBatchLogic
 from bytewax.outputs import Sink
 
 from flows.batching import BatchBuilder, BatchConfig
+from flows.counts import FlowCounts, by_kind, dead_letters
 from flows.kafka_io import kafka_source, paused
 from flows.processor import Message
 from flows.sinks import ClickHouseSink, KafkaSink
@@ -87,21 +89,57 @@ def stats_row(cohort: str, bb: BatchBuilder, samples: int, batches: int) -> Batc
     )
 
 
+def _builder_totals(bb: BatchBuilder) -> Counter[str]:
+    """A builder's running totals as :class:`FlowCounts` names: ``joined``, ``stale``, ``dropped:<reason>``."""
+    totals: Counter[str] = Counter({f"dropped:{k}": v for k, v in bb.counts.items()})
+    totals["joined"], totals["stale"] = len(bb.joined), sum(bb.dropped_lag.values())
+    return totals
+
+
+def summary(counts: FlowCounts, seconds: float | None = None) -> str:
+    """The line the batch flow prints when it ends, e.g. ``batch flow: 300 rollouts, 600 rewards; 300 samples
+    joined, 12 micro-batches sent (290 samples); dropped 10 stale, 0 unmatched; 0 dead letters in 4.2s``.
+    Rewards of another reward version and later revisions of a reward are skipped, not counted as dropped:
+    they never make samples."""
+    c = counts.snapshot()
+    dropped = by_kind(c, "dropped:")
+    unmatched = dropped.get("unmatched_rollout", 0) + dropped.get("unmatched_reward", 0)
+    extra = (("too_long", "too long"), ("duplicate_rollout", "duplicate rollouts"))
+    more = "".join(f", {dropped[k]:,} {label}" for k, label in extra if dropped.get(k))
+    return (
+        f"batch flow: {c['read:rollout']:,} rollouts, {c['read:reward']:,} rewards; {c['joined']:,} samples joined, "
+        f"{c['batches']:,} micro-batches sent ({c['sent']:,} samples); dropped {c['stale']:,} stale, "
+        f"{unmatched:,} unmatched{more}; {dead_letters(c)}" + ("" if seconds is None else f" in {seconds:.1f}s")
+    )
+
+
 class _CohortLogic(StatefulBatchLogic):
     """Bytewax wrapper around one cohort's :class:`BatchBuilder` (the snapshotted state)."""
 
-    def __init__(self, state: dict, idle_s: float, stop: threading.Event | None = None):
-        self.state, self.idle_s, self.stop = state, idle_s, stop
+    def __init__(
+        self, state: dict, idle_s: float, stop: threading.Event | None = None, counts: FlowCounts | None = None
+    ):
+        self.state, self.idle_s, self.stop, self.counts = state, idle_s, stop, counts
         self.bb: BatchBuilder = state["builder"]
         self.quiet_since: datetime | None = None
+        self.counted = _builder_totals(self.bb)  # a resumed cohort's totals so far belong to earlier runs
 
     def _out(self, batches: list[MicroBatch]) -> list:
+        sent = sum(len(b.sample_ids) for b in batches)
         self.state["batches"] += len(batches)
-        self.state["samples"] += sum(len(b.sample_ids) for b in batches)
+        self.state["samples"] += sent
+        if self.counts is not None:
+            totals = _builder_totals(self.bb)
+            tally = totals - self.counted
+            tally["batches"], tally["sent"] = len(batches), sent
+            self.counts.add(tally)
+            self.counted = totals
         return [(batches, stats_row(self.state["cohort"], self.bb, self.state["samples"], self.state["batches"]))]
 
     def on_batch(self, values: list) -> tuple[list, bool]:
         out: list[MicroBatch] = []
+        if self.counts is not None:
+            self.counts.add(Counter(f"read:{kind}" for kind, _ in values))
         self.state["cohort"] = self.state["cohort"] or cohort_of(values[0][1].org_id, values[0][1].task_kind)
         for kind, rec in values:
             if kind == "rollout":
@@ -192,6 +230,7 @@ def build_flow(
     *,
     sources: Mapping[str, Source] | None = None,
     sinks: Mapping[str, Sink] | None = None,
+    counts: FlowCounts | None = None,
 ) -> Dataflow:
     """The batch flow for ``settings``.
 
@@ -199,7 +238,8 @@ def build_flow(
     :data:`OUTPUTS` to a sink; left out, they are :func:`kafka_inputs` / :func:`service_outputs`
     (``bootstrap`` overrides ``kafka.bootstrap``; setting ``stop`` ends an in-process run cleanly,
     flushing what waits; a :class:`flows.kafka_io.Pause` keeps it for a restart from the recovery state).
-    With both given the flow touches neither Kafka nor ClickHouse."""
+    With both given the flow touches neither Kafka nor ClickHouse. ``counts`` (a :class:`flows.counts.FlowCounts`)
+    counts what the run reads, joins, sends and drops: :func:`summary`."""
     cfg, bs = batch_config(settings), settings.batching  # bad settings fail before any I/O
     sources = kafka_inputs(settings, bootstrap, stop) if sources is None else injected(sources, INPUTS, "sources")
     sinks = service_outputs(settings, bootstrap) if sinks is None else injected(sinks, OUTPUTS, "sinks")
@@ -215,11 +255,15 @@ def build_flow(
 
     def build(resume: dict | None) -> _CohortLogic:
         return _CohortLogic(
-            resume or {"builder": BatchBuilder(cfg), "cohort": "", "samples": 0, "batches": 0}, bs.idle_flush_s, stop
+            resume or {"builder": BatchBuilder(cfg), "cohort": "", "samples": 0, "batches": 0},
+            bs.idle_flush_s,
+            stop,
+            counts,
         )
 
     out = op.stateful_batch("batches", keyed, build)
     batches_topic, dl_topic = settings.topic("batches"), settings.topic("dead_letters")
+    rollouts_topic = settings.topic("rollouts")
     dl_codec: JsonCodec[DeadLetter] = JsonCodec(DeadLetter)
 
     def to_kafka(kv: tuple[str, tuple[list[MicroBatch], BatchStats]]) -> list:
@@ -228,6 +272,8 @@ def build_flow(
 
     def dead_to_kafka(kv: tuple[str, DeadLetter]) -> list:
         d = kv[1]
+        if counts is not None:
+            counts.add({f"dead:{d.kind}": 1, f"read:{'rollout' if d.source == rollouts_topic else 'reward'}": 1})
         return [("kafka", [(dl_topic, d.source.encode(), dl_codec.encode(d))])]
 
     op.output(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import threading
+from collections import Counter
 from collections.abc import Mapping
 
 import bytewax.operators as op
@@ -31,6 +32,7 @@ from bytewax.inputs import Source
 from bytewax.operators import StatefulBatchLogic
 from bytewax.outputs import Sink
 
+from flows.counts import FlowCounts, by_kind, dead_letters
 from flows.kafka_io import kafka_source, paused
 from flows.processor import FlowOutput, RewardProcessor
 from flows.sinks import ClickHouseSink, KafkaSink
@@ -57,19 +59,48 @@ def window_config(settings: Settings) -> WindowConfig:
     )
 
 
+def count(counts: FlowCounts | None, messages: int, out: FlowOutput) -> FlowOutput:
+    """Add what one batch read and produced to ``counts`` (when given): ``events`` (messages read),
+    ``trajectories`` (closed windows, revisions included), ``rewards:<version>`` and ``dead:<kind>``."""
+    if counts is not None:
+        tally: Counter[str] = Counter(f"rewards:{r.reward_version}" for r in out.rewards)
+        tally.update(f"dead:{d.kind}" for d in out.dead_letters)
+        tally["events"], tally["trajectories"] = messages, len(out.summaries)
+        counts.add(tally)
+    return out
+
+
+def summary(counts: FlowCounts, versions: list[str], seconds: float | None = None) -> str:
+    """The line the reward flow prints when it ends, e.g. ``reward flow: 12,345 events, 1,001 trajectories closed,
+    1,001 rewards (v2), 17 dead letters (duplicate 12, too_late 5) in 4.2s`` (a trajectory a late event reopened
+    closes, and is counted, again)."""
+    c = counts.snapshot()
+    per_version = {v: c[f"rewards:{v}"] for v in versions} | by_kind(c, "rewards:")
+    rewards = sum(per_version.values())
+    detail = (
+        ", ".join(per_version) if len(per_version) == 1 else ", ".join(f"{v} {n:,}" for v, n in per_version.items())
+    )
+    return (
+        f"reward flow: {c['events']:,} events, {c['trajectories']:,} trajectories closed, {rewards:,} rewards ({detail}), "
+        f"{dead_letters(c)}" + ("" if seconds is None else f" in {seconds:.1f}s")
+    )
+
+
 class _PartitionLogic(StatefulBatchLogic):
     """Bytewax wrapper: the processor's windows are the snapshotted state of one partition key."""
 
-    def __init__(self, processor: RewardProcessor, stop: threading.Event | None = None):
-        self.processor, self.stop = processor, stop
+    def __init__(
+        self, processor: RewardProcessor, stop: threading.Event | None = None, counts: FlowCounts | None = None
+    ):
+        self.processor, self.stop, self.counts = processor, stop, counts
 
     def on_batch(self, values: list) -> tuple[list[FlowOutput], bool]:
-        return [self.processor.process(values)], StatefulBatchLogic.RETAIN
+        return [count(self.counts, len(values), self.processor.process(values))], StatefulBatchLogic.RETAIN
 
     def on_eof(self) -> tuple[list[FlowOutput], bool]:
         if paused(self.stop):  # stopped, not the end of the input: open windows stay open in the snapshot
             return [], StatefulBatchLogic.RETAIN
-        return [self.processor.finish()], StatefulBatchLogic.RETAIN
+        return [count(self.counts, 0, self.processor.finish())], StatefulBatchLogic.RETAIN
 
     def snapshot(self) -> PartitionWindows:
         return self.processor.windows
@@ -119,6 +150,7 @@ def build_flow(
     *,
     sources: Mapping[str, Source] | None = None,
     sinks: Mapping[str, Sink] | None = None,
+    counts: FlowCounts | None = None,
 ) -> Dataflow:
     """The reward flow for ``settings``.
 
@@ -126,7 +158,8 @@ def build_flow(
     :data:`OUTPUTS` to a sink; left out, they are :func:`kafka_inputs` / :func:`service_outputs`
     (``bootstrap`` overrides ``kafka.bootstrap``; setting ``stop`` ends an in-process run cleanly,
     closing every open window as at the end of the input; a :class:`flows.kafka_io.Pause` keeps them
-    open for a restart from the recovery state). With both given the flow touches neither Kafka nor ClickHouse."""
+    open for a restart from the recovery state). With both given the flow touches neither Kafka nor ClickHouse.
+    ``counts`` (a :class:`flows.counts.FlowCounts`) counts what the run reads and produces: :func:`summary`."""
     source_topic = settings.topic("events")
     cfg = window_config(settings)
     versions = settings.rewards.versions
@@ -135,7 +168,8 @@ def build_flow(
     sinks = service_outputs(settings, bootstrap) if sinks is None else injected(sinks, OUTPUTS, "sinks")
 
     def build(resume: PartitionWindows | None) -> _PartitionLogic:
-        return _PartitionLogic(RewardProcessor(source_topic, cfg, versions, settings.sdk.max_event_bytes, resume), stop)
+        processor = RewardProcessor(source_topic, cfg, versions, settings.sdk.max_event_bytes, resume)
+        return _PartitionLogic(processor, stop, counts)
 
     # The source makes a tracked Python object per Kafka message; with the default generation-0
     # threshold (700) the cyclic GC ran ~2,000 times per 200k events and took ~30% of the worker's

@@ -31,7 +31,7 @@ def test_rtrl_ab_runs_end_to_end(tmp_path):
     events, rewards, trajectories, dead = (int(flow[i].replace(",", "")) for i in range(1, 5))
     assert rewards == trajectories == 300
     assert events + dead == delivered > 0  # every delivered event is stored once or dead-lettered as a duplicate
-    assert re.search(r"│\s+0 │\s+150 │", out) and re.search(r"│\s+1 │\s+150 │", out)
+    assert re.search(r"^\s+v0\s+150\s", out, re.M) and re.search(r"^\s+v1\s+150\s", out, re.M)  # version, served
     png = tmp_path / "reports" / "behaviour.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     status = _run(["broker", "status"], {"RTRL_DATA_DIR": str(tmp_path)})

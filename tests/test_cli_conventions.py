@@ -8,6 +8,9 @@ code and no traceback; ``rtrl run`` says what it deletes and ``--keep-data`` del
 from __future__ import annotations
 
 import argparse
+import os
+import re
+from collections import Counter
 
 import pytest
 
@@ -204,3 +207,292 @@ def test_run_refuses_a_folder_it_did_not_create_before_deleting(tmp_path, no_loo
     rc, lines = _cli(["run"], {"RTRL_DATA_DIR": str(project)}, capsys, monkeypatch)
     assert rc == 2 and "was not created by rtrl" in _one_error_line(lines) and no_loop == []
     assert (project / "logs" / "mine.txt").read_text() == "mine"
+
+
+# ---------------------------------------------------------------- what each part says when it ends (issue 12, point 2)
+
+
+def _services_env(broker, topic_prefix: str, tmp_path) -> dict[str, str]:
+    """The session's broker and this test's topics; the command's own embedded ClickHouse in ``tmp_path``."""
+    return {
+        "RTRL_KAFKA__BOOTSTRAP": broker.bootstrap,
+        "RTRL_KAFKA__TOPIC_PREFIX": topic_prefix,
+        "RTRL_DATA_DIR": str(tmp_path / "data"),
+    }
+
+
+def _lines(proc) -> list[str]:
+    return [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_flow_rewards_ends_with_one_line_of_what_it_read_and_wrote(broker, topic_prefix, tmp_path):
+    """`rtrl flow rewards` to the end of its topic: the last line counts the events it read, the trajectories
+    and rewards it wrote and the dead letters by kind, equal to the reward logic run over the same messages."""
+    from flows.processor import Message, RewardProcessor
+    from flows.reward_flow import window_config
+    from rtrl.settings import SimulatorSettings
+    from schemas.codec import event_codec
+    from simulator.generate import generate
+    from tests.test_cli import _run
+    from tests.test_reward_flow import _hostile, _produce
+
+    sim = SimulatorSettings(trajectories=12, seed=3, duplicate_rate=0.05)
+    values = [event_codec().encode(e.event) for e in generate(sim, "summary-salt")]
+    hostile = _hostile(values[0])
+    values += [hostile["malformed"], hostile["unknown_type"], hostile["too_late"], values[1]]  # + a duplicate
+    _produce(broker.bootstrap, topic_prefix + "events", [(b"k", v) for v in values])  # one partition, in order
+    env = _services_env(broker, topic_prefix, tmp_path) | {"RTRL_FLOW__TAIL": "false"}
+
+    settings = load_settings(env=env)
+    proc = RewardProcessor(settings.topic("events"), window_config(settings), ["v2"], settings.sdk.max_event_bytes)
+    out = proc.process([Message(b"k", v, 0, i) for i, v in enumerate(values)])
+    out.extend(proc.finish())
+    kinds = Counter(d.kind for d in out.dead_letters)
+    assert kinds == {"malformed": 1, "unknown_type": 1, "too_late": 1, "duplicate": kinds["duplicate"]}
+    detail = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0])))
+    expected = (
+        f"reward flow: {len(values)} events, {len(out.summaries)} trajectories closed, {len(out.rewards)} rewards (v2), "
+        f"{len(out.dead_letters)} dead letters ({detail}) in "
+    )
+
+    run = _run(["flow", "rewards"], env, timeout=300)
+    lines = _lines(run)
+    assert run.returncode == 0, lines
+    assert len(out.rewards) == 12 and lines[-1].startswith(expected), (expected, lines)
+    assert re.fullmatch(r"in \d+\.\ds", lines[-1][len(expected) - 3 :]), lines[-1]
+    assert not any("Warning" in line or "Traceback" in line for line in lines), lines
+
+
+@pytest.mark.slow
+def test_flow_batches_ends_with_one_line_of_what_it_joined_sent_and_dropped(broker, topic_prefix, tmp_path):
+    """`rtrl flow batches` to the end of its topics: the last line counts the records read, the samples joined,
+    the micro-batches (and samples) it sent, what it dropped and the dead letters, as the topics hold them."""
+    from rtrl.kafka import read_topic
+    from schemas.codec import decode_batch
+    from tests.test_cli import _run
+    from tests.test_flows_inprocess import _batch_input
+    from tests.test_reward_flow import _produce
+
+    rollouts, rewards = _batch_input()  # two cohorts: stale, unmatched and duplicate input, one bad record each
+    _produce(broker.bootstrap, topic_prefix + "rollouts", [(b"k", m.value) for m in rollouts])
+    _produce(broker.bootstrap, topic_prefix + "rewards", [(b"k", m.value) for m in rewards])
+    env = _services_env(broker, topic_prefix, tmp_path) | {"RTRL_BATCHING__TAIL": "false"}
+    run = _run(["flow", "batches"], env, timeout=300)
+    lines = _lines(run)
+    assert run.returncode == 0, lines
+    batches = [decode_batch(m.value()) for m in read_topic(broker.bootstrap, topic_prefix + "batches")]
+    sent = sum(len(b.sample_ids) for b in batches)
+    assert batches and sent == 28, sent
+    assert re.fullmatch(
+        rf"batch flow: {len(rollouts)} rollouts, {len(rewards)} rewards; {sent + 4} samples joined, "
+        rf"{len(batches)} micro-batches sent \({sent} samples\); dropped 4 stale, 2 unmatched, 1 duplicate rollouts; "
+        r"2 dead letters \(invalid 1, malformed 1\) in \d+\.\ds",
+        lines[-1],
+    ), lines
+
+
+@pytest.mark.slow
+def test_train_with_no_micro_batch_says_why_and_what_to_start(broker, topic_prefix, tmp_path):
+    """`rtrl train` on an empty batches topic trains nothing, says so with the topic, the broker and the wait,
+    and names what feeds it; nothing went wrong, so it exits 0."""
+    from tests.test_cli import _run
+    from trainer.run import FEEDERS
+
+    env = _services_env(broker, topic_prefix, tmp_path) | {"RTRL_TRAIN__IDLE_TIMEOUT_S": "1"}
+    run = _run(["train"], env, timeout=300)
+    lines = _lines(run)
+    assert run.returncode == 0, lines
+    assert lines[-2:] == [
+        f"trained nothing: no micro-batch on {topic_prefix}batches at {broker.bootstrap} within 1s",
+        FEEDERS,
+    ], lines
+    assert len(lines) == 4 and lines[0].startswith("model: 2 layers") and lines[1].startswith("training "), lines
+
+
+def test_simulate_prints_readable_lines(broker, topic_prefix, tmp_path, capsys, monkeypatch):
+    """`rtrl simulate` says what it simulated and how it went in sentences, not a Python dict."""
+    env = _services_env(broker, topic_prefix, tmp_path) | {"RTRL_SIMULATOR__TRAJECTORIES": "20"}
+    rc, lines = _cli(["simulate"], env, capsys, monkeypatch)
+    assert rc == 0, lines
+    assert not any("{" in line for line in lines), lines
+    assert len(lines) == 4 and lines[0].startswith("simulating users "), lines  # the progress bar, at its end
+    assert re.fullmatch(
+        r"simulated v0: 20 trajectories, [\d,]+ events, \d+ duplicates, \d+ reordered, \d+ late checks", lines[1]
+    ), lines
+    assert re.fullmatch(
+        r"behaviour: broken tool calls [\d.]+%, clarifying [\d.]+%, edits [\d.]+% \([\d.]+% accepted, "
+        r"[\d.]+% persisted\)",
+        lines[2],
+    ), lines
+    assert re.fullmatch(r"sent [\d,]+ in [\d.]+s; delivered [\d,]+, failed 0, dropped 0, undelivered 0", lines[-1])
+    assert all(len(line) <= 100 for line in lines), lines
+
+
+# ---------------------------------------------------------------- everything printed fits 100 columns
+
+
+def _render(*renderables) -> list[str]:
+    """What a 100-column console shows of ``renderables``: its lines, each checked to fit uncut."""
+    from rich.console import Console
+
+    console = Console(width=100, record=True, file=open(os.devnull, "w"))  # noqa: SIM115 - closed with the console
+    for r in renderables:
+        console.print(r, highlight=False)
+    lines = console.export_text().splitlines()
+    console.file.close()
+    assert all(len(line) <= 100 for line in lines), "\n".join(line for line in lines if len(line) > 100)
+    assert not any("…" in line for line in lines), "\n".join(lines)
+    return lines
+
+
+def _checkpoint_rows(n: int) -> list[dict]:
+    """``n`` checkpoints as app.report.checkpoint_rows returns them, with the widest values they take."""
+    import random
+
+    rng = random.Random(4)
+    rows = []
+    for v in range(n):
+        status = "promoted" if v == 0 else ("promoted", "rejected", "rolled_back")[v % 3]
+        rows.append(
+            {
+                "version": v,
+                "parent": None if v == 0 else v - 1,
+                "status": status,
+                "reason": "the gate's reason, long and not shown in the table " * 3,
+                "solve_rate": rng.random(),
+                "on_policy_fraction": None if v == 0 else rng.random(),
+                "trajectories": 0 if status == "rejected" else rng.randint(0, 999_999),
+                "edit_persistence": None if status == "rejected" else rng.random(),
+                "dissatisfied_rate": None if status == "rejected" else rng.random() / 100,
+                "latency_p50_ms": None if status == "rejected" else rng.uniform(10, 99_999),
+                "broken_tool_call_rate": None if status == "rejected" else rng.random() / (1 + 99 * (v == 0)),
+                "clarification_rate": None if status == "rejected" else rng.random(),
+                "reward_mean": None if status == "rejected" else rng.uniform(-10, 10),
+            }
+        )
+    return rows
+
+
+def test_the_checkpoint_table_fits_100_columns():
+    """The main job's table per checkpoint (24 cycles) keeps every header, value, change and status whole."""
+    from app import report
+
+    rows = _checkpoint_rows(25)
+    text = "\n".join(
+        _render(report.checkpoint_table(rows, "Checkpoints (reward v1-discard-broken): eval gate, live behaviour"))
+    )
+    for word in ("held-out", "on-policy", "rolled back", "rejected", "v24 ← v23", "×", "dissat.: dissatisfied"):
+        assert word in text, word
+
+
+def test_the_per_version_table_with_intervals_fits_100_columns():
+    """`rtrl ab`'s table: each version's metrics, change and 95% interval, all whole."""
+    from app import report
+
+    rows, ab = [], []
+    for v in range(4):
+        row = {"policy_version": v, "trajectories": 123_456 * (v + 1)}
+        row |= {name: (0.05 + 0.3 * v) for name, _, _ in report.METRICS if name != "trajectories"}
+        row |= {"reward_mean": -0.4 + v, "latency_p50_ms": 1_234.0 * (v + 1), "latency_p95_ms": 98_765.0 * (v + 1)}
+        rows.append(row)
+        ci = {"policy_version": v}
+        for name, _, _ in report.METRICS:
+            ci |= (
+                {f"{name}_ci_low": None, f"{name}_ci_high": None}
+                if v == 0
+                else {
+                    f"{name}_ci_low": -0.5 * v,
+                    f"{name}_ci_high": 1.7 * v,
+                }
+            )
+        ab.append(ci)
+    text = "\n".join(_render(report.table(rows, "Behaviour and reward (v2) per policy version: simulated", ab)))
+    for word in ("+1.000", "±", "p95", "edits kept: edit persistence", "95% CI"):
+        assert word in text, word
+
+
+def test_rtrl_config_fits_100_columns():
+    """`rtrl config`: each setting's name and value stay on one line, long help and long values wrap in their
+    column; nothing is cut."""
+    from app.cli import settings_grid
+    from rtrl.settings import describe
+
+    dsn = "https://rtrl_writer@clickhouse-0.clickhouse.analytics.svc.cluster.local:8443/?password_file=/run/w"
+    settings = load_settings(env={"RTRL_SDK__SALT": "a-secret-salt-of-ours", "RTRL_CLICKHOUSE__DSN": dsn})
+    lines = _render(settings_grid(describe(settings)))
+    assert any(line.startswith("kafka.partitions = 4 ") for line in lines)
+    at = next(i for i, line in enumerate(lines) if line.startswith("clickhouse.dsn ="))
+    first_column = "".join(line[:40].strip() for line in lines[at : at + 4])  # the value wraps in its column
+    assert f"clickhouse.dsn='{dsn}'" in first_column.replace(" ", ""), lines[at : at + 4]
+
+
+def _step(n: int, tokens: int, loss: float):
+    """A train_metrics row of step ``n`` with these tokens and loss (the rest zero)."""
+    from schemas.records import TrainStep
+
+    fields: dict = {f: 0 for f in TrainStep.__struct_fields__}
+    fields |= {"run_id": "r", "lag_histogram": {}, "batch_ids": [], "sample_ids": []}
+    return TrainStep(**fields | {"step": n, "tokens": tokens, "loss": loss})
+
+
+def test_the_summaries_fit_100_columns():
+    """The lines `rtrl simulate` and `rtrl train` end with fit 100 columns for realistic numbers."""
+    from pathlib import Path
+
+    from app.cli import simulated
+    from trainer.run import summary
+
+    settings = load_settings(env={})
+    stats = {"trajectories": 10_000, "events": 100_164, "duplicates": 985, "reordered": 1_841, "late_checks": 266}
+    stats |= {"broken_tool_call_rate": 0.085, "clarification_rate": 0.19, "edit_rate": 0.702, "accept_rate": 0.616}
+    stats |= {"mean_persisted_fraction": 0.663}
+    step = _step(20, 98_304, 0.123)
+    ckpt = Path("/srv/rtrl/checkpoints/run-2024-06-01")
+    boot = "kafka-0.kafka.svc.cluster.local:9092"
+    lines = _render(
+        *simulated(stats, 12),
+        *summary(settings, boot, [step] * 20, 0, 0, 0, "run-2024-06-01", ckpt),
+        *summary(settings, boot, [], 0, 0, 0, "run", ckpt),
+        *summary(settings, boot, [], 0, 3, 3, "run", ckpt),
+        *summary(settings, boot, [], 0, 1, 0, "run", ckpt),
+        *summary(settings, boot, [], 20, 0, 0, "run-2024-06-01", ckpt),
+    )
+    assert len(lines) == 13, lines  # none wrapped
+
+
+def test_train_says_what_it_trained_or_why_nothing():
+    """Each way `rtrl train` can end, in its words: steps, tokens and the last loss (and why it stopped short of
+    train.steps), or why it trained nothing - no micro-batch, only invalid ones, too few for a step, or a run
+    already at train.steps - and what to do."""
+    from pathlib import Path
+
+    from trainer.run import FEEDERS, summary
+
+    settings = load_settings(env={"RTRL_TRAIN__STEPS": "5", "RTRL_TRAIN__IDLE_TIMEOUT_S": "30"})
+    ckpt, boot = Path("/ck"), "b:9092"
+    done = [_step(n, 1_024, 0.5 / n) for n in (4, 5)]
+    assert summary(settings, boot, done, 3, 0, 0, "r", ckpt) == [
+        "trained 2 steps, 2,048 tokens, last loss +0.1000 (step 5 of 5)",
+        "checkpoints of run r in /ck",
+    ]
+    assert summary(settings, boot, done[:1], 3, 1, 0, "r", ckpt)[0] == (
+        "trained 1 step, 1,024 tokens, last loss +0.1250 (step 4 of 5: too few micro-batches within 30s)"
+    )
+    assert summary(settings, boot, [], 0, 0, 0, "r", ckpt) == [
+        "trained nothing: no micro-batch on rtrl.batches at b:9092 within 30s",
+        FEEDERS,
+    ]
+    assert summary(settings, boot, [], 0, 2, 2, "r", ckpt) == [
+        "trained nothing: only invalid micro-batches on rtrl.batches within 30s (2 dead-lettered)",
+        FEEDERS,
+    ]
+    assert summary(settings, boot, [], 0, 1, 0, "r", ckpt) == [
+        "trained nothing: 1 micro-batch within 30s, a step takes 2 (train.micro_batches_per_step)",
+        FEEDERS,
+    ]
+    assert summary(settings, boot, [], 5, 0, 0, "r", ckpt) == [
+        "trained nothing: run r is at step 5, train.steps is 5",
+        "checkpoints of run r in /ck",
+        "raise train.steps (RTRL_TRAIN__STEPS) to train on, or set a new train.checkpoint_dir for a new run",
+    ]

@@ -20,6 +20,7 @@ from bytewax.testing import TestingSink, TestingSource, cluster_main, run_main
 
 from flows import batch_flow, reward_flow
 from flows.batching import BatchBuilder
+from flows.counts import FlowCounts
 from flows.processor import Message, RewardProcessor
 from rewards import compute
 from rtrl.errors import ConfigError
@@ -416,6 +417,77 @@ def test_batch_flow_two_workers_equal_one(batch_runs):
 
     assert strip(c1["batch_stats"]) == strip(c2["batch_stats"])
     assert _canonical(c1["dead_letters"], at=0) == _canonical(c2["dead_letters"], at=0)
+
+
+# ---------------------------------------------------------------- counts: the one-line summaries
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_reward_flow_counts_what_it_read_and_wrote(workers):
+    """The counts a run adds up from its worker threads equal what its sinks received: messages read,
+    trajectories, rewards per version and dead letters per kind; the summary line says them."""
+    items, *_ = _reward_input()
+    kafka, clickhouse, counts = [], [], FlowCounts()
+    flow = reward_flow.build_flow(
+        _settings(),
+        sources={"events": TestingSource(items, batch_size=64)},
+        sinks={"clickhouse": TestingSink(clickhouse), "kafka": TestingSink(kafka)},
+        counts=counts,
+    )
+    _run(flow, workers)
+    _, tables = _decode_outputs(kafka, clickhouse)
+    c = counts.snapshot()
+    rewards = Counter(r.reward_version for r in tables["rewards"])
+    dead = Counter(d.kind for d in tables["dead_letters"])
+    assert c == Counter(
+        {"events": len(items), "trajectories": len(tables["trajectories"])}
+        | {f"rewards:{v}": n for v, n in rewards.items()}
+        | {f"dead:{k}": n for k, n in dead.items()}
+    )
+    kinds = ", ".join(f"{k} {n:,}" for k, n in sorted(dead.items(), key=lambda kv: (-kv[1], kv[0])))
+    assert reward_flow.summary(counts, VERSIONS, 1.25) == (
+        f"reward flow: {len(items):,} events, {len(tables['trajectories']):,} trajectories closed, "
+        f"{sum(rewards.values()):,} rewards (v2 {rewards['v2']:,}, v1-discard-broken {rewards['v1-discard-broken']:,}), "
+        f"{sum(dead.values())} dead letters ({kinds}) in 1.2s"
+    )
+    empty = FlowCounts()
+    assert (
+        reward_flow.summary(empty, ["v2"])
+        == "reward flow: 0 events, 0 trajectories closed, 0 rewards (v2), 0 dead letters"
+    )
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_batch_flow_counts_what_it_joined_sent_and_dropped(workers):
+    """The batch flow's counts equal its outputs and its builders' counters: records read, samples joined,
+    micro-batches and samples sent, stale and unmatched samples dropped, dead letters per kind."""
+    ro_msgs, rw_msgs = _batch_input()
+    kafka, clickhouse, counts = [], [], FlowCounts()
+    flow = batch_flow.build_flow(
+        _settings(),
+        sources={"rollouts": TestingSource(ro_msgs, batch_size=8), "rewards": TestingSource(rw_msgs, batch_size=8)},
+        sinks={"kafka": TestingSink(kafka), "clickhouse": TestingSink(clickhouse)},
+        counts=counts,
+    )
+    _run(flow, workers)
+    topics, _ = _decode_outputs(kafka, clickhouse)
+    batches = [decode_batch(v) for _, v in topics[_settings().topic("batches")]]
+    _, builders = _offline_batches()
+    c = counts.snapshot()
+    sent = sum(len(b.sample_ids) for b in batches)
+    stale = sum(sum(bb.dropped_lag.values()) for bb in builders.values())
+    assert (c["read:rollout"], c["read:reward"]) == (len(ro_msgs), len(rw_msgs))
+    assert (c["batches"], c["sent"], c["stale"]) == (len(batches), sent, stale) and stale == 4
+    assert c["joined"] == sum(len(bb.joined) for bb in builders.values()) == sent + stale
+    assert {k: v for k, v in c.items() if k.startswith("dropped:")} == {
+        f"dropped:{k}": v for k, v in sum((bb.counts for bb in builders.values()), Counter()).items()
+    }
+    assert (c["dead:malformed"], c["dead:invalid"]) == (1, 1)
+    assert batch_flow.summary(counts) == (
+        f"batch flow: {len(ro_msgs)} rollouts, {len(rw_msgs)} rewards; {sent + stale} samples joined, "
+        f"{len(batches)} micro-batches sent ({sent} samples); dropped 4 stale, 2 unmatched, 1 duplicate rollouts; "
+        "2 dead letters (invalid 1, malformed 1)"
+    )
 
 
 # ---------------------------------------------------------------- injection

@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rtrl import clickhouse
 from rtrl.settings import Settings
 from schemas.records import TrainStep
+from trainer import checkpoint
 from trainer.batch import BatchLimits
 from trainer.config import check_input_shapes, model_config
 from trainer.data import BatchStream
@@ -52,6 +53,8 @@ def run(settings: Settings, bootstrap: str, console: Console | None = None) -> l
     ckpt = Path(ts.checkpoint_dir or settings.data_path / "checkpoints")
     tc = TrainConfig.from_settings(settings, run_id=ts.run_id or ckpt.name, checkpoint_dir=str(ckpt))
     lead = info.rank == 0
+    last = checkpoint.latest(ckpt)  # what train() resumes: its step says whether anything is left to train
+    start_step = int(checkpoint.read_extra(last).get("step", 0)) if last is not None else 0
     if lead:
         p = cfg.parallel
         console.print(
@@ -110,8 +113,56 @@ def run(settings: Settings, bootstrap: str, console: Console | None = None) -> l
     for s in streams:
         s.close()
     if lead:
-        console.print(
-            f"trained {len(steps)} steps ({sum(s.tokens for s in steps):,} tokens) in run {tc.run_id}; "
-            f"checkpoints in {ckpt}"
-        )
+        read = sum(sum(s.next.values()) - sum(s.committed.values()) for s in streams)  # since the last step
+        invalid = sum(s.dead_letters for s in streams)
+        for line in summary(settings, bootstrap, steps, start_step, read, invalid, tc.run_id, ckpt):
+            console.print(line, highlight=False, soft_wrap=True)
     return steps
+
+
+#: what makes the trainer's input, for the line that says why it trained nothing: the batch flow joins
+#: rollouts (from a policy server: the inference fleet; locally ``rtrl part serve``, which serves once the
+#: loop's trainer part announced v0) with the reward flow's rewards; ``rtrl run`` runs all of it
+FEEDERS = "start what feeds it: rtrl flow rewards, rtrl flow batches and a policy server (or all: rtrl run)"
+
+
+def summary(
+    settings: Settings,
+    bootstrap: str,
+    steps: list[TrainStep],
+    start_step: int,
+    read: int,
+    invalid: int,
+    run_id: str,
+    ckpt: Path,
+) -> list[str]:
+    """What ``rtrl train`` prints when it ends: the steps and tokens it trained and its last loss, or the
+    reason it trained nothing and what to start. ``start_step`` is the step of the checkpoint it resumed;
+    ``read`` and ``invalid`` count the micro-batches it read after its last step (invalid: dead-lettered)."""
+    ts, topic, within = settings.train, settings.topic("batches"), f"within {settings.train.idle_timeout_s:g}s"
+    where = f"checkpoints of run {run_id} in {ckpt}"
+    if steps:
+        last = steps[-1]
+        done = f"step {last.step} of {ts.steps}" + (f": too few micro-batches {within}" if last.step < ts.steps else "")
+        return [
+            f"trained {len(steps):,} step{'s' if len(steps) != 1 else ''}, {sum(s.tokens for s in steps):,} tokens, "
+            f"last loss {last.loss:+.4f} ({done})",
+            where,
+        ]
+    if start_step >= ts.steps:
+        return [
+            f"trained nothing: run {run_id} is at step {start_step}, train.steps is {ts.steps}",
+            where,
+            "raise train.steps (RTRL_TRAIN__STEPS) to train on, or set a new train.checkpoint_dir for a new run",
+        ]
+    valid = read - invalid
+    if valid <= 0 and not invalid:
+        why = f"no micro-batch on {topic} at {bootstrap} {within}"
+    elif valid <= 0:
+        why = f"only invalid micro-batches on {topic} {within} ({invalid:,} dead-lettered)"
+    else:
+        why = (
+            f"{valid:,} micro-batch{'es' if valid != 1 else ''} {within}, a step takes {ts.micro_batches_per_step} "
+            "(train.micro_batches_per_step)"
+        )
+    return [f"trained nothing: {why}", FEEDERS]
