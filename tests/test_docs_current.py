@@ -1,0 +1,313 @@
+"""docs/ stays true to the code (fast: no services, no subprocesses).
+
+Contract pinned here:
+
+- the generated reference pages (docs/reference/*.md) equal what ``docs/generate.py`` makes from the code now;
+  a page that differs fails with the page named and the command that regenerates it;
+- the generator really reads the code: a settings tree with one more field, a parser with one more command
+  (nested subcommands too), one more record, one more migration each change the page they feed, and its
+  output depends on nothing of the machine (environment, COLUMNS, working folder);
+- ``--check`` exits 1 naming each stale page;
+- docs/architecture.png is a 1600 x 1000 PNG;
+- every relative link (and image) in docs/**/*.md and README.md points at a file in the repository, never
+  outside it (``../`` past the root), and a link to a heading of a page points at a heading that exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib.util
+import re
+import shutil
+import struct
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Annotated
+
+import msgspec
+from pydantic import Field
+
+import app.cli
+from rtrl.settings import KafkaSettings, Settings, _s
+from schemas.fields import Label, doc
+from schemas.records import RECORDS
+
+ROOT = Path(__file__).resolve().parent.parent
+REGENERATE = ".venv/bin/python -m docs.generate"
+
+
+def _load_generator() -> ModuleType:
+    """docs/generate.py by its path (docs/ is a dev-only namespace folder, not an installed package)."""
+    spec = importlib.util.spec_from_file_location("docs_generate_under_test", ROOT / "docs" / "generate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+gen = _load_generator()
+
+
+def _first_difference(have: str, want: str) -> str:
+    diff = difflib.unified_diff(have.splitlines(), want.splitlines(), "on disk", "from the code", n=0, lineterm="")
+    return "\n".join(list(diff)[:12])
+
+
+# ---------------------------------------------------------------- the pages are current
+
+
+def test_reference_pages_are_current():
+    """Each generated page on disk equals what the generator makes from the code now."""
+    stale = []
+    for name, text in gen.pages().items():
+        path = ROOT / "docs" / name
+        have = path.read_text(encoding="utf-8") if path.exists() else ""
+        if have != text:
+            stale.append(f"docs/{name}:\n{_first_difference(have, text)}")
+    assert not stale, (
+        f"generated docs are out of date with the code; fix: run `{REGENERATE}` and commit the result\n"
+        + "\n".join(stale)
+    )
+
+
+def test_output_depends_on_nothing_of_the_machine(monkeypatch, tmp_path):
+    """No environment variable, terminal width or working folder changes a page; no absolute path is in one."""
+    first = gen.pages()
+    monkeypatch.setenv("COLUMNS", "37")
+    monkeypatch.setenv("RTRL_KAFKA__BOOTSTRAP", "10.1.2.3:9092")
+    monkeypatch.setenv("RTRL_DATA_DIR", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("RTRL_TRAIN__TORCH_THREADS", "3")
+    monkeypatch.chdir(tmp_path)
+    assert gen.pages() == first
+    for name, text in first.items():
+        assert str(ROOT) not in text and str(Path.home()) not in text, name
+        assert not re.search(r"\b20\d\d-\d\d-\d\d\b", text), f"{name} holds a date"
+
+
+def test_check_exits_1_naming_each_stale_page(monkeypatch, tmp_path, capsys):
+    """``--check`` writes nothing and names the stale page; with every page current it exits 0."""
+    pages = gen.pages()
+    for name, text in pages.items():
+        (tmp_path / "docs" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "docs" / name).write_text(text, encoding="utf-8")
+    monkeypatch.setattr(gen, "DOCS", tmp_path / "docs")
+    assert gen.main(["--check"]) == 0
+    victim = tmp_path / "docs" / "reference" / "settings.md"
+    victim.write_text(pages["reference/settings.md"].replace("kafka.bootstrap", "kafka.bootstrp"), encoding="utf-8")
+    capsys.readouterr()
+    assert gen.main(["--check"]) == 1
+    err = capsys.readouterr().err
+    assert "stale: docs/reference/settings.md" in err and "docs.generate" in err
+    assert "commands.md" not in err
+    assert "bootstrp" in victim.read_text(encoding="utf-8"), "--check must not write"
+
+
+# ---------------------------------------------------------------- the generator reads the code
+
+
+def test_a_new_setting_changes_the_settings_page():
+    class Kafka2(KafkaSettings):
+        sasl_mechanism: str = _s("", "SASL mechanism of the brokers (test-only setting)")
+
+    class Settings2(Settings):
+        kafka: Kafka2 = Field(default_factory=Kafka2)
+
+    before, after = gen.settings_page(), gen.settings_page(Settings2)
+    assert after != before
+    row = next(line for line in after.splitlines() if "`kafka.sasl_mechanism`" in line)
+    assert "`RTRL_KAFKA__SASL_MECHANISM`" in row and "SASL mechanism of the brokers" in row and '`""`' in row
+
+
+def test_every_setting_is_on_the_settings_page():
+    from rtrl.settings import describe, env_name
+
+    page = gen.settings_page()
+    for name, _, help_text in describe():
+        row = next((line for line in page.splitlines() if line.startswith(f"| `{name}` |")), None)
+        assert row is not None, f"{name} is not on the settings page"
+        assert f"`{env_name(name)}`" in row and gen.cell(help_text) in row
+
+
+def test_a_new_command_changes_the_commands_page(monkeypatch):
+    """A command added to ``app.cli.parser()`` (with an argument and nested subcommands) shows up."""
+    real = app.cli.parser
+
+    def parser() -> argparse.ArgumentParser:
+        p = real()
+        sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+        extra = sub.add_parser("frobnicate", help="frobnicate the widgets", description="Frobnicate them all.")
+        extra.add_argument("--widgets", type=int, default=3, help="how many (default: %(default)s)")
+        nested = extra.add_subparsers(dest="how", title="how")
+        nested.add_parser("gently", help="one by one").add_argument("--pause-s", help="seconds between two")
+        return p
+
+    before = gen.commands_page()
+    monkeypatch.setattr(app.cli, "parser", parser)
+    after = gen.commands_page()
+    assert after != before
+    assert "[`rtrl frobnicate`](#rtrl-frobnicate)" in after and "frobnicate the widgets" in after
+    assert "how many (default: 3)" in after
+    assert "### `rtrl frobnicate gently`" in after and "seconds between two" in after
+
+
+def test_commands_page_lists_every_command_and_argument():
+    p = app.cli.parser()
+    page = gen.commands_page()
+    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+    for name, cmd in sub.choices.items():
+        assert f"## `rtrl {name}`" in page
+        for a in cmd._actions:
+            if a.help and a.help is not argparse.SUPPRESS and a.default is not argparse.SUPPRESS:
+                if not isinstance(a, argparse._HelpAction):
+                    assert gen._argument_name(a) in page, f"rtrl {name} {a.dest}"
+
+
+def test_a_new_record_changes_the_records_page():
+    class Audit(msgspec.Struct, kw_only=True, frozen=True):
+        """Who looked at what (test-only record)."""
+
+        who: Annotated[Label, doc("The analyst's name.")]
+        rows: Annotated[int, msgspec.Meta(ge=0), doc("Rows read.")] = 0
+
+    page = gen.records_page([*RECORDS, Audit])
+    assert page != gen.records_page()
+    assert "## Audit" in page and "Who looked at what (test-only record)." in page
+    assert "| `who` | `label` | 1..128 chars | required |" in page
+    assert "| `rows` | `int` | 0 <= x | `0` |" in page and "Rows read." in page
+
+
+def test_every_record_field_and_its_doc_is_on_the_records_page():
+    from schemas.records import EVENT_TYPES
+    from schemas.types import field_docs
+
+    page = gen.records_page()
+    for cls in (*RECORDS, *EVENT_TYPES):
+        for name, text in field_docs(cls).items():
+            assert f"| `{name}` |" in page and gen.cell(text) in page, f"{cls.__name__}.{name}"
+
+
+def test_a_new_migration_changes_the_topics_and_tables_page(tmp_path):
+    folder = tmp_path / "migrations"
+    shutil.copytree(ROOT / "schemas" / "migrations", folder)
+    (folder / "0999_audit.sql").write_text(
+        "-- Who looked at what.\n"
+        "CREATE TABLE IF NOT EXISTS {db}.audit\n(\n    who LowCardinality(String),\n    rows UInt64\n)\n"
+        "ENGINE = ReplacingMergeTree\nORDER BY who;\n\n"
+        "-- Reads per analyst.\n"
+        "CREATE VIEW IF NOT EXISTS {db}.audit_totals AS\nSELECT who, sum(rows) AS total_rows\n"
+        "FROM {db}.audit FINAL\nGROUP BY who;\n",
+        encoding="utf-8",
+    )
+    page = gen.topics_tables_page(folder)
+    assert page != gen.topics_tables_page()
+    assert "### audit" in page and "Who looked at what." in page
+    assert "| `who` | `LowCardinality(String)` |" in page and "| `rows` | `UInt64` |" in page
+    assert "### audit_totals" in page and "| `total_rows` | `sum(rows)` |" in page and "| `who` | `who` |" in page
+
+
+def test_every_table_and_topic_is_on_the_topics_and_tables_page():
+    from rtrl.clickhouse import TABLES
+    from schemas.topics import TOPICS
+    from schemas.types import columns
+
+    page = gen.topics_tables_page()
+    for t in TOPICS:
+        assert f"| `rtrl.{t.name}` |" in page
+    for table, cls in TABLES.items():
+        assert f"### {table}" in page
+        for c in columns(cls):
+            assert f"| `{c.name}` | {gen.code(c.clickhouse)} |" in page, f"{table}.{c.name}"
+
+
+# ---------------------------------------------------------------- the diagram and the links
+
+
+def test_architecture_diagram_is_a_png():
+    data = (ROOT / "docs" / "architecture.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "docs/architecture.png is not a PNG"
+    assert data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert (width, height) == (1600, 1000)
+
+
+def _markdown_files() -> list[Path]:
+    return sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]
+
+
+_INLINE = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_REFERENCE = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+\"[^\"]*\")?\s*$", re.MULTILINE)
+
+
+def _links(text: str) -> list[str]:
+    prose = gen.strip_code_blocks(text)
+    prose = re.sub(r"(`+)(?:(?!\1).)+?\1", "", prose)  # inline code spans hold no links
+    return _INLINE.findall(prose) + _REFERENCE.findall(prose)
+
+
+def _is_external(target: str) -> bool:
+    return bool(re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", target))  # http:, https:, mailto: ...
+
+
+def test_markdown_files_to_check_exist():
+    for name in ("README.md", "design.md", "architecture.md", "production.md", "troubleshooting.md"):
+        assert (ROOT / "docs" / name).exists(), f"docs/{name} is missing"
+
+
+def link_problems(md: Path, root: Path) -> list[str]:
+    """What is wrong with the relative links of ``md``: absolute paths, escapes from ``root``, missing files."""
+    problems = []
+    where = md.relative_to(root)
+    for target in _links(md.read_text(encoding="utf-8")):
+        if _is_external(target) or target.startswith("#"):
+            continue
+        path = target.split("#", 1)[0]
+        if path.startswith("/"):
+            problems.append(f"{where}: {target} is an absolute path (use a path relative to the page)")
+            continue
+        resolved = (md.parent / path).resolve()
+        if not resolved.is_relative_to(root):
+            problems.append(f"{where}: {target} points outside the repository")
+        elif not resolved.exists():
+            problems.append(f"{where}: {target} does not exist")
+    return problems
+
+
+def test_relative_links_point_inside_the_repository():
+    problems = [p for md in _markdown_files() for p in link_problems(md, ROOT)]
+    assert not problems, "broken links:\n" + "\n".join(problems)
+
+
+def test_links_to_headings_find_them():
+    problems = []
+    for md in _markdown_files():
+        text = md.read_text(encoding="utf-8")
+        for target in _links(text):
+            if _is_external(target) or "#" not in target:
+                continue
+            path, anchor = target.split("#", 1)
+            page = (md.parent / path).resolve() if path else md
+            if page.suffix != ".md" or not page.exists():
+                continue
+            if anchor not in gen.anchors(page.read_text(encoding="utf-8")):
+                problems.append(f"{md.relative_to(ROOT)}: {target} names no heading of {page.relative_to(ROOT)}")
+    assert not problems, "links to missing headings:\n" + "\n".join(problems)
+
+
+def test_link_checks_catch_escapes_and_missing_files(tmp_path):
+    """The link checks are not vacuous: an escaping link, an absolute one and a missing file are caught; code
+    spans and external links are left alone."""
+    text = "[a](../../etc/passwd) [b](missing.md) `[c](not-a-link.md)` [d](https://example.com) [e](/etc/hosts)\n"
+    assert _links(text) == ["../../etc/passwd", "missing.md", "https://example.com", "/etc/hosts"]
+    root = tmp_path / "repo"
+    (root / "docs").mkdir(parents=True)
+    (root / "docs" / "there.md").write_text("# There\n", encoding="utf-8")
+    page = root / "docs" / "page.md"
+    page.write_text(text + "[ok](there.md) [up](../docs/there.md)\n", encoding="utf-8")
+    problems = link_problems(page, root)
+    assert len(problems) == 3, problems
+    assert "outside the repository" in problems[0] and "does not exist" in problems[1] and "absolute" in problems[2]
+    assert "rtrl-run" in gen.anchors("## `rtrl run`\n") and "kafka" in gen.anchors("## kafka\n")
+    assert gen.anchors("## a\n## a\n```\n## not a heading\n```\n") == {"a", "a-1"}
