@@ -1,12 +1,13 @@
 # The two entry points (see README Quickstart); each sets everything up first and is idempotent.
 #   make run    the main job on the embedded defaults
 #   make test   the whole test suite (what .ci/run calls)
+# plus make demo: the main job cut to three cycles (about two minutes), for a first look.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.rtrl-installed
 
-.PHONY: setup run test test-fast lint bench clean
+.PHONY: setup run demo test test-fast lint bench docs clean
 
 setup: $(STAMP)
 
@@ -21,6 +22,10 @@ $(STAMP): pyproject.toml
 
 run: setup
 	$(VENV)/bin/rtrl run
+
+# The main job in three short cycles (deploy/demo.toml): a first look in about two minutes.
+demo: setup
+	$(VENV)/bin/rtrl run --config deploy/demo.toml
 
 # Lint (ruff) and types (mypy) first: a test run on code that does not pass them is wasted.
 lint: setup
@@ -37,6 +42,11 @@ test: lint
 test-fast: setup
 	@$(PY) -m pytest -m "not slow" -x $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "FAILED: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# The reference pages under docs/reference/ (and the diagram) regenerated from the code; tests/test_docs_current.py
+# fails when they are stale.
+docs: setup
+	$(PY) -m docs.generate
 
 bench: setup
 	$(PY) bench/sdk_produce.py
