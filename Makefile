@@ -16,8 +16,11 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
-	$(PY) -c "import torch, megatron.core, bytewax, confluent_kafka, chdb, clickhouse_connect, apache_beam, msgspec"
+# setuptools warns on every editable install that a folder named like a package may shadow it (ours are the
+# packages); the import check runs under rtrl's own narrow filter of the warnings nobody can act on.
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(PY) -c "from rtrl.quiet import quiet_known_warnings as q; q(); \
+	  import torch, megatron.core, bytewax, confluent_kafka, chdb, clickhouse_connect, apache_beam, msgspec"
 	@touch $(STAMP)
 
 run: setup
