@@ -26,12 +26,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import NoReturn
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from rtrl.errors import RtrlError
+from rtrl.errors import ConfigError, RtrlError
 from rtrl.quiet import quiet_known_warnings
 from rtrl.settings import Settings, describe, load_settings
 
@@ -45,8 +46,9 @@ def _bootstrap(settings: Settings, clickhouse_too: bool = False) -> str:
 
 
 def cmd_run(settings: Settings, args: argparse.Namespace, console: Console) -> int:
-    from app.loop import fresh_start_plan, run_loop
+    from app.loop import fresh_start_plan, loop_settings, run_loop
 
+    loop_settings(settings)  # refuses (one line) settings the loop cannot use, before anything is announced
     if args.resume:
         console.print(f"keeping {settings.data_path}: nothing is deleted (--resume/--keep-data)", highlight=False)
     else:
@@ -121,8 +123,12 @@ def cmd_clickhouse(settings: Settings, args: argparse.Namespace, console: Consol
 
     dsn = settings.clickhouse_dsn
     if not dsn.startswith("chdb://"):
-        console.print(f"clickhouse.dsn is already a server ({dsn}); nothing to serve")
-        return 2
+        from rtrl.clickhouse import redact_dsn
+
+        raise ConfigError(
+            f"clickhouse.dsn is already a server ({redact_dsn(dsn)}); nothing to serve: `rtrl clickhouse serve` "
+            "serves the embedded folder (clickhouse.dsn empty or chdb:///folder)"
+        )
     database = settings.clickhouse.database  # the analyst user reads that database's tables
     return serve_embedded_clickhouse([dsn[len("chdb://") :], "--port", str(args.port), "--database", database])
 
@@ -203,9 +209,9 @@ def cmd_config(settings: Settings, args: argparse.Namespace, console: Console) -
 def settings_grid(rows: list[tuple[str, object, str]]) -> Table:
     """``name = value`` and ``# help`` side by side: a long help wraps within its column (a value too long for
     the first, 40 characters, wraps within that), so every line fits the console."""
-    grid = Table.grid(padding=(0, 2))
+    grid = Table.grid(padding=(0, 2))  # not expanded: as wide as its rows, at most 40 + 2 + 58 = 100 columns
     grid.add_column(max_width=40, overflow="fold")
-    grid.add_column(ratio=1, style="dim")
+    grid.add_column(max_width=58, style="dim", overflow="fold")
     for name, value, help_text in rows:
         grid.add_row(Text.assemble((name, "bold"), f" = {value!r}"), f"# {help_text}")
     return grid
@@ -266,15 +272,23 @@ def _global_options(p: argparse.ArgumentParser, default: object) -> None:
     )
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with its mistakes in one line: ``rtrl run: error: ... (see rtrl run --help)``, exit 2 (argparse
+    prints the whole usage block first; the subcommands inherit this class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="rtrl",
         description="real-time RL loop for LLM coding agents",
         epilog="`rtrl COMMAND --help` describes a command; --config and -v go before or after it.",
     )
     p.add_argument("--version", action="version", version=f"rtrl {distribution_version()}")
     _global_options(p, None)
-    common = argparse.ArgumentParser(add_help=False)
+    common = OneLineParser(add_help=False)
     _global_options(common, argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
 

@@ -295,10 +295,12 @@ class Loop:
             t.join(timeout_s)
 
     def flow_summaries(self) -> list[str]:
-        """One line per in-process flow: what it read and wrote in this process (after :meth:`stop_flows`)."""
+        """One line per in-process flow: what it read and wrote in this process (after :meth:`stop_flows`; a flow
+        that did not stop within its wait is said to be counted so far)."""
+        partial = " (still stopping: counted so far)" if any(t.is_alive() for t in self.threads) else ""
         return [
-            reward_summary(self.flow_counts["rewards"], self.settings.rewards.versions),
-            batch_summary(self.flow_counts["batches"]),
+            reward_summary(self.flow_counts["rewards"], self.settings.rewards.versions) + partial,
+            batch_summary(self.flow_counts["batches"]) + partial,
         ]
 
     def announce(self, ck: Checkpoint) -> None:

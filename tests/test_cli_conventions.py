@@ -41,6 +41,7 @@ def test_the_subcommands_are_found():
 
 @pytest.mark.parametrize("name", SUBCOMMANDS)
 def test_every_subcommand_help_has_a_description_and_argument_help(name, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps at the terminal's width and breaks words at hyphens
     sub = _subcommands()[name]
     rc, lines = _cli([name, "--help"], {}, capsys, monkeypatch)
     assert rc == 0, lines
