@@ -6,9 +6,10 @@ is one line of SDK code, and nothing in the request path waits on Kafka: ``recor
 and appends it to a bounded queue that one background thread produces (an idempotent producer keyed by
 ``trajectory_id``). User ids are hashed with the keyed ``sdk.salt`` before they leave the process.
 
-Run it against a broker (``rtrl broker up`` prints a local one's address)::
+Run it against a broker (``rtrl broker up`` starts a local one and prints its address)::
 
-    RTRL_KAFKA__BOOTSTRAP=127.0.0.1:9092 python examples/sdk_integration.py --sessions 3
+    export RTRL_KAFKA__BOOTSTRAP=$(rtrl broker up)
+    python examples/sdk_integration.py --sessions 3
 
 Outside local mode (a broker that is not on loopback) set ``RTRL_SDK__SALT`` to your own secret: rtrl
 refuses the public default there. The reward flow (``rtrl flow rewards``) turns these events into rewards.
@@ -23,7 +24,8 @@ import time
 from dataclasses import dataclass, field
 
 from client import RtrlClient, Trajectory
-from rtrl.errors import ConfigError
+from rtrl.errors import ConfigError, ServiceUnavailable
+from rtrl.kafka import check_broker
 from rtrl.settings import load_settings
 
 
@@ -107,6 +109,11 @@ def main(argv: list[str] | None = None) -> int:
             "error: set kafka.bootstrap (RTRL_KAFKA__BOOTSTRAP), e.g. the address `rtrl broker up` prints",
             file=sys.stderr,
         )
+        return 2
+    try:  # a wrong address is one line now, not undelivered events and librdkafka's retries later
+        check_broker(settings.kafka.bootstrap, settings.kafka.timeout_s)
+    except ServiceUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     with RtrlClient.from_settings(settings) as rtrl:
         backend = AgentBackend(rtrl, policy_version=args.policy_version)

@@ -5,8 +5,10 @@ finished run.)"""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 
@@ -57,6 +59,29 @@ def test_sdk_integration_sends_events_the_reward_logic_scores(broker, topic_pref
         assert all(not e.user_hash.startswith("user-") and len(e.user_hash) >= 16 for e in events)
         scored = reward(features(events), REWARD_VERSIONS["v2"])
         assert scored is not None and -10 < scored.reward < 10
+
+
+def test_the_readme_block_runs_as_written(tmp_path):
+    """The README's two lines (a local broker, its address exported, the example) run as shown."""
+    readme = (ROOT / "README.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", readme, flags=re.S) if "sdk_integration.py" in b)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")} | {"RTRL_DATA_DIR": str(tmp_path)}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    try:
+        proc = subprocess.run(
+            ["bash", "-ec", textwrap.dedent(block)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
+        )
+    finally:
+        subprocess.run([sys.executable, "-m", "app.cli", "broker", "down"], env=env, capture_output=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "for 3 sessions" in proc.stdout and "failed 0, dropped 0" in proc.stdout
+
+
+def test_sdk_integration_with_a_wrong_address_is_one_line():
+    proc = _example("sdk_integration.py", {"RTRL_KAFKA__BOOTSTRAP": "127.0.0.1:9", "RTRL_KAFKA__TIMEOUT_S": "2"})
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "127.0.0.1:9" in lines[0], proc.stderr
 
 
 def test_sdk_integration_without_a_broker_is_one_line():

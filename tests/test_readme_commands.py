@@ -63,6 +63,7 @@ def extract(text: str) -> tuple[list[str], list[list[str]]]:
     env_only: list[list[str]] = []
     for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", text, flags=re.S | re.M):
         if lang not in ("bash", "sh", "shell", "console"):
+            commands += [command for command, _ in _transcripts(body)]
             continue
         for line in body.replace("\\\n", " ").splitlines():
             line = re.sub(r"\s+#.*$", "", line.strip().removeprefix("$ ")).strip()  # a trailing comment
@@ -77,6 +78,26 @@ def extract(text: str) -> tuple[list[str], list[list[str]]]:
         elif rest.split(" ", 1)[0] in PROGRAMS and len(rest.split()) > 1:
             commands.append(span)
     return commands, env_only
+
+
+def _transcripts(body: str) -> list[tuple[str, str]]:
+    """``$ command`` lines in a code block that shows a session, each with the output shown after it."""
+    shown: list[tuple[str, str]] = []
+    for chunk in re.split(r"^(?=\$ )", body, flags=re.M):
+        if chunk.startswith("$ "):
+            command, _, output = chunk.partition("\n")
+            shown.append((" ".join(command[2:].split()), output.strip()))
+    return shown
+
+
+def transcripts() -> list[tuple[str, str]]:
+    """Every shown session (command, output) in the documents' non-shell code blocks."""
+    found = []
+    for doc in documents():
+        for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", doc.read_text(encoding="utf-8"), flags=re.S | re.M):
+            if lang not in ("bash", "sh", "shell", "console"):
+                found += _transcripts(body)
+    return found
 
 
 def documented() -> tuple[dict[str, list[Path]], list[list[str]]]:
@@ -110,6 +131,7 @@ RULES = (
         "tests/test_clean_stop.py::test_reward_flow_stops_cleanly_and_resumes_without_loss_or_duplicates",
     ),
     Rule(r"rtrl --version", "test_version_config_and_a_refused_reward_version"),
+    Rule(r"rtrl --config deploy/\S+\.toml config", "test_shown_sessions_print_what_the_documents_show"),
     Rule(r"rtrl config( \[--example\]| --example)?", "test_version_config_and_a_refused_reward_version"),
     Rule(
         r"rtrl COMMAND --help",
@@ -135,13 +157,13 @@ RULES = (
     Rule(r"rtrl flow NAME", "test_service_commands_in_order"),
     Rule(
         r"(\.venv/bin/)?python -m docs\.generate( --check)?",
-        "tests/test_docs_current.py::test_reference_pages_are_current",
+        "tests/test_docs_current.py::test_make_docs_writes_every_page_and_the_diagram",
     ),
-    Rule(r"make docs", "tests/test_docs_current.py::test_reference_pages_are_current"),
+    Rule(r"make docs", "tests/test_docs_current.py::test_make_docs_writes_every_page_and_the_diagram"),
     Rule(r"pip install -e '\.\[gpu\]'", "test_the_gpu_extra_is_declared"),
     Rule(
-        r"(RTRL_KAFKA__BOOTSTRAP=\S+ )?python examples/sdk_integration\.py( --sessions \d+)?",
-        "tests/test_examples.py::test_sdk_integration_sends_events_the_reward_logic_scores",
+        r"(export RTRL_KAFKA__BOOTSTRAP=\$\(rtrl broker up\)|python examples/sdk_integration\.py( --sessions \d+)?)",
+        "tests/test_examples.py::test_the_readme_block_runs_as_written",
     ),
     Rule(
         r"python examples/analyst\.py( --dsn \S+)?( --out \S+)?",
@@ -261,6 +283,16 @@ def test_the_extractor_finds_blocks_spans_and_settings():
     assert env == [["RTRL_A__B=2", "RTRL_C__D=3"]]
 
 
+def test_shown_sessions_print_what_the_documents_show(tmp_path):
+    """A document that shows a command with its output (``$ command`` then the lines it prints) shows what the
+    command prints today."""
+    shown = transcripts()
+    assert shown, "no document shows a session any more: drop this test's rule"
+    for command, output in shown:
+        proc = sh(command, {"RTRL_DATA_DIR": str(tmp_path)})
+        assert output and _flat(output) in _flat(proc.stdout + proc.stderr), (command, output, _out(proc))
+
+
 def test_every_documented_setting_is_accepted(tmp_path):
     """Each RTRL_* assignment the documents show names a real setting with a valid value, together with the
     assignments beside it (so `RTRL_REWARDS__TRAIN_VERSION=v1...` shows with the versions it needs)."""
@@ -298,6 +330,7 @@ def test_version_config_and_a_refused_reward_version(tmp_path):
     assert len(refused.stdout.strip().splitlines()) <= 3, _out(refused)
 
 
+@pytest.mark.slow  # make setup, lint (mypy) and a nested pytest
 def test_make_targets():
     """`make test` (dry: it is this suite) runs lint and types before pytest and turns "no tests collected"
     into a failure; `make test-fast` really runs (one file), and fails loudly when nothing is collected;
@@ -320,6 +353,21 @@ def test_make_targets():
     assert len(scripts) >= 4 and all((ROOT / s).is_file() for s in scripts), bench.stdout
     for s in scripts:
         assert (ROOT / s).read_text().startswith('"""'), f"{s} has no docstring saying what it measures"
+
+
+def _processes_with_env(name: str, value: str) -> list[str]:
+    """Command lines of live processes whose environment sets ``name=value`` (read from /proc)."""
+    wanted = f"{name}={value}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if wanted in (proc / "environ").read_bytes().split(b"\0"):
+                found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:  # gone, or not ours
+            continue
+    return found
 
 
 def _free_port() -> int:
@@ -524,8 +572,8 @@ def test_processes_mode_shortened(tmp_path):
     assert [d[:2] for d in _decisions(run.stdout)] == [(1, 0)], _out(run)
     for part in ("rewards", "batches", "serve", "train"):
         assert (tmp_path / "logs" / f"{part}.log").is_file(), sorted(p.name for p in (tmp_path / "logs").iterdir())
-    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
-    assert left.stdout.strip() == "", f"processes of the run still alive: {left.stdout}"
+    left = _processes_with_env("RTRL_DATA_DIR", str(tmp_path))  # the parts' command lines do not name the folder
+    assert not left, f"processes of the run still alive: {left}"
 
 
 @pytest.mark.slow
