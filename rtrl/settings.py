@@ -281,6 +281,12 @@ class TrainSettings(Section):
 class ModelSettings(Section):
     """The policy's architecture (a megatron-core GPTModel). Defaults: the tiny CPU model."""
 
+    hf_path: str = _s(
+        "",
+        "a Hugging Face checkpoint folder (config.json + safetensors; dense Llama, Qwen2 or Qwen3): the "
+        "architecture comes from its config.json (a shape setting below that disagrees is refused) and the "
+        "weights of the policy and its KL reference from its tensors; empty = the shape settings, random init",
+    )
     num_layers: int = _s(2, "transformer layers", gt=0)
     hidden_size: int = _s(64, "model width", gt=0)
     num_attention_heads: int = _s(4, "attention heads", gt=0)
@@ -437,6 +443,40 @@ class SimulatorSettings(Section):
     late_check_rate: float = _s(0.05, "fraction of persistence checks that arrive hours late", ge=0, le=1)
 
 
+class ServingSettings(Section):
+    url: str = _s(
+        "",
+        "base URL of the OpenAI-compatible completions server the policy server samples from (vLLM, SGLang), "
+        "e.g. http://127.0.0.1:8000/v1; it must serve the promoted version itself; empty = the project's own "
+        "server over the policy, in-process on a free loopback port",
+    )
+    model: str = _s("rtrl-policy", "model name sent with each request (vLLM: --served-model-name)")
+    candidate_model: str = _s(
+        "rtrl-candidate", "A/B mode (loop.ab_share > 0): the model name under which the server serves the candidate"
+    )
+    timeout_s: float = _s(30.0, "seconds a completions request may take to connect, and to answer, per try", gt=0)
+    retries: int = _s(
+        3, "retries of a failed completions request (connection error, timeout, 429, 5xx), with backoff", ge=0
+    )
+    api_key_file: str = _s(
+        "", "file holding the server's API key, sent as a bearer token (vLLM: --api-key); empty = none"
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v:
+            return v
+        try:
+            parts = urlsplit(v)
+            parts.port  # noqa: B018 - raises on a port outside 1..65535 or not a number
+        except ValueError:
+            raise ValueError(f"has a bad port in {v!r}: a port is 1..65535") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"must be http(s)://host:port/v1, not {v!r}")
+        return v
+
+
 # ---------------------------------------------------------------- the tree
 
 _ENV: ContextVar[Mapping[str, str] | None] = ContextVar("rtrl_settings_env", default=None)
@@ -478,6 +518,7 @@ class Settings(BaseSettings):
     precision: PrecisionSettings = Field(default_factory=PrecisionSettings)
     loop: LoopSettings = Field(default_factory=LoopSettings)
     simulator: SimulatorSettings = Field(default_factory=SimulatorSettings)
+    serving: ServingSettings = Field(default_factory=ServingSettings)
 
     @classmethod
     def settings_customise_sources(

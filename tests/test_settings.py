@@ -102,6 +102,7 @@ def test_one_section_per_component():
         "precision",
         "loop",
         "simulator",
+        "serving",
     }
 
 

@@ -7,6 +7,7 @@ the preset the CPU tests and the local simulator train: a few seconds per step o
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -17,6 +18,7 @@ from rtrl.settings import Settings
 FP8_FORMATS = ("hybrid", "e4m3")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
+ROPE_SCALINGS = ("", "llama3", "linear")
 
 
 class TransformerEngineMissing(ConfigError):
@@ -129,6 +131,26 @@ class ModelConfig:
     seed: int = 1234
     """Seed for weight init and megatron's RNG tracker (same model on any tp for a given seed on CPU)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    head_dim: int | None = None
+    """Width of one attention head (megatron's ``kv_channels``); ``None`` = hidden_size / num_attention_heads
+    (Qwen3 sets it independently of the width)."""
+    norm_eps: float = 1e-5
+    """Epsilon of every LayerNorm/RMSNorm (megatron's ``layernorm_epsilon``; Llama and Qwen: 1e-6 or 1e-5)."""
+    qk_layernorm: bool = False
+    """Normalise queries and keys per head before RoPE, with the model's normalization (Qwen3's QK-norm)."""
+    rope_scaling: Literal["", "llama3", "linear"] = ""
+    """RoPE frequency scaling: ``llama3`` (Llama 3.1: low/high frequency factors 1/4 over 8192 original
+    positions, megatron's ``rope_scaling``) or ``linear`` (positions divided by the factor, megatron's
+    ``seq_len_interpolation_factor``); empty = none."""
+    rope_scaling_factor: float = 1.0
+    """The factor of ``rope_scaling`` (only read when it is set)."""
+    vocab_multiple: int = 0
+    """Pad the vocabulary (embedding and output rows) up to a multiple of lcm(vocab_multiple, parallel.tp):
+    see :attr:`padded_vocab_size`. 0 = no padding (``vocab_size`` must then divide by parallel.tp)."""
+    hf_path: str = ""
+    """The Hugging Face checkpoint folder the architecture came from (:mod:`trainer.hf`); empty = none."""
+    hf_config: dict[str, Any] | None = field(default=None, repr=False)
+    """That checkpoint's ``config.json`` as read, kept so an export writes it back unchanged."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
@@ -136,7 +158,9 @@ class ModelConfig:
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         _positive_int("model.ffn_hidden_size", self.ffn_hidden_size)
-        if self.hidden_size % self.num_attention_heads:
+        if self.head_dim is not None:
+            _positive_int("model.head_dim", self.head_dim)
+        elif self.hidden_size % self.num_attention_heads:
             _fail(
                 "model.hidden_size",
                 self.hidden_size,
@@ -166,6 +190,16 @@ class ModelConfig:
                 _fail(f"model.{name}", v, "must be in [0, 1)")
         if not self.init_method_std > 0:
             _fail("model.init_method_std", self.init_method_std, "must be > 0")
+        if not self.norm_eps > 0:
+            _fail("model.norm_eps", self.norm_eps, "must be > 0")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            _fail("model.rope_scaling", self.rope_scaling, "must be empty, llama3 or linear")
+        if self.rope_scaling and not self.rope_scaling_factor > 0:
+            _fail("model.rope_scaling_factor", self.rope_scaling_factor, "must be > 0")
+        if self.rope_scaling and self.position_embedding_type != "rope":
+            _fail("model.rope_scaling", self.rope_scaling, "needs model.position_embedding_type = 'rope'")
+        if not isinstance(self.vocab_multiple, int) or isinstance(self.vocab_multiple, bool) or self.vocab_multiple < 0:
+            _fail("model.vocab_multiple", self.vocab_multiple, "must be an integer >= 0")
         if not isinstance(self.parallel, ParallelConfig):
             _fail("model.parallel", self.parallel, "must be a ParallelConfig")
         tp = self.parallel.tp
@@ -174,12 +208,24 @@ class ModelConfig:
             ("num_attention_heads", self.num_attention_heads),
             ("num_query_groups", kv_heads),
             ("ffn_hidden_size", self.ffn_hidden_size),
-            ("vocab_size", self.vocab_size),
+            ("vocab_size", self.padded_vocab_size),
         ):
             if v % tp:
                 _fail(f"model.{name}", v, f"must be divisible by parallel.tp = {tp}")
         if self.num_layers % self.parallel.pp:
             _fail("model.num_layers", self.num_layers, f"must be divisible by parallel.pp = {self.parallel.pp}")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding and output layers: ``vocab_size`` rounded up to a multiple of
+        lcm(vocab_multiple, parallel.tp) (``vocab_size`` itself when ``vocab_multiple`` is 0). For
+        power-of-two tp up to ``vocab_multiple`` the result does not depend on tp, so checkpoints reshard.
+        The padded rows are zeros after an import, their logits are masked out (:func:`trainer.model.build_model`)
+        and an export cuts them off."""
+        if not self.vocab_multiple:
+            return self.vocab_size
+        m = math.lcm(self.vocab_multiple, self.parallel.tp)
+        return -(-self.vocab_size // m) * m
 
     def check_precision(self, precision: PrecisionConfig) -> None:
         """Shape constraints that only apply under a given precision (FP8 GEMMs want multiples of 16)."""
@@ -211,9 +257,26 @@ class ModelConfig:
 def model_config(settings: Settings) -> tuple[ModelConfig, PrecisionConfig]:
     """The trainer's model and precision from the settings' ``model``, ``parallel`` and ``precision``
     sections: the one place those sections become a model (the trainer job, the loop and the
-    policy server all call it). Shape errors name the setting (``model.hidden_size`` ...)."""
+    policy server all call it). Shape errors name the setting (``model.hidden_size`` ...).
+
+    With ``model.hf_path`` set the architecture comes from that checkpoint's config.json
+    (:func:`trainer.hf.config_from_settings`); a shape setting the user also set that disagrees is refused."""
     m, p, pr = settings.model, settings.parallel, settings.precision
-    cfg = ModelConfig(
+    parallel = ParallelConfig(tp=p.tp, pp=p.pp, dp=p.dp or None, sequence_parallel=p.sequence_parallel)
+    if m.hf_path:
+        from trainer.hf import config_from_settings
+
+        cfg = config_from_settings(m, parallel)
+    else:
+        cfg = _config_from_shape_settings(settings, parallel)
+    precision = PrecisionConfig(bf16=pr.bf16, fp8=pr.fp8 or None, fp8_recipe=pr.fp8_recipe)  # type: ignore[arg-type]
+    cfg.check_precision(precision)
+    return cfg, precision
+
+
+def _config_from_shape_settings(settings: Settings, parallel: ParallelConfig) -> ModelConfig:
+    m = settings.model
+    return ModelConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
@@ -232,11 +295,8 @@ def model_config(settings: Settings) -> tuple[ModelConfig, PrecisionConfig]:
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
         seed=m.seed,
-        parallel=ParallelConfig(tp=p.tp, pp=p.pp, dp=p.dp or None, sequence_parallel=p.sequence_parallel),
+        parallel=parallel,
     )
-    precision = PrecisionConfig(bf16=pr.bf16, fp8=pr.fp8 or None, fp8_recipe=pr.fp8_recipe)  # type: ignore[arg-type]
-    cfg.check_precision(precision)
-    return cfg, precision
 
 
 def check_input_shapes(settings: Settings) -> None:

@@ -173,6 +173,10 @@ def transformer_config(cfg: ModelConfig, precision: PrecisionConfig):
         kwargs.update(fp8=precision.fp8, fp8_recipe=precision.fp8_recipe)
     if cfg.activation == "swiglu":  # Llama/Qwen MLP: silu(x W_gate) * (x W_up)
         kwargs.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=False)
+    if cfg.head_dim is not None:
+        kwargs.update(kv_channels=cfg.head_dim)
+    if cfg.qk_layernorm:
+        kwargs.update(qk_layernorm=True)
     return TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -183,6 +187,7 @@ def transformer_config(cfg: ModelConfig, precision: PrecisionConfig):
         attention_dropout=cfg.attention_dropout,
         init_method_std=cfg.init_method_std,
         normalization=cfg.normalization,
+        layernorm_epsilon=cfg.norm_eps,
         add_qkv_bias=cfg.qkv_bias,
         add_bias_linear=cfg.linear_bias,
         tensor_model_parallel_size=cfg.parallel.tp,
@@ -199,10 +204,11 @@ def transformer_config(cfg: ModelConfig, precision: PrecisionConfig):
     )
 
 
-def layer_spec(precision: PrecisionConfig, normalization: str = "LayerNorm"):
+def layer_spec(precision: PrecisionConfig, normalization: str = "LayerNorm", qk_layernorm: bool = False):
     """The local spec on CPU (or GPU without TE); the Transformer Engine spec on GPU with TE.
 
     FP8 requires the TE spec, so it requires TE (checked by :func:`require_transformer_engine`).
+    ``qk_layernorm`` adds the per-head query/key norms (Qwen3).
     """
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -211,15 +217,16 @@ def layer_spec(precision: PrecisionConfig, normalization: str = "LayerNorm"):
 
     require_transformer_engine(precision)
     if torch.cuda.is_available() and transformer_engine_status()[0]:
-        return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization=normalization)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    return get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
 
 
 def build_model(cfg: ModelConfig, precision: PrecisionConfig | None = None):
     """A megatron-core ``GPTModel`` for this rank's pipeline stage and tensor-parallel shard.
 
     Deterministic: the weights depend only on ``cfg`` (``cfg.seed`` reseeds every RNG first, see
-    :func:`seed_everything`), so two calls give the same model - e.g. a policy and its frozen
+    :func:`seed_everything`; with ``cfg.hf_path`` they are that Hugging Face checkpoint's, read by
+    :func:`trainer.hf.load_hf`), so two calls give the same model - e.g. a policy and its frozen
     reference. Call :func:`init_parallel` first. Raises :class:`TransformerEngineMissing` when
     ``precision.fp8`` is set and Transformer Engine cannot be imported.
     """
@@ -238,12 +245,17 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig | None = None):
 
     if not ps.model_parallel_is_initialized():
         raise ConfigError("megatron parallel state is not initialised; call trainer.model.init_parallel(cfg) first")
-    spec = layer_spec(precision, cfg.normalization)
+    spec = layer_spec(precision, cfg.normalization, cfg.qk_layernorm)
     seed_everything(cfg.seed, torch_only=True)
+    rope: dict = {}
+    if cfg.rope_scaling == "llama3":
+        rope.update(rope_scaling=True, rope_scaling_factor=cfg.rope_scaling_factor)
+    elif cfg.rope_scaling == "linear":
+        rope.update(seq_len_interpolation_factor=cfg.rope_scaling_factor)
     model = GPTModel(
         config=transformer_config(cfg, precision),
         transformer_layer_spec=spec,
-        vocab_size=cfg.vocab_size,
+        vocab_size=cfg.padded_vocab_size,
         max_sequence_length=cfg.seq_length,
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
@@ -251,14 +263,46 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig | None = None):
         share_embeddings_and_output_weights=cfg.tie_embeddings,
         position_embedding_type=cfg.position_embedding_type,
         rotary_base=int(cfg.rope_base) if float(cfg.rope_base).is_integer() else cfg.rope_base,
+        **rope,
     )
+    if cfg.padded_vocab_size > cfg.vocab_size and ps.is_pipeline_last_stage():
+        mask_padded_vocab(model.output_layer, cfg.vocab_size, cfg.padded_vocab_size)
     if precision.bf16:
         # What Megatron-LM's Float16Module does to the wrapped model: every parameter and float
         # buffer in bf16 (the local spec's LayerNorms are otherwise created in fp32).
         model.bfloat16()
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
+    if cfg.hf_path:  # the weights of a Hugging Face checkpoint, this rank's shards only (trainer.hf)
+        from trainer.hf import load_hf
+
+        load_hf(model, cfg)
     return model
+
+
+#: the logit of a padding row of the vocabulary: exp() of it is 0 next to any real logit, and unlike -inf
+#: it keeps p * log p and sums over the vocabulary finite
+PADDED_LOGIT = -1e4
+
+
+def mask_padded_vocab(output_layer, vocab_size: int, padded_vocab_size: int) -> None:
+    """Give the padding rows of the output layer (token ids ``vocab_size`` .. ``padded_vocab_size - 1``,
+    which no tokenizer produces) the logit :data:`PADDED_LOGIT`, so they take no probability: a zero row
+    would give logit 0, which is far from negligible next to real logits. A forward hook on megatron's
+    ``output_layer``: sampling, log-probs and the loss all see it. Handles vocab-parallel (``[..., Vp/tp]``,
+    this rank's slice) and gathered (``[..., Vp]``) logits."""
+    from megatron.core import parallel_state as ps
+
+    def hook(module, args, output):
+        logits, bias = output
+        width = logits.shape[-1]
+        start = 0 if width == padded_vocab_size else ps.get_tensor_model_parallel_rank() * width
+        if start + width <= vocab_size:
+            return None
+        ids = torch.arange(start, start + width, device=logits.device)
+        return logits.masked_fill(ids >= vocab_size, PADDED_LOGIT), bias
+
+    output_layer.register_forward_hook(hook)
 
 
 def causal_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -11,6 +11,7 @@ progress on the console.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -49,7 +50,9 @@ def run(settings: Settings, bootstrap: str, console: Console | None = None) -> l
     check_input_shapes(settings)
     info = init_parallel(cfg)
     model, reference = build_model(cfg, precision), build_model(cfg, precision)
-    reference.load_state_dict(model.state_dict())  # the KL reference: the run's initial weights
+    # The KL reference: the run's initial weights (with model.hf_path the checkpoint's, which build_model
+    # loaded; train() then resumes the policy from the run's own newest checkpoint, if any: it wins).
+    reference.load_state_dict(model.state_dict())
     ckpt = Path(ts.checkpoint_dir or settings.data_path / "checkpoints")
     tc = TrainConfig.from_settings(settings, run_id=ts.run_id or ckpt.name, checkpoint_dir=str(ckpt))
     lead = info.rank == 0
@@ -63,6 +66,7 @@ def run(settings: Settings, bootstrap: str, console: Console | None = None) -> l
             f"tp {p.tp} pp {p.pp} dp {info.dp}{' sp' if p.sequence_parallel else ''}; "
             f"{'bf16' if precision.bf16 else 'fp32'}{' fp8 ' + precision.fp8 if precision.fp8 else ''}; "
             f"{sum(x.numel() for x in model.parameters()):,} parameters on this rank"
+            + (f"; initial weights from {cfg.hf_path}" if cfg.hf_path else "")
         )
     ch = (
         clickhouse.setup(settings.clickhouse_dsn, settings.clickhouse.database, settings.clickhouse.timeout_s)
@@ -81,7 +85,8 @@ def run(settings: Settings, bootstrap: str, console: Console | None = None) -> l
                 info.dp,
                 start=offsets,
                 timeout_s=settings.kafka.timeout_s,
-                limits=BatchLimits.from_settings(settings),
+                # token ids below the model's vocabulary: with model.hf_path the checkpoint's, not model.vocab_size
+                limits=replace(BatchLimits.from_settings(settings), vocab_size=cfg.vocab_size),
             )
         )
         return streams[-1]
