@@ -130,19 +130,38 @@ def loop_model_config(settings: Settings) -> tuple[ModelConfig, PrecisionConfig]
 
 
 def policy_server(settings: Settings, bootstrap: str, client: RtrlClient, seed: int) -> PolicyServer:
-    """The loop's policy server (a candidate arm's model too in A/B mode)."""
-    ls = settings.loop
+    """The loop's policy server (a candidate arm's model too in A/B mode). It samples over HTTP from
+    ``serving.url`` (vLLM, SGLang), or with that empty from the project's own completions server over the
+    policy built here (:mod:`simulator.openai_server`)."""
+    ls, sv = settings.loop, settings.serving
     cfg, precision = loop_model_config(settings)
+    own = not sv.url  # an external server holds the weights: nothing to build here
+    api_key = None
+    if sv.api_key_file:
+        try:
+            api_key = Path(sv.api_key_file).read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise ConfigError(
+                f"serving.api_key_file {sv.api_key_file} cannot be read ({e.strerror or e}); fix: name a readable "
+                "file holding the server's API key, or leave serving.api_key_file empty"
+            ) from None
     return PolicyServer(
         bootstrap,
         settings.kafka.topic_prefix,
         client,
-        build_model(cfg, precision),
+        build_model(cfg, precision) if own else None,
         [f"org-{i}" for i in range(ls.orgs)],
         seed=seed,
         hard_share=ls.hard_share,
         compression=settings.kafka.compression,
-        candidate_model=build_model(cfg, precision) if ls.ab_share > 0 else None,
+        candidate_model=build_model(cfg, precision) if own and ls.ab_share > 0 else None,
+        url=sv.url,
+        model_name=sv.model,
+        candidate_name=sv.candidate_model,
+        timeout_s=sv.timeout_s,
+        retries=sv.retries,
+        api_key=api_key,
+        ab=ls.ab_share > 0,
     )
 
 

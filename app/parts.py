@@ -241,7 +241,11 @@ def main(argv: list[str] | None = None, settings: Settings | None = None) -> int
     if name in ("rewards", "batches"):
         print(run_flow(settings, name, bootstrap), flush=True)
     elif name == "serve":
-        serve(settings, bootstrap)
+        try:  # serving.url unreachable, or not serving serving.model: one line naming it
+            serve(settings, bootstrap)
+        except RtrlError as e:
+            print(f"error: part serve: {e}", file=sys.stderr)
+            return 2
     else:
         train(settings, bootstrap)
     return 0

@@ -2,11 +2,15 @@
 
 It follows ``rtrl.deployments``: the newest ``promoted`` announcement wins (a ``rolled_back`` one
 is never served; a rollback is announced as the re-promotion of the version to go back to), and
-its weights are loaded from the checkpoint's path. For each task it samples ``group_size``
-completions with their log-probs, publishes one :class:`Rollout` per completion on
-``rtrl.rollouts`` (keyed by trajectory), and lets the simulated user react through the client SDK
+its weights are loaded from the checkpoint's path. It samples the way a production fleet integration
+does: over HTTP from an OpenAI-compatible completions server, with the rollout collector
+(:mod:`client.rollouts`) - by default the project's own server (:mod:`simulator.openai_server`) over this
+policy, in-process on a free loopback port; with ``url`` an external vLLM or SGLang server, which must serve
+the promoted version itself (nothing is loaded here then). Each burst of tasks is one request (the prompts
+as a list, ``n = group_size``); it publishes one :class:`Rollout` per completion on ``rtrl.rollouts``
+(keyed by trajectory), and lets the simulated user react through the client SDK
 (:func:`simulator.tasks.react`). In A/B mode a ``candidate_share`` of the tasks is served by a
-candidate version instead, with ``arm="candidate"`` on its events.
+candidate version instead (the server's ``candidate_name`` model), with ``arm="candidate"`` on its events.
 """
 
 from __future__ import annotations
@@ -16,15 +20,15 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import torch
 from confluent_kafka import Consumer, Producer, TopicPartition
 
+from client.rollouts import CompletionsClient, RolloutCollector
 from client.sdk import RtrlClient
 from rtrl.kafka import base_config, produce, producer_config
 from schemas.codec import Invalid, JsonCodec
 from schemas.records import Checkpoint, Rollout
-from simulator.policy import sample
-from simulator.tasks import outcome, react, sample_task
+from simulator.openai_server import CompletionServer
+from simulator.tasks import COMPLETION_LEN, outcome, react, sample_task
 
 
 @dataclass
@@ -47,9 +51,36 @@ class PolicyServer:
         hard_share: float = 0.5,
         compression: str = "zstd",
         candidate_model=None,
+        *,
+        url: str = "",
+        model_name: str = "rtrl-policy",
+        candidate_name: str = "rtrl-candidate",
+        timeout_s: float = 30.0,
+        retries: int = 3,
+        api_key: str | None = None,
+        ab: bool | None = None,
     ):
         self.client, self.model, self.orgs, self.hard_share = client, model, orgs, hard_share
         self.candidate_model = candidate_model  # A/B mode: where an announced candidate is loaded
+        self.ab = candidate_model is not None if ab is None else ab  # A/B mode: serve announced candidates
+        self.model_name, self.candidate_name = model_name, candidate_name
+        self.api: CompletionServer | None = None
+        if not url:  # the project's own completions server over this policy: the same HTTP path as vLLM's
+            if model is None:
+                raise ValueError("the policy server's own completions server needs a model (or give url)")
+            models = {model_name: model} | ({candidate_name: candidate_model} if candidate_model is not None else {})
+            self.api = CompletionServer(models, seed=seed).start()
+            url = self.api.url
+        self.url = url
+        self.collector = RolloutCollector(
+            CompletionsClient(url, model_name, timeout_s=timeout_s, retries=retries, api_key=api_key)
+        )
+        try:
+            self.collector.client.check()  # reachable, and serving the model: one line naming the URL otherwise
+        except Exception:
+            if self.api is not None:
+                self.api.close()
+            raise
         self.rollouts_topic = prefix + "rollouts"
         self.producer = Producer(producer_config(bootstrap, compression))
         self.deployments = Consumer(
@@ -59,16 +90,24 @@ class PolicyServer:
         self.codec: JsonCodec[Checkpoint] = JsonCodec(Checkpoint)
         self.rollout_codec: JsonCodec[Rollout] = JsonCodec(Rollout)
         self.rng = random.Random(seed)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seeds = random.Random(f"requests-{seed}")  # each request's seed: the samples follow from the seed
         self.version: int | None = None
         self.path: str | None = None
-        self.candidate: tuple[int, object] | None = None  # (version, model) served to a share in A/B mode
+        self.candidate: tuple[int, str] | None = None  # (version, model name) served to a share in A/B mode
         self.totals: dict[tuple[int, str], Served] = {}  # what each (version, arm) served so far
         self.window_base = 0  # what the serving version had served at the last decision (backpressure)
 
+    def _load(self, load, model, path: str) -> None:
+        """``load(model, path)`` while no request samples from it; nothing with an external server (it loads
+        the promoted version itself)."""
+        if model is None or self.api is None:
+            return
+        with self.api.lock:
+            load(model, path)
+
     def refresh(self, load, timeout_s: float = 0.5) -> int | None:
         """Read new announcements: a newer promotion is loaded into the serving model with
-        ``load(model, path)``; in A/B mode (a ``candidate_model`` was given) a ``candidate``
+        ``load(model, path)``; in A/B mode (a ``candidate_model`` was given, or ``ab``) a ``candidate``
         announcement is loaded into it and served to a share of the traffic until its decision
         (promoted, rejected, rolled back) arrives. Returns the serving version."""
         deadline = time.monotonic() + timeout_s
@@ -87,15 +126,15 @@ class PolicyServer:
                 continue
             if ck.status == "promoted":
                 latest = ck
-            elif ck.status == "candidate" and self.candidate_model is not None:
-                load(self.candidate_model, ck.path)
-                self.candidate = (ck.version, self.candidate_model)
+            elif ck.status == "candidate" and self.ab:
+                self._load(load, self.candidate_model, ck.path)
+                self.candidate = (ck.version, self.candidate_name)
             if ck.status != "candidate":
                 decided = True
                 if self.candidate is not None and self.candidate[0] == ck.version:
                     self.candidate = None  # decided: the candidate arm ends
         if latest is not None and (latest.version, latest.path) != (self.version, self.path):
-            load(self.model, latest.path)
+            self._load(load, self.model, latest.path)
             self.version, self.path = latest.version, latest.path
         if decided:  # a new cycle: the serving version (new, or the same after a rejection) gets a new quota
             self.window_base = self.served_by(self.version)
@@ -123,31 +162,40 @@ class PolicyServer:
         for _ in range(tasks):
             task = sample_task(self.rng, self.rng.choice(self.orgs), self.hard_share)
             arm = "candidate" if self.candidate is not None and self.rng.random() < candidate_share else "control"
-            arms[arm] += [task] * group_size
+            arms[arm].append(task)
         served = {}
         for arm, batch in arms.items():
             if not batch:
                 continue
             if arm == "control":
-                version, model = self.version, self.model
+                version, name = self.version, self.model_name
             else:
                 assert self.candidate is not None  # the candidate arm gets tasks only while there is one
-                version, model = self.candidate
-            served[arm] = self._serve(batch, group_size, version, model, arm)
+                version, name = self.candidate
+            served[arm] = self._serve(batch, group_size, version, name, arm)
             total = self.totals.setdefault((version, arm), Served())
             for k in vars(total):
                 setattr(total, k, getattr(total, k) + getattr(served[arm], k))
         self.producer.poll(0)
         return served
 
-    def _serve(self, batch: list, group_size: int, version: int, model, arm: str) -> Served:
-        comps, lps = sample(model, batch, self.generator)
+    def _serve(self, tasks: list, group_size: int, version: int, model_name: str, arm: str) -> Served:
+        """One completions request for ``tasks`` (``n = group_size``; EOS ignored: a completion is always its
+        two tokens), one rollout per completion as the collector builds it, and the users' reactions."""
+        groups = self.collector.start(
+            [t.prompt for t in tasks],
+            group_size,
+            COMPLETION_LEN,
+            seed=self.seeds.getrandbits(31),
+            ignore_eos=True,
+            model=model_name,
+        )
         out = Served()
         now = time.time_ns() // 1_000_000
-        for i in range(0, len(batch), group_size):
+        for task, group in zip(tasks, groups):
             group_id = uuid.uuid4().hex
-            for task, comp, lp in zip(batch[i : i + group_size], comps[i : i + group_size], lps[i : i + group_size]):
-                o = outcome(task, comp)
+            for sampled in group:
+                o = outcome(task, sampled.completion_ids)
                 traj = self.client.start_trajectory(
                     org_id=task.org_id,
                     user_id=f"{task.org_id}-user-{self.rng.randrange(20)}",
@@ -156,17 +204,13 @@ class PolicyServer:
                     arm=arm,
                     ts=now,
                 )
-                ro = Rollout(
+                ro = sampled.rollout(
                     trajectory_id=traj.trajectory_id,
                     policy_version=version,
                     group_id=group_id,
                     group_size=group_size,
                     org_id=task.org_id,
                     task_kind=task.kind,
-                    prompt_ids=task.prompt,
-                    completion_ids=comp,
-                    behaviour_logprobs=lp,
-                    loss_mask=[1] * len(comp),
                     created_at=now,
                 )
                 self._produce(ro)
@@ -212,3 +256,6 @@ class PolicyServer:
     def close(self) -> None:
         self.producer.flush(30)
         self.deployments.close()
+        self.collector.client.close()
+        if self.api is not None:
+            self.api.close()
