@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, cast
 from urllib.parse import urlencode, urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -461,10 +461,28 @@ class ServingSettings(Section):
     api_key_file: str = _s(
         "", "file holding the server's API key, sent as a bearer token (vLLM: --api-key); empty = none"
     )
+    registry_dir: str = _s(
+        "",
+        "model registry: each promotion of a Hugging Face model is exported to <registry_dir>/v<N> (safetensors, "
+        "config.json, rtrl.json with its content hash), what a fleet loads; empty = <data_dir>/registry",
+    )
+    reload_api: Literal["sglang", "vllm"] = _s(
+        "sglang",
+        "weight-reload API of the inference server `rtrl fleet follow` drives: sglang (POST "
+        "/update_weights_from_disk; the project's own server too) or vllm (POST /collective_rpc reload_weights, "
+        "needs VLLM_SERVER_DEV_MODE=1)",
+    )
+    reload_url: str = _s(
+        "",
+        "base URL of that server's reload endpoint, e.g. http://127.0.0.1:30000; empty = serving.url without /v1",
+    )
+    reload_timeout_s: float = _s(
+        600.0, "seconds one weight reload may take, per try (a large model loads for minutes)", gt=0
+    )
 
-    @field_validator("url")
+    @field_validator("url", "reload_url")
     @classmethod
-    def _url(cls, v: str) -> str:
+    def _url(cls, v: str, info: ValidationInfo) -> str:
         if not v:
             return v
         try:
@@ -473,7 +491,8 @@ class ServingSettings(Section):
         except ValueError:
             raise ValueError(f"has a bad port in {v!r}: a port is 1..65535") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"must be http(s)://host:port/v1, not {v!r}")
+            form = "http(s)://host:port/v1" if info.field_name == "url" else "http(s)://host:port"
+            raise ValueError(f"must be {form}, not {v!r}")
         return v
 
 

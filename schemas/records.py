@@ -257,6 +257,21 @@ class Checkpoint(msgspec.Struct, **_STRICT):
         dict[Label, Int64], doc("Next offset to consume per 'topic/partition' at this checkpoint.")
     ]
     path: Annotated[Annotated[str, Meta(max_length=4096)], doc("Where the checkpoint's files are stored.")]
+    export_path: Annotated[
+        Annotated[str, Meta(max_length=4096)],
+        doc(
+            "Folder of the promoted version's Hugging Face export in the model registry (safetensors, config.json, "
+            "rtrl.json), what an inference fleet loads; empty when none was made (not promoted, or not a Hugging "
+            "Face model)."
+        ),
+    ] = ""
+    export_sha256: Annotated[
+        Annotated[str, Meta(pattern="^([0-9a-f]{64})?$")],
+        doc(
+            "Content hash of that export (sha256 over the sha256sum lines of its files but rtrl.json, sorted by "
+            "name; trainer.registry), checked by a fleet before it loads; empty without an export."
+        ),
+    ] = ""
 
 
 # ---------------------------------------------------------------- dead letters (topic rtrl.dead_letters)

@@ -16,6 +16,16 @@ loopback by default, a free port by default) and serves one or more named models
                           EOS), ``token_ids`` / ``prompt_token_ids`` when asked; ``usage``.
 ``GET /v1/models``        the served model names (``max_model_len`` included, as vLLM lists it).
 ``GET /health``           200 with an empty body while the server runs.
+``POST /update_weights_from_disk``  SGLang's native reload API: ``model_path`` (a Hugging Face export folder, e.g. a
+                          registry version ``<registry>/v3``), optional ``weight_version`` (a label), ``load_format``
+                          (null, ``auto`` or ``safetensors``), and this server's ``model`` (which served model;
+                          default the first). The weights are loaded in place (:func:`trainer.registry.load_export`)
+                          while no request samples; 200 ``{"success": true, "message", "num_paused_requests": 0}``,
+                          or 400 with ``success`` false and why (no Hugging Face config for that model, another
+                          architecture, missing tensors; the weights are then unchanged). Only models given a
+                          Hugging Face ``configs`` entry can be reloaded.
+``GET /get_model_info``   SGLang's: ``model_path`` (the last export loaded, else the model's source) and
+                          ``weight_version`` of the first model, ``is_generation``.
 
 Errors are vLLM's shape, ``{"error": {"message", "type", "param", "code"}}`` with ``code`` the HTTP
 status: 400 ``BadRequestError`` (bad JSON, a bad or unsupported parameter), 404 ``NotFoundError`` (an
@@ -49,6 +59,7 @@ from typing import Any
 
 import torch
 
+from rtrl.errors import ConfigError
 from simulator.tasks import ASK, BOS, DIGIT0, EASY, EOS, HARD, KINDS, MALFORMED, PAD, SEP, TOOLS, VOCAB
 from trainer.model import causal_mask
 
@@ -147,7 +158,9 @@ class CompletionServer:
     ``max_logprobs`` bounds ``logprobs`` and ``prompt_logprobs`` (vLLM's ``--max-logprobs``, default 20);
     ``max_n`` the sequences one request samples (prompts x ``n``);
     ``return_tokens_as_token_ids`` is the default of the request field of that name (vLLM's
-    ``--return-tokens-as-token-ids``). Use as a context manager, or :meth:`start` and :meth:`close`."""
+    ``--return-tokens-as-token-ids``); ``configs`` (name -> the :class:`~trainer.config.ModelConfig` a model was
+    built from) makes a Hugging Face model reloadable from an export (``POST /update_weights_from_disk``). Use as a
+    context manager, or :meth:`start` and :meth:`close`."""
 
     def __init__(
         self,
@@ -164,10 +177,16 @@ class CompletionServer:
         seed: int = 0,
         lock: threading.Lock | None = None,
         request_timeout_s: float = 60.0,
+        configs: Mapping[str, Any] | None = None,
     ):
         if not models:
             raise ValueError("a completions server needs at least one model")
         self.models = dict(models)
+        self.configs = dict(configs or {})
+        #: per model: the export folder it last loaded (else its source) and the weight_version label given with it
+        self.loaded: dict[str, tuple[str, str | None]] = {
+            name: (getattr(self.configs.get(name), "hf_path", "") or "", None) for name in self.models
+        }
         first = next(iter(self.models.values()))
         self.max_model_len = max_model_len or int(getattr(first, "max_sequence_length", 64))
         self.max_logprobs, self.max_n, self.max_body_bytes = max_logprobs, max_n, max_body_bytes
@@ -231,6 +250,54 @@ class CompletionServer:
                 for name in self.models
             ],
         }
+
+    def update_weights_from_disk(self, body: Any) -> dict[str, Any]:
+        """SGLang's ``/update_weights_from_disk`` body -> its answer; raises :class:`ApiError` (400) when nothing was
+        loaded (the served weights are then unchanged)."""
+        from trainer.registry import load_export
+
+        if not isinstance(body, dict):
+            raise ApiError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object")
+        path, version = body.get("model_path"), body.get("weight_version")
+        name = body.get("model", next(iter(self.models)))
+        if not isinstance(path, str) or not path:
+            raise ApiError(HTTPStatus.BAD_REQUEST, "`model_path` must name an export folder", "model_path")
+        if version is not None and not isinstance(version, str):
+            raise ApiError(
+                HTTPStatus.BAD_REQUEST, f"`weight_version` must be a string, got {version!r}", "weight_version"
+            )
+        if body.get("load_format") not in (None, "auto", "safetensors"):
+            raise ApiError(
+                HTTPStatus.BAD_REQUEST,
+                "`load_format` must be auto or safetensors: exports are safetensors",
+                "load_format",
+            )
+        if not isinstance(name, str) or name not in self.models:
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"The model `{name}` does not exist.", "model")
+        cfg = self.configs.get(name)
+        if cfg is None:
+            raise ApiError(
+                HTTPStatus.BAD_REQUEST,
+                f"model `{name}` was given no Hugging Face config (CompletionServer configs): it cannot be reloaded",
+                "model",
+            )
+        t = time.monotonic()
+        with self.lock:
+            try:
+                load_export(self.models[name], cfg, path)
+            except (ConfigError, OSError, ValueError) as e:
+                raise ApiError(HTTPStatus.BAD_REQUEST, f"Failed to load {path}: {e}", "model_path") from None
+            self.loaded[name] = (path, version)
+        return {
+            "success": True,
+            "message": f"Succeeded to update model weights of `{name}` from {path} in {time.monotonic() - t:.2f}s.",
+            "num_paused_requests": 0,
+        }
+
+    def model_info(self) -> dict[str, Any]:
+        """SGLang's ``/get_model_info`` for the first model."""
+        path, version = self.loaded[next(iter(self.models))]
+        return {"model_path": path, "tokenizer_path": None, "is_generation": True, "weight_version": version}
 
     def complete(self, body: Any) -> dict[str, Any]:
         """One ``/v1/completions`` request body -> the response body (raises :class:`ApiError`)."""
@@ -487,6 +554,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(HTTPStatus.OK, None)
         elif path == "/v1/models":
             self._send(HTTPStatus.OK, self.api.list_models())
+        elif path == "/get_model_info":
+            self._send(HTTPStatus.OK, self.api.model_info())
         else:
             self._error(ApiError(HTTPStatus.NOT_FOUND, f"no route {self.path}"))
 
@@ -508,15 +577,20 @@ class _Handler(BaseHTTPRequestHandler):
                 )
             )
         raw = self.rfile.read(length)
-        if path != "/v1/completions":
+        routes = {"/v1/completions": self.api.complete, "/update_weights_from_disk": self.api.update_weights_from_disk}
+        if path not in routes:
             return self._error(ApiError(HTTPStatus.NOT_FOUND, f"no route {self.path}"))
+        reload = path == "/update_weights_from_disk"
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             return self._error(ApiError(HTTPStatus.BAD_REQUEST, f"the request body is not valid JSON: {e}"))
         try:
-            self._send(HTTPStatus.OK, self.api.complete(body))
+            self._send(HTTPStatus.OK, routes[path](body))
         except ApiError as e:
-            self._error(e)
+            if reload:  # SGLang's failure shape: success false and the reason
+                self._send(e.status, {"success": False, "message": e.message, "num_paused_requests": 0})
+            else:
+                self._error(e)
         except Exception as e:  # the server answers every request; a bug is a 500 naming it, not a dropped socket
             self._error(ApiError(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(e).__name__}: {e}"))

@@ -59,6 +59,7 @@ class PolicyServer:
         retries: int = 3,
         api_key: str | None = None,
         ab: bool | None = None,
+        model_config=None,
     ):
         self.client, self.model, self.orgs, self.hard_share = client, model, orgs, hard_share
         self.candidate_model = candidate_model  # A/B mode: where an announced candidate is loaded
@@ -69,7 +70,9 @@ class PolicyServer:
             if model is None:
                 raise ValueError("the policy server's own completions server needs a model (or give url)")
             models = {model_name: model} | ({candidate_name: candidate_model} if candidate_model is not None else {})
-            self.api = CompletionServer(models, seed=seed).start()
+            # with the ModelConfig of a Hugging Face model, its server reloads exports (/update_weights_from_disk)
+            configs = {name: model_config for name in models} if model_config is not None else None
+            self.api = CompletionServer(models, seed=seed, configs=configs).start()
             url = self.api.url
         self.url = url
         self.collector = RolloutCollector(
