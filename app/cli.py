@@ -14,6 +14,7 @@
     rtrl flow rewards        the reward flow with Bytewax recovery (always-on)
     rtrl flow batches        the batch flow (rollouts + rewards -> micro-batches) with recovery
     rtrl train               the trainer on rtrl.batches (torchrun --nproc_per_node N -m trainer for DP/TP/PP)
+    rtrl fleet follow        next to an inference server: load each promotion's hash-checked registry export into it
     rtrl config              show the effective settings
 
 Every command takes ``--config FILE`` (or ``RTRL_CONFIG``), ``-v/--verbose`` - before or after the command
@@ -196,6 +197,94 @@ def cmd_train(settings: Settings, args: argparse.Namespace, console: Console) ->
     return 0
 
 
+def cmd_fleet(settings: Settings, args: argparse.Namespace, console: Console) -> int:
+    import signal
+    import threading
+    from pathlib import Path
+
+    from client.fleet import FleetFollower, ReloadClient
+
+    sv = settings.serving
+    url = args.url or sv.reload_url or sv.url
+    if not url:
+        raise ConfigError(
+            "no inference server to reload: set serving.reload_url (or serving.url) to its address, or give --url"
+        )
+    api_key = None
+    if sv.api_key_file:
+        try:
+            api_key = Path(sv.api_key_file).read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise ConfigError(f"serving.api_key_file {sv.api_key_file} cannot be read ({e.strerror or e})") from None
+    engine = ReloadClient(
+        url, args.api or sv.reload_api, timeout_s=sv.reload_timeout_s, retries=sv.retries, api_key=api_key
+    )
+    bootstrap, topic = _bootstrap(settings), settings.topic("deployments")
+    follower = FleetFollower(bootstrap, topic, engine)
+    console.print(
+        f"following {topic} on {bootstrap}: each promotion's export, hash-checked, loaded through {engine.endpoint}",
+        highlight=False,
+        soft_wrap=True,
+    )
+    stop = threading.Event()
+    before = (
+        {} if args.once else {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    )
+    try:
+        if args.once:
+            follower.poll(timeout_s=settings.kafka.timeout_s)
+        else:
+            follower.run(stop)  # until SIGTERM or Ctrl-C: a clean stop, exit code 0
+        served, target = follower.served, follower.target()
+    finally:
+        follower.close()
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    console.print(
+        f"serving v{served.version} from {served.path}" if served else "nothing loaded",
+        highlight=False,
+        soft_wrap=True,
+    )
+    for line in follower.refused.values():
+        console.print(line, highlight=False, soft_wrap=True)
+    return 1 if args.once and target is not None and (served is None or served.version != target.version) else 0
+
+
+def cmd_model_init(settings: Settings, args: argparse.Namespace, console: Console) -> int:
+    from pathlib import Path
+
+    from app.loop import loop_model_config
+    from trainer.hf import init_hf, new_hf_config
+    from trainer.model import init_parallel
+
+    out = Path(args.dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out} exists and is not an empty folder; give a new folder")
+    shape = settings.model_copy(update={"model": settings.model.model_copy(update={"hf_path": ""})})
+    cfg, _ = loop_model_config(shape)  # the loop's vocabulary and positions, the model section's widths
+    hf = new_hf_config(
+        args.family,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_query_groups or cfg.num_attention_heads,
+        intermediate_size=cfg.ffn_hidden_size or 4 * cfg.hidden_size,
+        max_position_embeddings=cfg.seq_length,
+        rope_theta=cfg.rope_base,
+        tie_word_embeddings=args.tie,
+    )
+    init_parallel(cfg)
+    init_hf(out, hf, seed=cfg.seed)
+    console.print(
+        f"wrote a random {args.family} checkpoint ({cfg.num_layers} layers, hidden {cfg.hidden_size}, vocabulary "
+        f"{cfg.vocab_size}, {cfg.seq_length} positions) to {out}; train it: RTRL_MODEL__HF_PATH={out} rtrl run",
+        highlight=False,
+        soft_wrap=True,
+    )
+    return 0
+
+
 def cmd_config(settings: Settings, args: argparse.Namespace, console: Console) -> int:
     if args.example:
         from rtrl.settings import example_toml
@@ -352,6 +441,52 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("-w", "--workers", type=_count, default=1, help="worker threads in this process")
     f.set_defaults(fn=cmd_flow)
     command("train", "train on rtrl.batches (torchrun -m trainer for DP/TP/PP)").set_defaults(fn=cmd_train)
+    fl = command(
+        "fleet",
+        "next to an inference server: load each promoted version's registry export into it",
+        "Next to an inference server (SGLang, vLLM, or rtrl's own): follow the deployments topic and have the "
+        "server load the export of each promoted version (a rollback re-promotes the parent: its export is loaded) "
+        "after checking the export's content hash against the announcement. A mismatch is refused and nothing is "
+        "loaded. Runs until SIGTERM or Ctrl-C.",
+    )
+    fl.add_argument("action", choices=["follow"], help="follow: keep the server on the newest promotion")
+    fl.add_argument(
+        "--url",
+        default=None,
+        help="the server's base URL, e.g. http://127.0.0.1:30000 (default: serving.reload_url, else serving.url)",
+    )
+    fl.add_argument(
+        "--api",
+        choices=["sglang", "vllm"],
+        default=None,
+        help="its reload API: sglang (POST /update_weights_from_disk) or vllm (POST /collective_rpc reload_weights, "
+        "VLLM_SERVER_DEV_MODE=1) (default: serving.reload_api)",
+    )
+    fl.add_argument(
+        "--once",
+        action="store_true",
+        help="read the topic to its end, load the newest promotion, and exit (1 when it could not be loaded)",
+    )
+    fl.set_defaults(fn=cmd_fleet)
+    mo = command(
+        "model",
+        "Hugging Face model folders for model.hf_path",
+        "Hugging Face model folders for model.hf_path. `rtrl model init DIR` writes a new, randomly initialised "
+        "checkpoint (config.json + model.safetensors) of the closed loop's shape, to run the loop on a Hugging "
+        "Face model without downloading one.",
+    )
+    mo.add_argument(
+        "action",
+        choices=["init"],
+        help="init: write a new random Hugging Face checkpoint of the loop's shape (the simulator's vocabulary, "
+        "model.seq_length positions, the model section's widths) into DIR; then RTRL_MODEL__HF_PATH=DIR rtrl run",
+    )
+    mo.add_argument("dir", metavar="DIR", help="the folder to create (absent or empty)")
+    mo.add_argument(
+        "--family", choices=("llama", "qwen2", "qwen3"), default="qwen2", help="the architecture (default qwen2)"
+    )
+    mo.add_argument("--tie", action="store_true", help="tie the input embedding and the output layer")
+    mo.set_defaults(fn=cmd_model_init)
     c = command("config", "show the effective settings")
     c.add_argument("--example", action="store_true", help="print every setting at its default as TOML")
     c.set_defaults(fn=cmd_config)

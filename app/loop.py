@@ -21,8 +21,10 @@ A cycle:
    ``loop.mismatch_log_ratio_max`` / ``loop.mismatch_k3_max``, is refused). In A/B mode (``loop.ab_share``) a candidate that passes then serves a share of the
    traffic until the monitors can compare its live behaviour with the serving version's in
    ClickHouse; an alert rejects it. Promotion or rejection, with the reason, goes to ClickHouse
-   ``checkpoints`` and ``rtrl.deployments``; a rejected candidate's weights are dropped unless
-   ``loop.reset_on_reject`` is off. :func:`rollback` (``rtrl rollback``) undoes a promotion.
+   ``checkpoints`` and ``rtrl.deployments`` (a promoted Hugging Face model is first exported to the model
+   registry, :mod:`trainer.registry`, and the announcement names the export and its hash); a rejected
+   candidate's weights are dropped unless ``loop.reset_on_reject`` is off. :func:`rollback` (``rtrl rollback``)
+   undoes a promotion.
 
 The trainer checkpoints every ``loop.checkpoint_every`` steps within a cycle and writes
 ``loop/state.json`` before announcing each decision, so a trainer killed at any point resumes
@@ -75,6 +77,7 @@ from trainer.config import ModelConfig, PrecisionConfig, model_config
 from trainer.data import BatchStream
 from trainer.dedup import TrainedSet
 from trainer.model import build_model, init_parallel
+from trainer.registry import export_checkpoint
 from trainer.train import TrainConfig, train
 
 if TYPE_CHECKING:
@@ -267,6 +270,7 @@ class Loop:
         private_dir(self.ckpt_root)
         self.state_path = s.data_path / "loop" / "state.json"
         cfg, precision = loop_model_config(s)
+        self.cfg = cfg  # what a promotion is exported as (trainer.registry)
         init_parallel(cfg)
         torch.manual_seed(ls.seed)
         self.model, self.reference = build_model(cfg, precision), build_model(cfg, precision)
@@ -370,7 +374,8 @@ class Loop:
             checkpoint.save(path, self.model, extra={"version": 0})
         self.reference.load_state_dict(self.model.state_dict())  # the KL reference: version 0
         self.evals[0] = self.suite.evaluate(self.model)
-        self._decide([self._checkpoint(0, None, [], "promoted", "initial policy (warm start)", self.evals[0], path)])
+        v0 = self._checkpoint(0, None, [], "promoted", "initial policy (warm start)", self.evals[0], path)
+        self._decide([export_checkpoint(self.settings, self.model, self.cfg, v0)])
 
     # ------------------------------------------------------------ state (what a restarted trainer resumes)
 
@@ -531,7 +536,10 @@ class Loop:
         else:
             self.weights = path
         self.trained.prune(self.serving - s.train.max_policy_lag)
-        self._decide([candidate, self._checkpoint(version, serving, steps, status, reason, ev, path)])
+        decision = self._checkpoint(version, serving, steps, status, reason, ev, path)
+        if ok:  # the promoted weights go to the model registry, which the announcement names (trainer.registry)
+            decision = export_checkpoint(s, self.model, self.cfg, decision)
+        self._decide([candidate, decision])
         shutil.rmtree(cycle_dir, ignore_errors=True)  # decided: the cycle's step checkpoints are not needed
         times["eval"] = time.monotonic() - t
         return CycleResult(version, serving, status, reason, ev, steps, times)
@@ -633,6 +641,7 @@ def _run_in_process(settings: Settings, services: Services, console: Console, re
         console.print(
             f"broker {services.bootstrap} · ClickHouse {clickhouse.redact(settings.clickhouse_dsn)} · "
             f"training on reward {rv} · {ls.cycles} cycles of {ls.samples_per_cycle:,} samples"
+            + (f" · model from {loop.settings.model.hf_path}" if loop.settings.model.hf_path else "")
         )
         if resume and loop.resume():
             console.print(f"resumed: {loop.version} decisions made, serving v{loop.serving}")

@@ -19,6 +19,7 @@ Qwen3 models built from a config here (no hub access), saved with ``save_pretrai
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -478,3 +479,29 @@ def test_checkpoint_tensors_must_fit_the_config(checkpoints, tmp_path):
     with pytest.raises(ConfigError, match=r"tensors have no place in this model \(.*q_norm"):
         load_hf(build_model(replace(cfg, hf_path="")), cfg, checkpoints("qwen3", False)[0])
     assert qwen3.qk_layernorm
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_rtrl_model_init_writes_a_checkpoint_transformers_loads(family, tmp_path):
+    """`rtrl model init DIR --family F`: a random checkpoint of the loop's shape (the simulator's 32-token
+    vocabulary, 64 positions) that transformers loads and whose logits equal the imported Megatron model's;
+    a non-empty DIR is refused in one line."""
+    out = tmp_path / family
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")} | {"RTRL_DATA_DIR": str(tmp_path)}
+    cmd = [sys.executable, "-m", "app.cli", "model", "init", str(out), "--family", family]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"RTRL_MODEL__HF_PATH={out} rtrl run" in " ".join(proc.stdout.split())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").float().eval()
+    assert hf.config.model_type == family and hf.config.vocab_size == 32 and hf.config.max_position_embeddings == 64
+    cfg = config_from_hf(out)
+    init_parallel(cfg)
+    model = build_model(cfg)
+    tok = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(3))
+    model.eval()
+    with torch.no_grad():
+        ours = model(tok, torch.arange(16).expand(2, 16).contiguous(), causal_mask(16))[..., :32]
+        theirs = hf(input_ids=tok).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and again.stdout.startswith("error:") and len(again.stdout.splitlines()) == 1

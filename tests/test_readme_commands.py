@@ -126,6 +126,13 @@ RULES = (
     Rule(r"make -n \S+", "test_make_targets"),
     Rule(r"RTRL_REWARDS__VERSIONS=\S+ RTRL_REWARDS__TRAIN_VERSION=\S+ make run", "test_training_on_the_v1_reward"),
     Rule(r"RTRL_LOOP__PROCESSES=true (make|rtrl) run", "test_processes_mode_shortened"),
+    Rule(r"make setup && \.venv/bin/rtrl model init \S+ --family \w+", "test_the_loop_on_a_hugging_face_model"),
+    Rule(r"RTRL_MODEL__HF_PATH=\S+ make run", "test_the_loop_on_a_hugging_face_model"),
+    Rule(r"rtrl model init( DIR| \S+)?( \[--family F\]| --family \w+)?", "test_the_loop_on_a_hugging_face_model"),
+    Rule(
+        r"rtrl fleet follow( \[--url U\] \[--api sglang\|vllm\] \[--once\])?",
+        "tests/test_registry.py::test_promotion_reaches_the_fleet_and_a_rollback_repoints_it",
+    ),
     Rule(
         r"rtrl flow \.\.\.",
         "tests/test_clean_stop.py::test_reward_flow_stops_cleanly_and_resumes_without_loss_or_duplicates",
@@ -560,6 +567,36 @@ def test_training_on_the_v1_reward(tmp_path):
     computed = re.search(r"rewards \(v2 ([\d,]+), v1-discard-broken ([\d,]+)\)", _flat(run.stdout))
     assert computed and int(computed[2].replace(",", "")) > 0, _out(run)  # the flow computed the trained version
     assert "Checkpoints (reward v1-discard-broken)" in _flat(run.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_loop_on_a_hugging_face_model(tmp_path):
+    """The README's Hugging Face block (one short cycle): `rtrl model init` writes a random Qwen2 of the loop's
+    shape, and the main job trains it from `model.hf_path` to a gated decision, the trainer's recomputed log-probs
+    measured against the policy server's per step (train_metrics mismatch columns). The block's `.rtrl/` folder
+    is moved to a scratch folder, as RTRL_DATA_DIR moves the data folder."""
+    readme = (ROOT / "README.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", readme, flags=re.S) if "model init" in b)
+    block = block.replace(".rtrl/", f"{tmp_path}/models-root/")
+    run = sh(block, _short_loop(tmp_path / "data", cycles=1))
+    assert run.returncode == 0, _out(run)
+    assert f"model from {tmp_path}/models-root/models/qwen2" in _flat(run.stdout), _out(run)
+    decisions = _decisions(run.stdout)
+    assert [d[:2] for d in decisions] == [(1, 0)] and decisions[0][3] > 0, _out(run)
+    code = (
+        "import json, sys\nfrom rtrl import clickhouse\nch = clickhouse.connect(sys.argv[1])\n"
+        "print(json.dumps(ch.query('SELECT count(), min(mismatch_k3), max(mismatch_max_abs_log_ratio) "
+        "FROM rtrl.train_metrics FINAL').result_rows[0]))"
+    )
+    dump = subprocess.run(
+        [sys.executable, "-c", code, f"chdb://{tmp_path}/data/clickhouse"], capture_output=True, text=True, timeout=120
+    )
+    assert dump.returncode == 0, dump.stderr
+    import json
+
+    steps, k3, worst = json.loads(dump.stdout.strip().splitlines()[-1])
+    assert steps == decisions[0][3] and -1e-6 <= k3 < 1.0 and 0.0 <= worst < 15.0, (steps, k3, worst)
 
 
 @pytest.mark.slow

@@ -700,3 +700,66 @@ def export_hf(model, cfg: ModelConfig, out: str | os.PathLike) -> Path:
     if initialized:
         dist.barrier()
     return out
+
+
+def new_hf_config(
+    family: str,
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    num_layers: int,
+    num_attention_heads: int,
+    num_key_value_heads: int,
+    intermediate_size: int,
+    max_position_embeddings: int,
+    rope_theta: float = 10000.0,
+    tie_word_embeddings: bool = False,
+    rms_norm_eps: float = 1e-6,
+) -> dict[str, Any]:
+    """A ``config.json`` for a new model of ``family`` (llama, qwen2, qwen3) with this shape, as transformers
+    writes one (``torch_dtype`` float32); :func:`config_from_hf` reads it back."""
+    if family not in FAMILIES:
+        raise ConfigError(f"model family {family!r} is not supported; use one of {', '.join(FAMILIES)}")
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
+    d: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": family,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_attention_heads,
+        "num_key_value_heads": num_key_value_heads,
+        "max_position_embeddings": max_position_embeddings,
+        "hidden_act": "silu",
+        "rms_norm_eps": rms_norm_eps,
+        "rope_theta": rope_theta,
+        "rope_scaling": None,
+        "tie_word_embeddings": tie_word_embeddings,
+        "torch_dtype": "float32",
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+    }
+    if family == "llama":
+        d |= {"attention_bias": False, "mlp_bias": False, "head_dim": hidden_size // num_attention_heads}
+    elif family == "qwen2":
+        d |= {"use_sliding_window": False, "sliding_window": None, "max_window_layers": num_layers}
+    else:
+        d |= {
+            "attention_bias": False,
+            "head_dim": hidden_size // num_attention_heads,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": num_layers,
+        }
+    return d
+
+
+def init_hf(out: str | os.PathLike, hf_config: Mapping[str, Any], seed: int = 1234) -> Path:
+    """A new Hugging Face checkpoint folder ``out`` with ``hf_config`` and randomly initialised weights (megatron's
+    init with ``seed``), written by :func:`export_hf`: for trying a loop on a Hugging Face model without one."""
+    from trainer.model import build_model
+
+    cfg = config_from_hf(hf_config, seed=seed)
+    return export_hf(build_model(cfg), cfg, out)
