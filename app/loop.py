@@ -121,7 +121,10 @@ def loop_settings(settings: Settings) -> Settings:
     """The settings the loop runs with: rows, sequence length and waits fitted to its tiny tasks
     (:data:`LOOP_FIXED`). A setting the user gave another value is refused with the reason."""
     refuse_user_set(settings, LOOP_OWNS, "the closed loop (rtrl run)")
-    return refuse_overrides(settings, LOOP_FIXED, "the closed loop (rtrl run)")
+    fixed = LOOP_FIXED
+    if settings.model.hf_path:  # the checkpoint decides the vocabulary: loop_model_config checks it fits the tasks
+        fixed = {k: v for k, v in LOOP_FIXED.items() if k != "model.vocab_size"}
+    return refuse_overrides(settings, fixed, "the closed loop (rtrl run)")
 
 
 def loop_model_config(settings: Settings) -> tuple[ModelConfig, PrecisionConfig]:
@@ -129,6 +132,12 @@ def loop_model_config(settings: Settings) -> tuple[ModelConfig, PrecisionConfig]
     ``model`` and ``precision`` sections (the tiny fp32 CPU model by default) over the simulator's
     vocabulary."""
     cfg, precision = model_config(loop_settings(settings))
+    if cfg.vocab_size != VOCAB:  # only with model.hf_path: otherwise LOOP_FIXED set it
+        raise ConfigError(
+            f"model.hf_path {settings.model.hf_path} has a vocabulary of {cfg.vocab_size:,} tokens; the closed loop's "
+            f"tasks use the simulator's {VOCAB}-token vocabulary; fix: give a checkpoint with vocab_size {VOCAB} "
+            "(`rtrl model init DIR` writes one), or train other models with rtrl train"
+        )
     return replace(cfg, seed=cfg.seed + settings.loop.seed), precision
 
 
@@ -158,6 +167,7 @@ def policy_server(settings: Settings, bootstrap: str, client: RtrlClient, seed: 
         hard_share=ls.hard_share,
         compression=settings.kafka.compression,
         candidate_model=build_model(cfg, precision) if own and ls.ab_share > 0 else None,
+        model_config=cfg if own and cfg.hf_config is not None else None,  # its server reloads registry exports
         url=sv.url,
         model_name=sv.model,
         candidate_name=sv.candidate_model,

@@ -384,6 +384,16 @@ class Transcript:
         )
 
 
+def _contract_temperature(temperature: float) -> None:
+    """Rollouts are sampled at temperature 1: the trainer's ratio compares the policy's own log-probs with the
+    behaviour log-probs, and a Rollout records no temperature (the ``Rollout`` contract)."""
+    if temperature != 1.0:
+        raise ValueError(
+            f"temperature {temperature:g}: rollouts are sampled at temperature 1 (the Rollout contract: the trainer "
+            "compares its own log-probs with the behaviour log-probs, and a Rollout records no temperature)"
+        )
+
+
 class RolloutCollector:
     """Groups of sampled trajectories from a :class:`CompletionsClient`, turn by turn, as :class:`Transcript`\\ s."""
 
@@ -403,6 +413,7 @@ class RolloutCollector:
     ) -> list[list[Transcript]]:
         """The first agent turn: ``group_size`` samples of each prompt, all in one request (``n = group_size``);
         per prompt its group."""
+        _contract_temperature(temperature)
         groups = self.client.complete(
             prompts,
             n=group_size,
@@ -426,6 +437,7 @@ class RolloutCollector:
     ) -> None:
         """The next agent turn of each transcript, sampled with its whole history as the prompt (one request,
         one prompt per transcript); appended to it."""
+        _contract_temperature(temperature)
         out = self.client.complete(
             [t.history for t in transcripts],
             n=1,

@@ -287,6 +287,13 @@ class ModelSettings(Section):
         "architecture comes from its config.json (a shape setting below that disagrees is refused) and the "
         "weights of the policy and its KL reference from its tensors; empty = the shape settings, random init",
     )
+
+    @field_validator("hf_path")
+    @classmethod
+    def _absolute_hf_path(cls, v: str) -> str:
+        """Absolute, so every part of the loop (started in the repository's folder) finds the same checkpoint."""
+        return os.path.abspath(os.path.expanduser(v)) if v else v
+
     num_layers: int = _s(2, "transformer layers", gt=0)
     hidden_size: int = _s(64, "model width", gt=0)
     num_attention_heads: int = _s(4, "attention heads", gt=0)

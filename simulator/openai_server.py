@@ -285,8 +285,9 @@ class CompletionServer:
         with self.lock:
             try:
                 load_export(self.models[name], cfg, path)
-            except (ConfigError, OSError, ValueError) as e:
-                raise ApiError(HTTPStatus.BAD_REQUEST, f"Failed to load {path}: {e}", "model_path") from None
+            except Exception as e:  # noqa: BLE001 - load_export restored the weights; SGLang answers any failure 400
+                why = str(e) if isinstance(e, ConfigError | OSError | ValueError) else f"{type(e).__name__}: {e}"
+                raise ApiError(HTTPStatus.BAD_REQUEST, f"Failed to load {path}: {why}", "model_path") from None
             self.loaded[name] = (path, version)
         return {
             "success": True,
@@ -395,7 +396,9 @@ class CompletionServer:
             raise ApiError(
                 HTTPStatus.BAD_REQUEST, "`prompt` must be a non-empty string, token-id list or list of them", "prompt"
             )
-        vocab = int(getattr(next(iter(self.models.values())), "vocab_size", VOCAB))
+        first = next(iter(self.models))
+        cfg = self.configs.get(first)  # a Hugging Face model's real vocabulary; the module's is padded
+        vocab = cfg.vocab_size if cfg is not None else int(getattr(self.models[first], "vocab_size", VOCAB))
         out = []
         for p in prompt:
             if isinstance(p, str):

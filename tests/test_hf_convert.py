@@ -481,6 +481,7 @@ def test_checkpoint_tensors_must_fit_the_config(checkpoints, tmp_path):
     assert qwen3.qk_layernorm
 
 
+@pytest.mark.slow  # a CLI subprocess per family
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_rtrl_model_init_writes_a_checkpoint_transformers_loads(family, tmp_path):
     """`rtrl model init DIR --family F`: a random checkpoint of the loop's shape (the simulator's 32-token
@@ -505,3 +506,15 @@ def test_rtrl_model_init_writes_a_checkpoint_transformers_loads(family, tmp_path
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 2 and again.stdout.startswith("error:") and len(again.stdout.splitlines()) == 1
+
+
+def test_the_loop_refuses_a_checkpoint_whose_vocabulary_is_not_the_tasks(checkpoints):
+    """`rtrl run` with model.hf_path: the simulator's tasks need its 32-token vocabulary; another checkpoint is one
+    error naming the loop and the fix (not a disagreement with a model.vocab_size the user never set)."""
+    from app.loop import loop_model_config
+
+    folder, _ = checkpoints("qwen2", False)
+    with pytest.raises(ConfigError, match=r"vocabulary of 100 tokens; the closed loop's tasks use the simulator's 32"):
+        loop_model_config(load_settings(env={"RTRL_MODEL__HF_PATH": str(folder)}))
+    relative = load_settings(env={"RTRL_MODEL__HF_PATH": "some/relative/folder"}).model.hf_path
+    assert relative == os.path.abspath("some/relative/folder")  # every part of the loop finds the same folder

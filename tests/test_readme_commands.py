@@ -586,8 +586,8 @@ def test_the_loop_on_a_hugging_face_model(tmp_path):
     assert [d[:2] for d in decisions] == [(1, 0)] and decisions[0][3] > 0, _out(run)
     code = (
         "import json, sys\nfrom rtrl import clickhouse\nch = clickhouse.connect(sys.argv[1])\n"
-        "print(json.dumps(ch.query('SELECT count(), min(mismatch_k3), max(mismatch_max_abs_log_ratio) "
-        "FROM rtrl.train_metrics FINAL').result_rows[0]))"
+        "print(json.dumps(ch.query('SELECT count(), min(mismatch_k3), max(mismatch_max_abs_log_ratio), "
+        "argMin(mismatch_max_abs_log_ratio, step) FROM rtrl.train_metrics FINAL').result_rows[0]))"
     )
     dump = subprocess.run(
         [sys.executable, "-c", code, f"chdb://{tmp_path}/data/clickhouse"], capture_output=True, text=True, timeout=120
@@ -595,8 +595,10 @@ def test_the_loop_on_a_hugging_face_model(tmp_path):
     assert dump.returncode == 0, dump.stderr
     import json
 
-    steps, k3, worst = json.loads(dump.stdout.strip().splitlines()[-1])
+    steps, k3, worst, first = json.loads(dump.stdout.strip().splitlines()[-1])
     assert steps == decisions[0][3] and -1e-6 <= k3 < 1.0 and 0.0 <= worst < 15.0, (steps, k3, worst)
+    # the first step's weights are the ones the server sampled with: the engine's log-probs are the trainer's
+    assert first < 1e-3, f"first step: |behaviour - trainer log-prob| up to {first} on on-policy tokens"
 
 
 @pytest.mark.slow

@@ -16,8 +16,9 @@ the sha256 of the ``sha256sum`` lines (``<hex>  <name>\\n``) of every file of th
 name. It covers the weights, the config and the tokenizer; the metadata is not part of it (it holds the hash).
 
 **Atomic**: the export is written to a hidden ``.tmp-v<N>-<random>`` folder next to the final one, hashed, its files
-and folder fsynced, then renamed to ``v<N>``: a reader sees the whole export or none. Leftovers of a crash are
-removed by the next export of that version.
+and folder fsynced, then renamed to ``v<N>``: a reader sees the whole export or none. Replacing another model under
+the same version (below) moves the old folder aside first, so for that moment ``v<N>`` is absent (never partial).
+Leftovers of a crash are removed by the next export of that version.
 
 **Idempotent**: exporting a version again (a replay after a crash between the export and the announcement) writes
 the export afresh to a temporary folder; when ``v<N>`` already holds the same content hash the new copy is dropped
@@ -143,8 +144,8 @@ def export_version(model, cfg: ModelConfig, root: str | os.PathLike, version: in
     if rank == 0:
         if not root.exists():
             private_dir(root)  # a new registry is owner-only; an existing one keeps the mode its operator gave it
-        for stale in root.glob(f".tmp-v{version}-*"):
-            shutil.rmtree(stale, ignore_errors=True)  # a crashed export of this version
+        for stale in [*root.glob(f".tmp-v{version}-*"), *root.glob(f".old-v{version}-*")]:
+            shutil.rmtree(stale, ignore_errors=True)  # a crashed export of this version, or a replaced one
         tmp_name = f".tmp-v{version}-{uuid.uuid4().hex[:12]}"
         (root / tmp_name).mkdir(mode=root.stat().st_mode & 0o777)  # readable by whom the registry is
     tmp = root / _from_rank0(tmp_name)
