@@ -42,6 +42,14 @@ Usage::
     python bench/gpu_fp8.py --layers 24 --vocab 50304 --micro-batch 2 --steps 20
     python bench/gpu_fp8.py --dry-run-cpu         # no GPU: build a small variant on CPU, check the
                                                   # parameter count formula, run 2 steps
+    python bench/gpu_fp8.py --new-hf-qwen /tmp/q1b  # write a random Qwen2-shaped ~1.2B Hugging Face
+                                                  # checkpoint there, then time it imported through
+                                                  # trainer/hf.py (``--hf DIR`` times an existing one)
+
+With ``--hf DIR`` (or ``--new-hf-qwen DIR``) the model is the Hugging Face checkpoint imported through
+``trainer.hf`` (``model.hf_path``'s path: config.json -> ModelConfig, weights read per tensor-parallel rank into
+the TE spec on a GPU); its shape flags are ignored, MFU counts the built model's matmul parameters (SwiGLU, the
+padded vocabulary). The device machine also needs the ``safetensors`` cp312 wheel in ``.whl`` (step 1).
 Exit codes: 0 all requested measurements ran; 2 no CUDA device (and no ``--dry-run-cpu``); 3 the FP8
 (TE) half was requested but could not run (the reason is printed).
 
@@ -54,7 +62,7 @@ cannot download anything; one call carries at most 64 MiB (working tree included
 
        python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \\
            --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \\
-           --platform manylinux2014_x86_64 -d .whl megatron-core==0.16.1
+           --platform manylinux2014_x86_64 -d .whl megatron-core==0.16.1 safetensors  # safetensors: --hf
 
    (the trainer imports only ``rtrl.errors`` from this repo's package, so nothing else is needed
    for this script).
@@ -158,6 +166,11 @@ def train_steps(cfg, precision, shape: Shape, micro_batch: int, warmup: int, ste
     spec_name = "TE" if getattr(qkv, "__name__", "").startswith("TE") else "local"
     model = build_model(cfg, precision)
     n_params = sum(p.numel() for p in model.parameters())
+    # parameters in matmuls: 2-D weights less the input embedding table, plus the output layer when tied to it
+    tied = getattr(cfg, "tie_embeddings", False)
+    matmul_params = sum(p.numel() for n, p in model.named_parameters() if p.dim() >= 2 and "embedding" not in n) + (
+        sum(p.numel() for n, p in model.named_parameters() if "word_embeddings" in n) if tied else 0
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
     g = torch.Generator(device="cpu").manual_seed(0)
     tokens = torch.randint(0, shape.vocab, (micro_batch, shape.seq + 1), generator=g).to(device)
@@ -188,6 +201,7 @@ def train_steps(cfg, precision, shape: Shape, micro_batch: int, warmup: int, ste
     out = {
         "spec": spec_name,
         "params": n_params,
+        "matmul_params": matmul_params,
         "tokens_per_s": steps * micro_batch * shape.seq / total,
         "step_ms_median": statistics.median(times) * 1e3,
         "loss": loss.item(),
@@ -313,6 +327,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="peak dense bf16 TFLOP/s for MFU (default: 989 for H100 SXM / H200, 756 for H100 PCIe)",
     )
+    ap.add_argument("--hf", metavar="DIR", help="time this Hugging Face checkpoint, imported through trainer/hf.py")
+    ap.add_argument(
+        "--new-hf-qwen",
+        metavar="DIR",
+        help="first write a random Qwen2-shaped ~1.2B checkpoint (18 layers, hidden 2048, 16 heads, 2 KV, MLP 5632, "
+        "vocab 151,936, tied, bf16) into DIR, then time it as --hf DIR",
+    )
     ap.add_argument(
         "--dry-run-cpu",
         action="store_true",
@@ -326,6 +347,18 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
+    if args.new_hf_qwen:
+        args.hf = write_qwen(args.new_hf_qwen, args.seq)
+    if args.hf:
+        from trainer.hf import config_from_hf
+
+        c = config_from_hf(args.hf, seq_length=args.seq)
+        args.layers, args.hidden, args.heads = c.num_layers, c.hidden_size, c.num_attention_heads
+        args.kv_heads, args.ffn, args.vocab = (
+            c.num_query_groups or c.num_attention_heads,
+            c.ffn_hidden_size,
+            c.vocab_size,
+        )
     ffn = args.ffn or 4 * args.hidden
     shape = Shape(args.layers, args.hidden, args.heads, ffn, args.vocab, args.seq, args.kv_heads or args.heads)
     plan = analytic_params(shape)
@@ -372,15 +405,21 @@ def model_runs(args, shape: Shape, peak: float | None, results: dict) -> int:
 
     te_ok, te_detail = transformer_engine_status()
     print(f"Transformer Engine: {'importable, ' + te_detail if te_ok else 'MISSING (' + te_detail + ')'}")
-    cfg = ModelConfig(
-        num_layers=shape.layers,
-        hidden_size=shape.hidden,
-        num_attention_heads=shape.heads,
-        num_query_groups=args.kv_heads,
-        ffn_hidden_size=shape.ffn,
-        vocab_size=shape.vocab,
-        seq_length=shape.seq,
-    )
+    if args.hf:  # the Hugging Face import path: the TE spec on a GPU, this rank's slices of each tensor
+        from trainer.hf import config_from_hf
+
+        cfg = config_from_hf(args.hf, seq_length=shape.seq)
+        print(f"model from {args.hf} (trainer/hf.py import, {(cfg.hf_config or {}).get('model_type')})")
+    else:
+        cfg = ModelConfig(
+            num_layers=shape.layers,
+            hidden_size=shape.hidden,
+            num_attention_heads=shape.heads,
+            num_query_groups=args.kv_heads,
+            ffn_hidden_size=shape.ffn,
+            vocab_size=shape.vocab,
+            seq_length=shape.seq,
+        )
     info = init_parallel(cfg)
     runs = []
     if not args.skip_bf16:
@@ -400,7 +439,8 @@ def model_runs(args, shape: Shape, peak: float | None, results: dict) -> int:
             print(f"{label}: NOT RUN - {e}")
             rc = 3
             continue
-        fpt = flops_per_token(shape, analytic_params(shape)["matmul"])
+        matmul = r["matmul_params"] if args.hf else analytic_params(shape)["matmul"]
+        fpt = flops_per_token(shape, matmul)
         mfu = None if peak is None else fpt * r["tokens_per_s"] / peak
         r["mfu"] = mfu
         results[label] = r
@@ -410,7 +450,7 @@ def model_runs(args, shape: Shape, peak: float | None, results: dict) -> int:
             f"{r['spec']}, peak memory {r['peak_mem_gib']:.1f} GiB, last loss {r['loss']:.3f}",
             flush=True,
         )
-        if r["params"] != analytic_params(shape)["total"]:
+        if not args.hf and r["params"] != analytic_params(shape)["total"]:
             print(f"  note: built parameter count differs from the formula ({analytic_params(shape)['total']:,})")
     if len(results) == 2:
         bf16, fp8 = results.values()
@@ -449,6 +489,35 @@ def report_scaled_mm(shape: Shape, tokens: int, fp8_format: str) -> None:
     )
 
 
+def write_qwen(out: str, seq: int) -> str:
+    """A random Qwen2-shaped ~1.2B checkpoint (bf16 on disk) in ``out`` through trainer/hf.py, unless one is there."""
+    from pathlib import Path
+
+    from trainer.hf import config_from_hf, init_hf, new_hf_config
+    from trainer.model import init_parallel
+
+    if (Path(out) / "config.json").is_file():
+        print(f"using the checkpoint already in {out}")
+        return out
+    hf = new_hf_config(
+        "qwen2",
+        vocab_size=151936,
+        hidden_size=2048,
+        num_layers=18,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        intermediate_size=5632,
+        max_position_embeddings=max(seq, 4096),
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+    ) | {"torch_dtype": "bfloat16"}
+    t = time.perf_counter()
+    init_parallel(config_from_hf(hf))
+    init_hf(out, hf)
+    print(f"wrote a random Qwen2-shaped checkpoint to {out} in {time.perf_counter() - t:.1f}s")
+    return out
+
+
 def dry_run_cpu() -> int:
     """Small variant on CPU through the same build + step path; checks the parameter-count formula."""
 
@@ -481,6 +550,28 @@ def dry_run_cpu() -> int:
         print("FP8 request on CPU: built (unexpected)")
     except TransformerEngineMissing as e:
         print(f"FP8 request on CPU is refused as on a GPU without TE: {str(e)[:120]}...")
+    import tempfile
+
+    from trainer.hf import config_from_hf, init_hf, new_hf_config
+
+    with tempfile.TemporaryDirectory() as tmp:  # the --hf path: a tiny Qwen2 written, imported, trained 2 steps
+        hf = new_hf_config(
+            "qwen2",
+            vocab_size=small.vocab,
+            hidden_size=small.hidden,
+            num_layers=small.layers,
+            num_attention_heads=small.heads,
+            num_key_value_heads=2,
+            intermediate_size=small.ffn,
+            max_position_embeddings=small.seq,
+        )
+        init_hf(f"{tmp}/q", hf)
+        qcfg = config_from_hf(f"{tmp}/q", seq_length=small.seq)
+        q = train_steps(qcfg, PrecisionConfig(), small, micro_batch=2, warmup=1, steps=2, device=info.device)
+        print(
+            f"--hf path on CPU (tiny Qwen2 through trainer/hf.py): {q['params']:,} parameters, "
+            f"{q['matmul_params']:,} in matmuls, loss {q['loss']:.3f}"
+        )
     r = scaled_mm_bench(small, 256, "hybrid", iters=1, device="cpu")
     print(f"torch._scaled_mm path on CPU: {len(r['rows'])} GEMM shapes ran (timings meaningless on CPU)")
     return 0 if ok else 1
