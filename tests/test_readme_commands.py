@@ -265,6 +265,14 @@ def test_the_documents_show_commands():
     assert any(c.startswith("rtrl ") for c in commands)
 
 
+def test_the_quickstart_holds_the_two_commands():
+    """The README's Quickstart shows exactly two fenced commands: the main job, then the whole suite (every
+    other command lives in later sections)."""
+    quick = (ROOT / "README.md").read_text(encoding="utf-8").split("\n## Quickstart\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"^```\w*\n(.*?)^```", quick, flags=re.S | re.M)
+    assert [b.strip() for b in blocks] == ["make run", "make test"], blocks
+
+
 def test_every_documented_command_is_covered():
     """Each command a document shows is run by a test (named by a rule), and that test exists."""
     commands, env_only = documented()
