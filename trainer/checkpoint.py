@@ -65,10 +65,11 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder (a folder: so a rename or a new entry in it is durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -76,7 +77,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _unwrap(model):
+def unwrap(model):
     """The model under wrappers such as megatron's DistributedDataParallel (``.module``), so the
     checkpoint keys do not depend on the wrapping (DDP's own sharded_state_dict adds ``module.``)."""
     while isinstance(getattr(model, "module", None), torch.nn.Module):
@@ -224,7 +225,7 @@ def save(
     from megatron.core import dist_checkpointing
 
     dist = _dist()
-    model = _unwrap(model)
+    model = unwrap(model)
     path = Path(path).absolute()
     rank = dist.get_rank()
     extra = dict(extra or {})
@@ -241,7 +242,7 @@ def save(
                 log.warning("replacing incomplete checkpoint folder %s", path)
                 shutil.rmtree(path)
             path.mkdir(parents=True)  # empty: dist_checkpointing warns about non-empty folders
-            _fsync_dir(path.parent)
+            fsync_path(path.parent)
     flag = [err]
     dist.broadcast_object_list(flag, src=0)
     if flag[0]:
@@ -289,7 +290,7 @@ def load(
     if not is_complete(path):
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
     dist = _dist()
-    model = _unwrap(model)
+    model = unwrap(model)
     marker = json.loads((path / MARKER).read_text())
     if optimizer is not None:
         _check_optimizer(optimizer)

@@ -51,6 +51,7 @@ import torch
 from safetensors import safe_open
 
 from rtrl.errors import ConfigError
+from trainer.checkpoint import unwrap
 from trainer.config import ModelConfig, ParallelConfig
 
 log = logging.getLogger(__name__)
@@ -391,12 +392,6 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _unwrap(model):
-    while isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module
-    return model
-
-
 def _global_names(model) -> dict[str, str]:
     """This rank's parameter names -> names with global layer numbers (pipeline stages number theirs from 0)."""
     layers = getattr(getattr(model, "decoder", None), "layers", None) or []
@@ -542,7 +537,7 @@ def load_hf(model, cfg: ModelConfig, path: str | os.PathLike | None = None) -> L
     path = Path(path or cfg.hf_path)
     if not str(path) or not path.is_dir():
         raise ConfigError(f"Hugging Face checkpoint {path} is not a folder")
-    model = _unwrap(model)
+    model = unwrap(model)
     tp, r = _tp()
     if tp != cfg.parallel.tp:
         raise ConfigError(f"the model is split over tp = {tp} ranks but parallel.tp = {cfg.parallel.tp}")
@@ -641,7 +636,7 @@ def export_hf(model, cfg: ModelConfig, out: str | os.PathLike) -> Path:
 
     if cfg.hf_config is None:
         raise ConfigError("export_hf needs the config.json the model was imported from (cfg.hf_config is None)")
-    model = _unwrap(model)
+    model = unwrap(model)
     out = Path(out)
     initialized = dist.is_initialized()
     rank = dist.get_rank() if initialized else 0

@@ -55,6 +55,7 @@ from client.fleet import METADATA, content_sha256, file_digests, manifest_sha256
 from rtrl.errors import ConfigError
 from rtrl.files import private_dir
 from schemas.records import Checkpoint
+from trainer.checkpoint import fsync_path
 from trainer.config import ModelConfig
 from trainer.hf import config_from_hf, export_hf, load_hf
 
@@ -117,14 +118,6 @@ def _from_rank0(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def export_version(model, cfg: ModelConfig, root: str | os.PathLike, version: int, metadata: dict[str, Any]) -> Export:
@@ -192,8 +185,8 @@ def _finish(tmp: Path, root: Path, version: int, metadata: dict[str, Any]) -> Ex
     )
     (tmp / METADATA).write_text(json.dumps(meta, indent=2) + "\n")
     for f in tmp.iterdir():
-        _fsync(f)
-    _fsync(tmp)
+        fsync_path(f)
+    fsync_path(tmp)
     if final.exists():
         trash = root / f".old-v{version}-{uuid.uuid4().hex[:12]}"
         os.rename(final, trash)
@@ -201,7 +194,7 @@ def _finish(tmp: Path, root: Path, version: int, metadata: dict[str, Any]) -> Ex
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.rename(tmp, final)
-    _fsync(root)
+    fsync_path(root)
     return Export(str(final), sha)
 
 

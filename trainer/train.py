@@ -328,12 +328,6 @@ def _count_lags(lag_hist: dict[str, int], p: Prepared) -> None:
         lag_hist[str(lag)] = lag_hist.get(str(lag), 0) + 1
 
 
-def _unwrap(model: Any) -> Any:
-    while isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module
-    return model
-
-
 @contextlib.contextmanager
 def _schedule_config(model: Any, variable_seq_lengths: bool) -> Iterator[None]:
     """Set the fields of ``model.config`` that megatron's schedule reads, for one schedule call.
@@ -349,7 +343,7 @@ def _schedule_config(model: Any, variable_seq_lengths: bool) -> Iterator[None]:
       data-parallel gradients with :class:`DataParallel`; no ``grad_scale_func`` (no loss scaling:
       fp32 or bf16, never fp16), no ``no_sync_func`` / ``grad_sync_func`` (no async grad reduction).
     """
-    config = _unwrap(model).config
+    config = checkpoint.unwrap(model).config
     want: dict[str, Any] = {
         "calculate_per_token_loss": True,
         "variable_seq_lengths": variable_seq_lengths,
@@ -472,7 +466,7 @@ class Pipeline:
             return
         from megatron.core import parallel_state as ps
 
-        m = _unwrap(model)
+        m = checkpoint.unwrap(model)
         if not getattr(m, "share_embeddings_and_output_weights", False) or not (m.pre_process or m.post_process):
             return  # untied, or a middle stage (no copy)
         weight = m.shared_embedding_or_output_weight()
