@@ -53,12 +53,9 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-import urllib3
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
-from urllib3.exceptions import HTTPError, MaxRetryError
-from urllib3.util import Retry, Timeout
 
-from client.rollouts import _QUIET, _error_message, _reason
+from client.rollouts import _error_message, json_pool, send_json
 from rtrl.errors import RtrlError, ServiceUnavailable
 from rtrl.kafka import base_config
 from schemas.codec import Invalid, JsonCodec
@@ -181,27 +178,16 @@ class ReloadClient:
             raise ValueError(f"reload api must be one of {', '.join(RELOAD_APIS)}, not {api!r}")
         self.root, self.api, self.timeout_s, self.retries = server_root(url), api, timeout_s, retries
         self.endpoint = f"{self.root}/update_weights_from_disk" if api == "sglang" else f"{self.root}/collective_rpc"
-        headers = {"Content-Type": "application/json", "Accept": "application/json"}
-        if api_key:
-            headers["Authorization"] = f"Bearer {api_key}"
-        retry = Retry(
-            total=retries,
-            connect=retries,
-            read=retries,
-            status=retries,
-            other=0,
-            allowed_methods=frozenset({"POST"}),  # loading the same folder again is harmless
-            status_forcelist=(429, 500, 502, 503, 504),
-            backoff_factor=backoff_s,
-            backoff_max=30.0,
-            raise_on_status=False,  # the last error answer is reported with the server's message
-        )
-        self._http = urllib3.PoolManager(
-            num_pools=1,
-            maxsize=1,
-            headers=headers,
-            timeout=Timeout(connect=connect_timeout_s, read=timeout_s),
-            retries=retry,
+        self._http = json_pool(
+            retries=retries,
+            backoff_s=backoff_s,
+            backoff_max_s=30.0,
+            methods=frozenset({"POST"}),  # loading the same folder again is harmless
+            connect_s=connect_timeout_s,
+            read_s=timeout_s,
+            api_key=api_key,
+            pools=1,
+            connections=1,
         )
 
     def body(self, path: str, version: int | None = None) -> dict[str, Any]:
@@ -215,18 +201,16 @@ class ReloadClient:
         returns the server's message. :class:`ServiceUnavailable` when it cannot be reached, :class:`ReloadError`
         when it answers with an error."""
         where = self.endpoint
-        _QUIET.active.on = True
-        try:
-            resp = self._http.request("POST", where, body=json.dumps(self.body(str(path), version)).encode())
-        except MaxRetryError as e:
-            raise ServiceUnavailable(
-                f"inference server at {where} did not answer a reload of {path} after {self.retries + 1} tries "
-                f"({self.timeout_s:g}s each): {_reason(e.reason)}"
-            ) from None
-        except HTTPError as e:
-            raise ServiceUnavailable(f"inference server at {where} failed a reload of {path}: {_reason(e)}") from None
-        finally:
-            _QUIET.active.on = False
+        resp = send_json(
+            self._http,
+            "POST",
+            where,
+            self.body(str(path), version),
+            what=f"inference server at {where}",
+            tries=self.retries + 1,
+            timeout_s=self.timeout_s,
+            action=f" a reload of {path}",
+        )
         text = resp.data.decode("utf-8", "replace")
         if resp.status == 404:
             hint = (

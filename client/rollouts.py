@@ -71,6 +71,75 @@ _QUIET = _QuietRetries()
 logging.getLogger("urllib3.connectionpool").addFilter(_QUIET)
 
 
+def json_pool(
+    *,
+    retries: int,
+    backoff_s: float,
+    backoff_max_s: float,
+    methods: frozenset[str],
+    connect_s: float,
+    read_s: float,
+    api_key: str | None,
+    pools: int,
+    connections: int,
+) -> urllib3.PoolManager:
+    """A pooled, keep-alive JSON client with bounded timeouts: ``retries`` more tries after connection errors,
+    timeouts, 429 and 5xx, with exponential backoff from ``backoff_s``; the last error answer is returned (with
+    the server's message) rather than raised. ``api_key`` is sent as a bearer token."""
+    headers = {"Content-Type": "application/json", "Accept": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    retry = Retry(
+        total=retries,
+        connect=retries,
+        read=retries,
+        status=retries,
+        other=0,
+        allowed_methods=methods,
+        status_forcelist=(429, 500, 502, 503, 504),
+        backoff_factor=backoff_s,
+        backoff_max=backoff_max_s,
+        raise_on_status=False,
+        respect_retry_after_header=True,
+    )
+    return urllib3.PoolManager(
+        num_pools=pools,
+        maxsize=connections,
+        headers=headers,
+        timeout=Timeout(connect=connect_s, read=read_s),
+        retries=retry,
+    )
+
+
+def send_json(
+    http: urllib3.PoolManager,
+    method: str,
+    where: str,
+    body: Any,
+    *,
+    what: str,
+    tries: int,
+    timeout_s: float,
+    action: str = "",
+    fix: str = "",
+) -> urllib3.BaseHTTPResponse:
+    """``method`` ``where`` with ``body`` as JSON (None: no body), urllib3's retry warnings silenced; a server that
+    cannot be reached after ``tries`` is one :class:`ServiceUnavailable` line: ``{what} did not answer{action}
+    after N tries (Ts each): reason{fix}``."""
+    _QUIET.active.on = True
+    try:
+        data = json.dumps(body, separators=(",", ":")).encode() if body is not None else None
+        return http.request(method, where, body=data)
+    except MaxRetryError as e:
+        raise ServiceUnavailable(
+            f"{what} did not answer{action} after {tries} tries ({timeout_s:g}s each): {_reason(e.reason)}{fix}"
+        ) from None
+    except HTTPError as e:
+        raise ServiceUnavailable(f"{what} failed{action}: {_reason(e)}") from None
+    finally:
+        _QUIET.active.on = False
+
+
 class CompletionError(RtrlError):
     """The completions server answered with an error, or with a response the collector cannot use; the message
     names the URL and what was wrong."""
@@ -123,49 +192,32 @@ class CompletionsClient:
             retries,
             logprobs,
         )
-        headers = {"Content-Type": "application/json", "Accept": "application/json"}
-        if api_key:
-            headers["Authorization"] = f"Bearer {api_key}"
-        self._retry = Retry(
-            total=retries,
-            connect=retries,
-            read=retries,
-            status=retries,
-            other=0,
-            allowed_methods=frozenset({"GET", "POST"}),  # a retried completion is a new sample: nothing is lost
-            status_forcelist=(429, 500, 502, 503, 504),
-            backoff_factor=backoff_s,
-            backoff_max=10.0,
-            raise_on_status=False,  # the last error response is reported with the server's message
-            respect_retry_after_header=True,
-        )
-        self._http = urllib3.PoolManager(
-            num_pools=2,
-            maxsize=4,
-            headers=headers,
-            timeout=Timeout(connect=timeout_s, read=timeout_s),
-            retries=self._retry,
+        self._http = json_pool(
+            retries=retries,
+            backoff_s=backoff_s,
+            backoff_max_s=10.0,
+            methods=frozenset({"GET", "POST"}),  # a retried completion is a new sample: nothing is lost
+            connect_s=timeout_s,
+            read_s=timeout_s,
+            api_key=api_key,
+            pools=2,
+            connections=4,
         )
 
     # ------------------------------------------------------------ HTTP
 
     def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         where = f"{self.url}{path}"
-        _QUIET.active.on = True
-        try:
-            resp = self._http.request(
-                method, where, body=json.dumps(body, separators=(",", ":")).encode() if body is not None else None
-            )
-        except MaxRetryError as e:
-            raise ServiceUnavailable(
-                f"completions server at {where} did not answer after {self.retries + 1} tries "
-                f"({self.timeout_s:g}s each): {_reason(e.reason)}; fix: start it, or set serving.url to a running "
-                "server (empty = the project's own)"
-            ) from None
-        except HTTPError as e:
-            raise ServiceUnavailable(f"completions server at {where} failed: {_reason(e)}") from None
-        finally:
-            _QUIET.active.on = False
+        resp = send_json(
+            self._http,
+            method,
+            where,
+            body,
+            what=f"completions server at {where}",
+            tries=self.retries + 1,
+            timeout_s=self.timeout_s,
+            fix="; fix: start it, or set serving.url to a running server (empty = the project's own)",
+        )
         text = resp.data.decode("utf-8", "replace")
         if resp.status >= 400:
             raise CompletionError(f"completions server at {where} answered {resp.status}: {_error_message(text)}")
