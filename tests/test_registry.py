@@ -54,22 +54,13 @@ from rtrl.settings import load_settings  # noqa: E402
 from schemas.codec import JsonCodec  # noqa: E402
 from schemas.records import Checkpoint  # noqa: E402
 from simulator.openai_server import CompletionServer  # noqa: E402
+from tests.test_hf_convert import BASE, VOCAB  # noqa: E402
 from trainer.config import ModelConfig  # noqa: E402
 from trainer.hf import config_from_hf  # noqa: E402
 from trainer.model import build_model, causal_mask, init_parallel  # noqa: E402
 from trainer.registry import export_checkpoint  # noqa: E402
 
-VOCAB = 100
-SHAPE = dict(
-    num_hidden_layers=2,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=96,
-    vocab_size=VOCAB,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=256,
-)
+SHAPE = BASE | {"max_position_embeddings": 256}  # the conversion tests' tiny model
 TOKENS = [3, 17, 42, 5, 99, 0, 64, 23, 8, 77, 31, 12]
 
 
