@@ -93,7 +93,6 @@ class PolicyServer:
         self.codec: JsonCodec[Checkpoint] = JsonCodec(Checkpoint)
         self.rollout_codec: JsonCodec[Rollout] = JsonCodec(Rollout)
         self.rng = random.Random(seed)
-        self.seeds = random.Random(f"requests-{seed}")  # each request's seed: the samples follow from the seed
         self.version: int | None = None
         self.path: str | None = None
         self.candidate: tuple[int, str] | None = None  # (version, model name) served to a share in A/B mode
@@ -184,12 +183,16 @@ class PolicyServer:
 
     def _serve(self, tasks: list, group_size: int, version: int, model_name: str, arm: str) -> Served:
         """One completions request for ``tasks`` (``n = group_size``; EOS ignored: a completion is always its
-        two tokens), one rollout per completion as the collector builds it, and the users' reactions."""
+        two tokens), one rollout per completion as the collector builds it, and the users' reactions.
+
+        No ``seed`` is sent: vLLM gives every prompt of a request its own generator seeded with the request's
+        seed, so the tasks of one burst would share their random draws (correlated exploration). The engine's
+        own stream samples them independently; the loop's own server seeds that stream with ``seed``, so a run
+        depends on the seed and the order of the requests only, as before the HTTP path."""
         groups = self.collector.start(
             [t.prompt for t in tasks],
             group_size,
             COMPLETION_LEN,
-            seed=self.seeds.getrandbits(31),
             ignore_eos=True,
             model=model_name,
         )

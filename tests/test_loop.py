@@ -103,7 +103,9 @@ def test_reward_hack_is_caught_with_the_buggy_reward_only(tmp_path):
     on v1-discard-broken raises the broken-tool-call rate - on hard prompts every valid call earns less
     than the cohort's mean while a broken one is never scored - so the monitors' rule fires and the
     gate refuses every candidate; trained on the current v2 the rate does not rise.
-    (With groups, Dr. GRPO's per-prompt mean gives the broken-call logit no push: bench/RESULTS.md.)"""
+    (With groups, Dr. GRPO's per-prompt mean gives the broken-call logit no push: bench/RESULTS.md.)
+    The v2 half holds for this seed, not for every one: the same cohort baseline pushes mass to tokens the
+    policy never samples, which v2 cannot see either (bench/RESULTS.md, "The reward-hack test's v2 half")."""
     world = {"group_size": "1", "warm_right_easy": "0.9"}
     v1 = _loop(tmp_path / "v1", "v1-discard-broken", cycles=2, **world)
     v2 = _loop(tmp_path / "v2", "v2", cycles=2, **world)
