@@ -56,6 +56,7 @@ bench: setup
 	$(PY) bench/reward_flow.py
 	$(PY) bench/trainer_input.py
 	$(PY) bench/loop.py
+	$(PY) bench/ab_stats.py
 
 clean:
 	rm -rf $(VENV) .rtrl .pytest_cache .hypothesis

@@ -1,0 +1,190 @@
+"""A/B statistics (monitors/stats.py): the delta method over users against a bootstrap and scipy's Welch test,
+the false-alarm rate of a fixed-horizon test with and without peeking against the always-valid mSPRT, the
+confidence sequence's coverage and power under a real effect, CUPED's variance cut without bias, and the eval
+gate's exact one-sided test with Holm's correction. Simulations are seeded (simulator/abworld.py); the rates
+they measure are checked against their nominal value plus three binomial standard errors."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from monitors.stats import (
+    Sequential,
+    Users,
+    compare,
+    holm,
+    min_detectable_effect,
+    msprt_halfwidth,
+    msprt_lr,
+    rate_increase_p,
+)
+from simulator import abworld
+
+
+def _slack(rate: float, n: int) -> float:
+    return 3 * math.sqrt(rate * (1 - rate) / n)
+
+
+def test_ratio_metric_and_its_delta_method_variance_match_a_bootstrap_over_users():
+    rng = np.random.default_rng(1)
+    world = abworld.World(users=1500)
+    pop = abworld.population(world, rng)
+    now = abworld.period(world, pop, rng)
+    num, den = now["dissatisfied"]
+    u = Users(num, den)
+    assert u.mean == pytest.approx(num.sum() / den.sum())
+    assert u.n == int((den > 0).sum()) and abs(u.influence().mean()) < 1e-12
+    se = math.sqrt(np.var(u.influence(), ddof=1) / u.n)
+    idx = rng.integers(0, u.n, size=(2000, u.n))
+    boot = u.num[idx].sum(1) / u.den[idx].sum(1)
+    assert se == pytest.approx(boot.std(ddof=1), rel=0.1)
+    # trajectories of one user are correlated: treating them as independent understates the error
+    p = u.mean
+    naive = math.sqrt(p * (1 - p) / u.den.sum())
+    assert se > naive
+
+
+def test_plain_means_agree_with_welch_and_the_interval_is_the_delta_method():
+    rng = np.random.default_rng(2)
+    a, b = rng.normal(10.0, 3.0, 3000), rng.normal(10.3, 4.0, 2500)
+    c = compare(Users(a, np.ones_like(a)), Users(b, np.ones_like(b)))
+    welch = sps.ttest_ind(b, a, equal_var=False)
+    assert c.p_value == pytest.approx(welch.pvalue, rel=0.02, abs=1e-4)
+    r = b.mean() / a.mean()
+    se = math.sqrt(b.var(ddof=1) / b.size / a.mean() ** 2 + r * r * a.var(ddof=1) / a.size / a.mean() ** 2)
+    assert c.relative == pytest.approx(r - 1) and c.relative_se == pytest.approx(se)
+    assert (c.low, c.high) == pytest.approx((r - 1 - 1.959964 * se, r - 1 + 1.959964 * se), rel=1e-5)
+    assert c.significant == (c.p_value < 0.05) and c.variance_ratio == 1.0
+
+
+def _aa_looks(seed: int, looks: int, world: abworld.World, effects: dict | None = None, metric: str = "dissatisfied"):
+    """One experiment's cumulative (control, treatment) at each look: traffic grows by one period per look."""
+    rng = np.random.default_rng(seed)
+    pop = abworld.population(world, rng)
+    total: dict[str, list[np.ndarray]] | None = None
+    for _ in range(looks):
+        now = {m: v for m, v in abworld.period(world, pop, rng, effects=effects, scale=0.5).items() if m == metric}
+        if total is None:
+            total = {m: [v[0].copy(), v[1].copy()] for m, v in now.items()}
+        else:
+            for m, (n_, d_) in now.items():
+                total[m][0] += n_
+                total[m][1] += d_
+        yield abworld.arms(pop, {m: (v[0], v[1]) for m, v in total.items()}, metric)
+
+
+def test_peeking_inflates_a_fixed_horizon_test_and_the_msprt_holds_alpha():
+    """A/A, 300 experiments, 12 looks each: one planned look keeps ~5%; stopping at the first p < 0.05 of the
+    fixed-horizon test does not; the always-valid p-value stays at or below 5% under the same peeking."""
+    world = abworld.World(users=800, per_user=2.0)
+    sims, looks = 300, 12
+    final = peeked = seq = 0
+    for s in range(sims):
+        test = Sequential(tau=0.1, min_users=50)
+        fixed_any = False
+        for look in _aa_looks(100 + s, looks, world):
+            lk = test.look(*look)
+            fixed_any |= lk.comparison.p_value < 0.05
+        final += lk.comparison.p_value < 0.05
+        peeked += fixed_any
+        seq += test.decided
+    assert final / sims <= 0.05 + _slack(0.05, sims)
+    assert peeked / sims > 0.12  # several-fold the nominal rate
+    assert seq / sims <= 0.05 + _slack(0.05, sims)
+    print(f"A/A false alarms: one look {final / sims:.3f}, peeking {peeked / sims:.3f}, mSPRT {seq / sims:.3f}")
+
+
+def test_the_confidence_sequence_covers_a_real_effect_at_every_look_and_decides():
+    """A real +25% rise in broken calls: the running confidence sequence holds the true relative change at every
+    look in >= 95% of experiments (minus simulation error), and the test decides within 12 looks in most."""
+    world = abworld.World(users=1500, per_user=2.0)
+    truth = 0.25
+    sims = 120
+    covered = decided = 0
+    for s in range(sims):
+        test = Sequential(tau=0.1, min_users=50)
+        ok = True
+        for look in _aa_looks(500 + s, 12, world, effects={"broken": 1 + truth}, metric="broken"):
+            lk = test.look(*look)
+            ok &= lk.low <= truth <= lk.high
+        covered += ok
+        decided += test.decided
+    assert covered / sims >= 0.95 - _slack(0.05, sims)
+    assert decided / sims >= 0.8
+
+
+def test_cuped_cuts_the_variance_and_keeps_the_estimate_unbiased():
+    world = abworld.World(users=2000, per_user=3.0)
+    rels, ratios = [], []
+    for s in range(60):
+        rng = np.random.default_rng(900 + s)
+        pop = abworld.population(world, rng)
+        pre = abworld.period(world, pop, rng)
+        now = abworld.period(world, pop, rng, effects={"latency_ms": 0.95})
+        c = compare(*abworld.arms(pop, now, "latency_ms", pre=pre), cuped=True)
+        plain = compare(*abworld.arms(pop, now, "latency_ms"))
+        rels.append(c.relative)
+        ratios.append(c.variance_ratio)
+        assert c.relative_se < plain.relative_se
+    rels_a = np.array(rels)
+    assert abs(rels_a.mean() - (-0.05)) < 3 * rels_a.std(ddof=1) / math.sqrt(rels_a.size)
+    assert np.mean(ratios) < 0.7  # a user's repo size carries over from the pre-period
+
+
+def test_cuped_without_pre_period_data_is_refused_and_missing_users_are_left_unadjusted():
+    u = Users([1.0, 2.0, 3.0], [1, 1, 1])
+    with pytest.raises(ValueError, match="pre-period"):
+        compare(u, u, cuped=True)
+    none = [0.0, 0.0, 0.0]
+    c = compare(
+        Users([1.0, 2.0, 3.0], [1, 1, 1], none, none), Users([2.0, 3.0, 4.0], [1, 1, 1], none, none), cuped=True
+    )
+    assert c.variance_ratio == 1.0 and c.relative == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="both pre_num and pre_den"):
+        Users([1.0], [1], pre_num=[1.0])
+
+
+def test_the_gates_exact_test_holds_its_error_rate_and_catches_the_v1_rise():
+    rng = np.random.default_rng(3)
+    n, p0, sims = 800, 0.0975, 2000
+    base = rng.binomial(n, p0, sims)
+    cand = rng.binomial(n, p0, sims)
+    alarms = sum(rate_increase_p(int(b), n, int(c), n) < 0.05 for b, c in zip(base, cand))
+    assert alarms / sims <= 0.05 + _slack(0.05, sims)
+    assert rate_increase_p(78, 800, 236, 800) < 1e-9  # v1's 0.0975 -> 0.295 on the eval suite
+    assert rate_increase_p(78, 800, 60, 800) > 0.9  # a fall is no evidence of a rise
+    assert holm({"a": 0.01, "b": 0.04, "c": 0.03, "d": 0.005}) == {"a", "d"}
+    assert holm({"a": 0.01}) == {"a"} and holm({}) == set()
+
+
+def test_msprt_formulas_and_the_minimum_detectable_effect():
+    assert msprt_lr(0.0, 1.0, 1.0) == pytest.approx(math.sqrt(0.5))
+    v, tau, alpha = 0.01**2, 0.05, 0.05
+    h = msprt_halfwidth(v, tau, alpha)
+    assert msprt_lr(h, v, tau) == pytest.approx(1 / alpha, rel=1e-9)  # the sequence's edge: LR = 1/alpha
+    assert h > 1.96 * 0.01  # wider than the fixed-horizon interval: the price of peeking
+    assert min_detectable_effect(0.01) == pytest.approx((1.959964 + 0.841621) * 0.01, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: Users([1, 2], [1]), "one value per user"),
+        (lambda: Users([1, 2], [1, -1]), "den and pre_den must be >= 0"),
+        (lambda: Users([[1]], [[1]]), "1-d array"),
+        (lambda: Users([1, math.inf], [1, 1]), "num must be finite"),
+        (lambda: Users([1, 2], [1, 1], [1, math.nan], [1, 1]), "pre_num must be finite"),
+        (lambda: compare(Users([1.0], [1]), Users([1.0, 2.0], [1, 1])), "need at least 2 per arm"),
+        (lambda: compare(Users([0.0, 0.0], [1, 1]), Users([1.0, 2.0], [1, 1])), "control arm's metric is 0"),
+        (lambda: compare(Users([1.0, 2.0], [1, 1]), Users([1.0, 2.0], [1, 1]), alpha=1.5), "alpha"),
+        (lambda: Sequential(tau=0), "tau"),
+        (lambda: rate_increase_p(5, 4, 1, 4), "hits"),
+    ],
+)
+def test_bad_inputs_name_what_is_wrong(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
