@@ -17,7 +17,7 @@ A cycle:
 4. the eval gate scores the candidate on held-out tasks against the serving version and the first
    one (solve rate may not drop beyond ``loop.solve_tolerance``; the behaviour of sampled
    completions - broken tool calls, clarifying questions, edits - is judged by the monitors' alert
-   rules; a candidate trained by a step whose training-inference mismatch fired the mismatch alert,
+   rules; a move counts only when Fisher's exact test finds it at ``loop.gate_alpha``, Holm-corrected; a candidate trained by a step whose training-inference mismatch fired the mismatch alert,
    ``loop.mismatch_log_ratio_max`` / ``loop.mismatch_k3_max``, is refused). In A/B mode (``loop.ab_share``) a candidate that passes then serves a share of the
    traffic until the monitors can compare its live behaviour with the serving version's in
    ClickHouse; an alert rejects it. Promotion or rejection, with the reason, goes to ClickHouse
@@ -243,11 +243,12 @@ class CycleResult:
 
 
 def loop_gate_rules(settings: Settings) -> GateRules:
-    """The loop's default gate: ``loop.solve_tolerance`` and the training-inference mismatch limits
-    (``loop.mismatch_k3_max``, ``loop.mismatch_log_ratio_max``) on the candidate's training steps."""
+    """The loop's default gate: ``loop.solve_tolerance``, the test's ``loop.gate_alpha`` and the training-inference
+    mismatch limits (``loop.mismatch_k3_max``, ``loop.mismatch_log_ratio_max``) on the candidate's training steps."""
     ls = settings.loop
     return GateRules(
         solve_tolerance=ls.solve_tolerance,
+        alpha=ls.gate_alpha or None,
         mismatch=MismatchRule(k3=ls.mismatch_k3_max, max_abs_log_ratio=ls.mismatch_log_ratio_max),
     )
 

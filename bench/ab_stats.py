@@ -37,7 +37,7 @@ from rich.progress import track
 from rich.table import Table
 
 from monitors.alerts import DEFAULT_RULES, evaluate
-from monitors.stats import Sequential, Users, compare, min_detectable_effect
+from monitors.stats import Sequential, compare, min_detectable_effect
 from simulator import abworld
 
 #: abworld metric -> the behaviour view's column the monitors' rule reads

@@ -5,6 +5,14 @@ the serving version's and no behaviour rule (:class:`monitors.alerts.AlertRule`)
 serving version - nor, with ``compare_with_first``, against the first version (v0), which catches
 slow drift: many small steps, each within the limits of its parent, that add up.
 
+Each of those comparisons is also a statistical test with a stated error rate (``alpha``): a move counts only
+when it is significant. A rate (a score in [0, 1] over the suite's ``samples`` completions) is tested with
+Fisher's exact one-sided test, and Holm's step-down correction over every comparison of the decision (each rule
+against the serving and the first version, and the solve metric) keeps the chance of refusing a candidate no
+different from what serves at or below ``alpha``. The thresholds stay as the smallest move worth refusing for:
+with a large suite a tiny but real move is significant, and it should not refuse a candidate. Scores that are
+not rates (counts, say) are judged by their thresholds alone. ``alpha=None``: thresholds alone for every score.
+
 A candidate trained by a step whose training-inference mismatch fired :class:`monitors.alerts.MismatchRule`
 (``GateRules.mismatch``) is refused too: its update was computed from log-probs the sampler did not use.
 
@@ -19,6 +27,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from monitors.alerts import AlertRule, MismatchRule, evaluate, mismatch_alerts, mismatch_summary
+from monitors.stats import holm, rate_increase_p
 
 #: the eval gate's behaviour rules on sampled held-out completions (rates of 0..1)
 EVAL_RULES: tuple[AlertRule, ...] = (
@@ -38,7 +47,7 @@ class GateRules:
     solve_metric: str = "solve_rate"
     """Score that may not drop beyond ``solve_tolerance`` below the serving version's."""
     solve_tolerance: float = 0.03
-    """Largest tolerated absolute drop of ``solve_metric``."""
+    """Largest tolerated absolute drop of ``solve_metric`` (a drop counts only when also significant, see alpha)."""
     behaviour: tuple[AlertRule, ...] = EVAL_RULES
     """Behaviour rules judged against the serving version (and the first one)."""
     compare_with_first: bool = True
@@ -47,6 +56,9 @@ class GateRules:
     """(label, metric) pairs a promotion's reason quotes; metrics the scores lack are left out."""
     mismatch: MismatchRule | None = field(default_factory=MismatchRule)
     """Training-inference mismatch limits on the candidate's training steps (None = not checked)."""
+    alpha: float | None = 0.05
+    """The gate's stated false-refusal rate: the chance that a candidate behaving exactly like the serving and
+    first versions is refused for its rates (family-wise over every comparison, Holm). None: thresholds only."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "behaviour", tuple(self.behaviour))
@@ -58,6 +70,8 @@ class GateRules:
         bad = [r for r in self.behaviour if not isinstance(r, AlertRule)]
         if bad:
             raise ValueError(f"GateRules.behaviour takes monitors.alerts.AlertRule only, not {bad!r}")
+        if self.alpha is not None and not 0 < self.alpha < 1:
+            raise ValueError(f"GateRules.alpha must be in (0, 1) or None (thresholds only), not {self.alpha!r}")
         if self.mismatch is not None and not isinstance(self.mismatch, MismatchRule):
             raise ValueError(f"GateRules.mismatch takes a monitors.alerts.MismatchRule or None, not {self.mismatch!r}")
 
@@ -110,13 +124,29 @@ def decide(
         bases.append(("first", first))
     label = rules.solve_metric.replace("_", " ")
     c, p, tol = candidate[rules.solve_metric], serving[rules.solve_metric], rules.solve_tolerance
-    problems: list[str] = []
-    if c < p - tol:
-        problems.append(f"{label} {c:.3f} < {p:.3f} - {tol}")
+    # every comparison: (key, problem if it counts, one-sided p-value that the move is real or None: not a rate)
+    checks: list[tuple[str, str | None, float | None]] = []
+    drop = f"{label} {c:.3f} < {p:.3f} - {tol}" if c < p - tol else None
+    checks.append(("solve", drop, _p_value(p, c, samples, "decrease")))
     counts: dict[str, float] = {r.samples: samples for r in rules.behaviour}
     for name, base in bases:
         ev = evaluate(dict(candidate) | counts, dict(base) | counts, rules.behaviour)
-        problems += [f"vs {name}: {a.message}" for a in ev.alerts]
+        alerts = {a.metric: a for a in ev.alerts}
+        for r in rules.behaviour:
+            if r.metric in alerts or r.metric in ev.passed:  # judged (not skipped for too few samples)
+                alert = alerts.get(r.metric)
+                pv = _p_value(base[r.metric], candidate[r.metric], samples, r.direction)
+                checks.append((f"{name}:{r.metric}", f"vs {name}: {alert.message}" if alert else None, pv))
+    tested = {k: pv for k, _, pv in checks if pv is not None}
+    real = holm(tested, rules.alpha) if rules.alpha is not None and tested else set()
+    problems: list[str] = []
+    for key, problem, pv in checks:
+        if problem is None:
+            continue
+        if rules.alpha is None or pv is None:
+            problems.append(problem)
+        elif key in real:
+            problems.append(f"{problem}; p = {pv:.2g} (significant at {rules.alpha:g}, Holm over {len(tested)})")
     if rules.mismatch is not None and (fired := mismatch_alerts(training, rules.mismatch)):
         problems.append(f"trained while the mismatch alert fired: {mismatch_summary(fired)}")
     if problems:
@@ -126,3 +156,14 @@ def decide(
     if quoted:
         reason += "; " + ", ".join(quoted)
     return Decision(True, reason, ())
+
+
+def _p_value(base: float, cand: float, samples: int, direction: str) -> float | None:
+    """One-sided exact p-value that the candidate's rate moved in the bad ``direction`` (``increase`` or
+    ``decrease``); None when a score is not a rate in [0, 1] or there are no samples."""
+    if samples <= 0 or not (0.0 <= base <= 1.0 and 0.0 <= cand <= 1.0):
+        return None
+    b, c = round(base * samples), round(cand * samples)
+    if direction == "increase":
+        return rate_increase_p(b, samples, c, samples)
+    return rate_increase_p(samples - b, samples, samples - c, samples)  # a fall of the rate = a rise of its complement

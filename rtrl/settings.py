@@ -374,7 +374,16 @@ class LoopSettings(Section):
         "predictable from the prompt, where the v1 reward hack shows fastest",
     )
     eval_tasks: int = _s(200, "held-out tasks of the eval suite", gt=0)
-    solve_tolerance: float = _s(0.03, "largest tolerated drop of the held-out solve rate before a rejection", ge=0)
+    solve_tolerance: float = _s(
+        0.03, "smallest drop of the held-out solve rate worth a rejection (it must also be significant)", ge=0
+    )
+    gate_alpha: float = _s(
+        0.05,
+        "the eval gate's false-refusal rate: a rate's move refuses a candidate only when Fisher's exact test finds "
+        "it at this level, Holm-corrected over the gate's comparisons; 0 = the thresholds alone",
+        ge=0,
+        lt=1,
+    )
     mismatch_log_ratio_max: float = _s(
         15.0,
         "training-inference mismatch alert: a candidate trained by a step whose largest |trainer - behaviour "

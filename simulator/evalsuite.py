@@ -1,8 +1,9 @@
 """The loop's default eval suite (:class:`evalgate.suite.EvalSuite`): the simulator's held-out tasks.
 
 Scores are greedy solve/behaviour rates prefixed ``greedy_``, plus the same rates of sampled
-completions over every task twice (``samples = 2 * len(tasks)``), sampled with a generator seeded by
-``seed`` so every model is judged on the same draws and the same model always scores the same.
+completions over every task ``repeats`` times (``samples = repeats * len(tasks)``; 8 by default, so the gate's
+exact tests see enough completions to tell a real move from noise), sampled with a generator seeded by ``seed``
+so every model is judged on the same draws and the same model always scores the same.
 """
 
 from __future__ import annotations
@@ -18,16 +19,18 @@ class HeldOutTasks:
 
     name = "held-out-tasks"
 
-    def __init__(self, n_tasks: int, seed: int):
-        self.seed = seed
+    def __init__(self, n_tasks: int, seed: int, repeats: int = 8):
+        if repeats < 1:
+            raise ValueError(f"repeats must be >= 1 (sampled completions per task), got {repeats!r}")
+        self.seed, self.repeats = seed, repeats
         self.tasks: list[Task] = held_out(n_tasks, seed=7 + seed)
-        self.samples = 2 * len(self.tasks)
+        self.samples = repeats * len(self.tasks)
 
     def evaluate(self, model) -> dict[str, float]:
         """Greedy solve rates plus the behaviour of sampled completions (same seed for every model)."""
         out = {f"greedy_{k}": v for k, v in score(self.tasks, greedy(model, self.tasks)).items()}
-        comps, _ = sample(model, self.tasks * 2, torch.Generator().manual_seed(self.seed))
-        out |= score(self.tasks * 2, comps)
+        comps, _ = sample(model, self.tasks * self.repeats, torch.Generator().manual_seed(self.seed))
+        out |= score(self.tasks * self.repeats, comps)
         return out
 
     def __repr__(self) -> str:

@@ -12,7 +12,7 @@ from evalgate import EVAL_RULES, Decision, EvalSuite, GateRules, decide, run_gat
 from monitors.alerts import AlertRule, MismatchRule
 
 EV = {"solve_rate": 0.30, "broken_tool_call_rate": 0.08, "clarify_rate": 0.10, "edit_rate": 0.80}
-RULES = GateRules(solve_tolerance=0.02)
+RULES = GateRules(solve_tolerance=0.02, alpha=None)  # the thresholds alone (the test: "statistical" below)
 
 
 def _gate(candidate, serving, first, rules=RULES, samples=400) -> Decision:
@@ -24,11 +24,12 @@ def _gate(candidate, serving, first, rules=RULES, samples=400) -> Decision:
 
 def test_defaults_are_the_loops_gate():
     r = GateRules()
-    assert (r.solve_metric, r.solve_tolerance, r.behaviour, r.compare_with_first) == (
+    assert (r.solve_metric, r.solve_tolerance, r.behaviour, r.compare_with_first, r.alpha) == (
         "solve_rate",
         0.03,
         EVAL_RULES,
         True,
+        0.05,
     )
     assert [(a.metric, a.direction, a.threshold, a.floor) for a in EVAL_RULES] == [
         ("broken_tool_call_rate", "increase", 0.25, 0.03),
@@ -40,6 +41,8 @@ def test_defaults_are_the_loops_gate():
         r.solve_tolerance = 1.0  # type: ignore[misc]
     with pytest.raises(ValueError, match="solve_tolerance"):
         GateRules(solve_tolerance=-0.1)
+    with pytest.raises(ValueError, match="alpha must be in"):
+        GateRules(alpha=1.0)
     assert GateRules(behaviour=list(EVAL_RULES)).behaviour == EVAL_RULES  # a list becomes a tuple (hashable)
 
 
@@ -104,10 +107,52 @@ def test_a_missing_metric_is_a_clear_error(side, metric):
         _gate(rows["candidate"], rows["serving"], rows["first"])
 
 
+# ---------------------------------------------------------------- statistical: a stated error rate
+
+
+def test_a_move_within_the_noise_is_not_refused_and_a_real_one_is_with_its_p_value():
+    stat = GateRules(solve_tolerance=0.02)
+    assert _gate(EV | {"solve_rate": 0.25}, EV, EV, stat, samples=400).promote  # p ~ 0.07 before Holm
+    d = _gate(EV | {"solve_rate": 0.25}, EV, EV, stat, samples=4000)
+    assert not d.promote and d.problems[0].startswith("solve rate 0.250 < 0.300 - 0.02; p = ")
+    assert "significant at 0.05, Holm over 7" in d.problems[0]
+    d = _gate(EV | {"broken_tool_call_rate": 0.2}, EV, EV, stat)
+    assert [p.split(":")[0] for p in d.problems] == ["vs serving", "vs first"] and "p = " in d.reason
+    # a fall of a rate whose fall is bad: the test runs on the complement
+    assert not _gate(EV | {"edit_rate": 0.6}, EV, EV, stat).promote
+    assert _gate(EV | {"edit_rate": 0.7}, EV, EV, stat, samples=100).promote  # beyond 10%, not significant
+
+
+def test_the_gates_false_refusal_rate_is_at_most_alpha():
+    """Candidate, serving and first versions that behave the same (their rates drawn from the same binomials, as
+    the suite's 400 sampled completions give them), thresholds at zero: the gate refuses at most alpha of them."""
+    import numpy as np
+
+    rng = np.random.default_rng(11)
+    rules = GateRules(
+        solve_tolerance=0.0,
+        behaviour=tuple(dataclasses.replace(r, threshold=1e-9, floor=0.0) for r in EVAL_RULES),
+        mismatch=None,
+    )
+    sims, n = 1000, 400
+    refused = 0
+    for _ in range(sims):
+        rows = [{m: rng.binomial(n, v) / n for m, v in EV.items()} for _ in range(3)]
+        refused += not decide(rows[0], rows[1], rows[2], n, rules).promote
+    without = GateRules(solve_tolerance=0.0, behaviour=rules.behaviour, mismatch=None, alpha=None)
+    naive = sum(
+        not decide(*[{m: rng.binomial(n, v) / n for m, v in EV.items()} for _ in range(3)], n, without).promote
+        for _ in range(200)
+    )
+    assert refused / sims <= 0.05 + 3 * (0.05 * 0.95 / sims) ** 0.5
+    assert naive / 200 > 0.9  # any move at all refuses without the test
+
+
 def test_reasons_name_the_metric():
     rules = GateRules(
         solve_metric="pass_at_1",
         solve_tolerance=0.0,
+        alpha=None,
         behaviour=(AlertRule("lint_errors", "increase", 0.1, floor=1.0, min_samples=10),),
         summary=(),
     )
@@ -172,7 +217,7 @@ def test_held_out_tasks_score_a_real_model_deterministically():
     model = build_model(cfg)
     suite = HeldOutTasks(20, seed=3)
     assert isinstance(suite, EvalSuite)
-    assert suite.tasks == held_out(20, seed=10) and suite.samples == 40
+    assert suite.tasks == held_out(20, seed=10) and suite.samples == 160
     first = suite.evaluate(model)
     assert suite.evaluate(model) == first
     assert HeldOutTasks(20, seed=3).evaluate(model) == first
@@ -287,5 +332,6 @@ def test_the_loops_gate_takes_the_mismatch_limits_from_settings():
     }
     rules = loop_gate_rules(load_settings(env=env))
     assert rules.solve_tolerance == 0.0 and rules.mismatch == MismatchRule(k3=0.1, max_abs_log_ratio=0.0)
+    assert rules.alpha == 0.05 and loop_gate_rules(load_settings(env={"RTRL_LOOP__GATE_ALPHA": "0"})).alpha is None
     assert not decide(EV, EV, EV, 400, rules, training=[_step(1, 0.2, 100.0)]).promote
     assert decide(EV, EV, EV, 400, rules, training=[_step(1, 0.05, 100.0)]).promote  # max |log-ratio| is off
