@@ -81,6 +81,7 @@ def summary(f: TrajectoryFeatures, revision: int, close_reason: CloseReason) -> 
         ttft_ms=f.ttft_ms,
         first_event_ts=f.first_ts,
         last_event_ts=f.last_ts,
+        user_hash=f.user_hash,
     )
 
 

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from monitors.alerts import (
     DEFAULT_RULES,
     Alert,
@@ -25,6 +27,7 @@ from monitors.alerts import (
     relative_change_ci,
     standard_error,
 )
+from monitors.stats import Users
 from rtrl.clickhouse import _check_name
 
 #: the metrics of the seed post's A/B table
@@ -197,3 +200,83 @@ def format_ab_table(rows: Sequence[dict[str, Any]], metrics: Sequence[str] = AB_
             cells.append(f"{text:>36}")
         lines.append(f"{r['policy_version']:>7}  {r['trajectories']:>12,}  " + "  ".join(cells))
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- per-user figures (the A/B's unit)
+
+#: behaviour-view metric -> (numerator, denominator) sums per user (the ``user_behaviour`` view's columns)
+USER_SUMS: dict[str, tuple[str, str]] = {
+    "edit_rate": ("edited", "trajectories"),
+    "clarification_rate": ("clarified", "trajectories"),
+    "dissatisfied_rate": ("dissatisfied", "trajectories"),
+    "trajectories_with_broken_rate": ("with_broken", "trajectories"),
+    "broken_tool_call_rate": ("broken_calls", "tool_calls"),
+    "edit_persistence": ("persisted", "checks"),
+    "latency_mean_ms": ("latency_sum_ms", "latency_n"),
+}
+
+_SUMS_SQL = """
+    toFloat64(count()) AS trajectories,
+    toFloat64(countIf(edits_proposed > 0)) AS edited,
+    toFloat64(countIf(clarifying_questions > 0)) AS clarified,
+    toFloat64(countIf(dissatisfied_followups > 0)) AS dissatisfied,
+    toFloat64(countIf(broken_tool_calls > 0)) AS with_broken,
+    toFloat64(sum(broken_tool_calls)) AS broken_calls,
+    toFloat64(sum(tool_calls)) AS tool_calls,
+    sum(persisted_fraction_sum) AS persisted,
+    toFloat64(sum(persistence_checks)) AS checks,
+    sum(ifNull(latency_ms, 0)) AS latency_sum_ms,
+    toFloat64(count(latency_ms)) AS latency_n"""
+
+
+@dataclass(frozen=True)
+class Side:
+    """One arm of an A/B in ClickHouse: trajectories of ``policy_version`` served under ``arm``."""
+
+    policy_version: int
+    arm: str
+
+
+def user_sums(
+    ch: Any, db: str, side: Side | None, since_ms: int | None = None, until_ms: int | None = None, org_id: str = "*"
+) -> dict[str, dict[str, float]]:
+    """Per user (salted hash) the sums of :data:`USER_SUMS` over the trajectories of ``side`` (None: every version
+    and arm) whose first event lies in [since_ms, until_ms); the same figures as the ``user_behaviour`` view."""
+    where: list[str] = ["1"]
+    params: dict[str, Any] = {}
+    if side is not None:
+        where.append("policy_version = {v:Int64} AND arm = {arm:String}")
+        params |= {"v": int(side.policy_version), "arm": side.arm}
+    if since_ms is not None:
+        where.append("first_event_ts >= fromUnixTimestamp64Milli({since:Int64})")
+        params["since"] = int(since_ms)
+    if until_ms is not None:
+        where.append("first_event_ts < fromUnixTimestamp64Milli({until:Int64})")
+        params["until"] = int(until_ms)
+    if org_id != "*":
+        where.append("org_id = {org:String}")
+        params["org"] = org_id
+    _, rows = _rows(
+        ch,
+        f"SELECT user_hash, {_SUMS_SQL} FROM {_check_name(db)}.trajectories FINAL "
+        f"WHERE {' AND '.join(where)} GROUP BY user_hash ORDER BY user_hash",
+        params,
+    )
+    return {r.pop("user_hash"): r for r in rows}
+
+
+def users_of(sums: dict[str, dict[str, float]], metric: str, pre: dict[str, dict[str, float]] | None = None) -> Users:
+    """:class:`monitors.stats.Users` of one metric from :func:`user_sums`; with ``pre`` (the same users' figures
+    before the experiment) the CUPED covariate (0 / 0 for a user without pre-period traffic)."""
+    if metric not in USER_SUMS:
+        raise KeyError(f"no per-user figures for {metric!r}; known: {sorted(USER_SUMS)}")
+    num_col, den_col = USER_SUMS[metric]
+    users = list(sums)
+    num = np.array([sums[u][num_col] for u in users], dtype=np.float64)
+    den = np.array([sums[u][den_col] for u in users], dtype=np.float64)
+    if pre is None:
+        return Users(num, den)
+    empty = {num_col: 0.0, den_col: 0.0}
+    pn = np.array([pre.get(u, empty)[num_col] for u in users], dtype=np.float64)
+    pd = np.array([pre.get(u, empty)[den_col] for u in users], dtype=np.float64)
+    return Users(num, den, pn, pd)

@@ -54,6 +54,7 @@ class TrajectoryFeatures:
     followups: dict[str, int] = field(default_factory=dict)  # sentiment -> count (answers excluded)
     latency_ms: float | None = None  # worst total latency reported
     ttft_ms: float | None = None  # worst time to first token reported
+    user_hash: str = ""  # the user's salted hash (the unit of an A/B's randomisation and analysis)
 
     @property
     def started(self) -> bool:
@@ -118,6 +119,7 @@ def features(events: Iterable[EventBase]) -> TrajectoryFeatures:
         policy_version=head.policy_version,
         org_id=head.org_id,
         arm=head.arm,
+        user_hash=head.user_hash,
         task_kind=starts[0].task_kind if starts else None,
         status=status,
         n_events=len(ordered),

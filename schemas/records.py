@@ -325,6 +325,7 @@ class TrajectorySummary(msgspec.Struct, **_STRICT):
     ttft_ms: Annotated[float | None, doc("Worst time to first token reported, ms.")]
     first_event_ts: Annotated[Millis, doc("Event time of the earliest event.")]
     last_event_ts: Annotated[Millis, doc("Event time of the latest event.")]
+    user_hash: Annotated[str, doc("The user's salted hash: the unit an A/B randomises and is analysed by.")] = ""
 
 
 # ---------------------------------------------------------------- trainer metrics (table train_metrics)

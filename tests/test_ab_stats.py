@@ -188,3 +188,110 @@ def test_msprt_formulas_and_the_minimum_detectable_effect():
 def test_bad_inputs_name_what_is_wrong(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# ---------------------------------------------------------------- per-user figures from ClickHouse
+
+
+def test_per_user_figures_come_from_clickhouse_and_equal_python(ch_client, ch_db):
+    """user_sums (and the analysts' user_behaviour view) give per user the sums each metric's ratio is built from,
+    over trajectories FINAL (a replayed row counts once), per arm and time window; users_of turns them into the
+    same Users a Python computation gives, with the pre-period as the CUPED covariate."""
+    import random
+
+    from monitors.queries import USER_SUMS, Side, user_sums, users_of
+    from rtrl.clickhouse import insert
+    from schemas.records import TrajectorySummary
+
+    rng = random.Random(5)
+    t0 = 1_750_000_000_000
+    rows = []
+    for i in range(400):
+        user = f"{rng.randrange(60):032x}"
+        arm = "candidate" if int(user, 16) % 2 else "control"
+        pre = i < 120  # the first 120 trajectories are the pre-period, on the serving version
+        calls = rng.randrange(4)
+        checks = rng.randrange(2)
+        rows.append(
+            TrajectorySummary(
+                trajectory_id=f"t{i}",
+                policy_version=1 if pre or arm == "control" else 2,
+                org_id="acme",
+                arm="control" if pre else arm,
+                task_kind="bugfix",
+                revision=0,
+                close_reason="ended",
+                status="completed",
+                n_events=3,
+                tool_calls=calls,
+                broken_tool_calls=min(calls, rng.randrange(2)),
+                clarifying_questions=rng.randrange(2),
+                unneeded_questions=0,
+                edits_proposed=rng.randrange(2),
+                edits_accepted=checks,
+                persistence_checks=checks,
+                persisted_fraction_sum=rng.random() * checks,
+                followups=1,
+                dissatisfied_followups=rng.randrange(2),
+                latency_ms=rng.choice([None, 500.0 + 1000 * rng.random()]),
+                ttft_ms=None,
+                first_event_ts=t0 + i * 1000,
+                last_event_ts=t0 + i * 1000 + 500,
+                user_hash=user,
+            )
+        )
+    insert(ch_client, ch_db, "trajectories", rows + rows[:50])  # a replay of the first 50 counts once
+    start = t0 + 120 * 1000
+    got = user_sums(ch_client, ch_db, Side(2, "candidate"), since_ms=start)
+    mine = [r for r in rows if r.policy_version == 2 and r.arm == "candidate"]
+    assert set(got) == {r.user_hash for r in mine}
+    for user, sums in got.items():
+        theirs = [r for r in mine if r.user_hash == user]
+        assert sums["trajectories"] == len(theirs)
+        assert sums["broken_calls"] == sum(r.broken_tool_calls for r in theirs)
+        assert sums["dissatisfied"] == sum(r.dissatisfied_followups > 0 for r in theirs)
+        assert sums["persisted"] == pytest.approx(sum(r.persisted_fraction_sum for r in theirs))
+        assert sums["latency_sum_ms"] == pytest.approx(sum(r.latency_ms or 0 for r in theirs))
+        assert sums["latency_n"] == sum(r.latency_ms is not None for r in theirs)
+    view = ch_client.query(
+        f"SELECT user_hash, trajectories, broken_calls FROM {ch_db}.user_behaviour "
+        "WHERE policy_version = 2 AND arm = 'candidate'"
+    ).result_rows
+    assert {u: (n, b) for u, n, b in view} == {u: (s["trajectories"], s["broken_calls"]) for u, s in got.items()}
+
+    control = user_sums(ch_client, ch_db, Side(1, "control"), since_ms=start)
+    pre = user_sums(ch_client, ch_db, Side(1, "control"), until_ms=start)
+    assert sum(s["trajectories"] for s in pre.values()) == 120
+    ctrl_rows = [r for r in rows if r.policy_version == 1 and r.arm == "control" and r.first_event_ts >= start]
+
+    def python_users(members, metric):  # the same per-user ratio, summed in Python from the rows
+        num_of = {
+            "edit_rate": lambda r: r.edits_proposed > 0,
+            "clarification_rate": lambda r: r.clarifying_questions > 0,
+            "dissatisfied_rate": lambda r: r.dissatisfied_followups > 0,
+            "trajectories_with_broken_rate": lambda r: r.broken_tool_calls > 0,
+            "broken_tool_call_rate": lambda r: r.broken_tool_calls,
+            "edit_persistence": lambda r: r.persisted_fraction_sum,
+            "latency_mean_ms": lambda r: r.latency_ms or 0.0,
+        }[metric]
+        den_of = {
+            "broken_tool_call_rate": lambda r: r.tool_calls,
+            "edit_persistence": lambda r: r.persistence_checks,
+            "latency_mean_ms": lambda r: r.latency_ms is not None,
+        }.get(metric, lambda r: 1)
+        users = sorted({r.user_hash for r in members})
+        num = [sum(float(num_of(r)) for r in members if r.user_hash == u) for u in users]
+        den = [sum(float(den_of(r)) for r in members if r.user_hash == u) for u in users]
+        return Users(num, den)
+
+    for metric in USER_SUMS:
+        c = compare(users_of(control, metric), users_of(got, metric))
+        expected = compare(python_users(ctrl_rows, metric), python_users(mine, metric))
+        assert (c.relative, c.relative_se, c.p_value) == pytest.approx(
+            (expected.relative, expected.relative_se, expected.p_value)
+        )
+        adjusted = compare(users_of(control, metric, pre), users_of(got, metric, pre), cuped=True)
+        assert (adjusted.users_control, adjusted.users_treatment) == (c.users_control, c.users_treatment)
+        assert math.isfinite(adjusted.relative) and adjusted.variance_ratio > 0
+    with pytest.raises(KeyError, match="no per-user figures"):
+        users_of(got, "latency_p95_ms")
