@@ -280,3 +280,31 @@ def users_of(sums: dict[str, dict[str, float]], metric: str, pre: dict[str, dict
     pn = np.array([pre.get(u, empty)[num_col] for u in users], dtype=np.float64)
     pd = np.array([pre.get(u, empty)[den_col] for u in users], dtype=np.float64)
     return Users(num, den, pn, pd)
+
+
+def cohort_users(
+    ch: Any, db: str, control: Side, treatment: Side, metrics: Sequence[str], since_ms: int | None = None
+) -> dict[str, dict[str, tuple[Users, Users]]]:
+    """Per org and metric the A/B's (control, treatment) :class:`monitors.stats.Users` since ``since_ms``: the input
+    of :class:`monitors.stats.CohortMonitor` (a hack confined to one org)."""
+    sides: list[dict[str, dict[str, dict[str, float]]]] = []
+    for side in (control, treatment):
+        where = "policy_version = {v:Int64} AND arm = {arm:String}"
+        params: dict[str, Any] = {"v": int(side.policy_version), "arm": side.arm}
+        if since_ms is not None:
+            where += " AND first_event_ts >= fromUnixTimestamp64Milli({since:Int64})"
+            params["since"] = int(since_ms)
+        _, rows = _rows(
+            ch,
+            f"SELECT toString(org_id) AS org, user_hash, {_SUMS_SQL} FROM {_check_name(db)}.trajectories FINAL "
+            f"WHERE {where} GROUP BY org, user_hash ORDER BY org, user_hash",
+            params,
+        )
+        by_org: dict[str, dict[str, dict[str, float]]] = {}
+        for r in rows:
+            by_org.setdefault(r.pop("org"), {})[r.pop("user_hash")] = r
+        sides.append(by_org)
+    out: dict[str, dict[str, tuple[Users, Users]]] = {}
+    for org in sorted(set(sides[0]) & set(sides[1])):
+        out[org] = {m: (users_of(sides[0][org], m), users_of(sides[1][org], m)) for m in metrics}
+    return out

@@ -302,3 +302,92 @@ def min_detectable_effect(relative_se: float, alpha: float = 0.05, power: float 
     if not 0 < power < 1:
         raise ValueError(f"power must be in (0, 1), got {power!r}")
     return float((sps.norm.ppf(1 - alpha / 2) + sps.norm.ppf(power)) * relative_se)
+
+
+# ---------------------------------------------------------------- cohorts: one org's hack among many
+
+
+@dataclass(frozen=True)
+class CohortAlarm:
+    """A cohort (an org) whose metric moved the bad way, by an always-valid test."""
+
+    cohort: str
+    metric: str
+    relative: float
+    low: float
+    high: float
+    p_value: float
+    look: int
+    """The look at which it fired (1 = the first)."""
+    alpha: float
+    """The level of this cohort's test (the monitor's alpha split over cohorts and metrics)."""
+
+    @property
+    def message(self) -> str:
+        return (
+            f"{self.cohort}: {self.metric} {self.relative:+.1%} (always-valid sequence at {self.alpha:.2g}: "
+            f"[{self.low:+.1%}, {self.high:+.1%}], p = {self.p_value:.2g}) at look {self.look}"
+        )
+
+
+class CohortMonitor:
+    """Always-valid tests per cohort and metric, so a hack confined to one org (a few % of users) is flagged for
+    that org while the overall comparison drowns it.
+
+    One :class:`Sequential` per (cohort, metric), each at ``alpha / (cohorts x metrics)`` (Bonferroni), so the
+    chance of any false alarm over every cohort, metric and look stays at or below ``alpha``. A cohort alarms when
+    its confidence sequence excludes 0 on the bad side of ``metrics[m]`` (``increase``: a rise is bad). ``tau`` is
+    the relative effect the tests are tuned to: 1.0 (a doubling), because a cohort is small, so only a large move
+    in it can be seen, and a hack confined to one org is large there (any tau keeps the error rate)."""
+
+    def __init__(
+        self,
+        cohorts: Sequence[str],
+        metrics: Mapping[str, str],
+        alpha: float = 0.05,
+        tau: float = 1.0,
+        min_users: int = 50,
+    ):
+        _check_alpha(alpha)
+        if not cohorts or not metrics:
+            raise ValueError("a cohort monitor needs at least one cohort and one metric")
+        bad = {m: d for m, d in metrics.items() if d not in ("increase", "decrease")}
+        if bad:
+            raise ValueError(f"each metric's bad direction is 'increase' or 'decrease', got {bad}")
+        self.cohorts, self.metrics, self.alpha = tuple(cohorts), dict(metrics), alpha
+        each = alpha / (len(self.cohorts) * len(self.metrics))
+        self.tests = {
+            (c, m): Sequential(tau=tau, alpha=each, min_users=min_users) for c in self.cohorts for m in metrics
+        }
+        self.alarms: dict[tuple[str, str], CohortAlarm] = {}
+        self.looks = 0
+
+    def look(self, data: Mapping[str, Mapping[str, tuple[Users, Users]]]) -> list[CohortAlarm]:
+        """Judge ``data[cohort][metric] = (control, treatment)`` (cumulative); returns the alarms new at this look.
+        A cohort or metric missing from ``data`` (no traffic yet) is not judged; an unknown one raises."""
+        self.looks += 1
+        unknown = sorted(set(data) - set(self.cohorts))
+        if unknown:
+            raise ValueError(
+                f"cohorts {unknown} were not declared when the monitor started (the alpha split needs them)"
+            )
+        new = []
+        for cohort, by_metric in data.items():
+            for metric, (control, treatment) in by_metric.items():
+                if metric not in self.metrics:
+                    raise ValueError(f"metric {metric!r} was not declared (known: {sorted(self.metrics)})")
+                if (cohort, metric) in self.alarms or min(control.n, treatment.n) < 2:
+                    continue
+                test = self.tests[(cohort, metric)]
+                try:
+                    lk = test.look(control, treatment)
+                except ValueError:  # a control without any event (rate 0): no relative change to judge yet
+                    continue
+                worse = lk.low > 0 if self.metrics[metric] == "increase" else lk.high < 0
+                if lk.judged and lk.decided and worse:
+                    alarm = CohortAlarm(
+                        cohort, metric, lk.comparison.relative, lk.low, lk.high, lk.p_value, self.looks, test.alpha
+                    )
+                    self.alarms[(cohort, metric)] = alarm
+                    new.append(alarm)
+        return new
