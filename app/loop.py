@@ -351,6 +351,7 @@ class Loop:
         path: Path,
     ) -> Checkpoint:
         tokens = sum(s.tokens for s in steps)
+        ev = ev | {"eval_samples": float(self.suite.samples)}  # what the eval's rates are over (their intervals)
         if tokens:
             ev = ev | {"on_policy_fraction": sum(s.on_policy_fraction * s.tokens for s in steps) / tokens}
         return Checkpoint(

@@ -17,9 +17,11 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 from rich import box  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from monitors.alerts import Z95, standard_error  # noqa: E402
 from monitors.queries import ab_table, behaviour_rows, reward_stats  # noqa: E402
 
 #: (column, label, higher is better? None = neither)
@@ -165,7 +167,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
 
 # ---------------------------------------------------------------- the closed loop: one row per checkpoint
 
-#: (column, label, higher is better? None = neither, source)
+#: (column, label, higher is better? None = neither); where each comes from is in :data:`SOURCE`
 CHECKPOINT_METRICS = [
     ("solve_rate", "held-out solve", True),
     ("edit_persistence", "edit persistence", True),
@@ -177,10 +179,36 @@ CHECKPOINT_METRICS = [
     ("on_policy_fraction", "on-policy tokens", True),
 ]
 
+#: where a checkpoint metric comes from: the eval suite's held-out tasks, live traffic while the version served
+#: (ClickHouse), or the trainer
+SOURCE = {
+    "solve_rate": "eval suite",
+    "on_policy_fraction": "trainer",
+    "edit_persistence": "live",
+    "dissatisfied_rate": "live",
+    "latency_p50_ms": "live",
+    "reward_mean": "live",
+    "broken_tool_call_rate": "live",
+    "clarification_rate": "live",
+}
+
+
+def _wilson(p: float, n: float) -> tuple[float, float]:
+    """95% Wilson interval of a proportion p over n samples."""
+    if n <= 0:
+        return p, p
+    z2 = Z95 * Z95
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = Z95 * (p * (1 - p) / n + z2 / (4 * n * n)) ** 0.5 / (1 + z2 / n)
+    return centre - half, centre + half
+
 
 def checkpoint_rows(ch: Any, database: str, reward_version: str) -> list[dict[str, Any]]:
     """One row per checkpoint (latest status): the gate's eval, live behaviour and reward of the
-    version while it served (none for a rejected candidate), and the trainer's on-policy fraction."""
+    version while it served (none for a rejected candidate), and the trainer's on-policy fraction.
+    Estimates carry their 95% interval as ``<metric>_low`` / ``<metric>_high`` (None when undefined): the eval
+    suite's solve rate a Wilson interval over its ``eval_samples``, live figures the views' (delta-method or order
+    statistics) intervals."""
     cps = ch.query(
         f"SELECT version, parent, status, reason, eval_results FROM {database}.checkpoints FINAL ORDER BY version"
     ).result_rows
@@ -190,23 +218,40 @@ def checkpoint_rows(ch: Any, database: str, reward_version: str) -> list[dict[st
     rows = []
     for version, parent, status, reason, ev in cps:
         b = live[int(version)]
-        rows.append(
-            {
-                "version": int(version),
-                "parent": parent,
-                "status": status,
-                "reason": reason,
-                "solve_rate": ev.get("solve_rate"),
-                "on_policy_fraction": ev.get("on_policy_fraction"),
-                "trajectories": b.get("trajectories") or 0,
-                "edit_persistence": b.get("edit_persistence"),
-                "dissatisfied_rate": b.get("dissatisfied_rate"),
-                "latency_p50_ms": b.get("latency_p50_ms"),
-                "broken_tool_call_rate": b.get("broken_tool_call_rate"),
-                "clarification_rate": b.get("clarification_rate"),
-                "reward_mean": rewards.get(int(version), {}).get("reward_mean"),
-            }
-        )
+        rs = rewards.get(int(version), {})
+        row: dict[str, Any] = {
+            "version": int(version),
+            "parent": parent,
+            "status": status,
+            "reason": reason,
+            "solve_rate": ev.get("solve_rate"),
+            "on_policy_fraction": ev.get("on_policy_fraction"),
+            "trajectories": b.get("trajectories") or 0,
+            "edit_persistence": b.get("edit_persistence"),
+            "dissatisfied_rate": b.get("dissatisfied_rate"),
+            "latency_p50_ms": b.get("latency_p50_ms"),
+            "broken_tool_call_rate": b.get("broken_tool_call_rate"),
+            "clarification_rate": b.get("clarification_rate"),
+            "reward_mean": rs.get("reward_mean"),
+        }
+        if row["solve_rate"] is not None and ev.get("eval_samples"):
+            row["solve_rate_low"], row["solve_rate_high"] = _wilson(row["solve_rate"], ev["eval_samples"])
+        for name in ("edit_persistence", "dissatisfied_rate", "broken_tool_call_rate", "clarification_rate"):
+            se = standard_error(b, name) if row[name] is not None else None
+            if se is not None:
+                row[f"{name}_low"], row[f"{name}_high"] = row[name] - Z95 * se, row[name] + Z95 * se
+        if row["latency_p50_ms"] is not None:
+            row["latency_p50_ms_low"], row["latency_p50_ms_high"] = (
+                b["latency_p50_ci_low_ms"],
+                b["latency_p50_ci_high_ms"],
+            )
+        if rs.get("reward_var") is not None and rs.get("trajectories"):
+            se = (rs["reward_var"] / rs["trajectories"]) ** 0.5
+            row["reward_mean_low"], row["reward_mean_high"] = (
+                row["reward_mean"] - Z95 * se,
+                row["reward_mean"] + Z95 * se,
+            )
+        rows.append(row)
     return rows
 
 
@@ -237,28 +282,51 @@ def checkpoint_table(rows: list[dict[str, Any]], title: str) -> Table:
     return t
 
 
+def _edge(row: dict[str, Any], name: str, side: str) -> float:
+    """The interval's ``low`` or ``high`` end of a row's metric, or the value itself without an interval."""
+    v = row.get(f"{name}_{side}")
+    return float(row[name] if v is None else v)
+
+
 def checkpoint_plot(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
-    """One line chart per metric across checkpoints (rejected ones marked with a cross)."""
+    """One chart per metric across checkpoints on a shared x-axis: each value with its 95% interval as an error
+    bar (rejected candidates marked with a cross), each chart labelled eval suite, live or trainer, and rates on a
+    scale that holds 0 so that noise is not drawn as a trend."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(2, 4, figsize=(16, 7))
-    for ax, (name, label, better) in zip(axes.flat, CHECKPOINT_METRICS):
-        pts = [(r["version"], r[name], r["status"]) for r in rows if r.get(name) is not None]
-        ax.plot(
-            [v for v, _, s in pts if s != "rejected"],
-            [y for _, y, s in pts if s != "rejected"],
-            "o-",
-            color="#4C72B0",
-            label="promoted",
-        )
-        rej = [(v, y) for v, y, s in pts if s == "rejected"]
-        if rej:
-            ax.plot(*zip(*rej), "x", color="#C44E52", label="rejected")
-        arrow = "" if better is None else (" (higher is better)" if better else " (lower is better)")
-        ax.set_title(label + arrow, fontsize=9)
-        ax.set_xlabel("checkpoint version", fontsize=8)
-    axes.flat[0].legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
+    fig = checkpoint_figure(rows, title)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def checkpoint_figure(rows: list[dict[str, Any]], title: str) -> Any:
+    """The figure :func:`checkpoint_plot` saves (a matplotlib Figure; the caller closes it)."""
+    fig, axes = plt.subplots(2, 4, figsize=(16, 7), sharex=True)
+    for ax, (name, label, better) in zip(axes.flat, CHECKPOINT_METRICS):
+        pts = [r for r in rows if r.get(name) is not None]
+        for rejected, style, color, kind in ((False, "o-", "#4C72B0", "promoted"), (True, "x", "#C44E52", "rejected")):
+            mine = [r for r in pts if (r["status"] == "rejected") == rejected]
+            if not mine:
+                continue
+            xs, ys = [r["version"] for r in mine], [r[name] for r in mine]
+            lows = [r.get(f"{name}_low") for r in mine]
+            highs = [r.get(f"{name}_high") for r in mine]
+            err = None
+            if all(v is not None for v in lows + highs):
+                err = [[max(y - lo, 0.0) for y, lo in zip(ys, lows)], [max(hi - y, 0.0) for y, hi in zip(ys, highs)]]
+            ax.errorbar(xs, ys, yerr=err, fmt=style, color=color, capsize=3, label=kind)
+        tops: list[float] = [_edge(r, name, "high") for r in pts]
+        bottoms: list[float] = [_edge(r, name, "low") for r in pts]
+        if pts:  # every scale holds 0, so the noise of a flat metric is not drawn as a trend
+            top = 1.05 if name == "on_policy_fraction" else max(max(tops) * 1.15, 0.0)
+            bottom = min(min(bottoms) * 1.15, 0.0)
+            ax.set_ylim(bottom, top if top > bottom else bottom + 1.0)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        arrow = "" if better is None else (" (higher is better)" if better else " (lower is better)")
+        ax.set_title(f"{label} [{SOURCE[name]}]{arrow}", fontsize=9)
+        ax.set_xlabel("checkpoint version", fontsize=8)
+        ax.tick_params(labelbottom=True)
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(f"{title} - bars: 95% intervals; [eval suite] held-out tasks, [live] served traffic in ClickHouse")
+    fig.tight_layout()
+    return fig

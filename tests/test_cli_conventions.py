@@ -497,3 +497,36 @@ def test_train_says_what_it_trained_or_why_nothing():
         "checkpoints of run r in /ck",
         "raise train.steps (RTRL_TRAIN__STEPS) to train on, or set a new train.checkpoint_dir for a new run",
     ]
+
+
+def test_the_loop_plot_shows_intervals_on_shared_axes_from_zero_and_labels_its_sources(tmp_path):
+    """Every estimate per checkpoint has its 95% interval drawn as an error bar, the charts share the checkpoint
+    axis, every scale holds 0 and rates start there (noise is not drawn as a trend), and each chart says eval suite, live or trainer."""
+    import matplotlib.pyplot as plt
+    from matplotlib.container import ErrorbarContainer
+
+    from app import report
+
+    rows = _checkpoint_rows(6)
+    for r in rows:
+        for name, _, _ in report.CHECKPOINT_METRICS:
+            if r.get(name) is not None and name != "on_policy_fraction":
+                r[f"{name}_low"], r[f"{name}_high"] = r[name] - abs(r[name]) / 10, r[name] + abs(r[name]) / 10
+    fig = report.checkpoint_figure(rows, "test")
+    try:
+        axes = fig.axes
+        assert all(axes[0].get_shared_x_axes().joined(axes[0], ax) for ax in axes)
+        by_title = {ax.get_title().split(" [")[0]: ax for ax in axes}
+        for name, label, _ in report.CHECKPOINT_METRICS:
+            ax = by_title[label]
+            assert f"[{report.SOURCE[name]}]" in ax.get_title()
+            bars = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+            assert bars and all(c.has_yerr for c in bars) == (name != "on_policy_fraction")
+            low, high = ax.get_ylim()
+            assert low <= 0 <= high
+            if name in ("solve_rate", "broken_tool_call_rate", "dissatisfied_rate", "latency_p50_ms"):
+                assert low == 0
+        assert "eval suite" in fig._suptitle.get_text() and "live" in fig._suptitle.get_text()
+    finally:
+        plt.close(fig)
+    assert report.checkpoint_plot(rows, tmp_path / "loop.png", "t").read_bytes()[:4] == b"\x89PNG"
