@@ -707,11 +707,14 @@ def fresh_start(settings: Settings) -> list[Path]:
 
 
 def final_report(settings: Settings, ch, console: Console, t0: float) -> list[dict]:
-    """The table per checkpoint from ClickHouse and the PNG plots: how the main job ends."""
+    """How the main job ends: three summary lines (v0 -> the final version, promotions and refusals), the table per
+    checkpoint from ClickHouse and the PNG plots."""
     from app import report
 
     rv = settings.rewards.train_version
     rows = report.checkpoint_rows(ch, settings.clickhouse.database, rv)
+    for line in report.summary_lines(ch, settings.clickhouse.database, rows, rv):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     console.print(
         report.checkpoint_table(
             rows, f"Checkpoints (reward {rv}): eval gate, live behaviour from ClickHouse, change vs v0"

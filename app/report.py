@@ -330,3 +330,51 @@ def checkpoint_figure(rows: list[dict[str, Any]], title: str) -> Any:
     fig.suptitle(f"{title} - bars: 95% intervals; [eval suite] held-out tasks, [live] served traffic in ClickHouse")
     fig.tight_layout()
     return fig
+
+
+# ---------------------------------------------------------------- the three lines that open the main job's ending
+
+#: (behaviour column, label) of the headline metrics, as the seed post reports them
+HEADLINE = [
+    ("edit_persistence", "edits kept"),
+    ("dissatisfied_rate", "dissatisfied"),
+    ("latency_p50_ms", "p50 latency"),
+]
+
+
+def summary_lines(ch: Any, database: str, rows: list[dict[str, Any]], reward_version: str) -> list[str]:
+    """Three lines of at most 100 characters: v0 -> the final version for the headline metrics (edit persistence,
+    dissatisfied follow-ups, latency: live, relative change in % with its 95% interval), the reward difference, and
+    the count of promotions and refusals.
+    ``rows``: :func:`checkpoint_rows`."""
+    promoted = [r for r in rows[1:] if r["status"] == "promoted"]
+    refused = [r for r in rows[1:] if r["status"] == "rejected"]
+    back = [r for r in rows[1:] if r["status"] == "rolled_back"]
+    serving = max((r["version"] for r in rows if r["status"] == "promoted"), default=0)
+    # the newest promoted version that served traffic (the one promoted at the last decision has served none yet)
+    final = max((r["version"] for r in rows if r["status"] == "promoted" and r["trajectories"]), default=0)
+    decisions = (
+        f"{len(rows) - 1} candidates: {len(promoted)} promoted, {len(refused)} refused"
+        + (f", {len(back)} rolled back" if back else "")
+        + f"; v{serving} serves"
+        + (f" (not live yet: v{final}'s figures)" if final != serving else "")
+        + "; 95% CI"
+    )
+    if final == 0:
+        return ["No promoted candidate has served traffic yet: nothing to compare with v0 live.", "", decisions]
+    ab = ab_table(ch, database, [final], 0, [m for m, _ in HEADLINE])[0]
+    parts = []
+    for m, label in HEADLINE:
+        if ab[f"{m}_rel"] is None:
+            parts.append(f"{label} -")
+            continue
+        lo, hi = 100 * ab[f"{m}_ci_low"], 100 * ab[f"{m}_ci_high"]
+        parts.append(f"{label} {ab[f'{m}_rel']:+.1%} [{lo:+.1f}, {hi:+.1f}]")
+    stats = reward_stats(ch, database, reward_version)
+    r0, r1 = stats.get(0), stats.get(final)
+    reward = f"reward ({reward_version}) -"
+    if r0 and r1 and r0.get("reward_var") is not None and r1.get("reward_var") is not None:
+        diff = r1["reward_mean"] - r0["reward_mean"]
+        se = (r0["reward_var"] / r0["trajectories"] + r1["reward_var"] / r1["trajectories"]) ** 0.5
+        reward = f"reward ({reward_version}) {diff:+.3f} [{diff - Z95 * se:+.3f}, {diff + Z95 * se:+.3f}]"
+    return [f"v0 -> v{final}: " + ", ".join(parts[:2]), f"v0 -> v{final}: {parts[2]}, {reward}", decisions]

@@ -60,6 +60,15 @@ def test_main_job_closes_the_loop_and_rollback(tmp_path):
     out = proc.stdout
     assert re.search(r"v1 <- v0: (promoted|rejected) after \d+ steps", out), out[-2000:]
     assert "Checkpoints (reward v2)" in out and "on-policy" in out
+    summary = out[max(0, out.index("Checkpoints (reward v2)") - 2000) : out.index("Checkpoints (reward v2)")]
+    assert re.search(r"2 candidates: \d promoted, \d refused", summary), summary
+    lines = [
+        line for line in summary.splitlines() if "candidates:" in line or "v0 -> v" in line or "reward (v2)" in line
+    ]
+    assert all(len(line) <= 100 for line in lines), lines
+    assert re.search(r"v0 -> v\d: edits kept [+-][\d.]+% \[[+-][\d.]+, [+-][\d.]+\], dissatisfied", summary) or (
+        "v0 still serves" in summary
+    ), summary
     assert (tmp_path / "reports" / "loop.png").read_bytes()[:4] == b"\x89PNG"
     d = _dump(tmp_path)
     cps = d["checkpoints"]
