@@ -59,7 +59,8 @@ from flows.counts import FlowCounts
 from flows.reward_flow import build_flow as reward_flow
 from flows.reward_flow import summary as reward_summary
 from monitors.alerts import MismatchRule
-from monitors.queries import check_promotion
+from monitors.queries import Side, user_sums, users_of
+from monitors.stats import Sequential
 from rtrl import clickhouse
 from rtrl.errors import ConfigError
 from rtrl.files import RUN_PARTS, check_cleanable, data_folder, private_dir
@@ -164,6 +165,7 @@ def policy_server(settings: Settings, bootstrap: str, client: RtrlClient, seed: 
         build_model(cfg, precision) if own else None,
         [f"org-{i}" for i in range(ls.orgs)],
         seed=seed,
+        users_per_org=ls.users_per_org,
         hard_share=ls.hard_share,
         compression=settings.kafka.compression,
         candidate_model=build_model(cfg, precision) if own and ls.ab_share > 0 else None,
@@ -240,6 +242,18 @@ class CycleResult:
     eval: dict[str, float]
     steps: list[TrainStep] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
+
+
+#: what the A/B mode guards live, per user, with the direction that is bad (the monitors' default rules' metrics
+#: that are ratios of per-user sums)
+AB_GUARDS: dict[str, str] = {
+    "broken_tool_call_rate": "increase",
+    "edit_rate": "decrease",
+    "clarification_rate": "increase",
+    "edit_persistence": "decrease",
+    "dissatisfied_rate": "increase",
+    "latency_mean_ms": "increase",
+}
 
 
 def loop_gate_rules(settings: Settings) -> GateRules:
@@ -557,26 +571,46 @@ class Loop:
         return CycleResult(version, serving, status, reason, ev, steps, times)
 
     def ab_test(self, candidate: int, serving: int, offline: str) -> tuple[bool, str]:
-        """A/B mode: the announced candidate serves ``loop.ab_share`` of the traffic until it has
-        ``loop.ab_trajectories`` closed trajectories in ClickHouse; then the monitors compare its live
-        behaviour with the serving version's, and any alert rejects (rolls back) it."""
+        """A/B mode: the announced candidate serves ``loop.ab_share`` of the users (randomised by user) while an
+        always-valid sequential test per guarded metric (:data:`AB_GUARDS`; mSPRT on the relative change, per-user
+        figures from ClickHouse, ``loop.ab_alpha`` split over the metrics) looks every half second. A metric found
+        worse at any look rolls the candidate back at once; ``loop.ab_trajectories`` candidate trajectories with
+        none found worse promote it. Looking this often keeps the false-alarm rate at ``loop.ab_alpha``."""
         ls = self.settings.loop
+        since = time.time_ns() // 1_000_000 - 1_000  # the candidate's announcement (its first trajectories)
+        tests = {m: Sequential(tau=ls.ab_tau, alpha=ls.ab_alpha / len(AB_GUARDS), min_users=20) for m in AB_GUARDS}
+        treatment, control = Side(candidate, "candidate"), Side(serving, "control")
         deadline = time.monotonic() + ls.cycle_max_s
-        n = 0
-        while time.monotonic() < deadline:
-            n = self.ch.query(
-                f"SELECT count() FROM {self.db}.trajectories FINAL WHERE policy_version = "
-                f"{int(candidate)} AND arm = 'candidate'"
-            ).result_rows[0][0]
-            if n >= ls.ab_trajectories:
+        n, looks = 0, 0
+        while True:
+            cand = user_sums(self.ch, self.db, treatment, since_ms=since)
+            ctrl = user_sums(self.ch, self.db, control, since_ms=since)
+            n = int(sum(u["trajectories"] for u in cand.values()))
+            looks += 1
+            for metric, bad in AB_GUARDS.items():
+                c, t = users_of(ctrl, metric), users_of(cand, metric)
+                if min(c.n, t.n) < 2 or c.mean == 0:
+                    continue
+                look = tests[metric].look(c, t)
+                worse = look.low > 0 if bad == "increase" else look.high < 0
+                if look.judged and look.decided and worse:
+                    return False, (
+                        f"A/B alarm at look {looks} ({n} candidate trajectories), rolled back: {metric} "
+                        f"{look.comparison.relative:+.1%}, always-valid 95% sequence [{look.low:+.1%}, {look.high:+.1%}], "
+                        f"p = {look.p_value:.2g} < {tests[metric].alpha:.3g}"
+                    )
+            if n >= ls.ab_trajectories or time.monotonic() >= deadline:
                 break
             time.sleep(0.5)
         if n < ls.ab_trajectories:
             return False, f"A/B: only {n} candidate trajectories within {ls.cycle_max_s:g}s"
-        report = check_promotion(self.ch, self.db, candidate, serving)
-        if report.alerts:
-            return False, f"A/B alerts, rolled back: {report.reason}"
-        return True, f"{offline}; A/B on {n} trajectories: {report.reason}"
+        seen = ", ".join(
+            f"{m} {t.looks[-1].comparison.relative:+.1%} "
+            + (f"[{t.looks[-1].low:+.1%}, {t.looks[-1].high:+.1%}]" if t.looks[-1].judged else "(< 20 users per arm)")
+            for m, t in tests.items()
+            if t.looks
+        )
+        return True, f"{offline}; A/B on {n} trajectories, {looks} looks, no metric worse ({seen})"
 
     def close(self) -> None:
         self.stop_flows()

@@ -362,6 +362,7 @@ class LoopSettings(Section):
     samples_per_cycle: int = _s(2048, "samples the trainer uses per cycle (the samples trigger)", gt=0)
     group_size: int = _s(4, "completions sampled per task (group-relative advantages need >= 2)", gt=0)
     orgs: int = _s(3, "simulated organisations (cohorts are org x task kind)", gt=0)
+    users_per_org: int = _s(200, "simulated users per organisation (an A/B randomises and analyses by user)", gt=0)
     hard_share: float = _s(0.5, "share of hard tasks", ge=0, le=1)
     cycle_max_s: float = _s(
         120.0, "wall-time trigger: a cycle ends after this long even with fewer samples (production: 5 hours)", gt=0
@@ -406,7 +407,22 @@ class LoopSettings(Section):
         ge=0,
         le=1,
     )
-    ab_trajectories: int = _s(400, "A/B mode: candidate trajectories with rewards needed before the comparison", gt=0)
+    ab_trajectories: int = _s(
+        400,
+        "A/B mode: candidate trajectories after which a candidate no always-valid test found worse is promoted "
+        "(one found worse is rolled back at once, at any look)",
+        gt=0,
+    )
+    ab_alpha: float = _s(
+        0.05,
+        "A/B mode: false-alarm rate of the sequential test (mSPRT per guarded metric, split over the metrics), "
+        "valid however often it looks",
+        gt=0,
+        lt=1,
+    )
+    ab_tau: float = _s(
+        0.1, "A/B mode: the relative effect the sequential test is tuned to (0.1 = 10%; any value keeps alpha)", gt=0
+    )
     reset_on_reject: bool = _s(
         True,
         "a rejected candidate's weights are dropped (false: the training run goes on "

@@ -15,6 +15,7 @@ candidate version instead (the server's ``candidate_name`` model), with ``arm="c
 
 from __future__ import annotations
 
+import hashlib
 import random
 import time
 import uuid
@@ -39,6 +40,13 @@ class Served:
     asked: int = 0
 
 
+def ab_bucket(user_id: str, experiment: str) -> float:
+    """A user's place in [0, 1) for one experiment: a hash of the experiment's key and the user id, so a user
+    stays in one arm for the whole experiment and each experiment splits users afresh (no carry-over)."""
+    digest = hashlib.sha256(f"{experiment}:{user_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
 class PolicyServer:
     def __init__(
         self,
@@ -60,6 +68,7 @@ class PolicyServer:
         api_key: str | None = None,
         ab: bool | None = None,
         model_config=None,
+        users_per_org: int = 200,
     ):
         self.client, self.model, self.orgs, self.hard_share = client, model, orgs, hard_share
         self.candidate_model = candidate_model  # A/B mode: where an announced candidate is loaded
@@ -93,6 +102,9 @@ class PolicyServer:
         self.codec: JsonCodec[Checkpoint] = JsonCodec(Checkpoint)
         self.rollout_codec: JsonCodec[Rollout] = JsonCodec(Rollout)
         self.rng = random.Random(seed)
+        # who asks: a user of the task's org, from its own stream so the tasks' stream does not depend on it
+        self.users_per_org = users_per_org
+        self.user_rng = random.Random(f"users-{seed}")
         self.version: int | None = None
         self.path: str | None = None
         self.candidate: tuple[int, str] | None = None  # (version, model name) served to a share in A/B mode
@@ -163,8 +175,11 @@ class PolicyServer:
         arms: dict[str, list] = {"control": [], "candidate": []}
         for _ in range(tasks):
             task = sample_task(self.rng, self.rng.choice(self.orgs), self.hard_share)
-            arm = "candidate" if self.candidate is not None and self.rng.random() < candidate_share else "control"
-            arms[arm].append(task)
+            user = f"{task.org_id}-user-{self.user_rng.randrange(self.users_per_org)}"
+            arm = "control"
+            if self.candidate is not None and ab_bucket(user, f"ab-v{self.candidate[0]}") < candidate_share:
+                arm = "candidate"  # randomised by user: a user sees one arm for the whole experiment
+            arms[arm].append((task, user))
         served = {}
         for arm, batch in arms.items():
             if not batch:
@@ -181,7 +196,7 @@ class PolicyServer:
         self.producer.poll(0)
         return served
 
-    def _serve(self, tasks: list, group_size: int, version: int, model_name: str, arm: str) -> Served:
+    def _serve(self, asks: list, group_size: int, version: int, model_name: str, arm: str) -> Served:
         """One completions request for ``tasks`` (``n = group_size``; EOS ignored: a completion is always its
         two tokens), one rollout per completion as the collector builds it, and the users' reactions.
 
@@ -189,6 +204,7 @@ class PolicyServer:
         seed, so the tasks of one burst would share their random draws (correlated exploration). The engine's
         own stream samples them independently; the loop's own server seeds that stream with ``seed``, so a run
         depends on the seed and the order of the requests only, as before the HTTP path."""
+        tasks = [t for t, _ in asks]
         groups = self.collector.start(
             [t.prompt for t in tasks],
             group_size,
@@ -198,13 +214,13 @@ class PolicyServer:
         )
         out = Served()
         now = time.time_ns() // 1_000_000
-        for task, group in zip(tasks, groups):
+        for (task, user), group in zip(asks, groups):
             group_id = uuid.uuid4().hex
             for sampled in group:
                 o = outcome(task, sampled.completion_ids)
                 traj = self.client.start_trajectory(
                     org_id=task.org_id,
-                    user_id=f"{task.org_id}-user-{self.rng.randrange(20)}",
+                    user_id=user,
                     task_kind=task.kind,
                     policy_version=version,
                     arm=arm,

@@ -42,6 +42,25 @@ print(json.dumps({"checkpoints": [[v, p, s, r, dict(e)] for v, p, s, r, e in row
 """
 
 
+USERS_IN_BOTH_ARMS = """
+import json, sys
+from rtrl import clickhouse
+
+ch = clickhouse.connect(sys.argv[1])
+both = users = 0
+for (v, lo, hi) in ch.query("SELECT policy_version, min(first_event_ts), max(first_event_ts) FROM rtrl.trajectories "
+                            "FINAL WHERE arm = 'candidate' GROUP BY 1").result_rows:
+    cand = {u for (u,) in ch.query(f"SELECT DISTINCT user_hash FROM rtrl.trajectories FINAL WHERE arm = 'candidate' "
+                                   f"AND policy_version = {v}").result_rows}
+    ctrl = {u for (u,) in ch.query("SELECT DISTINCT user_hash FROM rtrl.trajectories FINAL WHERE arm = 'control' "
+                                   "AND first_event_ts > {lo:DateTime64(3)} AND first_event_ts < {hi:DateTime64(3)}",
+                                   parameters={"lo": lo, "hi": hi}).result_rows}
+    both += len(cand & ctrl)
+    users += len(cand)
+print(json.dumps([both, users]))
+"""
+
+
 def _dump(data_dir) -> dict:
     proc = subprocess.run(
         [sys.executable, "-c", DUMP, f"chdb://{data_dir}/clickhouse"], capture_output=True, text=True, timeout=120
@@ -155,5 +174,15 @@ def test_ab_mode_serves_candidates_beside_control_and_decides_from_clickhouse(tm
     assert decided, d["checkpoints"]
     for version, status, reason in decided:
         assert arms.get((version, "candidate"), 0) >= 60  # it served beside the control arm
-        assert ("A/B on" in reason) if status == "promoted" else ("A/B alerts" in reason or "only" in reason)
+        assert ("A/B on" in reason) if status == "promoted" else ("A/B alarm" in reason or "only" in reason)
     assert all(a in ("control", "candidate") for _, a in arms)
+    # randomised by user: while a candidate served, no user saw both arms
+    proc = subprocess.run(
+        [sys.executable, "-c", USERS_IN_BOTH_ARMS, f"chdb://{tmp_path}/clickhouse"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    both, users = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert users > 0 and both == 0
