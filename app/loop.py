@@ -573,13 +573,17 @@ class Loop:
     def ab_test(self, candidate: int, serving: int, offline: str) -> tuple[bool, str]:
         """A/B mode: the announced candidate serves ``loop.ab_share`` of the users (randomised by user) while an
         always-valid sequential test per guarded metric (:data:`AB_GUARDS`; mSPRT on the relative change, per-user
-        figures from ClickHouse, ``loop.ab_alpha`` split over the metrics) looks every half second. A metric found
+        figures from ClickHouse, ``loop.ab_alpha`` split over the metrics, CUPED with each user's pre-period on the
+        serving version when ``loop.ab_cuped``) looks every half second. A metric found
         worse at any look rolls the candidate back at once; ``loop.ab_trajectories`` candidate trajectories with
         none found worse promote it. Looking this often keeps the false-alarm rate at ``loop.ab_alpha``."""
         ls = self.settings.loop
         since = time.time_ns() // 1_000_000 - 1_000  # the candidate's announcement (its first trajectories)
-        tests = {m: Sequential(tau=ls.ab_tau, alpha=ls.ab_alpha / len(AB_GUARDS), min_users=20) for m in AB_GUARDS}
+        each = ls.ab_alpha / len(AB_GUARDS)
+        tests = {m: Sequential(tau=ls.ab_tau, alpha=each, min_users=20, cuped=ls.ab_cuped) for m in AB_GUARDS}
         treatment, control = Side(candidate, "candidate"), Side(serving, "control")
+        # CUPED's covariate: each user's behaviour on the serving version before the experiment
+        pre = user_sums(self.ch, self.db, control, until_ms=since) if ls.ab_cuped else None
         deadline = time.monotonic() + ls.cycle_max_s
         n, looks = 0, 0
         while True:
@@ -588,7 +592,7 @@ class Loop:
             n = int(sum(u["trajectories"] for u in cand.values()))
             looks += 1
             for metric, bad in AB_GUARDS.items():
-                c, t = users_of(ctrl, metric), users_of(cand, metric)
+                c, t = users_of(ctrl, metric, pre), users_of(cand, metric, pre)
                 if min(c.n, t.n) < 2 or c.mean == 0:
                     continue
                 look = tests[metric].look(c, t)

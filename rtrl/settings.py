@@ -420,6 +420,11 @@ class LoopSettings(Section):
         gt=0,
         lt=1,
     )
+    ab_cuped: bool = _s(
+        True,
+        "A/B mode: CUPED - each user's behaviour on the serving version before the candidate came is the covariate "
+        "of the sequential test (less variance, earlier decisions; unbiased either way)",
+    )
     ab_tau: float = _s(
         0.1, "A/B mode: the relative effect the sequential test is tuned to (0.1 = 10%; any value keeps alpha)", gt=0
     )
