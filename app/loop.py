@@ -574,43 +574,68 @@ class Loop:
         """A/B mode: the announced candidate serves ``loop.ab_share`` of the users (randomised by user) while an
         always-valid sequential test per guarded metric (:data:`AB_GUARDS`; mSPRT on the relative change, per-user
         figures from ClickHouse, ``loop.ab_alpha`` split over the metrics, CUPED with each user's pre-period on the
-        serving version when ``loop.ab_cuped``) looks every half second. A metric found
-        worse at any look rolls the candidate back at once; ``loop.ab_trajectories`` candidate trajectories with
-        none found worse promote it. Looking this often keeps the false-alarm rate at ``loop.ab_alpha``."""
+        serving version when ``loop.ab_cuped``) looks every half second. The experiment starts at the candidate
+        arm's first trajectory (before it the policy server had not loaded it); a user seen in both arms (served
+        before the switch) is left out of the control arm. A metric found worse at any look rolls the candidate
+        back at once; it is promoted after ``loop.ab_trajectories`` candidate trajectories once every metric has
+        been judged (enough users per arm) and none found worse. Looking this often keeps the false-alarm rate at
+        ``loop.ab_alpha``."""
         ls = self.settings.loop
-        since = time.time_ns() // 1_000_000 - 1_000  # the candidate's announcement (its first trajectories)
         each = ls.ab_alpha / len(AB_GUARDS)
         tests = {m: Sequential(tau=ls.ab_tau, alpha=each, min_users=20, cuped=ls.ab_cuped) for m in AB_GUARDS}
         treatment, control = Side(candidate, "candidate"), Side(serving, "control")
-        # CUPED's covariate: each user's behaviour on the serving version before the experiment
-        pre = user_sums(self.ch, self.db, control, until_ms=since) if ls.ab_cuped else None
         deadline = time.monotonic() + ls.cycle_max_s
-        n, looks = 0, 0
-        while True:
+        n, looks, since = 0, 0, None
+        pre: dict[str, dict[str, float]] | None = None
+        judged: dict[str, bool] = dict.fromkeys(AB_GUARDS, False)
+        while time.monotonic() < deadline:
+            if since is None:  # the experiment starts with the candidate arm's first trajectory
+                first = self.ch.query(
+                    f"SELECT toUnixTimestamp64Milli(min(first_event_ts)), count() FROM {self.db}.trajectories FINAL "
+                    f"WHERE policy_version = {int(candidate)} AND arm = 'candidate'"
+                ).result_rows[0]
+                if not first[1]:
+                    time.sleep(0.5)
+                    continue
+                since = int(first[0])
+                # CUPED's covariate: each user's behaviour on the serving version before the experiment
+                pre = user_sums(self.ch, self.db, control, until_ms=since) if ls.ab_cuped else None
             cand = user_sums(self.ch, self.db, treatment, since_ms=since)
-            ctrl = user_sums(self.ch, self.db, control, since_ms=since)
+            ctrl = {u: v for u, v in user_sums(self.ch, self.db, control, since_ms=since).items() if u not in cand}
             n = int(sum(u["trajectories"] for u in cand.values()))
             looks += 1
             for metric, bad in AB_GUARDS.items():
                 c, t = users_of(ctrl, metric, pre), users_of(cand, metric, pre)
-                if min(c.n, t.n) < 2 or c.mean == 0:
+                if min(c.n, t.n) < 2:
                     continue
-                look = tests[metric].look(c, t)
+                if c.mean == 0 and t.mean == 0:  # nothing in either arm yet (a rate of 0): no move to see
+                    judged[metric] = min(c.n, t.n) >= tests[metric].min_users
+                    continue
+                try:
+                    look = tests[metric].look(c, t)
+                except ValueError:  # a control at 0 (no relative change yet), or CUPED pushed it there
+                    continue
+                judged[metric] = look.judged
                 worse = look.low > 0 if bad == "increase" else look.high < 0
                 if look.judged and look.decided and worse:
                     return False, (
                         f"A/B alarm at look {looks} ({n} candidate trajectories), rolled back: {metric} "
-                        f"{look.comparison.relative:+.1%}, always-valid 95% sequence [{look.low:+.1%}, {look.high:+.1%}], "
-                        f"p = {look.p_value:.2g} < {tests[metric].alpha:.3g}"
+                        f"{look.comparison.relative:+.1%}, always-valid {1 - tests[metric].alpha:.1%} sequence "
+                        f"[{look.low:+.1%}, {look.high:+.1%}], p = {look.p_value:.2g} < {tests[metric].alpha:.3g}"
                     )
-            if n >= ls.ab_trajectories or time.monotonic() >= deadline:
+            if n >= ls.ab_trajectories and all(judged.values()):
                 break
             time.sleep(0.5)
-        if n < ls.ab_trajectories:
-            return False, f"A/B: only {n} candidate trajectories within {ls.cycle_max_s:g}s"
+        else:
+            if n < ls.ab_trajectories:
+                return False, f"A/B: only {n} candidate trajectories within {ls.cycle_max_s:g}s"
+            waiting = ", ".join(m for m, ok in judged.items() if not ok)
+            return (
+                False,
+                f"A/B: {n} candidate trajectories within {ls.cycle_max_s:g}s, too few users to judge {waiting}",
+            )
         seen = ", ".join(
-            f"{m} {t.looks[-1].comparison.relative:+.1%} "
-            + (f"[{t.looks[-1].low:+.1%}, {t.looks[-1].high:+.1%}]" if t.looks[-1].judged else "(< 20 users per arm)")
+            f"{m} {t.looks[-1].comparison.relative:+.1%} [{t.looks[-1].low:+.1%}, {t.looks[-1].high:+.1%}]"
             for m, t in tests.items()
             if t.looks
         )

@@ -22,7 +22,8 @@ from rich import box  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from monitors.alerts import Z95, standard_error  # noqa: E402
-from monitors.queries import ab_table, behaviour_rows, reward_stats  # noqa: E402
+from monitors.queries import Side, ab_table, behaviour_rows, reward_stats, user_sums, users_of  # noqa: E402
+from monitors.stats import compare  # noqa: E402
 
 #: (column, label, higher is better? None = neither)
 METRICS = [
@@ -207,8 +208,9 @@ def checkpoint_rows(ch: Any, database: str, reward_version: str) -> list[dict[st
     """One row per checkpoint (latest status): the gate's eval, live behaviour and reward of the
     version while it served (none for a rejected candidate), and the trainer's on-policy fraction.
     Estimates carry their 95% interval as ``<metric>_low`` / ``<metric>_high`` (None when undefined): the eval
-    suite's solve rate a Wilson interval over its ``eval_samples``, live figures the views' (delta-method or order
-    statistics) intervals."""
+    suite's solve rate a Wilson interval over its ``eval_samples``, live figures the ``behaviour`` view's intervals
+    (delta method or order statistics over trajectories, each taken as independent: an interval per user, as the A/B
+    test computes it, is wider when a user's trajectories are alike)."""
     cps = ch.query(
         f"SELECT version, parent, status, reason, eval_results FROM {database}.checkpoints FINAL ORDER BY version"
     ).result_rows
@@ -327,7 +329,9 @@ def checkpoint_figure(rows: list[dict[str, Any]], title: str) -> Any:
         ax.set_xlabel("checkpoint version", fontsize=8)
         ax.tick_params(labelbottom=True)
     axes.flat[0].legend(fontsize=7)
-    fig.suptitle(f"{title} - bars: 95% intervals; [eval suite] held-out tasks, [live] served traffic in ClickHouse")
+    fig.suptitle(
+        f"{title} - bars: 95% intervals (live: per trajectory); [eval suite] held-out tasks, [live] served traffic"
+    )
     fig.tight_layout()
     return fig
 
@@ -338,14 +342,15 @@ def checkpoint_figure(rows: list[dict[str, Any]], title: str) -> Any:
 HEADLINE = [
     ("edit_persistence", "edits kept"),
     ("dissatisfied_rate", "dissatisfied"),
-    ("latency_p50_ms", "p50 latency"),
+    ("latency_mean_ms", "latency"),
 ]
 
 
 def summary_lines(ch: Any, database: str, rows: list[dict[str, Any]], reward_version: str) -> list[str]:
     """Three lines of at most 100 characters: v0 -> the final version for the headline metrics (edit persistence,
-    dissatisfied follow-ups, latency: live, relative change in % with its 95% interval), the reward difference, and
-    the count of promotions and refusals.
+    dissatisfied follow-ups, mean latency: live, per user, relative change in % with its 95% interval), the reward
+    difference, and the count of promotions and refusals. Before/after, not randomised: the versions served at
+    different times.
     ``rows``: :func:`checkpoint_rows`."""
     promoted = [r for r in rows[1:] if r["status"] == "promoted"]
     refused = [r for r in rows[1:] if r["status"] == "rejected"]
@@ -357,19 +362,21 @@ def summary_lines(ch: Any, database: str, rows: list[dict[str, Any]], reward_ver
         f"{len(rows) - 1} candidates: {len(promoted)} promoted, {len(refused)} refused"
         + (f", {len(back)} rolled back" if back else "")
         + f"; v{serving} serves"
-        + (f" (not live yet: v{final}'s figures)" if final != serving else "")
-        + "; 95% CI"
+        + (f" (not live: v{final}'s figures)" if final != serving else "")
+        + "; per user, 95% CI"
     )
     if final == 0:
         return ["No promoted candidate has served traffic yet: nothing to compare with v0 live.", "", decisions]
-    ab = ab_table(ch, database, [final], 0, [m for m, _ in HEADLINE])[0]
+    # per user, as an analyst would query it (monitors.queries.user_sums over trajectories FINAL)
+    before, after = (user_sums(ch, database, Side(v, "control")) for v in (0, final))
     parts = []
     for m, label in HEADLINE:
-        if ab[f"{m}_rel"] is None:
+        try:
+            c = compare(users_of(before, m), users_of(after, m))
+        except ValueError:  # too few users with data for the metric, or a zero baseline
             parts.append(f"{label} -")
             continue
-        lo, hi = 100 * ab[f"{m}_ci_low"], 100 * ab[f"{m}_ci_high"]
-        parts.append(f"{label} {ab[f'{m}_rel']:+.1%} [{lo:+.1f}, {hi:+.1f}]")
+        parts.append(f"{label} {c.relative:+.1%} [{100 * c.low:+.1f}, {100 * c.high:+.1f}]")
     stats = reward_stats(ch, database, reward_version)
     r0, r1 = stats.get(0), stats.get(final)
     reward = f"reward ({reward_version}) -"

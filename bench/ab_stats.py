@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/ab_stats.py [--sims 200] [--looks 12] [--users 2000] [--seed 0]
 
-About a minute on 2 vCPUs. Everything is simulated per user (simulator/abworld.py: heavy-tailed activity
+About 10 s on 2 vCPUs. Everything is simulated per user (simulator/abworld.py: heavy-tailed activity
 capped at 20x, persistent user traits) and judged by monitors/stats.py and monitors/alerts.py; nothing else
 runs. What each figure means:
 
@@ -11,7 +11,9 @@ runs. What each figure means:
    raises a false alarm when a test fires at any look. Reported per metric: the behaviour monitors' fixed
    relative thresholds (``monitors.alerts.DEFAULT_RULES``, what the loop's A/B mode used), a fixed-horizon
    z-test at p < 0.05 looked at every time (the baseline), and the always-valid mSPRT (tau 0.1). The ratio is
-   mSPRT / baseline; the nominal rate is 0.05, within +-3 binomial standard errors of simulation.
+   mSPRT / baseline; the nominal rate is 0.05, and the title's +- is three binomial standard errors of the
+   simulation. For latency the monitor's rule reads the p95 (``latency_p95_ms``) while the two tests compare
+   per-user mean latency (a quantile is not a ratio of per-user sums).
 2. **Power.** The minimum relative effect a one-look test at alpha 0.05 detects with 80% power, per headline
    metric, against users per arm, from the relative change's standard error (median over A/A runs), with and
    without CUPED (each user's pre-period figures as covariate). The ratio is CUPED / plain.
@@ -168,7 +170,7 @@ def main() -> None:
     )
     fa = false_alarms(world, args.sims, args.looks, args.seed)
     slack = 3 * math.sqrt(0.05 * 0.95 / args.sims)
-    t = Table(title=f"A/A false alarms with {args.looks} looks (nominal 0.05, simulation error +-{slack:.3f})")
+    t = Table(title=f"A/A false alarms with {args.looks} looks (nominal 0.05; 3 simulation SE: +-{slack:.3f})")
     t.add_column("metric (view column)", no_wrap=True)
     for c in ("monitor rule", "z, peeking (baseline)", "mSPRT", "ratio"):
         t.add_column(c, justify="right")

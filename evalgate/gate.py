@@ -58,7 +58,9 @@ class GateRules:
     """Training-inference mismatch limits on the candidate's training steps (None = not checked)."""
     alpha: float | None = 0.05
     """The gate's stated false-refusal rate: the chance that a candidate behaving exactly like the serving and
-    first versions is refused for its rates (family-wise over every comparison, Holm). None: thresholds only."""
+    first versions is refused for its rates (family-wise over every comparison, Holm). None: thresholds only.
+    The test takes every rate, the solve metric's included, as a share of the suite's ``samples`` completions: a
+    metric over another count (per task, say) needs its own rule set with ``alpha=None``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "behaviour", tuple(self.behaviour))
@@ -121,7 +123,11 @@ def decide(
     bases = [("serving", serving)]
     if rules.compare_with_first:
         _require(first, [r.metric for r in rules.behaviour], "first")
-        bases.append(("first", first))
+        # when the first version's rates are the serving version's (v0 serves), the comparison is one, not two
+        # members of Holm's family
+        same = all(first[r.metric] == serving[r.metric] for r in rules.behaviour)
+        if rules.alpha is None or not same:
+            bases.append(("first", first))
     label = rules.solve_metric.replace("_", " ")
     c, p, tol = candidate[rules.solve_metric], serving[rules.solve_metric], rules.solve_tolerance
     # every comparison: (key, problem if it counts, one-sided p-value that the move is real or None: not a rate)
@@ -140,6 +146,7 @@ def decide(
     tested = {k: pv for k, _, pv in checks if pv is not None}
     real = holm(tested, rules.alpha) if rules.alpha is not None and tested else set()
     problems: list[str] = []
+    noise: list[str] = []  # beyond a threshold but not significant: said in the reason, not refused for
     for key, problem, pv in checks:
         if problem is None:
             continue
@@ -147,6 +154,8 @@ def decide(
             problems.append(problem)
         elif key in real:
             problems.append(f"{problem}; p = {pv:.2g} (significant at {rules.alpha:g}, Holm over {len(tested)})")
+        else:
+            noise.append(f"{problem.split(';')[0]} (p = {pv:.2g})")
     if rules.mismatch is not None and (fired := mismatch_alerts(training, rules.mismatch)):
         problems.append(f"trained while the mismatch alert fired: {mismatch_summary(fired)}")
     if problems:
@@ -155,6 +164,8 @@ def decide(
     quoted = [f"{lab} {candidate[m]:.3f}" for lab, m in rules.summary if m in candidate]
     if quoted:
         reason += "; " + ", ".join(quoted)
+    if noise:
+        reason += "; within noise: " + "; ".join(noise)
     return Decision(True, reason, ())
 
 

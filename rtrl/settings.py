@@ -401,9 +401,9 @@ class LoopSettings(Section):
     )
     ab_share: float = _s(
         0.0,
-        "A/B mode: share of traffic a candidate that passed the evals serves before the "
-        "decision; its live behaviour is compared with the serving version's in ClickHouse "
-        "and an alert rejects it (0 = off)",
+        "A/B mode: share of users (by hash) a candidate that passed the evals serves before the "
+        "decision; an always-valid sequential test on their behaviour in ClickHouse against the serving "
+        "version's rolls it back or promotes it (0 = off)",
         ge=0,
         le=1,
     )
@@ -423,7 +423,8 @@ class LoopSettings(Section):
     ab_cuped: bool = _s(
         True,
         "A/B mode: CUPED - each user's behaviour on the serving version before the candidate came is the covariate "
-        "of the sequential test (less variance, earlier decisions; unbiased either way)",
+        "of the sequential test (less variance where users differ lastingly, earlier decisions; unbiased either "
+        "way; the loop's simulated users have no lasting traits, so it changes little there)",
     )
     ab_tau: float = _s(
         0.1, "A/B mode: the relative effect the sequential test is tuned to (0.1 = 10%; any value keeps alpha)", gt=0

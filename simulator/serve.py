@@ -9,8 +9,10 @@ policy, in-process on a free loopback port; with ``url`` an external vLLM or SGL
 the promoted version itself (nothing is loaded here then). Each burst of tasks is one request (the prompts
 as a list, ``n = group_size``); it publishes one :class:`Rollout` per completion on ``rtrl.rollouts``
 (keyed by trajectory), and lets the simulated user react through the client SDK
-(:func:`simulator.tasks.react`). In A/B mode a ``candidate_share`` of the tasks is served by a
-candidate version instead (the server's ``candidate_name`` model), with ``arm="candidate"`` on its events.
+(:func:`simulator.tasks.react`). Each task is asked by a user of its org (``users_per_org``, from a stream of
+their own). In A/B mode the users whose hash for the experiment (:func:`ab_bucket`) falls below ``candidate_share``
+are served by a candidate version instead (the server's ``candidate_name`` model), with ``arm="candidate"`` on their
+events: a user sees one arm for the whole experiment.
 """
 
 from __future__ import annotations

@@ -115,9 +115,16 @@ def test_a_move_within_the_noise_is_not_refused_and_a_real_one_is_with_its_p_val
     assert _gate(EV | {"solve_rate": 0.25}, EV, EV, stat, samples=400).promote  # p ~ 0.07 before Holm
     d = _gate(EV | {"solve_rate": 0.25}, EV, EV, stat, samples=4000)
     assert not d.promote and d.problems[0].startswith("solve rate 0.250 < 0.300 - 0.02; p = ")
-    assert "significant at 0.05, Holm over 7" in d.problems[0]
+    assert "significant at 0.05, Holm over 4" in d.problems[0]  # solve + 3 rules (first == serving: once)
     d = _gate(EV | {"broken_tool_call_rate": 0.2}, EV, EV, stat)
-    assert [p.split(":")[0] for p in d.problems] == ["vs serving", "vs first"] and "p = " in d.reason
+    # v0 serves (first == serving): one comparison, not two members of Holm's family
+    assert [p.split(":")[0] for p in d.problems] == ["vs serving"] and "p = " in d.reason
+    drifted = EV | {"broken_tool_call_rate": 0.1}
+    d = _gate(EV | {"broken_tool_call_rate": 0.2}, drifted, EV, stat)
+    assert [p.split(":")[0] for p in d.problems] == ["vs serving", "vs first"]
+    # a move beyond a threshold that is not significant promotes, and the reason says so
+    d = _gate(EV | {"broken_tool_call_rate": 0.105}, EV, EV, stat, samples=400)
+    assert d.promote and "within noise: vs serving: broken_tool_call_rate rose" in d.reason
     # a fall of a rate whose fall is bad: the test runs on the complement
     assert not _gate(EV | {"edit_rate": 0.6}, EV, EV, stat).promote
     assert _gate(EV | {"edit_rate": 0.7}, EV, EV, stat, samples=100).promote  # beyond 10%, not significant

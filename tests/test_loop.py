@@ -174,9 +174,14 @@ def test_ab_mode_serves_candidates_beside_control_and_decides_from_clickhouse(tm
     assert decided, d["checkpoints"]
     for version, status, reason in decided:
         assert arms.get((version, "candidate"), 0) >= 60  # it served beside the control arm
-        assert ("A/B on" in reason) if status == "promoted" else ("A/B alarm" in reason or "only" in reason)
+        assert (
+            ("A/B on" in reason)
+            if status == "promoted"
+            else ("A/B alarm" in reason or "only" in reason or "too few users" in reason)
+        )
     assert all(a in ("control", "candidate") for _, a in arms)
-    # randomised by user: while a candidate served, no user saw both arms
+    # randomised by user: while a candidate served, no user saw both arms (the analysis also drops any user it
+    # finds in both, e.g. served before the policy server switched)
     proc = subprocess.run(
         [sys.executable, "-c", USERS_IN_BOTH_ARMS, f"chdb://{tmp_path}/clickhouse"],
         capture_output=True,

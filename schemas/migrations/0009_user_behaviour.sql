@@ -5,7 +5,8 @@
 --   dissatisfied_rate = dissatisfied / trajectories, trajectories_with_broken_rate = with_broken / trajectories,
 --   broken_tool_call_rate = broken_calls / tool_calls, edit_persistence = persisted / checks,
 --   latency_mean_ms = latency_sum_ms / latency_n.
--- monitors/stats.py turns them into a metric with its delta-method variance over users (monitors.queries.user_arms).
+-- monitors/stats.py turns them into a metric with its delta-method variance over users (monitors.queries.user_sums,
+-- users_of).
 ALTER TABLE {db}.trajectories ADD COLUMN IF NOT EXISTS user_hash String DEFAULT '';
 
 CREATE VIEW IF NOT EXISTS {db}.user_behaviour AS
