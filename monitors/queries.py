@@ -215,18 +215,11 @@ USER_SUMS: dict[str, tuple[str, str]] = {
     "latency_mean_ms": ("latency_sum_ms", "latency_n"),
 }
 
-_SUMS_SQL = """
-    toFloat64(count()) AS trajectories,
-    toFloat64(countIf(edits_proposed > 0)) AS edited,
-    toFloat64(countIf(clarifying_questions > 0)) AS clarified,
-    toFloat64(countIf(dissatisfied_followups > 0)) AS dissatisfied,
-    toFloat64(countIf(broken_tool_calls > 0)) AS with_broken,
-    toFloat64(sum(broken_tool_calls)) AS broken_calls,
-    toFloat64(sum(tool_calls)) AS tool_calls,
-    sum(persisted_fraction_sum) AS persisted,
-    toFloat64(sum(persistence_checks)) AS checks,
-    sum(ifNull(latency_ms, 0)) AS latency_sum_ms,
-    toFloat64(count(latency_ms)) AS latency_n"""
+#: the per-user sums of the ``user_behaviour_between`` view (schemas/migrations/0009_user_behaviour.sql)
+USER_COLUMNS: tuple[str, ...] = tuple(dict.fromkeys(c for pair in USER_SUMS.values() for c in pair))
+
+#: the end of DateTime64(3)'s range (2300-01-01): "until the end" for the windowed view
+_END_MS = 10_413_792_000_000
 
 
 @dataclass(frozen=True)
@@ -237,31 +230,30 @@ class Side:
     arm: str
 
 
-def user_sums(
-    ch: Any, db: str, side: Side | None, since_ms: int | None = None, until_ms: int | None = None, org_id: str = "*"
-) -> dict[str, dict[str, float]]:
-    """Per user (salted hash) the sums of :data:`USER_SUMS` over the trajectories of ``side`` (None: every version
-    and arm) whose first event lies in [since_ms, until_ms); the same figures as the ``user_behaviour`` view."""
-    where: list[str] = ["1"]
-    params: dict[str, Any] = {}
-    if side is not None:
-        where.append("policy_version = {v:Int64} AND arm = {arm:String}")
-        params |= {"v": int(side.policy_version), "arm": side.arm}
-    if since_ms is not None:
-        where.append("first_event_ts >= fromUnixTimestamp64Milli({since:Int64})")
-        params["since"] = int(since_ms)
-    if until_ms is not None:
-        where.append("first_event_ts < fromUnixTimestamp64Milli({until:Int64})")
-        params["until"] = int(until_ms)
+def _window_sql(db: str, side: Side, since_ms: int | None, until_ms: int | None, org_id: str) -> tuple[str, dict]:
+    """FROM/WHERE over ``user_behaviour_between`` for one side, window and org, with its parameters."""
+    params: dict[str, Any] = {
+        "since": int(since_ms or 0),
+        "until": int(_END_MS if until_ms is None else until_ms),
+        "v": int(side.policy_version),
+        "arm": side.arm,
+    }
+    where = "policy_version = {v:Int64} AND arm = {arm:String}"
     if org_id != "*":
-        where.append("org_id = {org:String}")
+        where += " AND org_id = {org:String}"
         params["org"] = org_id
-    _, rows = _rows(
-        ch,
-        f"SELECT user_hash, {_SUMS_SQL} FROM {_check_name(db)}.trajectories FINAL "
-        f"WHERE {' AND '.join(where)} GROUP BY user_hash ORDER BY user_hash",
-        params,
-    )
+    source = f"{_check_name(db)}.user_behaviour_between(since_ms = {{since:Int64}}, until_ms = {{until:Int64}})"
+    return f"FROM {source} WHERE {where}", params
+
+
+def user_sums(
+    ch: Any, db: str, side: Side, since_ms: int | None = None, until_ms: int | None = None, org_id: str = "*"
+) -> dict[str, dict[str, float]]:
+    """Per user (salted hash) the sums of :data:`USER_SUMS` over the trajectories of ``side`` whose first event
+    lies in [since_ms, until_ms), from the ``user_behaviour_between`` view (what an analyst queries)."""
+    clause, params = _window_sql(db, side, since_ms, until_ms, org_id)
+    sums = ", ".join(f"sum({c}) AS {c}" for c in USER_COLUMNS)
+    _, rows = _rows(ch, f"SELECT user_hash, {sums} {clause} GROUP BY user_hash ORDER BY user_hash", params)
     return {r.pop("user_hash"): r for r in rows}
 
 
@@ -289,17 +281,9 @@ def cohort_users(
     of :class:`monitors.stats.CohortMonitor` (a hack confined to one org)."""
     sides: list[dict[str, dict[str, dict[str, float]]]] = []
     for side in (control, treatment):
-        where = "policy_version = {v:Int64} AND arm = {arm:String}"
-        params: dict[str, Any] = {"v": int(side.policy_version), "arm": side.arm}
-        if since_ms is not None:
-            where += " AND first_event_ts >= fromUnixTimestamp64Milli({since:Int64})"
-            params["since"] = int(since_ms)
-        _, rows = _rows(
-            ch,
-            f"SELECT toString(org_id) AS org, user_hash, {_SUMS_SQL} FROM {_check_name(db)}.trajectories FINAL "
-            f"WHERE {where} GROUP BY org, user_hash ORDER BY org, user_hash",
-            params,
-        )
+        clause, params = _window_sql(db, side, since_ms, None, "*")
+        cols = ", ".join(USER_COLUMNS)
+        _, rows = _rows(ch, f"SELECT org_id AS org, user_hash, {cols} {clause} ORDER BY org, user_hash", params)
         by_org: dict[str, dict[str, dict[str, float]]] = {}
         for r in rows:
             by_org.setdefault(r.pop("org"), {})[r.pop("user_hash")] = r
