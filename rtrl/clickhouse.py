@@ -63,6 +63,8 @@ TABLES: dict[str, type] = {
 ANALYST_TABLES = (
     "behaviour",
     "reward_stats",
+    "user_behaviour",
+    "user_behaviour_between",
     "trajectories",
     "rewards",
     "checkpoints",
