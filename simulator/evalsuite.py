@@ -1,8 +1,9 @@
 """The loop's default eval suite (:class:`evalgate.suite.EvalSuite`): the simulator's held-out tasks.
 
 Scores are greedy solve/behaviour rates prefixed ``greedy_``, plus the same rates of sampled
-completions over every task ``repeats`` times (``samples = repeats * len(tasks)``; 8 by default, so the gate's
-exact tests see enough completions to tell a real move from noise), sampled with a generator seeded by ``seed``
+completions over every task ``repeats`` times (``samples = repeats * len(tasks)``; 16 by default: with 200 tasks
+the gate's exact test then detects a broken-call rise at its rule's 25% threshold from a rate of ~0.09 with ~75%
+power at the Holm-adjusted level; 8 let a +29% v1 rise through as noise), sampled with a generator seeded by ``seed``
 so every model is judged on the same draws and the same model always scores the same.
 """
 
@@ -19,7 +20,7 @@ class HeldOutTasks:
 
     name = "held-out-tasks"
 
-    def __init__(self, n_tasks: int, seed: int, repeats: int = 8):
+    def __init__(self, n_tasks: int, seed: int, repeats: int = 16):
         if repeats < 1:
             raise ValueError(f"repeats must be >= 1 (sampled completions per task), got {repeats!r}")
         self.seed, self.repeats = seed, repeats

@@ -224,7 +224,7 @@ def test_held_out_tasks_score_a_real_model_deterministically():
     model = build_model(cfg)
     suite = HeldOutTasks(20, seed=3)
     assert isinstance(suite, EvalSuite)
-    assert suite.tasks == held_out(20, seed=10) and suite.samples == 160
+    assert suite.tasks == held_out(20, seed=10) and suite.samples == 320
     first = suite.evaluate(model)
     assert suite.evaluate(model) == first
     assert HeldOutTasks(20, seed=3).evaluate(model) == first
