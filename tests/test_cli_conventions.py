@@ -530,3 +530,19 @@ def test_the_loop_plot_shows_intervals_on_shared_axes_from_zero_and_labels_its_s
     finally:
         plt.close(fig)
     assert report.checkpoint_plot(rows, tmp_path / "loop.png", "t").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_summary_says_when_no_promoted_candidate_has_served_yet():
+    """A run whose only promotion came at its last decision has no live figures of a trained version: the summary
+    says so instead of comparing, and still counts the decisions (no ClickHouse read is needed for that)."""
+    from app import report
+
+    rows = [
+        {"version": 0, "status": "promoted", "trajectories": 500},
+        {"version": 1, "status": "rejected", "trajectories": 0},
+        {"version": 2, "status": "promoted", "trajectories": 0},
+    ]
+    lines = report.summary_lines(None, "rtrl", rows, "v2")
+    assert len(lines) == 3 and "nothing to compare with v0 live" in lines[0]
+    assert lines[2].startswith("2 candidates: 1 promoted, 1 refused; v2 serves (not live: v0's figures)")
+    assert all(len(line) <= 100 for line in lines)

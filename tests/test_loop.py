@@ -85,8 +85,10 @@ def test_main_job_closes_the_loop_and_rollback(tmp_path):
         line for line in summary.splitlines() if "candidates:" in line or "v0 -> v" in line or "reward (v2)" in line
     ]
     assert all(len(line) <= 100 for line in lines), lines
-    assert re.search(r"v0 -> v\d: edits kept [+-][\d.]+% \[[+-][\d.]+, [+-][\d.]+\], dissatisfied", summary) or (
-        "v0 still serves" in summary
+    # each headline change with its interval, or "-" where too few users have data for it (a short run)
+    change = r"(-|[+-][\d.]+% \[[+-][\d.]+, [+-][\d.]+\])"
+    assert re.search(rf"v0 -> v\d: edits kept {change}, dissatisfied {change}", summary) or (
+        "nothing to compare with v0 live" in summary  # no promoted candidate served (v1 refused, v2 promoted last)
     ), summary
     assert (tmp_path / "reports" / "loop.png").read_bytes()[:4] == b"\x89PNG"
     d = _dump(tmp_path)
