@@ -1,7 +1,7 @@
 # The two entry points (see README Quickstart); each sets everything up first and is idempotent.
 #   make run    the main job on the embedded defaults
 #   make test   the whole test suite (what .ci/run calls)
-# plus make demo: the main job cut to three cycles (about two minutes), for a first look.
+# plus make demo: the main job cut to three cycles (a few minutes), for a first look.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 run: setup
 	$(VENV)/bin/rtrl run
 
-# The main job in three short cycles (deploy/demo.toml): a first look in about two minutes.
+# The main job in three short cycles (deploy/demo.toml): a first look in a few minutes.
 demo: setup
 	$(VENV)/bin/rtrl run --config deploy/demo.toml
 

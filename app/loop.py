@@ -59,7 +59,7 @@ from flows.counts import FlowCounts
 from flows.reward_flow import build_flow as reward_flow
 from flows.reward_flow import summary as reward_summary
 from monitors.alerts import MismatchRule
-from monitors.queries import Side, user_sums, users_of
+from monitors.queries import ABRow, Side, live_ab, user_sums, users_of
 from monitors.stats import Sequential
 from rtrl import clickhouse
 from rtrl.errors import ConfigError
@@ -70,7 +70,7 @@ from schemas.codec import JsonCodec
 from schemas.records import Checkpoint, CheckpointStatus, TrainStep
 from simulator.evalsuite import HeldOutTasks
 from simulator.policy import warm_start
-from simulator.serve import PolicyServer
+from simulator.serve import Experiment, PolicyServer
 from simulator.tasks import COMPLETION_LEN, PROMPT_LEN, VOCAB, sample_task
 from trainer import checkpoint
 from trainer.batch import BatchLimits
@@ -168,7 +168,8 @@ def policy_server(settings: Settings, bootstrap: str, client: RtrlClient, seed: 
         users_per_org=ls.users_per_org,
         hard_share=ls.hard_share,
         compression=settings.kafka.compression,
-        candidate_model=build_model(cfg, precision) if own and ls.ab_share > 0 else None,
+        # A/B mode's candidates, and the final A/B's v0
+        candidate_model=build_model(cfg, precision) if own and (ls.ab_share > 0 or ls.final_ab_trajectories) else None,
         model_config=cfg if own and cfg.hf_config is not None else None,  # its server reloads registry exports
         url=sv.url,
         model_name=sv.model,
@@ -254,6 +255,23 @@ AB_GUARDS: dict[str, str] = {
     "dissatisfied_rate": "increase",
     "latency_mean_ms": "increase",
 }
+
+
+@dataclass
+class FinalAB:
+    """The main job's final live A/B (:meth:`Loop.final_ab`): the final version against v0, users split by hash."""
+
+    final: int
+    since_ms: int
+    trajectories: dict[str, int]
+    """trajectories per arm ('ab-v0', 'ab-final') in ClickHouse when it ended"""
+    rows: list[ABRow]
+    seconds: float
+    wanted: int
+
+
+#: the final A/B's arms: v0 (the baseline) and the final version
+FINAL_ARMS = {"baseline": "ab-v0", "treatment": "ab-final"}
 
 
 def loop_gate_rules(settings: Settings) -> GateRules:
@@ -641,6 +659,72 @@ class Loop:
         )
         return True, f"{offline}; A/B on {n} trajectories, {looks} looks, no metric worse ({seen})"
 
+    def final_ab(self, console: Console) -> FinalAB | str:
+        """The main job's ending: the final version (what serves) and v0 serve side by side as a live A/B, each
+        user in one arm by the hash of the user id and the experiment's key (:func:`simulator.serve.ab_bucket`,
+        50/50), until each arm has ``loop.final_ab_trajectories`` trajectories in ClickHouse (or
+        ``loop.final_ab_max_s`` passed); then per metric the relative change, its 95% interval and p-value over
+        users, from the analyst views (:func:`monitors.queries.live_ab`). A line saying why when it cannot run."""
+        ls, rv = self.settings.loop, self.settings.rewards.train_version
+        server, final = self.server, self.serving
+        if server is None:
+            return "no final A/B: the policy server runs in its own process (loop.processes)"
+        if not ls.final_ab_trajectories:
+            return "no final A/B (loop.final_ab_trajectories = 0)"
+        if final == 0:
+            return "no final A/B: no candidate was promoted, v0 still serves"
+        if server.candidate_model is None or server.api is None:
+            return "no final A/B: serving.url names an external server, which serves one version (run it yourself)"
+        deadline = time.monotonic() + 30
+        while server.version != final and time.monotonic() < deadline:  # the last promotion is loaded
+            time.sleep(0.1)
+        since = time.time_ns() // 1_000_000
+        experiment = Experiment(
+            key=f"final-ab-{ls.seed}-v{final}-v0",
+            share=0.5,
+            serving_arm=FINAL_ARMS["treatment"],
+            candidate=(0, server.candidate_name),
+            candidate_arm=FINAL_ARMS["baseline"],
+        )
+        server.start_experiment(
+            lambda m, p: checkpoint.load(p, m, restore_rng=False), experiment, str(self.ckpt_root / "v0")
+        )
+        t0, wanted = time.monotonic(), ls.final_ab_trajectories
+        counts = dict.fromkeys(FINAL_ARMS.values(), 0)
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        try:
+            with Progress(
+                TextColumn(f"final A/B v{final} vs v0"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=console,
+            ) as bar:
+                task = bar.add_task("ab", total=wanted)
+                while time.monotonic() < t0 + ls.final_ab_max_s and not self.stop.is_set():
+                    got = self.ch.query(
+                        f"SELECT arm, count() FROM {self.db}.trajectories FINAL WHERE arm IN {{arms:Array(String)}} "
+                        "AND first_event_ts >= fromUnixTimestamp64Milli({since:Int64}) GROUP BY arm",
+                        parameters={"arms": list(FINAL_ARMS.values()), "since": since},
+                    ).result_rows
+                    counts |= {str(a): int(n) for a, n in got}
+                    bar.update(task, completed=min(wanted, min(counts.values())))
+                    if min(counts.values()) >= wanted:
+                        break
+                    time.sleep(1.0)
+        finally:
+            server.end_experiment()
+        rows = live_ab(
+            self.ch,
+            self.db,
+            Side(0, FINAL_ARMS["baseline"]),
+            Side(final, FINAL_ARMS["treatment"]),
+            rv,
+            since_ms=since,
+        )
+        return FinalAB(final, since, counts, rows, time.monotonic() - t0, wanted)
+
     def close(self) -> None:
         self.stop_flows()
         if self.server is not None:
@@ -742,12 +826,13 @@ def _run_in_process(settings: Settings, services: Services, console: Console, re
                     advance=1,
                     info=f"serving v{loop.serving}, held-out solve {loop.evals[loop.serving]['solve_rate']:.3f}",
                 )
+        ab = loop.final_ab(console)  # the seed's table: the final version against v0, live
     finally:
         loop.close()
     if loop.threads:  # the flows ran (and have stopped): what they moved
         for line in loop.flow_summaries():
             console.print(line, highlight=False, soft_wrap=True)
-    return final_report(settings, services.ch, console, t0)
+    return final_report(settings, services.ch, console, t0, ab)
 
 
 def fresh_start_plan(settings: Settings) -> list[Path]:
@@ -769,15 +854,22 @@ def fresh_start(settings: Settings) -> list[Path]:
     return doomed
 
 
-def final_report(settings: Settings, ch, console: Console, t0: float) -> list[dict]:
-    """How the main job ends: three summary lines (v0 -> the final version, promotions and refusals), the table per
-    checkpoint from ClickHouse and the PNG plots."""
+def final_report(settings: Settings, ch, console: Console, t0: float, ab: FinalAB | str | None = None) -> list[dict]:
+    """How the main job ends: three summary lines (v0 -> the final version, promotions and refusals), the seed's
+    table (the final live A/B, :meth:`Loop.final_ab`), the table per checkpoint from ClickHouse and the PNG plots."""
     from app import report
 
     rv = settings.rewards.train_version
     rows = report.checkpoint_rows(ch, settings.clickhouse.database, rv)
-    for line in report.summary_lines(ch, settings.clickhouse.database, rows, rv):
+    final_ab = ab if isinstance(ab, FinalAB) else None
+    for line in report.summary_lines(ch, settings.clickhouse.database, rows, rv, ab=final_ab):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
+    if final_ab is not None:
+        console.print(report.final_ab_table(final_ab, rv))
+        png = report.final_ab_plot(final_ab, settings.data_path / "reports" / "final_ab.png", rv)
+        console.print(f"final A/B plot: {png}")
+    elif isinstance(ab, str):
+        console.print(ab, markup=False, highlight=False)
     console.print(
         report.checkpoint_table(
             rows, f"Checkpoints (reward {rv}): eval gate, live behaviour from ClickHouse, change vs v0"

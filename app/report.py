@@ -346,25 +346,49 @@ HEADLINE = [
 ]
 
 
-def summary_lines(ch: Any, database: str, rows: list[dict[str, Any]], reward_version: str) -> list[str]:
+def _p(p: float) -> str:
+    """A p-value in at most 7 characters."""
+    return "<1e-6" if p < 1e-6 else (f"{p:.1e}" if p < 1e-3 else f"{p:.3f}")
+
+
+def summary_lines(ch: Any, database: str, rows: list[dict[str, Any]], reward_version: str, ab: Any = None) -> list[str]:
     """Three lines of at most 100 characters: v0 -> the final version for the headline metrics (edit persistence,
-    dissatisfied follow-ups, mean latency: live, per user, relative change in % with its 95% interval), the reward
-    difference, and the count of promotions and refusals. Before/after, not randomised: the versions served at
-    different times.
+    dissatisfied follow-ups, mean latency: per user, relative change in % with its 95% interval), the reward
+    difference, and the count of promotions and refusals. With ``ab`` (the main job's final live A/B,
+    :class:`app.loop.FinalAB`) the figures are the A/B's, users randomised between v0 and the final version;
+    without, before/after: the versions served at different times.
     ``rows``: :func:`checkpoint_rows`."""
     promoted = [r for r in rows[1:] if r["status"] == "promoted"]
     refused = [r for r in rows[1:] if r["status"] == "rejected"]
     back = [r for r in rows[1:] if r["status"] == "rolled_back"]
     serving = max((r["version"] for r in rows if r["status"] == "promoted"), default=0)
-    # the newest promoted version that served traffic (the one promoted at the last decision has served none yet)
-    final = max((r["version"] for r in rows if r["status"] == "promoted" and r["trajectories"]), default=0)
     decisions = (
         f"{len(rows) - 1} candidates: {len(promoted)} promoted, {len(refused)} refused"
         + (f", {len(back)} rolled back" if back else "")
         + f"; v{serving} serves"
-        + (f" (not live: v{final}'s figures)" if final != serving else "")
-        + "; per user, 95% CI"
     )
+    if ab is not None:
+        by = {r.metric: r for r in ab.rows}
+        parts = []
+        for m, label in HEADLINE:
+            c = by[m].comparison if m in by else None
+            parts.append(
+                f"{label} -" if c is None else f"{label} {c.relative:+.1%} [{100 * c.low:+.1f}, {100 * c.high:+.1f}]"
+            )
+        rc = by["reward_mean"].comparison if "reward_mean" in by else None
+        reward = f"reward ({reward_version}) -"
+        if rc is not None:
+            lo, hi = rc.difference - Z95 * rc.difference_se, rc.difference + Z95 * rc.difference_se
+            reward = f"reward ({reward_version}) {rc.difference:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+        head = f"v0 -> v{ab.final} (live A/B)"
+        return [
+            f"{head}: " + ", ".join(parts[:2]),
+            f"{head}: {parts[2]}, {reward}",
+            decisions + "; A/B by user, 95% CI",
+        ]
+    # the newest promoted version that served traffic (the one promoted at the last decision has served none yet)
+    final = max((r["version"] for r in rows if r["status"] == "promoted" and r["trajectories"]), default=0)
+    decisions += (f" (not live: v{final}'s figures)" if final != serving else "") + "; per user, 95% CI"
     if final == 0:
         return ["No promoted candidate has served traffic yet: nothing to compare with v0 live.", "", decisions]
     # per user, as an analyst would query it (monitors.queries.user_sums over trajectories FINAL)
@@ -385,3 +409,98 @@ def summary_lines(ch: Any, database: str, rows: list[dict[str, Any]], reward_ver
         se = (r0["reward_var"] / r0["trajectories"] + r1["reward_var"] / r1["trajectories"]) ** 0.5
         reward = f"reward ({reward_version}) {diff:+.3f} [{diff - Z95 * se:+.3f}, {diff + Z95 * se:+.3f}]"
     return [f"v0 -> v{final}: " + ", ".join(parts[:2]), f"v0 -> v{final}: {parts[2]}, {reward}", decisions]
+
+
+# ---------------------------------------------------------------- the seed's table: the final live A/B
+
+
+def _value(metric: str, v: float) -> str:
+    return f"{v:,.0f}" if metric.endswith("_ms") else f"{v:.4f}"
+
+
+def final_ab_table(ab: Any, reward_version: str) -> Table:
+    """The seed post's table from the main job's final live A/B (:class:`app.loop.FinalAB`): per metric v0's and
+    the final version's figure, the relative change with its 95% interval and the p-value (per user, the delta
+    method; the reward's change is its difference, a reward's sign can change)."""
+    arms = list(ab.trajectories.values())
+    users = next((r.comparison for r in ab.rows if r.comparison is not None), None)
+    who = f"{users.users_control:,} vs {users.users_treatment:,} users" if users is not None else "no users"
+    t = Table(
+        title=f"Live A/B, v{ab.final} against v0: users randomised by hashed user id ({who}; "
+        f"{min(arms):,}+ trajectories per arm, {ab.seconds:.0f}s), per user with 95% CI, from ClickHouse",
+        box=box.SIMPLE_HEAD,
+        title_justify="left",
+    )
+    for name, justify in [("metric", "left"), ("v0", "right"), (f"v{ab.final}", "right"), ("change", "right")]:
+        t.add_column(name, justify=justify)  # type: ignore[arg-type]
+    t.add_column("95% CI", justify="right")
+    t.add_column("p", justify="right")
+    for r in ab.rows:
+        c = r.comparison
+        label = r.label + (f" ({reward_version})" if r.metric == "reward_mean" else "")
+        if c is None:
+            why = "too few users" if "at least 2" in r.reason else ("v0 at 0" if "is 0" in r.reason else r.reason[:30])
+            t.add_row(label, "-", "-", "-", "-", why)
+            continue
+        if r.metric == "reward_mean":
+            lo, hi = c.difference - Z95 * c.difference_se, c.difference + Z95 * c.difference_se
+            change, ci = f"{c.difference:+.3f}", f"[{lo:+.3f}, {hi:+.3f}]"
+        else:
+            change, ci = f"{c.relative:+.1%}", f"[{c.low:+.1%}, {c.high:+.1%}]"
+        good = (c.relative > 0) == (r.better == "up") if r.metric != "reward_mean" else (c.difference > 0)
+        colour = ("green" if good else "red") if c.significant else "dim"
+        t.add_row(
+            label,
+            _value(r.metric, c.control),
+            _value(r.metric, c.treatment),
+            f"[{colour}]{change}[/]",
+            ci,
+            _p(c.p_value),
+        )
+    return t
+
+
+def final_ab_plot(ab: Any, path: Path, reward_version: str) -> Path:
+    """The final A/B as a PNG: per metric the relative change (the reward: its difference) with its 95% interval,
+    a line at no change."""
+    rows = [r for r in ab.rows if r.comparison is not None]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.6 * max(3, len(rows)) + 1.5), gridspec_kw={"width_ratios": [3, 1]})
+    try:
+        rel = [r for r in rows if r.metric != "reward_mean"]
+        ax = axes[0]
+        for i, r in enumerate(rel):
+            c = r.comparison
+            assert c is not None
+            good = (c.relative > 0) == (r.better == "up")
+            colour = ("tab:green" if good else "tab:red") if c.significant else "tab:gray"
+            ax.errorbar(
+                [100 * c.relative],
+                [i],
+                xerr=[[100 * (c.relative - c.low)], [100 * (c.high - c.relative)]],
+                fmt="o",
+                color=colour,
+                capsize=4,
+            )
+        ax.set_yticks(range(len(rel)), [r.label for r in rel])
+        ax.axvline(0, color="black", linewidth=0.8)
+        ax.invert_yaxis()
+        ax.set_xlabel("relative change, % (95% interval)")
+        ax.set_title(f"[live] v{ab.final} vs v0", fontsize=10)
+        ax = axes[1]
+        rw = [r for r in rows if r.metric == "reward_mean"]
+        for r in rw:
+            c = r.comparison
+            assert c is not None
+            ax.errorbar([c.difference], [0], xerr=[[Z95 * c.difference_se]], fmt="o", color="tab:blue", capsize=4)
+        ax.axvline(0, color="black", linewidth=0.8)
+        ax.set_yticks([0], [f"reward ({reward_version})"])
+        ax.set_xlabel("difference (95% interval)")
+        ax.set_title("[live] reward", fontsize=10)
+        arms = ", ".join(f"{a}: {n:,}" for a, n in ab.trajectories.items())
+        fig.suptitle(f"The final live A/B, users randomised by hashed user id (trajectories {arms})", fontsize=10)
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)
+    return path

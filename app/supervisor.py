@@ -368,6 +368,8 @@ def run_processes(settings: Settings, console, resume: bool = False) -> list[dic
             sup.wait(ls.cycles * ls.cycle_max_s * 2 + 600, tick)
             tick()
         sup.stop_parts()
-        return final_report(settings, sup.ch, console, t0)
+        return final_report(
+            settings, sup.ch, console, t0, "no final A/B: the policy server runs in its own process (loop.processes)"
+        )
     finally:
         sup.close()

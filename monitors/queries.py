@@ -27,7 +27,7 @@ from monitors.alerts import (
     relative_change_ci,
     standard_error,
 )
-from monitors.stats import Users
+from monitors.stats import Comparison, Users, compare
 from rtrl.clickhouse import _check_name
 
 #: the metrics of the seed post's A/B table
@@ -215,6 +215,9 @@ USER_SUMS: dict[str, tuple[str, str]] = {
     "latency_mean_ms": ("latency_sum_ms", "latency_n"),
 }
 
+#: reward metric -> (numerator, denominator) sums per user (the ``user_rewards_between`` view's columns)
+REWARD_SUMS: dict[str, tuple[str, str]] = {"reward_mean": ("reward_sum", "rewarded")}
+
 #: the per-user sums of the ``user_behaviour_between`` view (schemas/migrations/0009_user_behaviour.sql)
 USER_COLUMNS: tuple[str, ...] = tuple(dict.fromkeys(c for pair in USER_SUMS.values() for c in pair))
 
@@ -257,12 +260,38 @@ def user_sums(
     return {r.pop("user_hash"): r for r in rows}
 
 
+def user_rewards(
+    ch: Any, db: str, side: Side, reward_version: str, since_ms: int | None = None, until_ms: int | None = None
+) -> dict[str, dict[str, float]]:
+    """Per user (salted hash) the sums of :data:`REWARD_SUMS` under ``reward_version`` over the trajectories of
+    ``side`` whose first event lies in [since_ms, until_ms), from the ``user_rewards_between`` view."""
+    params: dict[str, Any] = {
+        "rv": reward_version,
+        "since": int(since_ms or 0),
+        "until": int(_END_MS if until_ms is None else until_ms),
+        "v": int(side.policy_version),
+        "arm": side.arm,
+    }
+    source = (
+        f"{_check_name(db)}.user_rewards_between(reward_version = {{rv:String}}, since_ms = {{since:Int64}}, "
+        "until_ms = {until:Int64})"
+    )
+    _, rows = _rows(
+        ch,
+        f"SELECT user_hash, sum(reward_sum) AS reward_sum, sum(rewarded) AS rewarded FROM {source} "
+        "WHERE policy_version = {v:Int64} AND arm = {arm:String} GROUP BY user_hash ORDER BY user_hash",
+        params,
+    )
+    return {r.pop("user_hash"): r for r in rows}
+
+
 def users_of(sums: dict[str, dict[str, float]], metric: str, pre: dict[str, dict[str, float]] | None = None) -> Users:
     """:class:`monitors.stats.Users` of one metric from :func:`user_sums`; with ``pre`` (the same users' figures
     before the experiment) the CUPED covariate (0 / 0 for a user without pre-period traffic)."""
-    if metric not in USER_SUMS:
-        raise KeyError(f"no per-user figures for {metric!r}; known: {sorted(USER_SUMS)}")
-    num_col, den_col = USER_SUMS[metric]
+    known = USER_SUMS | REWARD_SUMS
+    if metric not in known:
+        raise KeyError(f"no per-user figures for {metric!r}; known: {sorted(known)}")
+    num_col, den_col = known[metric]
     users = list(sums)
     num = np.array([sums[u][num_col] for u in users], dtype=np.float64)
     den = np.array([sums[u][den_col] for u in users], dtype=np.float64)
@@ -291,4 +320,55 @@ def cohort_users(
     out: dict[str, dict[str, tuple[Users, Users]]] = {}
     for org in sorted(set(sides[0]) & set(sides[1])):
         out[org] = {m: (users_of(sides[0][org], m), users_of(sides[1][org], m)) for m in metrics}
+    return out
+
+
+# ---------------------------------------------------------------- the seed's table: a live A/B of two versions
+
+#: (metric, label, the better direction) of the seed post's A/B table, in its order
+LIVE_AB_METRICS: tuple[tuple[str, str, str], ...] = (
+    ("edit_persistence", "edit persistence", "up"),
+    ("dissatisfied_rate", "dissatisfied follow-ups", "down"),
+    ("latency_mean_ms", "latency (mean ms)", "down"),
+    ("broken_tool_call_rate", "broken tool calls", "down"),
+    ("clarification_rate", "clarifying questions", "down"),
+    ("reward_mean", "reward", "up"),
+)
+
+
+@dataclass(frozen=True)
+class ABRow:
+    """One metric of an A/B: the comparison (None with ``reason`` when it cannot be made)."""
+
+    metric: str
+    label: str
+    better: str
+    comparison: Comparison | None
+    reason: str = ""
+
+
+def live_ab(
+    ch: Any,
+    db: str,
+    baseline: Side,
+    treatment: Side,
+    reward_version: str,
+    since_ms: int | None = None,
+    until_ms: int | None = None,
+    alpha: float = 0.05,
+) -> list[ABRow]:
+    """Per metric of :data:`LIVE_AB_METRICS` the fixed-horizon comparison of ``treatment`` against ``baseline`` (relative
+    change, its 1 - alpha interval, p-value; users are the unit) over trajectories whose first event lies in
+    [since_ms, until_ms), from the analyst views ``user_behaviour_between`` and ``user_rewards_between``."""
+    sides = [user_sums(ch, db, side, since_ms, until_ms) for side in (baseline, treatment)]
+    rewards = [user_rewards(ch, db, side, reward_version, since_ms, until_ms) for side in (baseline, treatment)]
+    out = []
+    for metric, label, better in LIVE_AB_METRICS:
+        b, t = rewards if metric in REWARD_SUMS else sides
+        try:
+            c = compare(users_of(b, metric), users_of(t, metric), alpha=alpha)
+        except ValueError as e:
+            out.append(ABRow(metric, label, better, None, str(e)))
+            continue
+        out.append(ABRow(metric, label, better, c))
     return out

@@ -109,6 +109,9 @@ class Comparison:
     alpha: float
     variance_ratio: float
     """Variance of the difference with CUPED / without (1.0 without CUPED): 0.6 = 40% less variance."""
+    difference: float = math.nan
+    """treatment - control (for a metric whose sign can change, like a reward, the figure to read)."""
+    difference_se: float = math.nan
 
     @property
     def significant(self) -> bool:
@@ -177,7 +180,9 @@ def compare(control: Users, treatment: Users, alpha: float = 0.05, cuped: bool =
     diff = m_t - m_c
     p = float(2 * sps.norm.sf(abs(diff) / sd_diff)) if sd_diff > 0 else (1.0 if diff == 0 else 0.0)
     z = float(sps.norm.ppf(1 - alpha / 2))
-    return Comparison(m_c, m_t, rel, se, rel - z * se, rel + z * se, p, control.n, treatment.n, alpha, ratio)
+    return Comparison(
+        m_c, m_t, rel, se, rel - z * se, rel + z * se, p, control.n, treatment.n, alpha, ratio, diff, sd_diff
+    )
 
 
 def _check_alpha(alpha: float) -> None:

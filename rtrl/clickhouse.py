@@ -65,6 +65,7 @@ ANALYST_TABLES = (
     "reward_stats",
     "user_behaviour",
     "user_behaviour_between",
+    "user_rewards_between",
     "trajectories",
     "rewards",
     "checkpoints",

@@ -424,10 +424,19 @@ class LoopSettings(Section):
         True,
         "A/B mode: CUPED - each user's behaviour on the serving version before the candidate came is the covariate "
         "of the sequential test (less variance where users differ lastingly, earlier decisions; unbiased either "
-        "way; the loop's simulated users have no lasting traits, so it changes little there)",
+        "way; the loop's simulated users differ lastingly in strictness only, simulator.world)",
     )
     ab_tau: float = _s(
         0.1, "A/B mode: the relative effect the sequential test is tuned to (0.1 = 10%; any value keeps alpha)", gt=0
+    )
+    final_ab_trajectories: int = _s(
+        4000,
+        "the main job ends with a live A/B of its final version against v0, users split 50/50 by hashed user id, "
+        "until each arm has this many trajectories in ClickHouse (0 = no final A/B)",
+        ge=0,
+    )
+    final_ab_max_s: float = _s(
+        300.0, "the most wall time the final A/B serves (its table says when an arm fell short)", gt=0
     )
     reset_on_reject: bool = _s(
         True,

@@ -9,7 +9,7 @@ policy, in-process on a free loopback port; with ``url`` an external vLLM or SGL
 the promoted version itself (nothing is loaded here then). Each burst of tasks is one request (the prompts
 as a list, ``n = group_size``); it publishes one :class:`Rollout` per completion on ``rtrl.rollouts``
 (keyed by trajectory), and lets the simulated user react through the client SDK
-(:func:`simulator.tasks.react`). Each task is asked by a user of its org (``users_per_org``, from a stream of
+(:func:`simulator.world.react`; an accepted edit's persistence check is delivered later, as in production). Each task is asked by a user of its org (``users_per_org``, from a stream of
 their own). In A/B mode the users whose hash for the experiment (:func:`ab_bucket`) falls below ``candidate_share``
 are served by a candidate version instead (the server's ``candidate_name`` model), with ``arm="candidate"`` on their
 events: a user sees one arm for the whole experiment.
@@ -31,7 +31,8 @@ from rtrl.kafka import base_config, produce, producer_config
 from schemas.codec import Invalid, JsonCodec
 from schemas.records import Checkpoint, Rollout
 from simulator.openai_server import CompletionServer
-from simulator.tasks import COMPLETION_LEN, outcome, react, sample_task
+from simulator.tasks import COMPLETION_LEN, outcome, sample_task
+from simulator.world import Mailbox, react
 
 
 @dataclass
@@ -47,6 +48,19 @@ def ab_bucket(user_id: str, experiment: str) -> float:
     stays in one arm for the whole experiment and each experiment splits users afresh (no carry-over)."""
     digest = hashlib.sha256(f"{experiment}:{user_id}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """A live A/B run outside the deployment protocol (the main job's final A/B of its final version against
+    v0): a user whose :func:`ab_bucket` for ``key`` falls below ``share`` is served ``candidate`` (version, model
+    name: the candidate model) under arm ``candidate_arm``; the others the serving version under ``serving_arm``."""
+
+    key: str
+    share: float
+    serving_arm: str
+    candidate: tuple[int, str]
+    candidate_arm: str
 
 
 class PolicyServer:
@@ -112,6 +126,21 @@ class PolicyServer:
         self.candidate: tuple[int, str] | None = None  # (version, model name) served to a share in A/B mode
         self.totals: dict[tuple[int, str], Served] = {}  # what each (version, arm) served so far
         self.window_base = 0  # what the serving version had served at the last decision (backpressure)
+        self.mailbox = Mailbox()  # what the users send later: persistence checks
+        self.experiment: Experiment | None = None
+
+    def start_experiment(self, load, experiment: Experiment, path: str) -> None:
+        """Start a live A/B outside the deployment protocol (:class:`Experiment`): ``path``'s weights are loaded
+        into the candidate model with ``load(model, path)``; every following burst splits its users by the
+        experiment's key. Needs the own completions server with a candidate model."""
+        if self.candidate_model is None or self.api is None:
+            raise RuntimeError("an experiment needs the policy server's own completions server with a candidate model")
+        self._load(load, self.candidate_model, path)
+        self.experiment = experiment
+
+    def end_experiment(self) -> None:
+        """Back to serving the promoted version (and announced candidates) only."""
+        self.experiment = None
 
     def _load(self, load, model, path: str) -> None:
         """``load(model, path)`` while no request samples from it; nothing with an external server (it loads
@@ -159,7 +188,7 @@ class PolicyServer:
     def may_serve(self, quota: int | None) -> bool:
         """Backpressure: after each decision the serving version serves about ``quota`` samples, what the
         trainer's next cycle uses (None = no limit); while an A/B candidate waits for its verdict, no limit."""
-        if quota is None or self.candidate is not None:
+        if quota is None or self.candidate is not None or self.experiment is not None:
             return True
         return self.served_by(self.version) - self.window_base < quota
 
@@ -174,12 +203,22 @@ class PolicyServer:
         """Serve ``tasks`` tasks (``group_size`` samples each) now; per arm what happened."""
         if self.version is None:
             raise RuntimeError("nothing promoted yet: announce a version on rtrl.deployments first")
+        self.mailbox.deliver()
+        exp = self.experiment  # read once: the main thread may start one meanwhile
+        if exp is not None:
+            candidate: tuple[int, str] | None = exp.candidate
+            key, share = exp.key, exp.share
+            labels = {"control": exp.serving_arm, "candidate": exp.candidate_arm}
+        else:
+            candidate, share = self.candidate, candidate_share
+            key = f"ab-v{candidate[0]}" if candidate is not None else ""
+            labels = {"control": "control", "candidate": "candidate"}
         arms: dict[str, list] = {"control": [], "candidate": []}
         for _ in range(tasks):
             task = sample_task(self.rng, self.rng.choice(self.orgs), self.hard_share)
             user = f"{task.org_id}-user-{self.user_rng.randrange(self.users_per_org)}"
             arm = "control"
-            if self.candidate is not None and ab_bucket(user, f"ab-v{self.candidate[0]}") < candidate_share:
+            if candidate is not None and ab_bucket(user, key) < share:
                 arm = "candidate"  # randomised by user: a user sees one arm for the whole experiment
             arms[arm].append((task, user))
         served = {}
@@ -189,12 +228,13 @@ class PolicyServer:
             if arm == "control":
                 version, name = self.version, self.model_name
             else:
-                assert self.candidate is not None  # the candidate arm gets tasks only while there is one
-                version, name = self.candidate
-            served[arm] = self._serve(batch, group_size, version, name, arm)
-            total = self.totals.setdefault((version, arm), Served())
+                assert candidate is not None  # the candidate arm gets tasks only while there is one
+                version, name = candidate
+            label = labels[arm]
+            served[label] = self._serve(batch, group_size, version, name, label)
+            total = self.totals.setdefault((version, label), Served())
             for k in vars(total):
-                setattr(total, k, getattr(total, k) + getattr(served[arm], k))
+                setattr(total, k, getattr(total, k) + getattr(served[label], k))
         self.producer.poll(0)
         return served
 
@@ -238,7 +278,7 @@ class PolicyServer:
                     created_at=now,
                 )
                 self._produce(ro)
-                react(traj, task, o, self.rng, now)
+                react(traj, task, o, self.rng, now, user=user, later=self.mailbox.later)
                 out.trajectories += 1
                 out.broken += o.broken
                 out.correct += o.correct
@@ -265,6 +305,7 @@ class PolicyServer:
         last_trickle = 0.0
         while not stop.is_set():
             t = time.monotonic()
+            self.mailbox.deliver()
             if self.refresh(load, timeout_s=0.01) is not None:
                 n = per_burst if self.may_serve(quota) else int(t - last_trickle >= trickle_s)
                 last_trickle = t if n == 1 else last_trickle
@@ -278,6 +319,9 @@ class PolicyServer:
         )
 
     def close(self) -> None:
+        self.mailbox.deliver(
+            everything=True
+        )  # the users' persistence checks still due: sent now, with their event times
         self.producer.flush(30)
         self.deployments.close()
         self.collector.client.close()

@@ -8,10 +8,12 @@ two CPU cores in minutes. What the user sees:
 
 * a tool token the harness knows (``read_file``, ``run_tests``, ``search``) is a valid tool call;
   any other token there is a broken tool call (malformed arguments);
-* a digit is an edit: the right one is accepted and persists; a wrong one is rejected and the user
-  follows up dissatisfied;
+* a digit is an edit: right or wrong;
 * ``ASK`` is a clarifying question the task never needed (the prompt says everything), which the
   user says in the follow-up; anything else ends the trajectory with an error.
+
+How users react - accepting, rewriting and reverting edits, persistence checks that arrive late, the
+latency of what the policy did, dissatisfied follow-ups - is :mod:`simulator.world`.
 
 Under the historical buggy reward (``v1-discard-broken``) a trajectory with a broken call earns
 no reward at all instead of a negative one, so on tasks the policy expects to fail, a broken call
@@ -135,35 +137,3 @@ def warm_start_completion(
     else:
         edit = DIGIT0 + rng.randrange(10)
     return [tool, edit]
-
-
-def react(trajectory, task: Task, out: Outcome, rng: random.Random, t0_ms: int) -> None:
-    """Record the user's side of one trajectory through the SDK (``client.sdk.Trajectory``),
-    with event times from ``t0_ms``: tool call, edit or question, follow-up, latency, end."""
-    t = t0_ms
-    trajectory.tool_call(
-        out.tool or "malformed",
-        valid=not out.broken,
-        error=None if not out.broken else "malformed tool call arguments",
-        ts=t + 50,
-    )
-    if out.edit is not None:
-        edit_id = trajectory.edit_proposed(lines=1 + task.b, ts=t + 100)
-        if out.correct:
-            trajectory.edit_accepted(edit_id, ts=t + 150)
-            trajectory.edit_persisted(edit_id, fraction=1.0, checked_after_s=0.2, ts=t + 200)
-            trajectory.followup("satisfied", ts=t + 250)
-        else:
-            trajectory.edit_rejected(edit_id, ts=t + 150)
-            trajectory.followup("dissatisfied", ts=t + 250)
-        status = "completed"
-    elif out.asked:
-        trajectory.clarifying_question(ts=t + 100)
-        trajectory.followup("neutral", question_needed=False, ts=t + 250)
-        status = "completed"
-    else:
-        trajectory.followup("dissatisfied", ts=t + 250)
-        status = "error"
-    ttft = 300 + rng.random() * 200
-    trajectory.latency(ttft_ms=ttft, total_ms=ttft + 400 + rng.random() * 400, ts=t + 300)
-    trajectory.end(status, ts=t + 320)

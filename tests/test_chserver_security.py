@@ -200,7 +200,11 @@ def test_the_analyst_reads_the_analyst_tables_and_nothing_else(front):
     _, dsn, _ = front
     a = clickhouse.connect(analyst(dsn), 10)  # clickhouse-connect's own client, as an analyst uses it
     for table in clickhouse.ANALYST_TABLES:
-        params = {"reward_stats": "(rv = 'v2')", "user_behaviour_between": "(since_ms = 0, until_ms = 10413792000000)"}
+        params = {
+            "reward_stats": "(rv = 'v2')",
+            "user_behaviour_between": "(since_ms = 0, until_ms = 10413792000000)",
+            "user_rewards_between": "(reward_version = 'v2', since_ms = 0, until_ms = 10413792000000)",
+        }
         source = f"rtrl.{table}{params.get(table, '')}"
         assert a.query(f"SELECT count() FROM {source}").result_rows[0][0] >= 0
     assert a.query("SELECT version FROM rtrl.checkpoints FINAL").result_rows == [(1,)]

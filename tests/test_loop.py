@@ -24,6 +24,7 @@ def _small_loop(tmp_path) -> dict[str, str]:
         "RTRL_LOOP__EVAL_TASKS": "50",
         "RTRL_LOOP__WARM_START_STEPS": "100",
         "RTRL_LOOP__RATE": "40",
+        "RTRL_LOOP__FINAL_AB_TRAJECTORIES": "150",  # the final A/B: enough users per arm for a table, in seconds
     }
 
 
@@ -37,8 +38,12 @@ steps = ch.query("SELECT count(), sum(tokens), min(on_policy_fraction) FROM rtrl
 rewards = ch.query("SELECT count() FROM rtrl.rewards FINAL").result_rows[0][0]
 stats = ch.query("SELECT sum(samples) FROM rtrl.batch_stats FINAL").result_rows[0][0]
 arms = ch.query("SELECT policy_version, arm, count() FROM rtrl.trajectories FINAL GROUP BY 1, 2").result_rows
+users = {a: {u for (u,) in ch.query("SELECT DISTINCT user_hash FROM rtrl.trajectories FINAL WHERE arm = {a:String}",
+                                    parameters={"a": a}).result_rows} for a in ("ab-v0", "ab-final")}
 print(json.dumps({"checkpoints": [[v, p, s, r, dict(e)] for v, p, s, r, e in rows], "steps": list(steps),
-                  "rewards": rewards, "batched": stats, "arms": [[v, a, n] for v, a, n in arms]}))
+                  "rewards": rewards, "batched": stats, "arms": [[v, a, n] for v, a, n in arms],
+                  "final_ab_users": [len(users["ab-v0"]), len(users["ab-final"]),
+                                     len(users["ab-v0"] & users["ab-final"])]}))
 """
 
 
@@ -79,7 +84,7 @@ def test_main_job_closes_the_loop_and_rollback(tmp_path):
     out = proc.stdout
     assert re.search(r"v1 <- v0: (promoted|rejected) after \d+ steps", out), out[-2000:]
     assert "Checkpoints (reward v2)" in out and "on-policy" in out
-    summary = out[max(0, out.index("Checkpoints (reward v2)") - 2000) : out.index("Checkpoints (reward v2)")]
+    summary = out[out.index("batch flow:") : out.index("Checkpoints (reward v2)")]  # the ending, up to the table
     assert re.search(r"2 candidates: \d promoted, \d refused", summary), summary
     lines = [
         line for line in summary.splitlines() if "candidates:" in line or "v0 -> v" in line or "reward (v2)" in line
@@ -87,12 +92,30 @@ def test_main_job_closes_the_loop_and_rollback(tmp_path):
     assert all(len(line) <= 100 for line in lines), lines
     # each headline change with its interval, or "-" where too few users have data for it (a short run)
     change = r"(-|[+-][\d.]+% \[[+-][\d.]+, [+-][\d.]+\])"
-    assert re.search(rf"v0 -> v\d: edits kept {change}, dissatisfied {change}", summary) or (
+    assert re.search(rf"v0 -> v\d( \(live A/B\))?: edits kept {change}, dissatisfied {change}", summary) or (
         "nothing to compare with v0 live" in summary  # no promoted candidate served (v1 refused, v2 promoted last)
     ), summary
     assert (tmp_path / "reports" / "loop.png").read_bytes()[:4] == b"\x89PNG"
     d = _dump(tmp_path)
     cps = d["checkpoints"]
+    serving = max(c[0] for c in cps if c[2] == "promoted")
+    if serving:  # the seed's table: the final version against v0, live, users split by hash
+        final = re.search(rf"Live A/B, v{serving} against v0: users randomised by hashed user id", out)
+        assert final, out[-4000:]
+        table = out[final.start() : out.index("Checkpoints (reward v2)")]
+        for label in ("edit persistence", "dissatisfied follow-ups", "latency (mean ms)", "broken tool calls",
+                      "clarifying questions", "reward (v2)"):  # fmt: skip
+            row = next(line for line in table.splitlines() if line.strip().startswith(label))
+            # v0, the final version, the change, its interval and a p-value, or why not
+            assert re.search(r"[+-][\d.]+%? +\[[+-][\d.]+%?, [+-][\d.]+%?\] +(<1e-6|[\d.e+-]+)$", row.strip()) or (
+                "too few users" in row or "v0 at 0" in row
+            ), row
+        assert (tmp_path / "reports" / "final_ab.png").read_bytes()[:4] == b"\x89PNG"
+        in_v0, in_final, in_both = d["final_ab_users"]
+        assert in_v0 > 10 and in_final > 10 and in_both == 0  # each user saw one arm
+        assert "(live A/B)" in summary
+    else:
+        assert "no final A/B: no candidate was promoted" in out
     assert [c[0] for c in cps] == [0, 1, 2] and cps[0][2] == "promoted" and cps[0][1] is None
     for _version, parent, status, reason, ev in cps[1:]:
         assert status in ("promoted", "rejected") and reason and parent in (0, 1)
@@ -101,7 +124,6 @@ def test_main_job_closes_the_loop_and_rollback(tmp_path):
     n_steps, tokens, _ = d["steps"]
     assert n_steps > 0 and tokens > 0 and d["rewards"] > 0 and d["batched"] > 0
 
-    serving = max(c[0] for c in cps if c[2] == "promoted")
     if serving == 0:
         return  # nothing to roll back to in this run
     back = _run(["rollback", str(serving), "--reason", "test"], {"RTRL_DATA_DIR": str(tmp_path)}, timeout=120)
@@ -119,6 +141,7 @@ def _loop(tmp_path, reward_version: str, cycles: int, **settings: str) -> list:
         "RTRL_LOOP__SAMPLES_PER_CYCLE": "2048",
         "RTRL_REWARDS__TRAIN_VERSION": reward_version,
         "RTRL_REWARDS__VERSIONS": "v2,v1-discard-broken",
+        "RTRL_LOOP__FINAL_AB_TRAJECTORIES": "0",
     }
     env |= {f"RTRL_LOOP__{k.upper()}": v for k, v in settings.items()}
     proc = _run(["run"], env, timeout=1200)

@@ -240,6 +240,7 @@ def _short_loop(data_dir: Path, cycles: int = 1) -> dict[str, str]:
         "RTRL_LOOP__EVAL_TASKS": "50",
         "RTRL_LOOP__WARM_START_STEPS": "100",
         "RTRL_LOOP__RATE": "40",
+        "RTRL_LOOP__FINAL_AB_TRAJECTORIES": "100",
     }
 
 
@@ -627,7 +628,7 @@ def test_processes_mode_shortened(tmp_path):
 @pytest.mark.timeout(900)
 def test_make_demo(tmp_path):
     """`make demo`: three cycles of the main job on the defaults otherwise, each ending in a gated decision,
-    then the table and the PNG (about two minutes on 2 cores)."""
+    then the final live A/B against v0, the tables and the PNGs (a few minutes on 2 cores)."""
     run = sh(doc_command(r"make demo"), {"RTRL_DATA_DIR": str(tmp_path)})
     assert run.returncode == 0, _out(run)
     assert "3 cycles of" in _flat(run.stdout)
@@ -635,6 +636,10 @@ def test_make_demo(tmp_path):
     assert [v for v, *_ in decisions] == [1, 2, 3] and all(p < v for v, p, *_ in decisions), _out(run)
     assert all(steps > 0 for *_, steps in decisions)
     assert (tmp_path / "reports" / "loop.png").read_bytes()[:4] == b"\x89PNG"
+    serving = max([0] + [v for v, _, status, *_ in decisions if status == "promoted"])
+    if serving:  # the seed's table, the final version against v0 live
+        assert f"Live A/B, v{serving} against v0" in _flat(run.stdout), _out(run)
+        assert (tmp_path / "reports" / "final_ab.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.slow

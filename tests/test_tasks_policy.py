@@ -29,10 +29,10 @@ from simulator.tasks import (
     Task,
     held_out,
     outcome,
-    react,
     sample_task,
     score,
 )
+from simulator.world import react
 
 
 class Recorder:
@@ -75,11 +75,18 @@ class Recorder:
         return self._e(TrajectoryEnded, ts, status=status)
 
 
-def _reward(task: Task, completion: list[int], version: str):
-    rec = Recorder()
-    react(rec, task, outcome(task, completion), random.Random(0), 1000)
-    r = compute(rec.events, version)
-    return None if r is None else r.reward
+def _reward(task: Task, completion: list[int], version: str, n: int = 300):
+    """The mean reward of ``completion`` over ``n`` seeded user reactions (None when it is never rewarded)."""
+    got = []
+    for seed in range(n):
+        rec = Recorder()
+        react(rec, task, outcome(task, completion), random.Random(seed), 1000, user=f"org-0-user-{seed}")
+        r = compute(rec.events, version)
+        got.append(None if r is None else r.reward)
+    if all(g is None for g in got):
+        return None
+    assert None not in got
+    return float(np.mean(got))
 
 
 def test_answers_outcomes_and_score():
@@ -103,8 +110,9 @@ def test_answers_outcomes_and_score():
 
 
 def test_users_reactions_earn_the_rewards_the_design_asks_for():
-    """v2: a right edit beats everything; asking (never needed here) is worth less than nothing; a
-    broken call costs. v1-discard-broken: the same broken trajectories earn no reward at all."""
+    """v2, on average over the users' reactions (simulator.world): a right edit beats everything; asking (never
+    needed here) is worth less than nothing; a broken call costs. v1-discard-broken: the same broken trajectories
+    earn no reward at all."""
     t = sample_task(random.Random(3), "o")
     right, wrong = DIGIT0 + t.answer, DIGIT0 + (t.answer + 1) % 10
     v2 = {

@@ -27,6 +27,7 @@ GRANT SELECT ON rtrl.behaviour TO rtrl_analyst_role;
 GRANT SELECT ON rtrl.reward_stats TO rtrl_analyst_role;
 GRANT SELECT ON rtrl.user_behaviour TO rtrl_analyst_role;
 GRANT SELECT ON rtrl.user_behaviour_between TO rtrl_analyst_role;
+GRANT SELECT ON rtrl.user_rewards_between TO rtrl_analyst_role;
 GRANT SELECT ON rtrl.trajectories TO rtrl_analyst_role;
 GRANT SELECT ON rtrl.rewards TO rtrl_analyst_role;
 GRANT SELECT ON rtrl.checkpoints TO rtrl_analyst_role;
