@@ -59,8 +59,8 @@ from flows.counts import FlowCounts
 from flows.reward_flow import build_flow as reward_flow
 from flows.reward_flow import summary as reward_summary
 from monitors.alerts import MismatchRule
-from monitors.queries import ABRow, Side, live_ab, user_sums, users_of
-from monitors.stats import Sequential
+from monitors.queries import ABRow, Side, cohort_users, live_ab, user_sums, users_of
+from monitors.stats import CohortMonitor, Sequential
 from rtrl import clickhouse
 from rtrl.errors import ConfigError
 from rtrl.files import RUN_PARTS, check_cleanable, data_folder, private_dir
@@ -595,12 +595,16 @@ class Loop:
         serving version when ``loop.ab_cuped``) looks every half second. The experiment starts at the candidate
         arm's first trajectory (before it the policy server had not loaded it); a user seen in both arms (served
         before the switch) is left out of the control arm. A metric found worse at any look rolls the candidate
-        back at once; it is promoted after ``loop.ab_trajectories`` candidate trajectories once every metric has
-        been judged (enough users per arm) and none found worse. Looking this often keeps the false-alarm rate at
+        back at once; so does one found worse within a single org (:class:`monitors.stats.CohortMonitor`, a hack
+        confined to one org's users); it is promoted after ``loop.ab_trajectories`` candidate trajectories once every
+        metric has been judged (enough users per arm) and none found worse. Half of ``loop.ab_alpha`` goes to the
+        arms overall, half to the orgs; looking this often keeps the false-alarm rate of all of them at
         ``loop.ab_alpha``."""
         ls = self.settings.loop
-        each = ls.ab_alpha / len(AB_GUARDS)
+        each = ls.ab_alpha / 2 / len(AB_GUARDS)  # half of alpha for the arms overall, half for the orgs
         tests = {m: Sequential(tau=ls.ab_tau, alpha=each, min_users=20, cuped=ls.ab_cuped) for m in AB_GUARDS}
+        orgs = [f"org-{i}" for i in range(ls.orgs)]
+        cohorts = CohortMonitor(orgs, AB_GUARDS, alpha=ls.ab_alpha / 2, min_users=20)
         treatment, control = Side(candidate, "candidate"), Side(serving, "control")
         deadline = time.monotonic() + ls.cycle_max_s
         n, looks, since = 0, 0, None
@@ -622,6 +626,14 @@ class Loop:
             ctrl = {u: v for u, v in user_sums(self.ch, self.db, control, since_ms=since).items() if u not in cand}
             n = int(sum(u["trajectories"] for u in cand.values()))
             looks += 1
+            # a hack confined to one org (a few % of users) drowns overall: each org has its own tests
+            per_org = cohort_users(self.ch, self.db, control, treatment, list(AB_GUARDS), since_ms=since)
+            known = {org: by for org, by in per_org.items() if org in cohorts.cohorts}
+            alarms = cohorts.look(known)
+            if alarms:
+                return False, f"A/B alarm at look {looks} ({n} candidate trajectories), rolled back: " + "; ".join(
+                    a.message for a in alarms
+                )
             for metric, bad in AB_GUARDS.items():
                 c, t = users_of(ctrl, metric, pre), users_of(cand, metric, pre)
                 if min(c.n, t.n) < 2:

@@ -415,8 +415,8 @@ class LoopSettings(Section):
     )
     ab_alpha: float = _s(
         0.05,
-        "A/B mode: false-alarm rate of the sequential test (mSPRT per guarded metric, split over the metrics), "
-        "valid however often it looks",
+        "A/B mode: false-alarm rate of the sequential tests, valid however often they look: half for mSPRT per "
+        "guarded metric over all users, half for the same per org (a hack confined to one org's users)",
         gt=0,
         lt=1,
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import numpy as np
 import pytest
 from scipy import stats as sps
@@ -295,3 +296,128 @@ def test_per_user_figures_come_from_clickhouse_and_equal_python(ch_client, ch_db
         assert math.isfinite(adjusted.relative) and adjusted.variance_ratio > 0
     with pytest.raises(KeyError, match="no per-user figures"):
         users_of(got, "latency_p95_ms")
+
+
+def test_the_final_ab_table_comes_from_the_analyst_views_and_equals_python(ch_client, ch_db):
+    """live_ab (the main job's seed table) reads user_behaviour_between and user_rewards_between: per metric the
+    relative change, its interval and p-value over users equal a Python computation from the rows (a replayed
+    trajectory and a re-emitted reward count once, the reward at its newest revision, other reward versions and
+    arms left out), and the documented analyst query gives the same figures."""
+    import random
+
+    from monitors.queries import LIVE_AB_METRICS, Side, live_ab
+    from rtrl.clickhouse import insert
+    from schemas.records import Reward, TrajectorySummary
+    from tests.test_monitors import analyst_queries, in_database
+
+    rng = random.Random(11)
+    t0 = 1_750_000_000_000
+    trajectories, rewards = [], []
+    for i in range(600):
+        user = f"{rng.randrange(120):032x}"
+        arm = "ab-final" if int(user, 16) % 2 else "ab-v0"
+        final = arm == "ab-final"
+        calls = 1 + rng.randrange(3)
+        checks = int(rng.random() < (0.6 if final else 0.5))
+        trajectories.append(
+            TrajectorySummary(
+                trajectory_id=f"t{i}",
+                policy_version=7 if final else 0,
+                org_id=f"org-{i % 3}",
+                arm=arm,
+                task_kind="bugfix",
+                revision=0,
+                close_reason="ended",
+                status="completed",
+                n_events=5,
+                tool_calls=calls,
+                broken_tool_calls=min(calls, int(rng.random() < (0.05 if final else 0.1))),
+                clarifying_questions=int(rng.random() < 0.1),
+                unneeded_questions=0,
+                edits_proposed=1,
+                edits_accepted=checks,
+                persistence_checks=checks,
+                persisted_fraction_sum=checks * rng.choice([0.0, 0.5, 1.0, 1.0]),
+                followups=1,
+                dissatisfied_followups=int(rng.random() < (0.3 if final else 0.45)),
+                latency_ms=rng.choice([None, 800.0 + 600 * rng.random()]),
+                ttft_ms=None,
+                first_event_ts=t0 + i * 100,
+                last_event_ts=t0 + i * 100 + 50,
+                user_hash=user,
+            )
+        )
+        for rv in ("v2", "v1-discard-broken"):
+            rewards.append(
+                Reward(
+                    trajectory_id=f"t{i}",
+                    policy_version=7 if final else 0,
+                    reward_version=rv,
+                    revision=0,
+                    reward=rng.gauss(0.2 if final else -0.1, 0.7),
+                    components={},
+                    flags=[],
+                    close_reason="ended",
+                    org_id=f"org-{i % 3}",
+                    arm=arm,
+                    task_kind="bugfix",
+                    n_events=5,
+                    event_counts={},
+                    first_event_ts=t0 + i * 100,
+                    last_event_ts=t0 + i * 100 + 50,
+                    emitted_at=t0 + i * 100 + 60,
+                )
+            )
+    newer = [msgspec.structs.replace(r, revision=1, reward=r.reward + 1.0) for r in rewards[:40:2]]  # v2, t0..t19
+    other = [msgspec.structs.replace(t, trajectory_id=f"c{i}", arm="control") for i, t in enumerate(trajectories[:50])]
+    insert(ch_client, ch_db, "trajectories", trajectories + trajectories[:30] + other)
+    insert(ch_client, ch_db, "rewards", rewards + newer)
+    table = {r.metric: r for r in live_ab(ch_client, ch_db, Side(0, "ab-v0"), Side(7, "ab-final"), "v2")}
+    assert list(table) == [m for m, _, _ in LIVE_AB_METRICS]
+
+    reward_of = {r.trajectory_id: r.reward for r in rewards if r.reward_version == "v2"}
+    reward_of |= {r.trajectory_id: r.reward for r in newer}
+    per_metric = {
+        "edit_persistence": (lambda t: t.persisted_fraction_sum, lambda t: t.persistence_checks),
+        "dissatisfied_rate": (lambda t: t.dissatisfied_followups > 0, lambda t: 1),
+        "latency_mean_ms": (lambda t: t.latency_ms or 0.0, lambda t: t.latency_ms is not None),
+        "broken_tool_call_rate": (lambda t: t.broken_tool_calls, lambda t: t.tool_calls),
+        "clarification_rate": (lambda t: t.clarifying_questions > 0, lambda t: 1),
+        "reward_mean": (lambda t: reward_of[t.trajectory_id], lambda t: 1),
+    }
+
+    def python_users(arm: str, metric: str) -> Users:
+        rows = [t for t in trajectories if t.arm == arm]
+        users = sorted({t.user_hash for t in rows})
+        num_of, den_of = per_metric[metric]
+        num = [sum(float(num_of(t)) for t in rows if t.user_hash == u) for u in users]
+        den = [sum(float(den_of(t)) for t in rows if t.user_hash == u) for u in users]
+        return Users(num, den)
+
+    for metric, row in table.items():
+        c = row.comparison
+        assert c is not None, row.reason
+        want = compare(python_users("ab-v0", metric), python_users("ab-final", metric))
+        assert (c.relative, c.low, c.high, c.p_value, c.difference) == pytest.approx(
+            (want.relative, want.low, want.high, want.p_value, want.difference), rel=1e-9
+        ), metric
+    assert table["dissatisfied_rate"].comparison.relative < 0 < table["reward_mean"].comparison.difference
+
+    sql = analyst_queries()["The main job's final A/B: the seed's table"]
+    res = ch_client.query(in_database(sql, ch_db))
+    documented = {r[0]: dict(zip(res.column_names, r)) for r in res.result_rows}
+    assert set(documented) == set(table)
+    for metric, row in table.items():
+        c, d = row.comparison, documented[metric]
+        assert (d["relative_change"], d["ci_low"], d["ci_high"], d["p_value"]) == pytest.approx(
+            (c.relative, c.low, c.high, c.p_value), rel=1e-6, abs=1e-12
+        ), metric
+        assert (d["users_v0"], d["users_final"]) == (c.users_control, c.users_treatment)
+
+
+def test_the_final_ab_table_says_why_a_metric_cannot_be_compared(ch_client, ch_db):
+    """An arm with too few users for a metric gets a row with the reason instead of a comparison."""
+    from monitors.queries import Side, live_ab
+
+    rows = live_ab(ch_client, ch_db, Side(0, "ab-v0"), Side(7, "ab-final"), "v2")
+    assert rows and all(r.comparison is None and "need at least 2" in r.reason for r in rows)

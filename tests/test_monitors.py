@@ -537,13 +537,42 @@ def in_database(sql: str, db: str) -> str:
     return re.sub(r"\brtrl\.(?=[a-z_]+\b)", f"{db}.", sql)
 
 
+def short_reward(tid: str, version: int, rv: str, reward: float, org: str = "acme", arm: str = "control") -> Reward:
+    """A reward row of a one-event trajectory at T0."""
+    return Reward(
+        trajectory_id=tid,
+        policy_version=version,
+        reward_version=rv,
+        revision=0,
+        reward=reward,
+        components={},
+        flags=[],
+        close_reason="ended",
+        org_id=org,
+        arm=arm,
+        task_kind="bugfix",
+        n_events=1,
+        event_counts={},
+        first_event_ts=T0,
+        last_event_ts=T0,
+        emitted_at=T0,
+    )
+
+
 def test_analyst_queries_run_and_say_what_they_answer(ch_client, ch_db):
     """Every documented query runs as pasted (with the database renamed) on a populated database and
     returns rows, and each has a one-line description before it."""
     rng = random.Random(5)
     v1, v2 = random_trajectories(rng, 1, 60), random_trajectories(rng, 2, 60)
     v2 = [msgspec.structs.replace(t, arm="candidate") if i % 2 else t for i, t in enumerate(v2)]  # A/B arms
-    insert(ch_client, ch_db, "trajectories", v1 + v2)
+    # the main job's final A/B: v2 against v1 (arms ab-final, ab-v0), users by hash, trajectories t10..t29
+    final_ab = [
+        msgspec.structs.replace(
+            t, trajectory_id=f"t{10 + i}", arm="ab-final" if i % 2 else "ab-v0", user_hash=f"{i % 8:032x}"
+        )
+        for i, t in enumerate(v2[:20])
+    ]
+    insert(ch_client, ch_db, "trajectories", v1 + v2 + final_ab)
     insert(ch_client, ch_db, "train_metrics", [train_step("loop-0-v2", s, 0.01, 0.5) for s in (1, 2)])
     insert(
         ch_client,
@@ -570,27 +599,10 @@ def test_analyst_queries_run_and_say_what_they_answer(ch_client, ch_db):
         ch_client,
         ch_db,
         "rewards",
-        [
-            Reward(
-                trajectory_id=f"t{i}",
-                policy_version=1 + i % 2,
-                reward_version=rv,
-                revision=0,
-                reward=float(i % 4),
-                components={},
-                flags=[],
-                close_reason="ended",
-                org_id="acme",
-                arm="control",
-                task_kind="bugfix",
-                n_events=1,
-                event_counts={},
-                first_event_ts=T0,
-                last_event_ts=T0,
-                emitted_at=T0,
-            )
-            for i in range(10)
-            for rv in ("v1-discard-broken", "v2")
+        [short_reward(f"t{i}", 1 + i % 2, rv, float(i % 4)) for i in range(10) for rv in ("v1-discard-broken", "v2")]
+        + [
+            short_reward(t.trajectory_id, t.policy_version, "v2", float(i % 3) - 1.0, t.org_id, t.arm)
+            for i, t in enumerate(final_ab)
         ],
     )
     insert(
