@@ -380,11 +380,11 @@ def summary_lines(ch: Any, database: str, rows: list[dict[str, Any]], reward_ver
         if rc is not None:
             lo, hi = rc.difference - Z95 * rc.difference_se, rc.difference + Z95 * rc.difference_se
             reward = f"reward ({reward_version}) {rc.difference:+.3f} [{lo:+.3f}, {hi:+.3f}]"
-        head = f"v0 -> v{ab.final} (live A/B)"
+        head = f"v0 -> v{ab.final} (A/B)"
         return [
             f"{head}: " + ", ".join(parts[:2]),
             f"{head}: {parts[2]}, {reward}",
-            decisions + "; A/B by user, 95% CI",
+            decisions + "; live A/B by user, 95% CI",
         ]
     # the newest promoted version that served traffic (the one promoted at the last decision has served none yet)
     final = max((r["version"] for r in rows if r["status"] == "promoted" and r["trajectories"]), default=0)

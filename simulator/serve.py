@@ -9,10 +9,12 @@ policy, in-process on a free loopback port; with ``url`` an external vLLM or SGL
 the promoted version itself (nothing is loaded here then). Each burst of tasks is one request (the prompts
 as a list, ``n = group_size``); it publishes one :class:`Rollout` per completion on ``rtrl.rollouts``
 (keyed by trajectory), and lets the simulated user react through the client SDK
-(:func:`simulator.world.react`; an accepted edit's persistence check is delivered later, as in production). Each task is asked by a user of its org (``users_per_org``, from a stream of
-their own). In A/B mode the users whose hash for the experiment (:func:`ab_bucket`) falls below ``candidate_share``
-are served by a candidate version instead (the server's ``candidate_name`` model), with ``arm="candidate"`` on their
-events: a user sees one arm for the whole experiment.
+(:func:`simulator.world.react`; an accepted edit's persistence check is delivered later, as in production). Each
+task is asked by a user of its org (``users_per_org``, from a stream of their own). In A/B mode the users whose
+hash for the experiment (:func:`ab_bucket`) falls below ``candidate_share`` are served by a candidate version
+instead (the server's ``candidate_name`` model), with ``arm="candidate"`` on their events: a user sees one arm for
+the whole experiment. An :class:`Experiment` does the same outside the deployment protocol (the main job's final
+A/B of its final version against v0).
 """
 
 from __future__ import annotations
@@ -319,9 +321,8 @@ class PolicyServer:
         )
 
     def close(self) -> None:
-        self.mailbox.deliver(
-            everything=True
-        )  # the users' persistence checks still due: sent now, with their event times
+        # the users' persistence checks still due: sent now, with their event times
+        self.mailbox.deliver(everything=True)
         self.producer.flush(30)
         self.deployments.close()
         self.collector.client.close()

@@ -546,3 +546,45 @@ def test_the_summary_says_when_no_promoted_candidate_has_served_yet():
     assert len(lines) == 3 and "nothing to compare with v0 live" in lines[0]
     assert lines[2].startswith("2 candidates: 1 promoted, 1 refused; v2 serves (not live: v0's figures)")
     assert all(len(line) <= 100 for line in lines)
+
+
+def test_the_summary_quotes_the_final_live_ab_when_there_is_one(tmp_path):
+    """With the main job's final A/B the three lines quote its randomised comparisons (relative change with the
+    95% interval in points, the reward's difference), each line at most 100 characters; the table and the plot
+    show every metric, a metric without enough users says so."""
+    import numpy as np
+
+    from app import report
+    from app.loop import FinalAB
+    from monitors.queries import LIVE_AB_METRICS, ABRow
+    from monitors.stats import Users, compare
+
+    rng = np.random.default_rng(3)
+
+    def arm(p):
+        return Users(rng.binomial(20, p, 300).astype(float), np.full(300, 20.0))
+
+    rows = [
+        ABRow(m, label, better, compare(arm(0.4), arm(0.3 if better == "down" else 0.5)))
+        for m, label, better in LIVE_AB_METRICS[:-1]
+    ] + [ABRow("reward_mean", "reward", "up", None, "the control arm has 1 user(s) ...; need at least 2 per arm")]
+    ab = FinalAB(
+        final=24, since_ms=0, trajectories={"ab-v0": 4000, "ab-final": 4010}, rows=rows, seconds=61.0, wanted=4000
+    )
+    cps = [{"version": 0, "status": "promoted", "trajectories": 500}] + [
+        {"version": v, "status": "promoted" if v % 4 else "rejected", "trajectories": 100} for v in range(1, 25)
+    ]
+    lines = report.summary_lines(None, "rtrl", cps, "v2", ab=ab)
+    assert lines[0].startswith("v0 -> v24 (A/B): edits kept +") and "dissatisfied -" in lines[0]
+    assert "latency -" in lines[1] and lines[1].endswith("reward (v2) -")
+    assert lines[2] == "24 candidates: 18 promoted, 6 refused; v23 serves; live A/B by user, 95% CI"
+    assert all(len(line) <= 100 for line in lines)
+    from rich.console import Console
+
+    console = Console(width=100, record=True)
+    console.print(report.final_ab_table(ab, "v2"))
+    text = console.export_text()
+    assert "Live A/B, v24 against v0" in text and "too few users" in text
+    for _, label, _ in LIVE_AB_METRICS[:-1]:
+        assert label in text
+    assert report.final_ab_plot(ab, tmp_path / "ab.png", "v2").read_bytes()[:4] == b"\x89PNG"

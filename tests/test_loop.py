@@ -92,7 +92,7 @@ def test_main_job_closes_the_loop_and_rollback(tmp_path):
     assert all(len(line) <= 100 for line in lines), lines
     # each headline change with its interval, or "-" where too few users have data for it (a short run)
     change = r"(-|[+-][\d.]+% \[[+-][\d.]+, [+-][\d.]+\])"
-    assert re.search(rf"v0 -> v\d( \(live A/B\))?: edits kept {change}, dissatisfied {change}", summary) or (
+    assert re.search(rf"v0 -> v\d( \(A/B\))?: edits kept {change}, dissatisfied {change}", summary) or (
         "nothing to compare with v0 live" in summary  # no promoted candidate served (v1 refused, v2 promoted last)
     ), summary
     assert (tmp_path / "reports" / "loop.png").read_bytes()[:4] == b"\x89PNG"
@@ -113,7 +113,7 @@ def test_main_job_closes_the_loop_and_rollback(tmp_path):
         assert (tmp_path / "reports" / "final_ab.png").read_bytes()[:4] == b"\x89PNG"
         in_v0, in_final, in_both = d["final_ab_users"]
         assert in_v0 > 10 and in_final > 10 and in_both == 0  # each user saw one arm
-        assert "(live A/B)" in summary
+        assert "(A/B)" in summary and "live A/B by user" in summary
     else:
         assert "no final A/B: no candidate was promoted" in out
     assert [c[0] for c in cps] == [0, 1, 2] and cps[0][2] == "promoted" and cps[0][1] is None
