@@ -208,7 +208,7 @@ def test_ab_mode_serves_candidates_beside_control_and_decides_from_clickhouse(tm
             if status == "promoted"
             else ("A/B alarm" in reason or "only" in reason or "too few users" in reason)
         )
-    assert all(a in ("control", "candidate") for _, a in arms)
+    assert all(a in ("control", "candidate", "ab-v0", "ab-final") for _, a in arms)  # (the final A/B's arms)
     # randomised by user: while a candidate served, no user saw both arms (the analysis also drops any user it
     # finds in both, e.g. served before the policy server switched)
     proc = subprocess.run(
