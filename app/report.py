@@ -351,6 +351,11 @@ def _p(p: float) -> str:
     return "<1e-6" if p < 1e-6 else (f"{p:.1e}" if p < 1e-3 else f"{p:.3f}")
 
 
+def _headline(label: str, c: Any) -> str:
+    """One headline metric of the summary: relative change with its 95% interval in points, '-' without one."""
+    return f"{label} -" if c is None else f"{label} {c.relative:+.1%} [{100 * c.low:+.1f}, {100 * c.high:+.1f}]"
+
+
 def summary_lines(ch: Any, database: str, rows: list[dict[str, Any]], reward_version: str, ab: Any = None) -> list[str]:
     """Three lines of at most 100 characters: v0 -> the final version for the headline metrics (edit persistence,
     dissatisfied follow-ups, mean latency: per user, relative change in % with its 95% interval), the reward
@@ -372,9 +377,7 @@ def summary_lines(ch: Any, database: str, rows: list[dict[str, Any]], reward_ver
         parts = []
         for m, label in HEADLINE:
             c = by[m].comparison if m in by else None
-            parts.append(
-                f"{label} -" if c is None else f"{label} {c.relative:+.1%} [{100 * c.low:+.1f}, {100 * c.high:+.1f}]"
-            )
+            parts.append(_headline(label, c))
         rc = by["reward_mean"].comparison if "reward_mean" in by else None
         reward = f"reward ({reward_version}) -"
         if rc is not None:
@@ -398,9 +401,8 @@ def summary_lines(ch: Any, database: str, rows: list[dict[str, Any]], reward_ver
         try:
             c = compare(users_of(before, m), users_of(after, m))
         except ValueError:  # too few users with data for the metric, or a zero baseline
-            parts.append(f"{label} -")
-            continue
-        parts.append(f"{label} {c.relative:+.1%} [{100 * c.low:+.1f}, {100 * c.high:+.1f}]")
+            c = None
+        parts.append(_headline(label, c))
     stats = reward_stats(ch, database, reward_version)
     r0, r1 = stats.get(0), stats.get(final)
     reward = f"reward ({reward_version}) -"
