@@ -62,15 +62,15 @@ from monitors.alerts import MismatchRule
 from monitors.queries import ABRow, Side, cohort_users, live_ab, user_sums, users_of
 from monitors.stats import CohortMonitor, Sequential
 from rtrl import clickhouse
-from rtrl.errors import ConfigError
+from rtrl.errors import ConfigError, ServiceUnavailable
 from rtrl.files import RUN_PARTS, check_cleanable, data_folder, private_dir
 from rtrl.kafka import producer_config
 from rtrl.settings import Settings, refuse_overrides, refuse_user_set
 from schemas.codec import JsonCodec
-from schemas.records import Checkpoint, CheckpointStatus, TrainStep
+from schemas.records import Checkpoint, CheckpointStatus, Experiment, TrainStep
 from simulator.evalsuite import HeldOutTasks
 from simulator.policy import warm_start
-from simulator.serve import Experiment, PolicyServer
+from simulator.serve import PolicyServer
 from simulator.tasks import COMPLETION_LEN, PROMPT_LEN, VOCAB, sample_task
 from trainer import checkpoint
 from trainer.batch import BatchLimits
@@ -193,12 +193,13 @@ def serve_until(server: PolicyServer, ls, stop: threading.Event) -> None:
     )
 
 
-def cycle_progress(console: Console):
-    """The main job's progress bar over cycles (``info`` says what serves)."""
+def cycle_progress(console: Console, label: str = "cycles"):
+    """The main job's progress bar: over cycles (``info`` says what serves), or ``label`` (the final A/B's
+    trajectories per arm)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     return Progress(
-        TextColumn("cycles"),
+        TextColumn(label),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("{task.fields[info]}"),
@@ -672,70 +673,8 @@ class Loop:
         return True, f"{offline}; A/B on {n} trajectories, {looks} looks, no metric worse ({seen})"
 
     def final_ab(self, console: Console) -> FinalAB | str:
-        """The main job's ending: the final version (what serves) and v0 serve side by side as a live A/B, each
-        user in one arm by the hash of the user id and the experiment's key (:func:`simulator.serve.ab_bucket`,
-        50/50), until each arm has ``loop.final_ab_trajectories`` trajectories in ClickHouse (or
-        ``loop.final_ab_max_s`` passed); then per metric the relative change, its 95% interval and p-value over
-        users, from the analyst views (:func:`monitors.queries.live_ab`). A line saying why when it cannot run."""
-        ls, rv = self.settings.loop, self.settings.rewards.train_version
-        server, final = self.server, self.serving
-        if server is None:
-            return "no final A/B: the policy server runs in its own process (loop.processes)"
-        if not ls.final_ab_trajectories:
-            return "no final A/B (loop.final_ab_trajectories = 0)"
-        if final == 0:
-            return "no final A/B: no candidate was promoted, v0 still serves"
-        if server.candidate_model is None or server.api is None:
-            return "no final A/B: serving.url names an external server, which serves one version (run it yourself)"
-        deadline = time.monotonic() + 30
-        while server.version != final and time.monotonic() < deadline:  # the last promotion is loaded
-            time.sleep(0.1)
-        since = time.time_ns() // 1_000_000
-        experiment = Experiment(
-            key=f"final-ab-{ls.seed}-v{final}-v0",
-            share=0.5,
-            serving_arm=FINAL_ARMS["treatment"],
-            candidate=(0, server.candidate_name),
-            candidate_arm=FINAL_ARMS["baseline"],
-        )
-        server.start_experiment(
-            lambda m, p: checkpoint.load(p, m, restore_rng=False), experiment, str(self.ckpt_root / "v0")
-        )
-        t0, wanted = time.monotonic(), ls.final_ab_trajectories
-        counts = dict.fromkeys(FINAL_ARMS.values(), 0)
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        try:
-            with Progress(
-                TextColumn(f"final A/B v{final} vs v0"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                console=console,
-            ) as bar:
-                task = bar.add_task("ab", total=wanted)
-                while time.monotonic() < t0 + ls.final_ab_max_s and not self.stop.is_set():
-                    got = self.ch.query(
-                        f"SELECT arm, count() FROM {self.db}.trajectories FINAL WHERE arm IN {{arms:Array(String)}} "
-                        "AND first_event_ts >= fromUnixTimestamp64Milli({since:Int64}) GROUP BY arm",
-                        parameters={"arms": list(FINAL_ARMS.values()), "since": since},
-                    ).result_rows
-                    counts |= {str(a): int(n) for a, n in got}
-                    bar.update(task, completed=min(wanted, min(counts.values())))
-                    if min(counts.values()) >= wanted:
-                        break
-                    time.sleep(1.0)
-        finally:
-            server.end_experiment()
-        rows = live_ab(
-            self.ch,
-            self.db,
-            Side(0, FINAL_ARMS["baseline"]),
-            Side(final, FINAL_ARMS["treatment"]),
-            rv,
-            since_ms=since,
-        )
-        return FinalAB(final, since, counts, rows, time.monotonic() - t0, wanted)
+        """The main job's ending (:func:`final_ab`) with this loop's producer, its final version and stop event."""
+        return final_ab(self.settings, self.ch, self.producer, console, self.serving, self.stop)
 
     def close(self) -> None:
         self.stop_flows()
@@ -743,6 +682,70 @@ class Loop:
             self.server.close()
             self.client.close()
         self.producer.flush(10)
+
+
+def final_ab(
+    settings: Settings,
+    ch,
+    producer: Producer,
+    console: Console,
+    final: int,
+    stop: threading.Event | None = None,
+) -> FinalAB | str:
+    """The main job's ending: the final version (what serves) and v0 serve side by side as a live A/B, each user in
+    one arm by the hash of the user id and the experiment's key (:func:`simulator.serve.ab_bucket`, 50/50), until
+    each arm has ``loop.final_ab_trajectories`` trajectories in ClickHouse (or ``loop.final_ab_max_s`` passed);
+    then per metric the relative change, its 95% interval and p-value over users, from the analyst views
+    (:func:`monitors.queries.live_ab`). The experiment is announced on ``rtrl.experiments`` (running, then ended),
+    so a policy server in its own process (``loop.processes``) serves it as one in this process does. A line
+    saying why when it cannot run."""
+    ls, rv, db = settings.loop, settings.rewards.train_version, settings.clickhouse.database
+    if not ls.final_ab_trajectories:
+        return "no final A/B (loop.final_ab_trajectories = 0)"
+    if final == 0:
+        return "no final A/B: no candidate was promoted, v0 still serves"
+    if settings.serving.url:
+        return "no final A/B: serving.url names an external server, which serves one version (run it yourself)"
+    topic, codec = settings.topic("experiments"), JsonCodec(Experiment)
+    since = time.time_ns() // 1_000_000
+    running = Experiment(
+        key=f"final-ab-{ls.seed}-v{final}-v0",
+        status="running",
+        created_at=since,
+        share=0.5,
+        serving_version=final,
+        serving_arm=FINAL_ARMS["treatment"],
+        candidate_version=0,
+        candidate_path=str(settings.data_path / "loop" / "checkpoints" / "v0"),
+        candidate_arm=FINAL_ARMS["baseline"],
+    )
+
+    def announce_experiment(exp: Experiment) -> None:
+        producer.produce(topic, key=exp.key.encode(), value=codec.encode(exp))
+        if producer.flush(30):
+            raise ServiceUnavailable(f"the final A/B could not be announced on {topic} within 30s")
+
+    announce_experiment(running)
+    t0, wanted = time.monotonic(), ls.final_ab_trajectories
+    counts = dict.fromkeys(FINAL_ARMS.values(), 0)
+    try:
+        with cycle_progress(console, f"final A/B v{final} vs v0") as bar:
+            task = bar.add_task("ab", total=wanted, info="trajectories in the smaller arm")
+            while time.monotonic() < t0 + ls.final_ab_max_s and not (stop is not None and stop.is_set()):
+                got = ch.query(
+                    f"SELECT arm, count() FROM {db}.trajectories FINAL WHERE arm IN {{arms:Array(String)}} "
+                    "AND first_event_ts >= fromUnixTimestamp64Milli({since:Int64}) GROUP BY arm",
+                    parameters={"arms": list(FINAL_ARMS.values()), "since": since},
+                ).result_rows
+                counts |= {str(a): int(n) for a, n in got}
+                bar.update(task, completed=min(wanted, min(counts.values())))
+                if min(counts.values()) >= wanted:
+                    break
+                time.sleep(1.0)
+    finally:
+        announce_experiment(msgspec.structs.replace(running, status="ended", created_at=time.time_ns() // 1_000_000))
+    rows = live_ab(ch, db, Side(0, FINAL_ARMS["baseline"]), Side(final, FINAL_ARMS["treatment"]), rv, since_ms=since)
+    return FinalAB(final, since, counts, rows, time.monotonic() - t0, wanted)
 
 
 def rollback(settings: Settings, bootstrap: str, ch, version: int, reason: str) -> Checkpoint:

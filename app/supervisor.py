@@ -35,11 +35,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.loop import loop_settings
+from confluent_kafka import Producer
+
+from app.loop import FinalAB, final_ab, loop_settings
 from app.parts import PARTS, SUPERVISOR_PID, PatientClickHouse
 from app.services import Services, spawn_embedded_clickhouse
 from rtrl import clickhouse
 from rtrl.errors import ServiceUnavailable
+from rtrl.kafka import producer_config
 from rtrl.settings import Settings, as_env
 
 #: the embedded ClickHouse front's name among the supervised processes (its log: logs/clickhouse.log)
@@ -244,8 +247,11 @@ class Supervisor:
                 end_group(proc.pid)  # whatever the dead part forked goes with it
                 self.exits.append((name, rc))
                 if name == "train" and rc == 0 and self.decided_all():
+                    # every decision made: the other parts run on (the final A/B) and are still supervised
+                    with self.lock:
+                        self.procs.pop(name, None)
                     self.done.set()
-                    return
+                    continue
                 if not self.budget.allow(name):
                     return self._give_up(name, rc)
                 self.start(name)
@@ -271,6 +277,23 @@ class Supervisor:
                 )
         if self.failure:
             raise ServiceUnavailable(self.failure)
+
+    def final_ab(self, console) -> FinalAB | str:
+        """The main job's final live A/B (:func:`app.loop.final_ab`) while the parts still run: the final version
+        comes from the trainer's state file, the experiment goes to the serve part over ``rtrl.experiments``."""
+        state = self.settings.data_path / "loop" / "state.json"
+        try:
+            final = int(json.loads(state.read_text())["serving"])
+        except (OSError, ValueError, KeyError) as e:
+            return f"no final A/B: the trainer's state file {state} cannot be read ({e})"
+        producer = Producer(producer_config(self.bootstrap, self.settings.kafka.compression))
+        try:
+            ab = final_ab(self.settings, self.ch, producer, console, final)
+        finally:
+            producer.flush(10)
+        if self.failure:  # a part gave up meanwhile: its table would not be worth printing
+            raise ServiceUnavailable(self.failure)
+        return ab
 
     def stop_parts(self) -> None:
         """The policy server first (SIGTERM: it flushes its rollouts and events), then the rest, each
@@ -367,9 +390,8 @@ def run_processes(settings: Settings, console, resume: bool = False) -> list[dic
 
             sup.wait(ls.cycles * ls.cycle_max_s * 2 + 600, tick)
             tick()
+        ab = sup.final_ab(console)  # the seed's table: the serve part serves the experiment it announces
         sup.stop_parts()
-        return final_report(
-            settings, sup.ch, console, t0, "no final A/B: the policy server runs in its own process (loop.processes)"
-        )
+        return final_report(settings, sup.ch, console, t0, ab)
     finally:
         sup.close()

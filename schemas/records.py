@@ -26,6 +26,7 @@ Sentiment = Literal["dissatisfied", "neutral", "satisfied"]
 EndStatus = Literal["completed", "abandoned", "error"]
 CloseReason = Literal["ended", "deadline", "late"]
 CheckpointStatus = Literal["candidate", "promoted", "rejected", "rolled_back"]
+ExperimentStatus = Literal["running", "ended"]
 DeadLetterKind = Literal[
     "malformed", "invalid", "unknown_type", "oversize", "duplicate", "too_late", "never_started", "future", "other"
 ]
@@ -274,6 +275,27 @@ class Checkpoint(msgspec.Struct, **_STRICT):
     ] = ""
 
 
+# ---------------------------------------------------------------- experiments (topic rtrl.experiments)
+
+
+class Experiment(msgspec.Struct, **_STRICT):
+    """A live A/B outside a candidate's evaluation (the main job's final A/B of its final version against v0):
+    while it runs, a policy server serves the users whose hash for ``key`` falls below ``share`` the candidate
+    version under ``candidate_arm`` and the others its serving version under ``serving_arm``."""
+
+    key: Annotated[Label, doc("The experiment's name; with the user id it decides each user's arm.")]
+    status: Annotated[ExperimentStatus, doc("running (serve the arms from now on) or ended (back to normal).")]
+    created_at: Annotated[Millis, doc("When this status was announced, ms since epoch.")]
+    share: Annotated[float, Meta(ge=0.0, le=1.0), doc("Share of the users served the candidate version, 0..1.")]
+    serving_version: Annotated[Version, doc("The version that must serve the other users (what is promoted).")]
+    serving_arm: Annotated[Label, doc("Arm label of the serving version's trajectories during the experiment.")]
+    candidate_version: Annotated[Version, doc("The version served to the share of users (e.g. v0).")]
+    candidate_path: Annotated[
+        Annotated[str, Meta(max_length=4096)], doc("Where the candidate version's checkpoint files are stored.")
+    ]
+    candidate_arm: Annotated[Label, doc("Arm label of the candidate version's trajectories.")]
+
+
 # ---------------------------------------------------------------- dead letters (topic rtrl.dead_letters)
 
 
@@ -393,6 +415,7 @@ RECORDS: tuple[type, ...] = (
     Reward,
     MicroBatch,
     Checkpoint,
+    Experiment,
     DeadLetter,
     TrajectorySummary,
     TrainStep,

@@ -30,5 +30,7 @@ TOPICS: tuple[TopicSpec, ...] = (
     TopicSpec("batches", "MicroBatch", "batch_id", 1 * DAY_MS, encoding="arrow-ipc"),
     # One partition: promotions and rollbacks must be read in order.
     TopicSpec("deployments", "Checkpoint", "version", -1, partitions=1),
+    # Live A/Bs outside the deployment protocol (the main job's final A/B); one partition, in order.
+    TopicSpec("experiments", "Experiment", "key", -1, partitions=1),
     TopicSpec("dead_letters", "DeadLetter", "source", 30 * DAY_MS, partitions=1),
 )

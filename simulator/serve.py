@@ -13,8 +13,8 @@ as a list, ``n = group_size``); it publishes one :class:`Rollout` per completion
 task is asked by a user of its org (``users_per_org``, from a stream of their own). In A/B mode the users whose
 hash for the experiment (:func:`ab_bucket`) falls below ``candidate_share`` are served by a candidate version
 instead (the server's ``candidate_name`` model), with ``arm="candidate"`` on their events: a user sees one arm for
-the whole experiment. An :class:`Experiment` does the same outside the deployment protocol (the main job's final
-A/B of its final version against v0).
+the whole experiment. An :class:`~schemas.records.Experiment` announced on ``rtrl.experiments`` does the same outside
+the deployment protocol (the main job's final A/B of its final version against v0), with its own arm labels.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from client.rollouts import CompletionsClient, RolloutCollector
 from client.sdk import RtrlClient
 from rtrl.kafka import base_config, produce, producer_config
 from schemas.codec import Invalid, JsonCodec
-from schemas.records import Checkpoint, Rollout
+from schemas.records import Checkpoint, Experiment, Rollout
 from simulator.openai_server import CompletionServer
 from simulator.tasks import COMPLETION_LEN, outcome, sample_task
 from simulator.world import Mailbox, react
@@ -50,19 +50,6 @@ def ab_bucket(user_id: str, experiment: str) -> float:
     stays in one arm for the whole experiment and each experiment splits users afresh (no carry-over)."""
     digest = hashlib.sha256(f"{experiment}:{user_id}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
-
-
-@dataclass(frozen=True)
-class Experiment:
-    """A live A/B run outside the deployment protocol (the main job's final A/B of its final version against
-    v0): a user whose :func:`ab_bucket` for ``key`` falls below ``share`` is served ``candidate`` (version, model
-    name: the candidate model) under arm ``candidate_arm``; the others the serving version under ``serving_arm``."""
-
-    key: str
-    share: float
-    serving_arm: str
-    candidate: tuple[int, str]
-    candidate_arm: str
 
 
 class PolicyServer:
@@ -116,8 +103,13 @@ class PolicyServer:
         self.deployments = Consumer(
             base_config(bootstrap) | {"group.id": f"policy-server-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False}
         )
-        self.deployments.assign([TopicPartition(prefix + "deployments", 0, 0)])
+        # both from their start, one partition each, so in order: decisions, and live A/Bs outside them
+        self.deployments_topic, self.experiments_topic = prefix + "deployments", prefix + "experiments"
+        self.deployments.assign(
+            [TopicPartition(self.deployments_topic, 0, 0), TopicPartition(self.experiments_topic, 0, 0)]
+        )
         self.codec: JsonCodec[Checkpoint] = JsonCodec(Checkpoint)
+        self.experiment_codec: JsonCodec[Experiment] = JsonCodec(Experiment)
         self.rollout_codec: JsonCodec[Rollout] = JsonCodec(Rollout)
         self.rng = random.Random(seed)
         # who asks: a user of the task's org, from its own stream so the tasks' stream does not depend on it
@@ -129,20 +121,23 @@ class PolicyServer:
         self.totals: dict[tuple[int, str], Served] = {}  # what each (version, arm) served so far
         self.window_base = 0  # what the serving version had served at the last decision (backpressure)
         self.mailbox = Mailbox()  # what the users send later: persistence checks
-        self.experiment: Experiment | None = None
+        self.announced: dict[str, Experiment] = {}  # the newest announcement of each experiment on rtrl.experiments
+        self.experiment: Experiment | None = None  # the one being served
 
-    def start_experiment(self, load, experiment: Experiment, path: str) -> None:
-        """Start a live A/B outside the deployment protocol (:class:`Experiment`): ``path``'s weights are loaded
-        into the candidate model with ``load(model, path)``; every following burst splits its users by the
-        experiment's key. Needs the own completions server with a candidate model."""
-        if self.candidate_model is None or self.api is None:
-            raise RuntimeError("an experiment needs the policy server's own completions server with a candidate model")
-        self._load(load, self.candidate_model, path)
-        self.experiment = experiment
-
-    def end_experiment(self) -> None:
-        """Back to serving the promoted version (and announced candidates) only."""
-        self.experiment = None
+    def _follow_experiments(self, load) -> None:
+        """Serve the newest running experiment once its serving version is the one loaded (the promotion and the
+        experiment come on two topics, so the experiment may be read first): its candidate version's weights
+        go into the candidate model, and every following burst splits its users by the experiment's key. An
+        ended one goes back to the promoted version (and announced candidates) only. A server without its own
+        completions server and a candidate model cannot serve two versions: it serves the promoted one."""
+        running = [e for e in self.announced.values() if e.status == "running"]
+        want = max(running, key=lambda e: e.created_at) if running else None
+        if want is None or self.candidate_model is None or self.api is None:
+            self.experiment = None
+            return
+        if want != self.experiment and want.serving_version == self.version:
+            self._load(load, self.candidate_model, want.candidate_path)
+            self.experiment = want
 
     def _load(self, load, model, path: str) -> None:
         """``load(model, path)`` while no request samples from it; nothing with an external server (it loads
@@ -167,6 +162,13 @@ class PolicyServer:
                 continue
             if msg.error():
                 continue
+            if msg.topic() == self.experiments_topic:
+                try:
+                    exp = self.experiment_codec.decode(msg.value())
+                except Invalid:
+                    continue
+                self.announced[exp.key] = exp
+                continue
             try:
                 ck = self.codec.decode(msg.value())
             except Invalid:
@@ -185,6 +187,7 @@ class PolicyServer:
             self.version, self.path = latest.version, latest.path
         if decided:  # a new cycle: the serving version (new, or the same after a rejection) gets a new quota
             self.window_base = self.served_by(self.version)
+        self._follow_experiments(load)
         return self.version
 
     def may_serve(self, quota: int | None) -> bool:
@@ -208,7 +211,7 @@ class PolicyServer:
         self.mailbox.deliver()
         exp = self.experiment  # read once: the main thread may start one meanwhile
         if exp is not None:
-            candidate: tuple[int, str] | None = exp.candidate
+            candidate: tuple[int, str] | None = (exp.candidate_version, self.candidate_name)
             key, share = exp.key, exp.share
             labels = {"control": exp.serving_arm, "candidate": exp.candidate_arm}
         else:

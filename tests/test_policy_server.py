@@ -12,8 +12,8 @@ from app.loop import SEQ_LEN
 from client.sdk import RtrlClient
 from rtrl.kafka import producer_config, read_topic
 from rtrl.settings import load_settings
-from schemas.codec import JsonCodec
-from schemas.records import Checkpoint, Rollout
+from schemas.codec import JsonCodec, event_codec
+from schemas.records import Checkpoint, Experiment, Rollout
 from simulator.serve import PolicyServer
 from simulator.tasks import VOCAB
 from trainer.config import ModelConfig
@@ -85,3 +85,83 @@ def test_follows_deployments_and_serves_a_quota_per_decision(broker, topic_prefi
     assert all(
         len(g) == 4 and len({(r.org_id, r.task_kind, tuple(r.prompt_ids)) for r in g}) == 1 for g in groups.values()
     )
+
+
+def _experiment(bootstrap: str, topic: str, status: str, serving: int) -> Experiment:
+    exp = Experiment(
+        key="final-ab-test",
+        status=status,
+        created_at=time.time_ns() // 1_000_000,
+        share=0.5,
+        serving_version=serving,
+        serving_arm="ab-final",
+        candidate_version=0,
+        candidate_path="/ckpt/v0",
+        candidate_arm="ab-v0",
+    )
+    p = Producer(producer_config(bootstrap))
+    p.produce(topic, key=exp.key.encode(), value=JsonCodec(Experiment).encode(exp))
+    assert p.flush(10) == 0
+    return exp
+
+
+def test_serves_an_experiment_announced_on_rtrl_experiments(broker, topic_prefix):
+    """The main job's final A/B reaches a policy server in its own process as an announcement on
+    rtrl.experiments: it starts once the experiment's serving version is the one loaded (the promotion may be
+    read after the experiment), loads the candidate version into the candidate model, splits the users by the
+    experiment's key under the experiment's arm labels (no quota meanwhile), and ends with the ``ended``
+    announcement. A server restarted mid-experiment resumes it; one without a candidate model serves the
+    promoted version only."""
+    settings = load_settings(env={"RTRL_KAFKA__TOPIC_PREFIX": topic_prefix})
+    cfg = ModelConfig.tiny(vocab_size=VOCAB, seq_length=SEQ_LEN)
+    init_parallel(cfg)
+    loads: list[tuple[str, str]] = []
+    deployments, experiments = topic_prefix + "deployments", topic_prefix + "experiments"
+    with RtrlClient.from_settings(settings, bootstrap=broker.bootstrap) as client:
+        policy, candidate = build_model(cfg), build_model(cfg)
+
+        def load(model, path):
+            loads.append(("candidate" if model is candidate else "policy", path))
+
+        def server_(**kw) -> PolicyServer:
+            return PolicyServer(broker.bootstrap, topic_prefix, client, policy, ["org-0", "org-1"], seed=5, **kw)
+
+        server = server_(candidate_model=candidate)
+        _announce(broker.bootstrap, deployments, 0, "promoted")
+        _announce(broker.bootstrap, deployments, 1, "promoted", parent=0)
+        exp = _experiment(broker.bootstrap, experiments, "running", serving=2)
+        assert _refresh(server, load) == 1 and server.experiment is None  # v2 not loaded yet: not started
+        _announce(broker.bootstrap, deployments, 2, "promoted", parent=1)
+        assert _refresh(server, load) == 2 and server.experiment == exp
+        assert loads[-1] == ("candidate", "/ckpt/v0") and ("policy", "/ckpt/v2") in loads
+        assert server.may_serve(0)  # no quota while it runs
+        for _ in range(6):
+            for served in server.serve(8, group_size=2).values():
+                assert served.trajectories > 0
+        assert {key: t.trajectories > 0 for key, t in server.totals.items()} == {
+            (0, "ab-v0"): True,
+            (2, "ab-final"): True,
+        }
+        client.flush()
+
+        restarted = server_(candidate_model=candidate)  # reads both topics from the start: resumes it
+        assert _refresh(restarted, load) == 2 and restarted.experiment == exp
+        restarted.close()
+        plain = server_()  # no candidate model: cannot serve two versions, serves the promoted one
+        assert _refresh(plain, load) == 2 and plain.experiment is None
+        assert set(plain.serve(4, group_size=2)) == {"control"}
+        plain.close()
+
+        _experiment(broker.bootstrap, experiments, "ended", serving=2)
+        assert _refresh(server, load) == 2 and server.experiment is None
+        assert set(server.serve(4, group_size=2)) == {"control"}
+        server.close()
+
+    rollouts = [JsonCodec(Rollout).decode(m.value()) for m in read_topic(broker.bootstrap, topic_prefix + "rollouts")]
+    assert {r.policy_version for r in rollouts} == {0, 2}
+    users: dict[str, set[str]] = {}
+    for m in read_topic(broker.bootstrap, topic_prefix + "events"):
+        e = event_codec().decode(m.value())
+        users.setdefault(e.arm, set()).add(e.user_hash)
+    assert users["ab-v0"] and users["ab-final"] and not users["ab-v0"] & users["ab-final"]  # a user sees one arm
+    assert users["control"]

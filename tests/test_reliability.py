@@ -152,9 +152,11 @@ def _processes_of(data_dir) -> list[int]:
 
 
 def test_main_job_as_processes_prints_the_table_and_plots(tmp_path):
-    """`RTRL_LOOP__PROCESSES=true rtrl run`: the supervisor's main job ends like the in-process one,
-    with the table per checkpoint from ClickHouse and the PNG."""
+    """`RTRL_LOOP__PROCESSES=true rtrl run`: the supervisor's main job ends like the in-process one: the final
+    live A/B (announced on rtrl.experiments, served by the serve part, users split by hash), the table per
+    checkpoint from ClickHouse and the PNGs."""
     from tests.test_cli import _run
+    from tests.test_loop import _dump
 
     env = {
         "RTRL_DATA_DIR": str(tmp_path),
@@ -163,10 +165,23 @@ def test_main_job_as_processes_prints_the_table_and_plots(tmp_path):
         "RTRL_LOOP__SAMPLES_PER_CYCLE": "512",
         "RTRL_LOOP__WARM_START_STEPS": "100",
         "RTRL_LOOP__EVAL_TASKS": "50",
+        "RTRL_LOOP__FINAL_AB_TRAJECTORIES": "150",
     }
     proc = _run(["run"], env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "one process per part" in proc.stdout and "Checkpoints (reward v2)" in proc.stdout
-    assert "v2 <- v1" in proc.stdout.replace("←", "<-")
+    out = proc.stdout
+    assert "one process per part" in out and "Checkpoints (reward v2)" in out
+    assert "v2 <- v1" in out.replace("←", "<-")
+    d = _dump(tmp_path)
+    serving = max(c[0] for c in d["checkpoints"] if c[2] == "promoted")
+    if serving:
+        assert f"Live A/B, v{serving} against v0: users randomised by hashed user id" in out, out[-4000:]
+        assert (tmp_path / "reports" / "final_ab.png").read_bytes()[:4] == b"\x89PNG"
+        in_v0, in_final, in_both = d["final_ab_users"]
+        assert in_v0 > 10 and in_final > 10 and in_both == 0  # each user saw one arm
+        arms = {(v, a) for v, a, _ in d["arms"]}
+        assert (0, "ab-v0") in arms and (serving, "ab-final") in arms
+    else:
+        assert "no final A/B: no candidate was promoted" in out
     assert (tmp_path / "reports" / "loop.png").stat().st_size > 10_000
     assert all((tmp_path / "logs" / f"{p}.log").exists() for p in ("rewards", "batches", "serve", "train"))

@@ -19,6 +19,7 @@ from schemas.records import (
     Checkpoint,
     DeadLetter,
     EventBase,
+    Experiment,
     MicroBatch,
     Reward,
     Rollout,
@@ -28,7 +29,7 @@ from schemas.records import (
 from schemas.types import arrow_schema, columns, field_docs, from_arrow, to_arrow
 from tests.strategies import records
 
-JSON_RECORDS = [EventBase, Rollout, Reward, Checkpoint, DeadLetter]
+JSON_RECORDS = [EventBase, Rollout, Reward, Checkpoint, Experiment, DeadLetter]
 
 
 def _tool_call(**kw) -> ToolCall:
