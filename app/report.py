@@ -381,7 +381,7 @@ def summary_lines(ch: Any, database: str, rows: list[dict[str, Any]], reward_ver
         rc = by["reward_mean"].comparison if "reward_mean" in by else None
         reward = f"reward ({reward_version}) -"
         if rc is not None:
-            lo, hi = rc.difference - Z95 * rc.difference_se, rc.difference + Z95 * rc.difference_se
+            lo, hi = rc.difference_interval
             reward = f"reward ({reward_version}) {rc.difference:+.3f} [{lo:+.3f}, {hi:+.3f}]"
         head = f"v0 -> v{ab.final} (A/B)"
         return [
@@ -445,7 +445,7 @@ def final_ab_table(ab: Any, reward_version: str) -> Table:
             t.add_row(label, "-", "-", "-", "-", why)
             continue
         if r.metric == "reward_mean":
-            lo, hi = c.difference - Z95 * c.difference_se, c.difference + Z95 * c.difference_se
+            lo, hi = c.difference_interval
             change, ci = f"{c.difference:+.3f}", f"[{lo:+.3f}, {hi:+.3f}]"
         else:
             change, ci = f"{c.relative:+.1%}", f"[{c.low:+.1%}, {c.high:+.1%}]"

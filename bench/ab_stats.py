@@ -1,10 +1,12 @@
 """A/B error rates, measured: A/A false alarms under continuous peeking, power, CUPED, time to catch the v1 hack.
 
-    .venv/bin/python bench/ab_stats.py [--sims 200] [--looks 12] [--users 2000] [--seed 0]
+    .venv/bin/python bench/ab_stats.py [--world loop|abworld] [--sims 200] [--looks 12] [--users 2000] [--seed 0]
 
-About 10 s on 2 vCPUs. Everything is simulated per user (simulator/abworld.py: heavy-tailed activity
-capped at 20x, persistent user traits) and judged by monitors/stats.py and monitors/alerts.py; nothing else
-runs. What each figure means:
+Everything is simulated per user (simulator/abworld.py: heavy-tailed activity capped at 20x, persistent user
+traits) and judged by monitors/stats.py and monitors/alerts.py; nothing else runs. ``--world loop`` (the
+default) draws each trajectory's figures from the closed loop's own world (``abworld.loop_period``: v0's outcome
+rates, :func:`simulator.world.reaction`, strictness by user id), the world the main job's final A/B runs in: a
+few minutes on 2 vCPUs; ``--world abworld`` from abworld's per-user rates (about 10 s). What each figure means:
 
 1. **A/A false alarms with continuous peeking.** ``--sims`` experiments with no difference between the arms;
    each is looked at ``--looks`` times as its traffic grows (one period of traffic per look). An experiment
@@ -70,7 +72,9 @@ def _row(pop: abworld.Population, total: dict, lat: np.ndarray, owner: np.ndarra
     return row
 
 
-def false_alarms(world: abworld.World, sims: int, looks: int, seed: int) -> dict[str, dict[str, float]]:
+def false_alarms(
+    world: abworld.World, sims: int, looks: int, seed: int, period=abworld.period
+) -> dict[str, dict[str, float]]:
     metrics = list(RULE_COLUMN)
     fired = {k: dict.fromkeys(metrics, 0) for k in ("monitor", "fixed", "msprt")}
     for s in track(range(sims), description="A/A experiments (peeking at every look)"):
@@ -81,7 +85,7 @@ def false_alarms(world: abworld.World, sims: int, looks: int, seed: int) -> dict
         total: dict[str, list[np.ndarray]] = {}
         lats, owners = [], []
         for _ in range(looks):
-            now = abworld.period(world, pop, rng)
+            now = period(world, pop, rng)
             lat, owner = now.pop(abworld.TRAJECTORY_LATENCIES)
             lats.append(lat)
             owners.append(owner)
@@ -105,7 +109,7 @@ def false_alarms(world: abworld.World, sims: int, looks: int, seed: int) -> dict
     return {k: {m: v / sims for m, v in d.items()} for k, d in fired.items()}
 
 
-def power(world: abworld.World, sizes: list[int], runs: int, seed: int) -> tuple[dict, dict]:
+def power(world: abworld.World, sizes: list[int], runs: int, seed: int, period=abworld.period) -> tuple[dict, dict]:
     """Per size and headline metric: (MDE plain, MDE CUPED) and the mean CUPED variance ratio."""
     mde: dict[int, dict[str, tuple[float, float]]] = {}
     ratio: dict[str, list[float]] = {m: [] for m in HEADLINE}
@@ -115,8 +119,8 @@ def power(world: abworld.World, sizes: list[int], runs: int, seed: int) -> tuple
         for r in range(runs):
             rng = np.random.default_rng(seed * 1_000 + size + r)
             pop = abworld.population(w, rng)
-            pre = abworld.period(w, pop, rng)
-            now = abworld.period(w, pop, rng)
+            pre = period(w, pop, rng)
+            now = period(w, pop, rng)
             for m in HEADLINE:
                 plain = compare(*abworld.arms(pop, now, m))
                 cup = compare(*abworld.arms(pop, now, m, pre=pre), cuped=True)
@@ -132,7 +136,7 @@ def power(world: abworld.World, sizes: list[int], runs: int, seed: int) -> tuple
     return mde, {m: float(np.mean(v)) for m, v in ratio.items()}
 
 
-def hack_detection(world: abworld.World, runs: int, seed: int, every: int = 200) -> list[float]:
+def hack_detection(world: abworld.World, runs: int, seed: int, every: int = 200, period=abworld.period) -> list[float]:
     """Treatment-arm trajectories until the mSPRT on broken calls fires, with broken calls doubled."""
     out = []
     for r in track(range(runs), description="v1 hack: trajectories to the alarm"):
@@ -144,7 +148,7 @@ def hack_detection(world: abworld.World, runs: int, seed: int, every: int = 200)
         served = 0.0
         for _ in range(400):
             step = every / (world.per_user * world.users / 2 * float(np.mean(pop.activity)))
-            now = abworld.period(world, pop, rng, effects={"broken": 2.0}, scale=step)
+            now = period(world, pop, rng, effects={"broken": 2.0}, scale=step)
             num, den = num + now["broken"][0], den + now["broken"][1]
             served = float(den[pop.arm == 1].sum())
             control, treatment = abworld.arms(pop, {"broken": (num, den)}, "broken")
@@ -160,15 +164,23 @@ def main() -> None:
     ap.add_argument("--looks", type=int, default=12, help="looks per A/A experiment")
     ap.add_argument("--users", type=int, default=2000, help="users in an A/A experiment (both arms)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--world",
+        choices=("loop", "abworld"),
+        default="loop",
+        help="loop: the closed loop's world (simulator/world.py, what the main job's A/B sees); abworld: per-user rates",
+    )
+    ap.add_argument("--runs", type=int, default=20, help="A/A runs per size for power and CUPED")
     args = ap.parse_args()
+    period = abworld.loop_period if args.world == "loop" else abworld.period
     console = Console()
     t0 = time.monotonic()
     world = abworld.World(users=args.users, per_user=1.0)
     console.print(
-        f"{platform.node()} · {platform.processor() or platform.machine()} · {args.sims} A/A experiments of "
-        f"{args.users:,} users, {args.looks} looks each"
+        f"{platform.node()} · {platform.processor() or platform.machine()} · world {args.world} · {args.sims} A/A "
+        f"experiments of {args.users:,} users, {args.looks} looks each"
     )
-    fa = false_alarms(world, args.sims, args.looks, args.seed)
+    fa = false_alarms(world, args.sims, args.looks, args.seed, period)
     slack = 3 * math.sqrt(0.05 * 0.95 / args.sims)
     t = Table(title=f"A/A false alarms with {args.looks} looks (nominal 0.05; 3 simulation SE: +-{slack:.3f})")
     t.add_column("metric (view column)", no_wrap=True)
@@ -182,7 +194,7 @@ def main() -> None:
     console.print(t)
 
     sizes = [500, 1000, 2000, 5000, 10000]
-    mde, ratio = power(abworld.World(per_user=3.0), sizes, runs=20, seed=args.seed)
+    mde, ratio = power(abworld.World(per_user=3.0), sizes, runs=args.runs, seed=args.seed, period=period)
     t = Table(title="Minimum detectable relative effect, 80% power, alpha 0.05, one look (plain / CUPED)")
     t.add_column("users per arm", justify="right")
     for m in HEADLINE:
@@ -198,7 +210,7 @@ def main() -> None:
         t.add_row(m, f"{ratio[m]:.2f}", f"{math.sqrt(ratio[m]):.2f}")
     console.print(t)
 
-    served = hack_detection(abworld.World(users=4000, per_user=1.0), runs=50, seed=args.seed)
+    served = hack_detection(abworld.World(users=4000, per_user=1.0), runs=50, seed=args.seed, period=period)
     finite = [s for s in served if math.isfinite(s)]
     console.print(
         f"v1 hack (broken calls x2 on the treatment arm): the mSPRT fired in {len(finite)}/{len(served)} runs after "
@@ -220,10 +232,10 @@ def main() -> None:
     ax.set_ylim(bottom=0)
     ax.set_xlabel("users per arm")
     ax.set_ylabel("minimum detectable effect (%)")
-    ax.set_title("80% power, alpha 0.05: solid plain, dashed CUPED (simulated)")
+    ax.set_title(f"80% power, alpha 0.05: solid plain, dashed CUPED (simulated, world {args.world})")
     ax.legend()
     fig.tight_layout()
-    out = Path(__file__).with_name("ab_stats.png")
+    out = Path(__file__).with_name("ab_stats.png" if args.world == "loop" else "ab_stats_abworld.png")
     fig.savefig(out, dpi=110)
     console.print(f"plot: {out} · {time.monotonic() - t0:.0f}s")
 

@@ -117,6 +117,12 @@ class Comparison:
     def significant(self) -> bool:
         return self.p_value < self.alpha
 
+    @property
+    def difference_interval(self) -> tuple[float, float]:
+        """The difference's two-sided ``1 - alpha`` interval (normal approximation, as ``low``/``high``)."""
+        z = float(sps.norm.ppf(1 - self.alpha / 2))
+        return self.difference - z * self.difference_se, self.difference + z * self.difference_se
+
 
 def _cuped(arms: Sequence[Users], infl: Sequence[np.ndarray]) -> tuple[list[np.ndarray], list[float], float]:
     """CUPED on the linearised values. The covariate is each user's linearised pre-period value of the same

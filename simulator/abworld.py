@@ -18,15 +18,25 @@ trajectories of one user correlated and what CUPED's pre-period covariate exploi
 An arm's ``effects`` multiply these rates (``{"broken": 1.3}``: 30% more broken calls); ``orgs`` and
 ``effect_orgs`` confine an effect to some orgs (a cohort-level hack). Users are assigned to arms by a hash of
 their id, as the serving path does.
+
+:func:`loop_period` draws the same figures from the closed loop's own world instead (:mod:`simulator.world`:
+each trajectory is a task, the policy's outcome drawn from a :class:`LoopPolicy`, and the user's reaction from
+:func:`simulator.world.reaction`, the user's strictness fixed by the user id), so the error rates and the power
+the bench reports hold for the world the main job's final A/B runs in. There the policy's ``effects`` act on
+what it does (``broken``, ``clarify``, ``edit``, ``correct``); persistence, follow-ups and latency move only
+through the users' reactions to it.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from monitors.stats import Users
+from simulator import world as loop_world
+from simulator.tasks import Outcome, sample_task
 
 METRICS: tuple[str, ...] = ("dissatisfied", "broken", "edit", "clarify", "latency_ms", "persistence")
 
@@ -126,3 +136,74 @@ def arms(
         sel = pop.arm == a
         out.append(Users(num[sel], den[sel], None if pn is None else pn[sel], None if pd is None else pd[sel]))
     return out[0], out[1]
+
+
+@dataclass(frozen=True)
+class LoopPolicy:
+    """What a policy does in the closed loop's world, per completion: a broken tool call with chance ``broken``
+    (independent of the answer, as the two tokens are sampled in turn), then a clarifying question with chance
+    ``clarify``, else an edit with chance ``edit`` (right with chance ``correct``), else nothing. The defaults
+    are v0 of the main job on the defaults (held-out solve 0.083, broken calls 0.112, clarifying ~0.12)."""
+
+    broken: float = 0.112
+    clarify: float = 0.12
+    edit: float = 0.9
+    correct: float = 0.1
+
+
+def loop_period(
+    world: World,
+    pop: Population,
+    rng: np.random.Generator,
+    effects: dict[str, float] | None = None,
+    effect_orgs: tuple[int, ...] | None = None,
+    scale: float = 1.0,
+    policy: LoopPolicy = LoopPolicy(),
+    users: loop_world.World = loop_world.WORLD,
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """:func:`period`'s figures from the loop's world (:func:`simulator.world.reaction`): per user
+    Poisson(activity x ``per_user`` x ``scale``) trajectories of ``policy`` (its rates times the treatment's
+    ``effects``, in ``effect_orgs`` only when given), user ``u`` being ``org-<org>-user-<u>``. Persistence is the
+    kept fraction over accepted edits, latency the reaction's. ``world.base`` is not used."""
+    effects = effects or {}
+    treated = pop.arm == 1
+    if effect_orgs is not None:
+        treated &= np.isin(pop.org, effect_orgs)
+    n = rng.poisson(pop.activity * world.per_user * scale)
+    r = random.Random(int(rng.integers(2**63)))
+    size = n.size
+    counts = {m: np.zeros(size) for m in ("dissatisfied", "broken", "edit", "clarify")}
+    kept_sum, kept_n, lat_sum = np.zeros(size), np.zeros(size), np.zeros(size)
+    lats: list[float] = []
+    tools = list(loop_world.TOOL_MS)
+    for u in np.flatnonzero(n):
+        user = f"org-{pop.org[u]}-user-{u}"
+        mult = effects if treated[u] else {}
+        p_broken = min(1.0, policy.broken * mult.get("broken", 1.0))
+        p_clarify = min(1.0, policy.clarify * mult.get("clarify", 1.0))
+        p_edit = min(1.0, policy.edit * mult.get("edit", 1.0))
+        p_correct = min(1.0, policy.correct * mult.get("correct", 1.0))
+        for _ in range(int(n[u])):
+            task = sample_task(r, "org")
+            tool = None if r.random() < p_broken else r.choice(tools)
+            asked = r.random() < p_clarify
+            edit: int | None = None
+            if not asked and r.random() < p_edit:
+                edit = task.answer if r.random() < p_correct else (task.answer + r.randrange(1, 10)) % 10
+            out = Outcome(tool=tool, edit=edit, asked=asked, correct=edit is not None and edit == task.answer)
+            re = loop_world.reaction(task, out, r, user=user, world=users)
+            counts["dissatisfied"][u] += re.sentiment == "dissatisfied"
+            counts["broken"][u] += out.broken
+            counts["edit"][u] += edit is not None
+            counts["clarify"][u] += asked
+            if re.kept is not None:
+                kept_sum[u] += re.kept
+                kept_n[u] += 1
+            lat_sum[u] += re.latency_ms
+            lats.append(re.latency_ms)
+    den = n.astype(np.float64)
+    out_: dict[str, tuple[np.ndarray, np.ndarray]] = {m: (c, den) for m, c in counts.items()}
+    out_["latency_ms"] = (lat_sum, den)
+    out_[TRAJECTORY_LATENCIES] = (np.asarray(lats), np.repeat(np.arange(size), n).astype(np.float64))
+    out_["persistence"] = (kept_sum, kept_n)
+    return out_

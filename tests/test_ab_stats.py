@@ -49,6 +49,41 @@ def test_ratio_metric_and_its_delta_method_variance_match_a_bootstrap_over_users
     assert se > naive
 
 
+def test_the_loop_world_period_has_the_shapes_of_abworld_and_moves_with_the_policy():
+    """``abworld.loop_period``: the bench's per-user figures drawn from the closed loop's world (simulator/world.py)
+    have abworld's keys and shapes, repeat with the seed, put an effect on the treatment arm only, and move as the
+    world says: a policy that gets its edits right keeps more of them, annoys fewer users and answers faster."""
+    world = abworld.World(users=600, per_user=2.0)
+    pop = abworld.population(world, np.random.default_rng(3))
+    a = abworld.loop_period(world, pop, np.random.default_rng(4))
+    b = abworld.loop_period(world, pop, np.random.default_rng(4))
+    ref = abworld.period(world, pop, np.random.default_rng(4))
+    assert set(a) == set(ref)
+    for m in a:
+        assert np.array_equal(a[m][0], b[m][0]) and np.array_equal(a[m][1], b[m][1]), m  # seeded: the same figures
+    n = a["broken"][1]
+    lat, owner = a[abworld.TRAJECTORY_LATENCIES]
+    assert lat.size == owner.size == n.sum() and np.allclose(
+        np.bincount(owner.astype(int), lat, n.size), a["latency_ms"][0]
+    )
+    assert np.all(a["persistence"][1] <= a["edit"][0]) and np.all(a["persistence"][0] <= a["persistence"][1])
+
+    hacked = abworld.loop_period(world, pop, np.random.default_rng(5), effects={"broken": 3.0})
+    rate = {
+        arm: hacked["broken"][0][pop.arm == arm].sum() / hacked["broken"][1][pop.arm == arm].sum() for arm in (0, 1)
+    }
+    assert 0.08 < rate[0] < 0.15 and rate[1] > 2.2 * rate[0]  # v0's 0.112, tripled on the treatment arm only
+
+    good = abworld.loop_period(world, pop, np.random.default_rng(6), policy=abworld.LoopPolicy(correct=0.9))
+
+    def overall(d: dict, m: str) -> float:
+        return d[m][0].sum() / d[m][1].sum()
+
+    assert overall(good, "persistence") > overall(a, "persistence") + 0.2
+    assert overall(good, "dissatisfied") < overall(a, "dissatisfied") - 0.2
+    assert overall(good, "latency_ms") < overall(a, "latency_ms") - 50
+
+
 def test_plain_means_agree_with_welch_and_the_interval_is_the_delta_method():
     rng = np.random.default_rng(2)
     a, b = rng.normal(10.0, 3.0, 3000), rng.normal(10.3, 4.0, 2500)
@@ -60,6 +95,12 @@ def test_plain_means_agree_with_welch_and_the_interval_is_the_delta_method():
     assert c.relative == pytest.approx(r - 1) and c.relative_se == pytest.approx(se)
     assert (c.low, c.high) == pytest.approx((r - 1 - 1.959964 * se, r - 1 + 1.959964 * se), rel=1e-5)
     assert c.significant == (c.p_value < 0.05) and c.variance_ratio == 1.0
+    d = b.mean() - a.mean()
+    assert c.difference == pytest.approx(d) and c.difference_se == pytest.approx(
+        math.sqrt(b.var(ddof=1) / b.size + a.var(ddof=1) / a.size)
+    )
+    lo, hi = c.difference_interval
+    assert (lo, hi) == pytest.approx((d - 1.959964 * c.difference_se, d + 1.959964 * c.difference_se), rel=1e-5)
 
 
 def _aa_looks(seed: int, looks: int, world: abworld.World, effects: dict | None = None, metric: str = "dissatisfied"):
