@@ -64,9 +64,9 @@ from monitors.stats import CohortMonitor, Sequential
 from rtrl import clickhouse
 from rtrl.errors import ConfigError, ServiceUnavailable
 from rtrl.files import RUN_PARTS, check_cleanable, data_folder, private_dir
-from rtrl.kafka import producer_config
+from rtrl.kafka import producer_config, read_topic
 from rtrl.settings import Settings, refuse_overrides, refuse_user_set
-from schemas.codec import JsonCodec
+from schemas.codec import Invalid, JsonCodec
 from schemas.records import Checkpoint, CheckpointStatus, Experiment, TrainStep
 from simulator.evalsuite import HeldOutTasks
 from simulator.policy import warm_start
@@ -725,10 +725,10 @@ def final_ab(
         if producer.flush(30):
             raise ServiceUnavailable(f"the final A/B could not be announced on {topic} within 30s")
 
-    announce_experiment(running)
     t0, wanted = time.monotonic(), ls.final_ab_trajectories
     counts = dict.fromkeys(FINAL_ARMS.values(), 0)
     try:
+        announce_experiment(running)
         with cycle_progress(console, f"final A/B v{final} vs v0") as bar:
             task = bar.add_task("ab", total=wanted, info="trajectories in the smaller arm")
             while time.monotonic() < t0 + ls.final_ab_max_s and not (stop is not None and stop.is_set()):
@@ -742,10 +742,35 @@ def final_ab(
                 if min(counts.values()) >= wanted:
                     break
                 time.sleep(1.0)
-    finally:
-        announce_experiment(msgspec.structs.replace(running, status="ended", created_at=time.time_ns() // 1_000_000))
+    finally:  # whatever ended it; a failure to say so must not hide why (the next run ends it)
+        try:
+            announce_experiment(msgspec.structs.replace(running, status="ended", created_at=time.time_ns() // 10**6))
+        except ServiceUnavailable as e:
+            console.print(f"warning: {e}; the next `rtrl run` ends it", markup=False, highlight=False)
     rows = live_ab(ch, db, Side(0, FINAL_ARMS["baseline"]), Side(final, FINAL_ARMS["treatment"]), rv, since_ms=since)
     return FinalAB(final, since, counts, rows, time.monotonic() - t0, wanted)
+
+
+def end_running_experiments(settings: Settings, bootstrap: str, producer: Producer) -> list[str]:
+    """Announce ``ended`` for every experiment ``rtrl.experiments`` still has as running: a run stopped during its
+    final A/B (kill -9, a lost broker) leaves one, which a policy server would serve again once its serving
+    version serves. The main job calls it before it serves anything; returns the keys it ended."""
+    topic, codec = settings.topic("experiments"), JsonCodec(Experiment)
+    newest: dict[str, Experiment] = {}
+    for msg in read_topic(bootstrap, topic, timeout_s=settings.kafka.timeout_s):
+        try:
+            exp = codec.decode(msg.value())
+        except Invalid:
+            continue
+        newest[exp.key] = exp
+    stale = [e for e in newest.values() if e.status == "running"]
+    now = time.time_ns() // 1_000_000
+    for exp in stale:
+        ended = msgspec.structs.replace(exp, status="ended", created_at=max(now, exp.created_at))
+        producer.produce(topic, key=exp.key.encode(), value=codec.encode(ended))
+    if stale and producer.flush(30):
+        raise ServiceUnavailable(f"ending the experiments left running on {topic} did not finish within 30s")
+    return [e.key for e in stale]
 
 
 def rollback(settings: Settings, bootstrap: str, ch, version: int, reason: str) -> Checkpoint:
@@ -825,6 +850,8 @@ def _run_in_process(settings: Settings, services: Services, console: Console, re
                 f"v0 (warm start): held-out solve rate {loop.evals[0]['solve_rate']:.3f}, broken calls "
                 f"{loop.evals[0]['broken_tool_call_rate']:.3f}"
             )
+        for key in end_running_experiments(loop.settings, services.bootstrap, loop.producer):
+            console.print(f"ended experiment {key}, left running by an earlier run", highlight=False)
         loop.start_flows()
         loop.start_server()
         with cycle_progress(console) as bar:

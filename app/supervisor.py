@@ -37,7 +37,7 @@ from typing import Any
 
 from confluent_kafka import Producer
 
-from app.loop import FinalAB, final_ab, loop_settings
+from app.loop import FinalAB, end_running_experiments, final_ab, loop_settings
 from app.parts import PARTS, SUPERVISOR_PID, PatientClickHouse
 from app.services import Services, spawn_embedded_clickhouse
 from rtrl import clickhouse
@@ -118,6 +118,7 @@ class Supervisor:
         self.exits: list[tuple[str, int | None]] = []  # (name, exit code) of every process that ended
         self.lock = threading.Lock()
         self.done = threading.Event()
+        self.failed = threading.Event()  # the run cannot go on (failure says why); set with done
         self.failure: str | None = None
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -223,6 +224,7 @@ class Supervisor:
             f"{b.window_s:g}s (loop.max_restarts = {b.limit}, loop.restart_window_s = {b.window_s:g}; "
             f"last exit code {rc}); log {self.log_dir / (name + '.log')}:\n{self.log_tail(name)}"
         )
+        self.failed.set()
         self.done.set()
 
     def _watch(self) -> None:
@@ -238,6 +240,7 @@ class Supervisor:
                     self._spawn_clickhouse()
                 except ServiceUnavailable as e:
                     self.failure = f"the ClickHouse front could not be restarted: {e}"
+                    self.failed.set()
                     self.done.set()
                     return
             for name, proc in items:
@@ -287,8 +290,8 @@ class Supervisor:
         except (OSError, ValueError, KeyError) as e:
             return f"no final A/B: the trainer's state file {state} cannot be read ({e})"
         producer = Producer(producer_config(self.bootstrap, self.settings.kafka.compression))
-        try:
-            ab = final_ab(self.settings, self.ch, producer, console, final)
+        try:  # a part that gives up meanwhile ends it at once
+            ab = final_ab(self.settings, self.ch, producer, console, final, stop=self.failed)
         finally:
             producer.flush(10)
         if self.failure:  # a part gave up meanwhile: its table would not be worth printing
@@ -367,6 +370,9 @@ def run_processes(settings: Settings, console, resume: bool = False) -> list[dic
             f"parts: {', '.join(PARTS)} · "
             f"logs in {sup.log_dir}{' · resuming the run in ' + str(settings.data_path) if resume else ''}"
         )
+        producer = Producer(producer_config(sup.bootstrap, settings.kafka.compression))
+        for key in end_running_experiments(sup.settings, sup.bootstrap, producer):
+            console.print(f"ended experiment {key}, left running by an earlier run", highlight=False)
         sup.start_all()
         shown: set[int] = set()
         with cycle_progress(console) as bar:

@@ -118,6 +118,8 @@ class PolicyServer:
         self.version: int | None = None
         self.path: str | None = None
         self.candidate: tuple[int, str] | None = None  # (version, model name) served to a share in A/B mode
+        self.candidate_path: str | None = None  # that candidate's checkpoint
+        self.candidate_loaded: str | None = None  # the checkpoint the candidate model holds now
         self.totals: dict[tuple[int, str], Served] = {}  # what each (version, arm) served so far
         self.window_base = 0  # what the serving version had served at the last decision (backpressure)
         self.mailbox = Mailbox()  # what the users send later: persistence checks
@@ -125,19 +127,24 @@ class PolicyServer:
         self.experiment: Experiment | None = None  # the one being served
 
     def _follow_experiments(self, load) -> None:
-        """Serve the newest running experiment once its serving version is the one loaded (the promotion and the
-        experiment come on two topics, so the experiment may be read first): its candidate version's weights
-        go into the candidate model, and every following burst splits its users by the experiment's key. An
-        ended one goes back to the promoted version (and announced candidates) only. A server without its own
-        completions server and a candidate model cannot serve two versions: it serves the promoted one."""
-        running = [e for e in self.announced.values() if e.status == "running"]
-        want = max(running, key=lambda e: e.created_at) if running else None
-        if want is None or self.candidate_model is None or self.api is None:
-            self.experiment = None
-            return
-        if want != self.experiment and want.serving_version == self.version:
-            self._load(load, self.candidate_model, want.candidate_path)
-            self.experiment = want
+        """What the candidate model holds and serves. An experiment is served while its newest announcement says
+        ``running`` and its serving version is the one loaded (the promotion and the experiment come on two topics,
+        so the experiment may be read first; one left running for an older version does not take over); the
+        newest such wins. Otherwise an A/B candidate awaiting its decision. The weights are loaded whenever they
+        are not what should be served: a candidate announcement read while an experiment runs (a restarted server
+        replays both topics from their start) cannot overwrite the experiment's version. A server without its own
+        completions server and a candidate model serves the promoted version only."""
+        want = None
+        if self.candidate_model is not None and self.api is not None:
+            running = [
+                e for e in self.announced.values() if e.status == "running" and e.serving_version == self.version
+            ]
+            want = max(running, key=lambda e: e.created_at) if running else None
+        path = want.candidate_path if want is not None else (self.candidate_path if self.candidate else None)
+        if path is not None and path != self.candidate_loaded:
+            self._load(load, self.candidate_model, path)
+            self.candidate_loaded = path
+        self.experiment = want
 
     def _load(self, load, model, path: str) -> None:
         """``load(model, path)`` while no request samples from it; nothing with an external server (it loads
@@ -151,7 +158,8 @@ class PolicyServer:
         """Read new announcements: a newer promotion is loaded into the serving model with
         ``load(model, path)``; in A/B mode (a ``candidate_model`` was given, or ``ab``) a ``candidate``
         announcement is loaded into it and served to a share of the traffic until its decision
-        (promoted, rejected, rolled back) arrives. Returns the serving version."""
+        (promoted, rejected, rolled back) arrives; an experiment on ``rtrl.experiments`` is followed as
+        :meth:`_follow_experiments` says. Returns the serving version."""
         deadline = time.monotonic() + timeout_s
         latest, decided = None, False
         while time.monotonic() < deadline:
@@ -176,8 +184,7 @@ class PolicyServer:
             if ck.status == "promoted":
                 latest = ck
             elif ck.status == "candidate" and self.ab:
-                self._load(load, self.candidate_model, ck.path)
-                self.candidate = (ck.version, self.candidate_name)
+                self.candidate, self.candidate_path = (ck.version, self.candidate_name), ck.path  # loaded below
             if ck.status != "candidate":
                 decided = True
                 if self.candidate is not None and self.candidate[0] == ck.version:
@@ -209,7 +216,7 @@ class PolicyServer:
         if self.version is None:
             raise RuntimeError("nothing promoted yet: announce a version on rtrl.deployments first")
         self.mailbox.deliver()
-        exp = self.experiment  # read once: the main thread may start one meanwhile
+        exp = self.experiment  # read once: refresh() may start or end one between two bursts
         if exp is not None:
             candidate: tuple[int, str] | None = (exp.candidate_version, self.candidate_name)
             key, share = exp.key, exp.share

@@ -8,7 +8,7 @@ import time
 
 from confluent_kafka import Producer
 
-from app.loop import SEQ_LEN
+from app.loop import SEQ_LEN, end_running_experiments
 from client.sdk import RtrlClient
 from rtrl.kafka import producer_config, read_topic
 from rtrl.settings import load_settings
@@ -87,9 +87,9 @@ def test_follows_deployments_and_serves_a_quota_per_decision(broker, topic_prefi
     )
 
 
-def _experiment(bootstrap: str, topic: str, status: str, serving: int) -> Experiment:
+def _experiment(bootstrap: str, topic: str, status: str, serving: int, key: str = "final-ab-test") -> Experiment:
     exp = Experiment(
-        key="final-ab-test",
+        key=key,
         status=status,
         created_at=time.time_ns() // 1_000_000,
         share=0.5,
@@ -111,7 +111,9 @@ def test_serves_an_experiment_announced_on_rtrl_experiments(broker, topic_prefix
     read after the experiment), loads the candidate version into the candidate model, splits the users by the
     experiment's key under the experiment's arm labels (no quota meanwhile), and ends with the ``ended``
     announcement. A server restarted mid-experiment resumes it; one without a candidate model serves the
-    promoted version only."""
+    promoted version only; an A/B candidate announced meanwhile waits for the experiment's end instead of
+    overwriting its weights; one left running for another version is not served, and the main job's
+    ``end_running_experiments`` ends whatever an earlier run left running."""
     settings = load_settings(env={"RTRL_KAFKA__TOPIC_PREFIX": topic_prefix})
     cfg = ModelConfig.tiny(vocab_size=VOCAB, seq_length=SEQ_LEN)
     init_parallel(cfg)
@@ -152,9 +154,17 @@ def test_serves_an_experiment_announced_on_rtrl_experiments(broker, topic_prefix
         assert set(plain.serve(4, group_size=2)) == {"control"}
         plain.close()
 
-        _experiment(broker.bootstrap, experiments, "ended", serving=2)
+        _announce(broker.bootstrap, deployments, 3, "candidate", parent=2)
+        _experiment(broker.bootstrap, experiments, "running", serving=1, key="left-over")  # for v1: not served
+        assert _refresh(server, load) == 2 and server.experiment == exp and server.candidate == (3, "rtrl-candidate")
+        assert ("candidate", "/ckpt/v3") not in loads  # the experiment's v0 stays in the candidate model
+
+        producer = Producer(producer_config(broker.bootstrap))
+        assert sorted(end_running_experiments(settings, broker.bootstrap, producer)) == ["final-ab-test", "left-over"]
         assert _refresh(server, load) == 2 and server.experiment is None
+        assert loads[-1] == ("candidate", "/ckpt/v3")  # ended: the waiting A/B candidate gets the model
         assert set(server.serve(4, group_size=2)) == {"control"}
+        assert end_running_experiments(settings, broker.bootstrap, producer) == []  # nothing left running
         server.close()
 
     rollouts = [JsonCodec(Rollout).decode(m.value()) for m in read_topic(broker.bootstrap, topic_prefix + "rollouts")]

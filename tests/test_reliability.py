@@ -151,6 +151,7 @@ def _processes_of(data_dir) -> list[int]:
     return found
 
 
+@pytest.mark.timeout(900)
 def test_main_job_as_processes_prints_the_table_and_plots(tmp_path):
     """`RTRL_LOOP__PROCESSES=true rtrl run`: the supervisor's main job ends like the in-process one: the final
     live A/B (announced on rtrl.experiments, served by the serve part, users split by hash), the table per
@@ -166,8 +167,9 @@ def test_main_job_as_processes_prints_the_table_and_plots(tmp_path):
         "RTRL_LOOP__WARM_START_STEPS": "100",
         "RTRL_LOOP__EVAL_TASKS": "50",
         "RTRL_LOOP__FINAL_AB_TRAJECTORIES": "150",
+        "RTRL_LOOP__FINAL_AB_MAX_S": "120",
     }
-    proc = _run(["run"], env, timeout=600)
+    proc = _run(["run"], env, timeout=840)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "one process per part" in out and "Checkpoints (reward v2)" in out
