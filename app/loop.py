@@ -94,6 +94,14 @@ LOOP_FIXED: dict[str, tuple[object, str]] = {
     "flow.tail": (True, "the loop's flows follow the topics while it runs"),
     "flow.grace_s": (0.2, "the simulated users' events arrive in order within 0.2 s of event time"),
     "flow.batch_seconds": (0.2, "rewards must reach ClickHouse within a cycle"),
+    # a closed window stays in the flow's state (and in every snapshot, pickled while holding the GIL the trainer
+    # needs) until first_ts + deadline + lateness: with the defaults (1 h + 1 day) the whole run's windows did,
+    # and the growing snapshots starved the trainer (bench/RESULTS.md, the collapse from cycle 7-9)
+    "flow.deadline_s": (30.0, "a simulated trajectory ends within seconds, its persistence checks within 1 s after"),
+    "flow.allowed_lateness_s": (
+        30.0,
+        "the simulated users' late events arrive within a second of their trajectory's end",
+    ),
     "batching.tail": (True, "the loop's flows follow the topics while it runs"),
     "batching.seq_len": (SEQ_LEN, "the loop's policy is built for rows of this many tokens"),
     "batching.rows": (ROWS, "micro-batches of the loop's tiny tasks"),
