@@ -6,8 +6,8 @@
 ``rewards``, ``batches``  the reward and batch flows under Bytewax with recovery (a restart after
                           kill -9 resumes from the last snapshot; sinks are at-least-once and
                           ClickHouse replaces replayed rows, the trainer skips replayed micro-batches)
-``serve``                 the policy server: follows ``rtrl.deployments``, serves ``loop.rate`` tasks/s
-                          with backpressure per decision; a restart re-reads the deployments
+``serve``                 the policy server: follows ``rtrl.deployments`` and ``rtrl.experiments``, serves
+                          ``loop.rate`` tasks/s with backpressure per decision; a restart re-reads both
 ``train``                 the trainer and eval gate (:class:`app.loop.Loop` without the other parts):
                           resumes from ``loop/state.json`` and the cycle's newest step checkpoint,
                           exits 0 once ``loop.cycles`` decisions are made

@@ -5,7 +5,7 @@ embedded ClickHouse behind :mod:`devservices.chserver` unless ``clickhouse.dsn``
 process per part (:mod:`app.parts`: reward flow, batch flow, policy server, trainer), and restarts
 any part that dies - what systemd or Kubernetes does in production. Each part resumes by itself
 (Bytewax recovery, the trainer's state file and step checkpoints, the server re-reading
-``rtrl.deployments``), so a kill -9 of any one of them costs time, not data. Logs go to
+``rtrl.deployments`` and ``rtrl.experiments``), so a kill -9 of any one of them costs time, not data. Logs go to
 ``<data_dir>/logs/<part>.log``.
 
 Supervision:

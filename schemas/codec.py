@@ -1,6 +1,6 @@
 """Kafka payload codecs derived from schemas.records.
 
-Events, rollouts, rewards, checkpoints and dead letters travel as one JSON object per message
+Events, rollouts, rewards, checkpoints, experiments and dead letters travel as one JSON object per message
 (msgspec: ~1 µs per small event); micro-batches travel as Arrow IPC streams. Decoding validates
 every field and raises :class:`Invalid` carrying the offending field's path and the reason,
 which is what a dead-letter record stores.

@@ -75,6 +75,8 @@ def test_the_loop_world_period_has_the_shapes_of_abworld_and_moves_with_the_poli
     assert 0.08 < rate[0] < 0.15 and rate[1] > 2.2 * rate[0]  # v0's 0.112, tripled on the treatment arm only
 
     good = abworld.loop_period(world, pop, np.random.default_rng(6), policy=abworld.LoopPolicy(correct=0.9))
+    with pytest.raises(ValueError, match=r"\['dissatisfied'\] are not what a policy does"):
+        abworld.loop_period(world, pop, np.random.default_rng(6), effects={"dissatisfied": 0.8})
 
     def overall(d: dict, m: str) -> float:
         return d[m][0].sum() / d[m][1].sum()

@@ -1,6 +1,7 @@
 """No input stops a part: every decoder of a Kafka payload turns any byte string into a record or Invalid.
 
-The decoders are ``schemas.codec.JsonCodec.decode`` (events, rollouts, rewards, deployments, dead letters),
+The decoders are ``schemas.codec.JsonCodec.decode`` (events, rollouts, rewards, deployments, experiments, dead
+letters),
 ``schemas.codec.decode_batch_table`` / ``decode_batch`` and ``trainer.batch.to_batch`` (micro-batches).
 Hypothesis feeds them random bytes and mutations of valid payloads (truncation, bit flips, byte and
 int32 overwrites, insertions, deletions, splices) plus hand-made hostile payloads (nesting 100 000 deep,
@@ -40,7 +41,16 @@ from flows.reward_flow import build_flow
 from rtrl import clickhouse
 from rtrl.kafka import ensure_topics, producer_config, read_topic
 from schemas.codec import Invalid, JsonCodec, dead_letter, decode_batch, decode_batch_table, encode_batch, event_codec
-from schemas.records import EVENT_TYPES, Checkpoint, DeadLetter, EventBase, MicroBatch, Reward, Rollout
+from schemas.records import (
+    EVENT_TYPES,
+    Checkpoint,
+    DeadLetter,
+    EventBase,
+    Experiment,
+    MicroBatch,
+    Reward,
+    Rollout,
+)
 from schemas.types import to_arrow
 from tests.dist.train_run import synthetic_batches
 from tests.strategies import micro_batches, records
@@ -59,6 +69,7 @@ JSON_DECODERS: dict[str, tuple[JsonCodec, st.SearchStrategy, tuple[type, ...]]] 
     "rollouts": (JsonCodec(Rollout), records(Rollout), (Rollout,)),
     "rewards": (JsonCodec(Reward), records(Reward), (Reward,)),
     "deployments": (JsonCodec(Checkpoint), records(Checkpoint), (Checkpoint,)),
+    "experiments": (JsonCodec(Experiment), records(Experiment), (Experiment,)),
     "dead_letters": (JsonCodec(DeadLetter), records(DeadLetter), (DeadLetter,)),
 }
 
@@ -236,6 +247,17 @@ _SAMPLES = {
         reason="ok",
         kafka_offsets={"rtrl.batches/0": 7},
         path="/ckpt/1",
+    ),
+    "experiments": lambda: Experiment(
+        key="final-ab-0-v3-v0",
+        status="running",
+        created_at=1,
+        share=0.5,
+        serving_version=3,
+        serving_arm="ab-final",
+        candidate_version=0,
+        candidate_path="/ckpt/v0",
+        candidate_arm="ab-v0",
     ),
     "dead_letters": lambda: dead_letter("malformed", "$", "why", "rtrl.events", 0, 1, b"k", b"{oops", 5),
 }
