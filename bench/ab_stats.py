@@ -4,9 +4,10 @@
 
 Everything is simulated per user (simulator/abworld.py: heavy-tailed activity capped at 20x, persistent user
 traits) and judged by monitors/stats.py and monitors/alerts.py; nothing else runs. ``--world loop`` (the
-default) draws each trajectory's figures from the closed loop's own world (``abworld.loop_period``: v0's outcome
-rates, :func:`simulator.world.reaction`, strictness by user id), the world the main job's final A/B runs in: a
-few minutes on 2 vCPUs; ``--world abworld`` from abworld's per-user rates (about 10 s). What each figure means:
+default) draws each trajectory's figures from the closed loop's users (``abworld.LoopPools``: v0's outcome rates,
+groups of four per task, :func:`simulator.world.reaction`, strictness by user id; each user's reactions pooled once
+and resampled), the reactions the main job's final A/B measures; who asks how often stays abworld's heavy tail.
+``--world abworld`` draws from abworld's per-user rates (about 10 s). What each figure means:
 
 1. **A/A false alarms with continuous peeking.** ``--sims`` experiments with no difference between the arms;
    each is looked at ``--looks`` times as its traffic grows (one period of traffic per look). An experiment
@@ -24,7 +25,8 @@ few minutes on 2 vCPUs; ``--world abworld`` from abworld's per-user rates (about
    under v1-discard-broken, bench/RESULTS.md): how many treatment-arm trajectories until the mSPRT, looked at
    every 200 trajectories, fires; median and 90th percentile over runs.
 
-PNG: ``bench/ab_stats.png`` (minimum detectable effect against users per arm).
+PNG: ``bench/ab_stats.png`` (``--world loop``) or ``bench/ab_stats_abworld.png`` (minimum detectable effect
+against users per arm).
 """
 
 from __future__ import annotations
@@ -172,7 +174,8 @@ def main() -> None:
     )
     ap.add_argument("--runs", type=int, default=20, help="A/A runs per size for power and CUPED")
     args = ap.parse_args()
-    period = abworld.loop_period if args.world == "loop" else abworld.period
+    # the loop's users: each user's reactions pooled once (simulator.world.reaction), resampled per period
+    period = abworld.LoopPools(seed=args.seed).period if args.world == "loop" else abworld.period
     console = Console()
     t0 = time.monotonic()
     world = abworld.World(users=args.users, per_user=1.0)

@@ -31,6 +31,7 @@ lighter tail, so the figures here are on the conservative side).
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -154,6 +155,75 @@ class LoopPolicy:
     correct: float = 0.1
 
 
+_POLICY_EFFECTS = frozenset({"broken", "clarify", "edit", "correct"})
+#: columns of one trajectory's figures in the loop's world (kept: NaN without an accepted edit)
+_DISSATISFIED, _BROKEN, _EDIT, _CLARIFY, _LATENCY, _KEPT = range(6)
+
+
+def _check_effects(effects: dict[str, float], group_size: int) -> None:
+    unknown = set(effects) - _POLICY_EFFECTS
+    if unknown:
+        raise ValueError(
+            f"loop_period: effects {sorted(unknown)} are not what a policy does here (broken, clarify, edit, "
+            "correct); persistence, follow-ups and latency follow from the users' reactions"
+        )
+    if group_size < 1:
+        raise ValueError(f"loop_period: group_size must be >= 1, not {group_size!r}")
+
+
+def _group(
+    r: random.Random, user: str, policy: LoopPolicy, effects: dict[str, float], group_size: int, users: loop_world.World
+) -> list[tuple[float, float, float, float, float, float]]:
+    """One task asked ``group_size`` times by ``user``: each completion's figures (the columns above)."""
+    p_broken = min(1.0, policy.broken * effects.get("broken", 1.0))
+    p_clarify = min(1.0, policy.clarify * effects.get("clarify", 1.0))
+    p_edit = min(1.0, policy.edit * effects.get("edit", 1.0))
+    p_correct = min(1.0, policy.correct * effects.get("correct", 1.0))
+    task = sample_task(r, "org")
+    out = []
+    for _ in range(group_size):
+        tool = None if r.random() < p_broken else r.choice(_TOOLS)
+        asked = r.random() < p_clarify
+        edit: int | None = None
+        if not asked and r.random() < p_edit:
+            edit = task.answer if r.random() < p_correct else (task.answer + r.randrange(1, 10)) % 10
+        o = Outcome(tool=tool, edit=edit, asked=asked, correct=edit is not None and edit == task.answer)
+        re = loop_world.reaction(task, o, r, user=user, world=users)
+        kept = math.nan if re.kept is None else re.kept
+        out.append(
+            (
+                float(re.sentiment == "dissatisfied"),
+                float(o.broken),
+                float(edit is not None),
+                float(asked),
+                re.latency_ms,
+                kept,
+            )
+        )
+    return out
+
+
+_TOOLS = list(loop_world.TOOL_MS)
+
+
+def _figures(rows: np.ndarray, owner: np.ndarray, size: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per-user (num, den) of every metric from trajectory rows (the columns above) and their users."""
+    den = np.bincount(owner, minlength=size).astype(np.float64)
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {
+        m: (np.bincount(owner, weights=rows[:, c], minlength=size), den)
+        for m, c in (("dissatisfied", _DISSATISFIED), ("broken", _BROKEN), ("edit", _EDIT), ("clarify", _CLARIFY))
+    }
+    out["latency_ms"] = (np.bincount(owner, weights=rows[:, _LATENCY], minlength=size), den)
+    out[TRAJECTORY_LATENCIES] = (rows[:, _LATENCY].copy(), owner.astype(np.float64))
+    kept = rows[:, _KEPT]
+    has = ~np.isnan(kept)
+    out["persistence"] = (
+        np.bincount(owner[has], weights=kept[has], minlength=size),
+        np.bincount(owner[has], minlength=size).astype(np.float64),
+    )
+    return out
+
+
 def loop_period(
     world: World,
     pop: Population,
@@ -169,55 +239,85 @@ def loop_period(
     Poisson(activity x ``per_user`` x ``scale``) trajectories of ``policy`` (its rates times the treatment's
     ``effects``, in ``effect_orgs`` only when given), a new task every ``group_size`` of them, user ``u`` being
     ``org-<org>-user-<u>``. Persistence is the kept fraction over accepted edits, latency the reaction's.
-    ``world.base`` is not used."""
+    ``world.base`` is not used. Every reaction is drawn afresh (about 50 us each): :class:`LoopPools` is the fast
+    way for many periods."""
     effects = effects or {}
-    unknown = set(effects) - {"broken", "clarify", "edit", "correct"}
-    if unknown:
-        raise ValueError(
-            f"loop_period: effects {sorted(unknown)} are not what a policy does here (broken, clarify, edit, "
-            "correct); persistence, follow-ups and latency follow from the users' reactions"
-        )
-    if group_size < 1:
-        raise ValueError(f"loop_period: group_size must be >= 1, not {group_size!r}")
+    _check_effects(effects, group_size)
+    treated = _treated(pop, effect_orgs)
+    n = rng.poisson(pop.activity * world.per_user * scale)
+    r = random.Random(int(rng.integers(2**63)))
+    rows: list[tuple[float, ...]] = []
+    for u in np.flatnonzero(n):
+        user = f"org-{pop.org[u]}-user-{u}"
+        need = int(n[u])
+        while need > 0:
+            got = _group(r, user, policy, effects if treated[u] else {}, group_size, users)[:need]
+            rows.extend(got)
+            need -= len(got)
+    table = np.asarray(rows, dtype=np.float64).reshape(-1, 6)
+    return _figures(table, np.repeat(np.arange(n.size), n), n.size)
+
+
+def _treated(pop: Population, effect_orgs: tuple[int, ...] | None) -> np.ndarray:
     treated = pop.arm == 1
     if effect_orgs is not None:
         treated &= np.isin(pop.org, effect_orgs)
-    n = rng.poisson(pop.activity * world.per_user * scale)
-    r = random.Random(int(rng.integers(2**63)))
-    size = n.size
-    counts = {m: np.zeros(size) for m in ("dissatisfied", "broken", "edit", "clarify")}
-    kept_sum, kept_n, lat_sum = np.zeros(size), np.zeros(size), np.zeros(size)
-    lats: list[float] = []
-    tools = list(loop_world.TOOL_MS)
-    for u in np.flatnonzero(n):
-        user = f"org-{pop.org[u]}-user-{u}"
-        mult = effects if treated[u] else {}
-        p_broken = min(1.0, policy.broken * mult.get("broken", 1.0))
-        p_clarify = min(1.0, policy.clarify * mult.get("clarify", 1.0))
-        p_edit = min(1.0, policy.edit * mult.get("edit", 1.0))
-        p_correct = min(1.0, policy.correct * mult.get("correct", 1.0))
-        for i in range(int(n[u])):
-            if i % group_size == 0:
-                task = sample_task(r, "org")
-            tool = None if r.random() < p_broken else r.choice(tools)
-            asked = r.random() < p_clarify
-            edit: int | None = None
-            if not asked and r.random() < p_edit:
-                edit = task.answer if r.random() < p_correct else (task.answer + r.randrange(1, 10)) % 10
-            out = Outcome(tool=tool, edit=edit, asked=asked, correct=edit is not None and edit == task.answer)
-            re = loop_world.reaction(task, out, r, user=user, world=users)
-            counts["dissatisfied"][u] += re.sentiment == "dissatisfied"
-            counts["broken"][u] += out.broken
-            counts["edit"][u] += edit is not None
-            counts["clarify"][u] += asked
-            if re.kept is not None:
-                kept_sum[u] += re.kept
-                kept_n[u] += 1
-            lat_sum[u] += re.latency_ms
-            lats.append(re.latency_ms)
-    den = n.astype(np.float64)
-    out_: dict[str, tuple[np.ndarray, np.ndarray]] = {m: (c, den) for m, c in counts.items()}
-    out_["latency_ms"] = (lat_sum, den)
-    out_[TRAJECTORY_LATENCIES] = (np.asarray(lats), np.repeat(np.arange(size), n).astype(np.float64))
-    out_["persistence"] = (kept_sum, kept_n)
-    return out_
+    return treated
+
+
+class LoopPools:
+    """:func:`loop_period` for many periods: each user's reactions come from a pool of ``pool`` groups drawn once
+    per user (and per set of effects) with :func:`loop_period`'s model, seeded by the user and ``seed``, then
+    resampled (groups with replacement) in every period, in numpy. The users are fixed by their id, as in the
+    loop's world, so a pool is the user: what a period draws keeps that user's strictness and the groups' task
+    correlation; resampling from ``pool`` groups leaves the within-user variance at ``(pool-1)/pool`` of the
+    model's. ``period`` has :func:`period`'s signature, for the bench."""
+
+    def __init__(
+        self,
+        policy: LoopPolicy = LoopPolicy(),
+        users: loop_world.World = loop_world.WORLD,
+        group_size: int = 4,
+        pool: int = 16,
+        seed: int = 0,
+    ):
+        if pool < 1:
+            raise ValueError(f"LoopPools: pool must be >= 1, not {pool!r}")
+        _check_effects({}, group_size)
+        self.policy, self.users, self.group_size, self.pool, self.seed = policy, users, group_size, pool, seed
+        self._pools: dict[tuple, dict[str, np.ndarray]] = {}
+
+    def _pool(self, user: str, effects: dict[str, float]) -> np.ndarray:
+        key = tuple(sorted(effects.items()))
+        cache = self._pools.setdefault(key, {})
+        got = cache.get(user)
+        if got is None:
+            r = random.Random(f"{self.seed}:{key}:{user}")
+            groups = [_group(r, user, self.policy, effects, self.group_size, self.users) for _ in range(self.pool)]
+            got = cache[user] = np.asarray(groups, dtype=np.float64)  # (pool, group_size, 6)
+        return got
+
+    def period(
+        self,
+        world: World,
+        pop: Population,
+        rng: np.random.Generator,
+        effects: dict[str, float] | None = None,
+        effect_orgs: tuple[int, ...] | None = None,
+        scale: float = 1.0,
+    ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        effects = effects or {}
+        _check_effects(effects, self.group_size)
+        treated = _treated(pop, effect_orgs)
+        n = rng.poisson(pop.activity * world.per_user * scale)
+        size, gs = n.size, self.group_size
+        table = np.stack(
+            [self._pool(f"org-{pop.org[u]}-user-{u}", effects if treated[u] else {}) for u in range(size)]
+        )  # (users, pool, group_size, 6)
+        groups = -(-n // gs)  # whole groups per user, the last one cut to n
+        owner_g = np.repeat(np.arange(size), groups)
+        picked = table[owner_g, rng.integers(self.pool, size=owner_g.size)].reshape(-1, 6)
+        owner_t = np.repeat(owner_g, gs)
+        start = np.repeat(np.cumsum(groups * gs) - groups * gs, groups * gs)
+        keep = np.arange(owner_t.size) - start < n[owner_t]
+        return _figures(picked[keep], owner_t[keep], size)

@@ -86,6 +86,34 @@ def test_the_loop_world_period_has_the_shapes_of_abworld_and_moves_with_the_poli
     assert overall(good, "latency_ms") < overall(a, "latency_ms") - 50
 
 
+def test_loop_pools_resample_the_loop_world_with_its_rates():
+    """``abworld.LoopPools`` (the bench's fast path) draws each user's groups from a pool made with
+    ``loop_period``'s model: the same keys and shapes, the same overall rates within simulation error, the
+    treatment's effect on the treated users only, and a user's pool fixed by the user and the seed."""
+    world = abworld.World(users=800, per_user=2.0)
+    pop = abworld.population(world, np.random.default_rng(7))
+    pools = abworld.LoopPools(pool=16, seed=1)
+    fast = pools.period(world, pop, np.random.default_rng(8))
+    exact = abworld.loop_period(world, pop, np.random.default_rng(8))
+    assert set(fast) == set(exact)
+    n = fast["broken"][1]
+    assert np.array_equal(n, exact["broken"][1])  # the same traffic from the same rng
+    lat, owner = fast[abworld.TRAJECTORY_LATENCIES]
+    assert lat.size == n.sum() and np.allclose(np.bincount(owner.astype(int), lat, n.size), fast["latency_ms"][0])
+    for m, tol in (("dissatisfied", 0.03), ("broken", 0.02), ("edit", 0.03), ("clarify", 0.02), ("persistence", 0.05)):
+        a = fast[m][0].sum() / fast[m][1].sum()
+        b = exact[m][0].sum() / exact[m][1].sum()
+        assert abs(a - b) < tol, (m, a, b)
+    assert fast["latency_ms"][0].sum() / n.sum() == pytest.approx(exact["latency_ms"][0].sum() / n.sum(), rel=0.05)
+    again = abworld.LoopPools(pool=16, seed=1).period(world, pop, np.random.default_rng(8))
+    assert all(np.array_equal(fast[m][0], again[m][0]) for m in fast)
+    hacked = pools.period(world, pop, np.random.default_rng(9), effects={"broken": 3.0}, effect_orgs=(0,))
+    rate = {}
+    for name, sel in (("treated", (pop.arm == 1) & (pop.org == 0)), ("others", ~((pop.arm == 1) & (pop.org == 0)))):
+        rate[name] = hacked["broken"][0][sel].sum() / hacked["broken"][1][sel].sum()
+    assert rate["treated"] > 2.2 * rate["others"] and 0.07 < rate["others"] < 0.16
+
+
 def test_plain_means_agree_with_welch_and_the_interval_is_the_delta_method():
     rng = np.random.default_rng(2)
     a, b = rng.normal(10.0, 3.0, 3000), rng.normal(10.3, 4.0, 2500)
