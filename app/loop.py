@@ -714,7 +714,8 @@ def final_ab(
         return "no final A/B: no candidate was promoted, v0 still serves"
     if settings.serving.url:
         return "no final A/B: serving.url names an external server, which serves one version (run it yourself)"
-    topic, codec = settings.topic("experiments"), JsonCodec(Experiment)
+    topic = settings.topic("experiments")
+    codec: JsonCodec[Experiment] = JsonCodec(Experiment)
     since = time.time_ns() // 1_000_000
     running = Experiment(
         key=f"final-ab-{ls.seed}-v{final}-v0",
@@ -763,7 +764,8 @@ def end_running_experiments(settings: Settings, bootstrap: str, producer: Produc
     """Announce ``ended`` for every experiment ``rtrl.experiments`` still has as running: a run stopped during its
     final A/B (kill -9, a lost broker) leaves one, which a policy server would serve again once its serving
     version serves. The main job calls it before it serves anything; returns the keys it ended."""
-    topic, codec = settings.topic("experiments"), JsonCodec(Experiment)
+    topic = settings.topic("experiments")
+    codec: JsonCodec[Experiment] = JsonCodec(Experiment)
     newest: dict[str, Experiment] = {}
     for msg in read_topic(bootstrap, topic, timeout_s=settings.kafka.timeout_s):
         try:
