@@ -852,6 +852,9 @@ def _run_in_process(settings: Settings, services: Services, console: Console, re
             f"training on reward {rv} · {ls.cycles} cycles of {ls.samples_per_cycle:,} samples"
             + (f" · model from {loop.settings.model.hf_path}" if loop.settings.model.hf_path else "")
         )
+        # before anything serves (the policy server reads the experiments once its thread starts)
+        for key in end_running_experiments(loop.settings, services.bootstrap, loop.producer):
+            console.print(f"ended experiment {key}, left running by an earlier run", highlight=False)
         if resume and loop.resume():
             console.print(f"resumed: {loop.version} decisions made, serving v{loop.serving}")
         else:
@@ -860,8 +863,6 @@ def _run_in_process(settings: Settings, services: Services, console: Console, re
                 f"v0 (warm start): held-out solve rate {loop.evals[0]['solve_rate']:.3f}, broken calls "
                 f"{loop.evals[0]['broken_tool_call_rate']:.3f}"
             )
-        for key in end_running_experiments(loop.settings, services.bootstrap, loop.producer):
-            console.print(f"ended experiment {key}, left running by an earlier run", highlight=False)
         loop.start_flows()
         loop.start_server()
         with cycle_progress(console) as bar:
