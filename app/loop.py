@@ -714,8 +714,6 @@ def final_ab(
         return "no final A/B: no candidate was promoted, v0 still serves"
     if settings.serving.url:
         return "no final A/B: serving.url names an external server, which serves one version (run it yourself)"
-    topic = settings.topic("experiments")
-    codec: JsonCodec[Experiment] = JsonCodec(Experiment)
     since = time.time_ns() // 1_000_000
     running = Experiment(
         key=f"final-ab-{ls.seed}-v{final}-v0",
@@ -729,15 +727,10 @@ def final_ab(
         candidate_arm=FINAL_ARMS["baseline"],
     )
 
-    def announce_experiment(exp: Experiment) -> None:
-        producer.produce(topic, key=exp.key.encode(), value=codec.encode(exp))
-        if producer.flush(30):
-            raise ServiceUnavailable(f"the final A/B could not be announced on {topic} within 30s")
-
     t0, wanted = time.monotonic(), ls.final_ab_trajectories
     counts = dict.fromkeys(FINAL_ARMS.values(), 0)
     try:
-        announce_experiment(running)
+        announce_experiments(settings, producer, [running])
         with cycle_progress(console, f"final A/B v{final} vs v0") as bar:
             task = bar.add_task("ab", total=wanted, info="trajectories in the smaller arm")
             while time.monotonic() < t0 + ls.final_ab_max_s and not (stop is not None and stop.is_set()):
@@ -753,7 +746,8 @@ def final_ab(
                 time.sleep(1.0)
     finally:  # whatever ended it; a failure to say so must not hide why (the next run ends it)
         try:
-            announce_experiment(msgspec.structs.replace(running, status="ended", created_at=time.time_ns() // 10**6))
+            ended = msgspec.structs.replace(running, status="ended", created_at=time.time_ns() // 10**6)
+            announce_experiments(settings, producer, [ended])
         except ServiceUnavailable as e:
             console.print(f"warning: {e}; the next `rtrl run` ends it", markup=False, highlight=False)
     rows = live_ab(ch, db, Side(0, FINAL_ARMS["baseline"]), Side(final, FINAL_ARMS["treatment"]), rv, since_ms=since)
@@ -764,10 +758,9 @@ def end_running_experiments(settings: Settings, bootstrap: str, producer: Produc
     """Announce ``ended`` for every experiment ``rtrl.experiments`` still has as running: a run stopped during its
     final A/B (kill -9, a lost broker) leaves one, which a policy server would serve again once its serving
     version serves. The main job calls it before it serves anything; returns the keys it ended."""
-    topic = settings.topic("experiments")
     codec: JsonCodec[Experiment] = JsonCodec(Experiment)
     newest: dict[str, Experiment] = {}
-    for msg in read_topic(bootstrap, topic, timeout_s=settings.kafka.timeout_s):
+    for msg in read_topic(bootstrap, settings.topic("experiments"), timeout_s=settings.kafka.timeout_s):
         try:
             exp = codec.decode(msg.value())
         except Invalid:
@@ -775,12 +768,22 @@ def end_running_experiments(settings: Settings, bootstrap: str, producer: Produc
         newest[exp.key] = exp
     stale = [e for e in newest.values() if e.status == "running"]
     now = time.time_ns() // 1_000_000
-    for exp in stale:
-        ended = msgspec.structs.replace(exp, status="ended", created_at=max(now, exp.created_at))
-        producer.produce(topic, key=exp.key.encode(), value=codec.encode(ended))
-    if stale and producer.flush(30):
-        raise ServiceUnavailable(f"ending the experiments left running on {topic} did not finish within 30s")
+    ended = [msgspec.structs.replace(e, status="ended", created_at=max(now, e.created_at)) for e in stale]
+    announce_experiments(settings, producer, ended)
     return [e.key for e in stale]
+
+
+def announce_experiments(settings: Settings, producer: Producer, experiments: list[Experiment]) -> None:
+    """Publish ``experiments`` on ``rtrl.experiments`` (keyed by experiment) and wait for the broker's
+    acknowledgement; ServiceUnavailable naming the topic when it does not come within 30 s."""
+    if not experiments:
+        return
+    topic = settings.topic("experiments")
+    codec: JsonCodec[Experiment] = JsonCodec(Experiment)
+    for exp in experiments:
+        producer.produce(topic, key=exp.key.encode(), value=codec.encode(exp))
+    if producer.flush(30):
+        raise ServiceUnavailable(f"announcing {len(experiments)} experiment(s) on {topic} did not finish within 30s")
 
 
 def rollback(settings: Settings, bootstrap: str, ch, version: int, reason: str) -> Checkpoint:

@@ -262,11 +262,14 @@ class Supervisor:
     def decided_all(self) -> bool:
         """Whether the trainer's state file records every decision (``loop.cycles``); a trainer that exits 0
         before that was stopped, and is restarted like any part that ended."""
-        state = self.settings.data_path / "loop" / "state.json"
         try:
-            return json.loads(state.read_text())["version"] >= self.settings.loop.cycles
+            return self._state()["version"] >= self.settings.loop.cycles
         except (OSError, ValueError, KeyError):
             return False
+
+    def _state(self) -> dict:
+        """The trainer's state file (``loop/state.json``); OSError or ValueError when it cannot be read."""
+        return json.loads((self.settings.data_path / "loop" / "state.json").read_text())
 
     def wait(self, timeout_s: float, tick=None) -> None:
         """Until the trainer has made every decision (``tick()`` is called about once a second)."""
@@ -284,11 +287,10 @@ class Supervisor:
     def final_ab(self, console) -> FinalAB | str:
         """The main job's final live A/B (:func:`app.loop.final_ab`) while the parts still run: the final version
         comes from the trainer's state file, the experiment goes to the serve part over ``rtrl.experiments``."""
-        state = self.settings.data_path / "loop" / "state.json"
         try:
-            final = int(json.loads(state.read_text())["serving"])
+            final = int(self._state()["serving"])
         except (OSError, ValueError, KeyError) as e:
-            return f"no final A/B: the trainer's state file {state} cannot be read ({e})"
+            return f"no final A/B: the trainer's state file cannot be read ({e})"
         producer = Producer(producer_config(self.bootstrap, self.settings.kafka.compression))
         try:  # a part that gives up meanwhile ends it at once
             ab = final_ab(self.settings, self.ch, producer, console, final, stop=self.failed)

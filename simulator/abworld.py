@@ -100,9 +100,7 @@ def period(
     """One period's per-user figures: metric -> (num, den). ``effects`` apply to the treatment arm (only in
     ``effect_orgs`` when given); ``scale`` multiplies the traffic (looks at a growing experiment)."""
     effects = effects or {}
-    treated = pop.arm == 1
-    if effect_orgs is not None:
-        treated &= np.isin(pop.org, effect_orgs)
+    treated = _treated(pop, effect_orgs)
     mult = {m: np.where(treated, effects.get(m, 1.0), 1.0) for m in METRICS}
     n = rng.poisson(pop.activity * world.per_user * scale)
     lean = 0.5 + pop.strictness
@@ -259,6 +257,7 @@ def loop_period(
 
 
 def _treated(pop: Population, effect_orgs: tuple[int, ...] | None) -> np.ndarray:
+    """The users an arm's effects apply to: the treatment arm, within ``effect_orgs`` when given."""
     treated = pop.arm == 1
     if effect_orgs is not None:
         treated &= np.isin(pop.org, effect_orgs)
