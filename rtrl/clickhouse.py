@@ -36,6 +36,7 @@ from schemas.records import (
     EventBase,
     MicroBatch,
     Reward,
+    RewardVersionRecord,
     Rollout,
     TrainStep,
     TrajectorySummary,
@@ -55,6 +56,7 @@ TABLES: dict[str, type] = {
     "trajectories": TrajectorySummary,
     "train_metrics": TrainStep,
     "batch_stats": BatchStats,
+    "reward_versions": RewardVersionRecord,
 }
 
 #: what a read-only analyst may SELECT: the monitors' views, the tables they read, and the tables of
@@ -72,6 +74,7 @@ ANALYST_TABLES = (
     "dead_letters",
     "train_metrics",
     "batch_stats",
+    "reward_versions",
 )
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

@@ -182,13 +182,32 @@ class FlowSettings(Section):
     tail: bool = _s(True, "keep waiting for new events at the end of the topic (false = stop at the end)")
 
 
+class RewardDefinition(Section):
+    """A reward version defined as data: a parent version and the weights it changes (rewards.versions)."""
+
+    parent: str = _s("v2", "version whose weights this one starts from (built in, or defined before it)", min_length=1)
+    reason: str = _s(..., "why this version exists, e.g. 'broken tool calls are negative'", min_length=1)
+    author: str = _s(..., "who defined it (a name or an address)", min_length=1)
+    weights: dict[str, float | bool | None] = _s(
+        {}, "weights that differ from the parent's (names: rewards.RewardConfig's fields, e.g. w_broken = 0.5)"
+    )
+
+
 class RewardSettings(Section):
-    """Which reward versions exist in the stream, and which one trains (names: rewards.REWARD_VERSIONS)."""
+    """Which reward versions exist in the stream, and which one trains: the built-in ones (v2, v1-discard-broken),
+    those of ``rewards.file`` and those of ``rewards.define`` (rewards.versions)."""
 
     versions: Annotated[list[str], NoDecode] = _s(
         ["v2"], "reward versions the reward flow computes (comma-separated in the environment)", min_length=1
     )
     train_version: str = _s("v2", "reward version the batch flow trains on; the reward flow must compute it")
+    file: str = _s(
+        "",
+        "TOML file of reward versions, one [versions.NAME] table each (parent, reason, author, weights); empty = none",
+    )
+    define: dict[str, RewardDefinition] = _s(
+        {}, "reward versions defined in the settings tree: [rewards.define.NAME] with parent, reason, author, weights"
+    )
 
     @field_validator("versions", mode="before")
     @classmethod
@@ -206,6 +225,18 @@ class RewardSettings(Section):
                 "to rewards.versions"
             )
         return self
+
+
+class BackfillSettings(Section):
+    """``rtrl backfill``: a reward version over the Parquet archive with Apache Beam (flows.backfill)."""
+
+    workers: int = _s(2, "worker processes of the local FnApiRunner (1 = in the calling process)", ge=1, le=64)
+    out_dir: str = _s("", "where the backfill writes its Parquet rewards and dead letters; empty = <data_dir>/backfill")
+    pipeline_options: str = _s(
+        "",
+        "file of Beam pipeline options (--runner=FlinkRunner ..., one or more per line, # comments): another "
+        "runner than the local FnApiRunner; examples in deploy/beam/",
+    )
 
 
 class BatchingSettings(Section):
@@ -576,6 +607,7 @@ class Settings(BaseSettings):
     sdk: SdkSettings = Field(default_factory=SdkSettings)
     flow: FlowSettings = Field(default_factory=FlowSettings)
     rewards: RewardSettings = Field(default_factory=RewardSettings)
+    backfill: BackfillSettings = Field(default_factory=BackfillSettings)
     batching: BatchingSettings = Field(default_factory=BatchingSettings)
     loss: LossSettings = Field(default_factory=LossSettings)
     train: TrainSettings = Field(default_factory=TrainSettings)
@@ -745,7 +777,7 @@ def _validate(build, source_of: Any, sources: Mapping[str, str]) -> Settings:
         )
         where = f"under [{loc[0]}]" if loc[1:] else "at its top"
         raise ConfigError(
-            f"setting {name} = {shown!r} {text} (from {sources.get(name, source_of)}); fix: give {name} a valid "
+            f"setting {'.'.join(loc)} = {shown!r} {text} (from {sources.get(name, source_of)}); fix: give {name} a valid "
             f"value in the config file {where} or with {env_name(name)}"
             + (f" ({helps.description})" if helps is not None and helps.description else "")
         ) from None

@@ -409,6 +409,24 @@ class BatchStats(msgspec.Struct, **_STRICT):
     clock: Annotated[Millis, doc("The cohort's event-time clock when the row was written.")]
 
 
+class RewardVersionRecord(msgspec.Struct, **_STRICT):
+    """A reward version as registered in ClickHouse ``reward_versions`` (rewards.versions): its weights and why."""
+
+    name: Annotated[Label, doc("Name of the version, stored as reward_version with each reward it gives.")]
+    checksum: Annotated[
+        Annotated[str, Meta(pattern="^[0-9a-f]{64}$")],
+        doc("sha256 of the canonical JSON of its weights: two versions with the same checksum score alike."),
+    ]
+    weights: Annotated[str, doc("Every weight of the version as canonical JSON (sorted keys), parent's included.")]
+    parent: Annotated[str, doc("Version it was derived from; empty for a root version.")]
+    reason: Annotated[
+        Annotated[str, Meta(max_length=4096)], doc("Why it exists, e.g. 'broken tool calls are negative'.")
+    ]
+    author: Annotated[Annotated[str, Meta(max_length=256)], doc("Who defined it.")]
+    builtin: Annotated[bool, doc("True for the versions shipped in code (v2, v1-discard-broken).")]
+    registered_at: Annotated[Millis, doc("When this definition was registered, ms since epoch; the newest wins.")]
+
+
 RECORDS: tuple[type, ...] = (
     EventBase,
     Rollout,
@@ -420,4 +438,5 @@ RECORDS: tuple[type, ...] = (
     TrajectorySummary,
     TrainStep,
     BatchStats,
+    RewardVersionRecord,
 )

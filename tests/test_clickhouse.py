@@ -27,6 +27,7 @@ KEYS = {
     "trajectories": lambda r: r.trajectory_id,
     "train_metrics": lambda r: (r.run_id, r.step),
     "batch_stats": lambda r: r.cohort,
+    "reward_versions": lambda r: r.name,
 }
 
 

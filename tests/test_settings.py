@@ -94,6 +94,7 @@ def test_one_section_per_component():
         "sdk",
         "flow",
         "rewards",
+        "backfill",
         "batching",
         "loss",
         "train",

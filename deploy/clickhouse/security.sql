@@ -34,6 +34,7 @@ GRANT SELECT ON rtrl.checkpoints TO rtrl_analyst_role;
 GRANT SELECT ON rtrl.dead_letters TO rtrl_analyst_role;
 GRANT SELECT ON rtrl.train_metrics TO rtrl_analyst_role;
 GRANT SELECT ON rtrl.batch_stats TO rtrl_analyst_role;
+GRANT SELECT ON rtrl.reward_versions TO rtrl_analyst_role;
 
 -- Users (passwords are placeholders: replace them; store the writer's in the password file).
 CREATE USER IF NOT EXISTS rtrl_writer IDENTIFIED WITH sha256_password BY 'CHANGE_ME_WRITER_PASSWORD'
