@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flows.reward_versions import register_settings
 from rtrl import clickhouse
 from rtrl.files import data_folder
 from rtrl.kafka import check_broker, ensure_topics_for
@@ -88,6 +89,9 @@ class Services:
             self.ch = clickhouse.setup(
                 settings.clickhouse_dsn, settings.clickhouse.database, settings.clickhouse.timeout_s
             )
+            # the reward versions this run scores, registered before anything starts (refuses changed weights
+            # under a name that has scored: a one-line error now, not a reward flow failing later)
+            register_settings(settings, client=self.ch)
         except BaseException:
             self.close()
             raise

@@ -44,7 +44,7 @@ from flows.kafka_io import kafka_source, paused
 from flows.processor import Message
 from flows.sinks import ClickHouseSink, KafkaSink
 from flows.wiring import injected, require_bootstrap
-from rewards import check_versions
+from rewards.versions import registry
 from rtrl.settings import Settings, load_settings
 from schemas.codec import Invalid, JsonCodec, dead_letter, encode_batch
 from schemas.records import BatchStats, DeadLetter, MicroBatch, Reward, Rollout
@@ -59,7 +59,7 @@ OUTPUTS = ("kafka", "clickhouse")
 def batch_config(settings: Settings) -> BatchConfig:
     """The ``batching`` section (with the trained reward version and the policy-lag limit) as the pure
     builder's config: the one mapping of those settings."""
-    check_versions([settings.rewards.train_version], "rewards.train_version")
+    registry(settings).check([settings.rewards.train_version], "rewards.train_version")
     b = settings.batching
     return BatchConfig(
         reward_version=settings.rewards.train_version,

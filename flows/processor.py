@@ -10,12 +10,12 @@ directly. The wall clock is read only for ``emitted_at``/``at`` stamps, never fo
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from flows.windowing import Closed, PartitionWindows, Rejected, WindowConfig
-from rewards import check_versions, features, get_config, reward
+from rewards import RewardConfig, check_versions, features, get_config, reward
 from rewards.features import TrajectoryFeatures
 from schemas.codec import Invalid, dead_letter, event_codec
 from schemas.records import CloseReason, DeadLetter, DeadLetterKind, EventBase, Reward, TrajectorySummary
@@ -35,6 +35,7 @@ class FlowOutput:
     """Everything one batch of input produced, grouped by destination."""
 
     events: list[EventBase] = field(default_factory=list)
+    coords: list[tuple[int, int]] = field(default_factory=list)  # (Kafka partition, offset) of each of ``events``
     rewards: list[Reward] = field(default_factory=list)
     summaries: list[TrajectorySummary] = field(default_factory=list)
     dead_letters: list[DeadLetter] = field(default_factory=list)
@@ -42,6 +43,7 @@ class FlowOutput:
 
     def extend(self, other: FlowOutput) -> None:
         self.events += other.events
+        self.coords += other.coords
         self.rewards += other.rewards
         self.summaries += other.summaries
         self.dead_letters += other.dead_letters
@@ -92,13 +94,15 @@ class RewardProcessor:
         self,
         source: str,
         window: WindowConfig,
-        reward_versions: list[str],
+        reward_versions: Sequence[str | RewardConfig],
         max_event_bytes: int = 64 * 1024,
         state: PartitionWindows | None = None,
     ):
-        check_versions(reward_versions)  # ConfigError naming rewards.versions
+        # a name is a built-in version; a config is any version (rewards.versions.registry resolves defined ones)
+        check_versions([v for v in reward_versions if isinstance(v, str)])  # ConfigError naming rewards.versions
+        configs = [get_config(v) if isinstance(v, str) else v for v in reward_versions]
         self.source = source
-        self.versions = [(v, get_config(v)) for v in reward_versions]
+        self.versions = [(c.version, c) for c in configs]
         self.codec = event_codec(max_event_bytes)
         self.windows = state if state is not None else PartitionWindows(window)
 
@@ -128,7 +132,20 @@ class RewardProcessor:
                 )
                 continue
             out.events.append(event)
+            out.coords.append((m.partition, m.offset))
             self._apply(self.windows.ingest(event, m.offset), m.partition, out, now)
+        return out
+
+    def process_events(self, located: Iterable[tuple[EventBase, int, int]], now_ms: int | None = None) -> FlowOutput:
+        """Already-decoded ``(event, partition, offset)`` in partition order (the backfill's input, read back
+        from the archive): the same windows and rewards as :meth:`process` gives for their messages."""
+        now = _now_ms() if now_ms is None else now_ms
+        out = FlowOutput()
+        for event, partition, offset in located:
+            self.windows.partition = partition
+            out.events.append(event)
+            out.coords.append((partition, offset))
+            self._apply(self.windows.ingest(event, offset), partition, out, now)
         return out
 
     def finish(self, now_ms: int | None = None) -> FlowOutput:

@@ -38,6 +38,7 @@ from flows.processor import FlowOutput, RewardProcessor
 from flows.sinks import ClickHouseSink, KafkaSink
 from flows.windowing import PartitionWindows, WindowConfig
 from flows.wiring import injected, require_bootstrap
+from rewards.versions import registry
 from rtrl.settings import Settings, load_settings
 from schemas.codec import JsonCodec
 from schemas.records import DeadLetter, Reward
@@ -136,6 +137,8 @@ def service_outputs(settings: Settings, bootstrap: str | None = None) -> dict[st
             fs.batch_seconds,
             settings.clickhouse.timeout_s,
             archive=archive_root,
+            # registered before the first write (refused: other weights under a name that has scored)
+            reward_versions=registry(settings).select(settings.rewards.versions),
         ),
         "kafka": KafkaSink(
             require_bootstrap(settings, bootstrap), settings.sdk.delivery_timeout_s, settings.kafka.compression
@@ -162,8 +165,8 @@ def build_flow(
     ``counts`` (a :class:`flows.counts.FlowCounts`) counts what the run reads and produces: :func:`summary`."""
     source_topic = settings.topic("events")
     cfg = window_config(settings)
-    versions = settings.rewards.versions
-    RewardProcessor(source_topic, cfg, versions)  # fail fast on unknown reward versions, before any I/O
+    # every listed version is scored (shadow scoring); unknown or ill-defined ones fail here, before any I/O
+    versions = registry(settings).configs(settings.rewards.versions)
     sources = kafka_inputs(settings, bootstrap, stop) if sources is None else injected(sources, INPUTS, "sources")
     sinks = service_outputs(settings, bootstrap) if sinks is None else injected(sinks, OUTPUTS, "sinks")
 
@@ -184,7 +187,7 @@ def build_flow(
     def to_clickhouse(kv: tuple[str, FlowOutput]) -> list[tuple[str, tuple[str, list]]]:
         o = kv[1]
         parts: list[tuple[str, list]] = [
-            ("events", o.events),
+            ("events", list(zip(o.events, o.coords))),  # the archive keeps each event's Kafka partition and offset
             ("rewards", o.rewards),
             ("trajectories", o.summaries),
             ("dead_letters", o.dead_letters),

@@ -19,7 +19,7 @@ import logging
 import os
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,10 @@ import pyarrow.parquet as pq
 from bytewax.outputs import FixedPartitionedSink, StatefulSinkPartition
 from confluent_kafka import Producer
 
+from flows.reward_versions import register
+from rewards.versions import RewardVersion
 from rtrl import clickhouse
+from rtrl.errors import ConfigError
 from rtrl.files import private_dir
 from rtrl.kafka import produce, producer_config
 from schemas.records import EventBase
@@ -52,6 +55,8 @@ def retry_forever(
     while True:
         try:
             return fn()
+        except ConfigError:  # a setting to fix (e.g. a reward version's weights changed under a used name)
+            raise
         except Exception as e:  # noqa: BLE001 - any failure of the destination is retried
             attempt += 1
             log.warning("%s failed (attempt %d, retrying in %.1fs): %s", what, attempt, delay, e)
@@ -111,30 +116,50 @@ class _StoragePart(_Buffered):
     MAX_IN_FLIGHT = 4
 
     def __init__(
-        self, dsn: str, database: str, archive: Path | None, batch_rows: int, batch_seconds: float, timeout_s: float
+        self,
+        dsn: str,
+        database: str,
+        archive: Path | None,
+        batch_rows: int,
+        batch_seconds: float,
+        timeout_s: float,
+        reward_versions: Sequence[RewardVersion] = (),
     ):
         super().__init__(batch_rows, batch_seconds)
         self.dsn, self.database, self.archive, self.timeout_s = dsn, database, archive, timeout_s
+        self.reward_versions = reward_versions
         self.client = None  # set up (migrate + verify) on first write, again after any failure
+        if reward_versions:  # registered before the first reward is written; a changed definition of a used
+            # name stops the flow here, at its start, with the fix (not from the writer thread mid-run)
+            retry_forever(
+                f"register reward versions in {database} at {clickhouse.redact(dsn)}",
+                self._connect,
+                self._drop_client,
+            )
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="rtrl-sink-writer")
         self.pending: deque[Future] = deque()
 
+    def _connect(self) -> None:
+        client = clickhouse.setup(self.dsn, self.database, self.timeout_s)
+        register(client, self.database, self.reward_versions)
+        self.client = client
+
     def _insert(self, table: str, data: pa.Table) -> None:
         if self.client is None:
-            self.client = clickhouse.setup(self.dsn, self.database, self.timeout_s)
+            self._connect()
         clickhouse.insert_table(self.client, self.database, table, data)
 
     def _drop_client(self) -> None:
         self.client = None
 
-    def _store(self, table: str, data: pa.Table) -> None:
+    def _store(self, table: str, data: pa.Table, coords: list[tuple[int, int]] | None) -> None:
         retry_forever(
             f"insert {data.num_rows} rows into {self.database}.{table} at {clickhouse.redact(self.dsn)}",
             lambda: self._insert(table, data),
             self._drop_client,
         )
         if table == "events" and self.archive is not None:
-            write_archive(self.archive, data)
+            write_archive(self.archive, with_coords(data, coords))
 
     def _wait(self, keep: int = 0) -> None:
         """Block until at most ``keep`` writes are still queued or running."""
@@ -142,9 +167,12 @@ class _StoragePart(_Buffered):
             self.pending.popleft().result()
 
     def write(self, table: str, rows: list) -> None:
+        coords = None
+        if table == "events" and rows and isinstance(rows[0], tuple):  # (event, (partition, offset)) pairs
+            rows, coords = [r[0] for r in rows], [r[1] for r in rows]
         data = to_arrow(rows, clickhouse.TABLES[table])  # once, for ClickHouse and the archive
         self._wait(self.MAX_IN_FLIGHT - 1)
-        self.pending.append(self.writer.submit(self._store, table, data))
+        self.pending.append(self.writer.submit(self._store, table, data, coords))
 
     def snapshot(self) -> None:
         self.flush()
@@ -154,6 +182,28 @@ class _StoragePart(_Buffered):
     def close(self) -> None:
         self.snapshot()
         self.writer.shutdown()
+
+
+#: the archive's columns after the event's own: where the event was read from (-1 when not from Kafka)
+ARCHIVE_COORDS = (pa.field("kafka_partition", pa.int32()), pa.field("kafka_offset", pa.int64()))
+
+
+def archive_schema() -> pa.Schema:
+    """The Parquet archive's schema: the events table's columns, then :data:`ARCHIVE_COORDS`."""
+    schema = to_arrow([], EventBase).schema
+    for f in ARCHIVE_COORDS:
+        schema = schema.append(f)
+    return schema
+
+
+def with_coords(events: pa.Table, coords: list[tuple[int, int]] | None) -> pa.Table:
+    """``events`` with their Kafka partition and offset appended (``-1`` for both when unknown)."""
+    if coords is None:
+        coords = [(-1, -1)] * events.num_rows
+    parts, offsets = zip(*coords) if coords else ((), ())
+    return events.append_column(ARCHIVE_COORDS[0], pa.array(parts, pa.int32())).append_column(
+        ARCHIVE_COORDS[1], pa.array(offsets, pa.int64())
+    )
 
 
 def write_archive(root: Path, events: pa.Table) -> None:
@@ -178,7 +228,8 @@ class ClickHouseSink(FixedPartitionedSink):
     """Items ``("clickhouse", (table, records))`` -> batched Arrow inserts into ``database.table``.
 
     With ``archive`` set, the ``events`` rows are also written to the Parquet archive (from the same
-    Arrow table). A file's name is the hash of its event ids, so rewriting the same batch replaces the
+    Arrow table, with each event's Kafka partition and offset when the rows are ``(event, (partition,
+    offset))`` pairs: what the backfill (flows.backfill) replays in the stream's order). A file's name is the hash of its event ids, so rewriting the same batch replaces the
     file; a replay with other batch boundaries may store an event in two files, which
     :func:`read_archive` deduplicates by ``event_id``. One partition: one process writes chdb, and
     chdb never runs beside pyarrow work in another thread of this sink.
@@ -192,8 +243,12 @@ class ClickHouseSink(FixedPartitionedSink):
         batch_seconds: float = 1.0,
         timeout_s: float = 10.0,
         archive: str | Path | None = None,
+        reward_versions: Sequence[RewardVersion] = (),
     ):
-        self.args = (dsn, database, None if archive is None else Path(archive), batch_rows, batch_seconds, timeout_s)
+        self.args = (
+            dsn, database, None if archive is None else Path(archive), batch_rows, batch_seconds, timeout_s,
+            tuple(reward_versions),
+        )  # fmt: skip
 
     def list_parts(self) -> list[str]:
         return ["clickhouse"]
@@ -206,12 +261,13 @@ class ClickHouseSink(FixedPartitionedSink):
 
 
 def read_archive(root: str | Path, dates: list[str] | None = None) -> pa.Table:
-    """The archived events (optionally only some ``YYYY-MM-DD`` dates), one row per event_id."""
+    """The archived events (optionally only some ``YYYY-MM-DD`` dates), one row per event_id, with their
+    Kafka partition and offset (a replay may have stored an event in two files)."""
     files = sorted(Path(root).glob("date=*/part-*.parquet"))
     if dates is not None:
         files = [f for f in files if f.parent.name.removeprefix("date=") in dates]
     if not files:
-        return to_arrow([], EventBase)
+        return archive_schema().empty_table()
     table = pa.concat_tables(pq.read_table(f) for f in files)
     seen: set[str] = set()
     keep = []

@@ -1,0 +1,262 @@
+"""Reward versions as data (rewards.versions, flows.reward_versions): defined in TOML or the settings tree without a
+code change, registered in the real ClickHouse engine with a content checksum, immutable once they scored, and
+shadow-scored by the live reward flow."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections import Counter
+
+import pytest
+from bytewax.testing import TestingSink, TestingSource, run_main
+
+from app.cli import main
+from flows import reward_flow
+from flows.batch_flow import batch_config
+from flows.processor import Message
+from flows.reward_versions import RewardVersionImmutable, register, register_settings, registered, scored
+from flows.sinks import ClickHouseSink
+from rewards import compute
+from rewards.functions import V1_DISCARD_BROKEN, V2
+from rewards.versions import BUILTIN, WEIGHTS, registry
+from rtrl import clickhouse
+from rtrl.errors import ConfigError
+from rtrl.settings import SimulatorSettings, load_settings
+from schemas.codec import event_codec
+from simulator.generate import generate
+
+SALT = "versions-test-salt"
+HARSH = {"parent": "v2", "reason": "broken calls cost double", "author": "reward-team", "weights": {"w_broken": 0.5}}
+
+
+def _settings(**env):
+    return load_settings(env={"RTRL_SDK__SALT": SALT} | env)
+
+
+def _define(**versions) -> dict[str, str]:
+    return {"RTRL_REWARDS__DEFINE": json.dumps(versions)}
+
+
+# ---------------------------------------------------------------- defining versions
+
+
+def test_builtins_stay_and_a_version_is_defined_in_the_settings_tree():
+    reg = registry(_settings(**_define(v3=HARSH)))
+    assert reg["v2"].config is V2 and reg["v1-discard-broken"].config is V1_DISCARD_BROKEN
+    assert reg["v2"].builtin and reg["v2"].parent == "v1-discard-broken" and "negative" in reg["v2"].reason
+    v3 = reg["v3"]
+    assert (v3.parent, v3.reason, v3.author, v3.source) == (
+        "v2",
+        "broken calls cost double",
+        "reward-team",
+        "rewards.define.v3",
+    )
+    assert v3.config.w_broken == 0.5 and all(
+        getattr(v3.config, w) == getattr(V2, w) for w in WEIGHTS if w != "w_broken"
+    )
+    assert len(v3.checksum) == 64 and v3.checksum != reg["v2"].checksum
+    # the checksum is the content: the same weights under another name give the same checksum
+    twin = registry(_settings(**_define(twin=HARSH | {"weights": {"w_broken": 0.5}})))["twin"]
+    assert twin.checksum == v3.checksum
+    assert registry(_settings(**_define(same=HARSH | {"weights": {}})))["same"].checksum == reg["v2"].checksum
+
+
+def test_versions_from_a_toml_file_with_parents_in_any_order(tmp_path):
+    f = tmp_path / "versions.toml"
+    f.write_text(
+        """
+[versions.v4-child]
+parent = "v3-file"
+reason = "and errors cost more"
+author = "a@example.com"
+weights = { w_error = 1.0 }
+
+[versions.v3-file]
+parent = "v1-discard-broken"
+reason = "keep v1's discards but cap deferral"
+author = "a@example.com"
+weights = { deferral_ceiling = 0.0, broken_cap = 2 }
+"""
+    )
+    reg = registry(_settings(RTRL_REWARDS__FILE=str(f), **_define(v5=HARSH | {"parent": "v4-child"})))
+    child = reg["v4-child"].config
+    assert child.discard_broken and child.deferral_ceiling == 0.0 and child.broken_cap == 2 and child.w_error == 1.0
+    assert reg["v5"].config.w_broken == 0.5 and reg["v5"].config.discard_broken
+    assert reg["v3-file"].source == f"{f} [versions.v3-file]"
+
+
+@pytest.mark.parametrize(
+    ("versions", "message"),
+    [
+        ({"v2": HARSH}, "redefines the built-in reward version 'v2'"),
+        ({"v3": HARSH | {"parent": "v9"}}, "rewards.define.v3.parent = 'v9' is an unknown version"),
+        ({"a": HARSH | {"parent": "b"}, "b": HARSH | {"parent": "a"}}, "a cycle of parents"),
+        (
+            {"v3": HARSH | {"weights": {"w_brokn": 1.0}}},
+            "rewards.define.v3.weights.w_brokn is not a reward weight; did you mean w_broken",
+        ),
+        (
+            {"v3": HARSH | {"weights": {"w_broken": -1.0}}},
+            "rewards.define.v3: w_broken must be a finite magnitude >= 0",
+        ),
+        (
+            {"v3": HARSH | {"weights": {"broken_cap": 1.5}}},
+            "rewards.define.v3.weights.broken_cap = 1.5 is not a whole number",
+        ),
+        ({"v3": HARSH | {"weights": {"discard_broken": 1.0}}}, "is not true or false"),
+        ({"bad name!": HARSH}, "is not a valid version name"),
+    ],
+)
+def test_bad_definitions_name_the_setting_and_the_fix(versions, message):
+    with pytest.raises(ConfigError, match="fix") as e:
+        registry(_settings(**_define(**versions)))
+    assert message in str(e.value)
+
+
+def test_missing_reason_or_author_and_bad_files_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="rewards.define.v3.reason"):
+        _settings(**_define(v3={"parent": "v2", "author": "x"}))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[versions.v3]\nparent = 'v2'\nauthor = 'x'\n")
+    with pytest.raises(ConfigError, match=r"bad.toml \[versions.v3\]: reason: Field required"):
+        registry(_settings(RTRL_REWARDS__FILE=str(bad)))
+    bad.write_text("[versions.v3\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        registry(_settings(RTRL_REWARDS__FILE=str(bad)))
+    with pytest.raises(ConfigError, match="rewards.file = .*cannot be read"):
+        registry(_settings(RTRL_REWARDS__FILE=str(tmp_path / "missing.toml")))
+    both = tmp_path / "both.toml"
+    both.write_text("[versions.v3]\nparent = 'v2'\nreason = 'r'\nauthor = 'x'\n")
+    with pytest.raises(ConfigError, match="defined both in rewards.file"):
+        registry(_settings(RTRL_REWARDS__FILE=str(both), **_define(v3=HARSH)))
+
+
+def test_active_and_trained_versions_are_checked_against_the_registry():
+    s = _settings(RTRL_REWARDS__VERSIONS="v2,v3", RTRL_REWARDS__TRAIN_VERSION="v3", **_define(v3=HARSH))
+    assert batch_config(s).reward_version == "v3"
+    with pytest.raises(ConfigError, match="rewards.train_version"):
+        batch_config(_settings(RTRL_REWARDS__VERSIONS="v2,v9", RTRL_REWARDS__TRAIN_VERSION="v9"))
+    with pytest.raises(ConfigError, match=r"setting rewards.versions = \['v2', 'v9'\] names unknown"):
+        reward_flow.build_flow(
+            _settings(RTRL_REWARDS__VERSIONS="v2,v9"),
+            sources={"events": TestingSource([])},
+            sinks={"clickhouse": TestingSink([]), "kafka": TestingSink([])},
+        )
+
+
+# ---------------------------------------------------------------- ClickHouse: registered, immutable once used
+
+
+def test_register_is_idempotent_and_a_used_version_is_immutable(ch_client, ch_db):
+    s = _settings(RTRL_CLICKHOUSE__DATABASE=ch_db, **_define(v3=HARSH))
+    reg = registry(s)
+    assert register(ch_client, ch_db, reg.values(), now_ms=1_000) == ["v2", "v1-discard-broken", "v3"]
+    assert register(ch_client, ch_db, reg.values(), now_ms=2_000) == []  # same checksums: nothing new
+    rows = registered(ch_client, ch_db)
+    assert rows["v3"].checksum == reg["v3"].checksum and json.loads(rows["v3"].weights)["w_broken"] == 0.5
+    assert rows["v3"].parent == "v2" and rows["v3"].author == "reward-team" and not rows["v3"].builtin
+    assert rows["v2"].builtin
+    # other weights under the name while it has scored nothing: the newest registration wins
+    changed = registry(_settings(**_define(v3=HARSH | {"weights": {"w_broken": 0.75}})))["v3"]
+    assert register(ch_client, ch_db, [changed], now_ms=3_000) == ["v3"]
+    assert registered(ch_client, ch_db)["v3"].checksum == changed.checksum
+    # once it scored a trajectory, it is immutable
+    events = [e.event for e in generate(SimulatorSettings(trajectories=3, seed=1), SALT)]
+    tid = events[0].trajectory_id
+    from rewards.features import features
+    from rewards.functions import reward
+
+    f = features([e for e in events if e.trajectory_id == tid])
+    res = reward(f, changed.config)
+    assert res is not None
+    from schemas.records import Reward
+
+    clickhouse.insert(
+        ch_client,
+        ch_db,
+        "rewards",
+        [
+            Reward(
+                trajectory_id=tid, policy_version=0, reward_version="v3", revision=0, reward=res.reward,
+                components=res.components, flags=res.flags, close_reason="ended", org_id=f.org_id, arm=f.arm,
+                task_kind=f.task_kind or "unknown", n_events=f.n_events, event_counts=f.event_counts,
+                first_event_ts=f.first_ts, last_event_ts=f.last_ts, emitted_at=1,
+            )
+        ],
+    )  # fmt: skip
+    assert scored(ch_client, ch_db, "v3") == 1
+    with pytest.raises(
+        RewardVersionImmutable,
+        match=r"has scored 1 trajectories.*immutable; fix: define these weights under a new name",
+    ):
+        register(ch_client, ch_db, [reg["v3"]], now_ms=4_000)
+    assert register(ch_client, ch_db, [changed], now_ms=5_000) == []  # the same weights again: fine
+    with pytest.raises(RewardVersionImmutable):
+        register_settings(s, ["v2", "v3"], client=ch_client)
+
+
+def test_live_flow_shadow_scores_every_active_version_and_registers_them(ch_dsn, ch_client, ch_db, tmp_path):
+    """The reward flow scores each listed version (a defined one too) for every trajectory, its ClickHouse sink
+    registers them before its first write, and a changed definition of a used name stops it with the fix."""
+    env = {"RTRL_CLICKHOUSE__DATABASE": ch_db, "RTRL_REWARDS__VERSIONS": "v2,v1-discard-broken,v3"}
+    s = _settings(**env, **_define(v3=HARSH))
+    codec, items, offsets = event_codec(), [], Counter()
+    emissions = generate(SimulatorSettings(trajectories=60, seed=3, duplicate_rate=0.0), SALT)
+    for e in emissions:
+        p = zlib.crc32(e.event.trajectory_id.encode()) % 2
+        items.append((str(p), Message(e.event.trajectory_id.encode(), codec.encode(e.event), p, offsets[p])))
+        offsets[p] += 1
+
+    def run(settings) -> None:
+        sink = ClickHouseSink(
+            ch_dsn,
+            ch_db,
+            archive=tmp_path / "archive",
+            reward_versions=registry(settings).select(settings.rewards.versions),
+        )
+        run_main(
+            reward_flow.build_flow(
+                settings, sources={"events": TestingSource(items)}, sinks={"clickhouse": sink, "kafka": TestingSink([])}
+            )
+        )
+
+    run(s)
+    counts = dict(
+        ch_client.query(
+            f"SELECT reward_version, count() FROM {ch_db}.rewards FINAL GROUP BY reward_version"
+        ).result_rows
+    )
+    trajectories = {e.event.trajectory_id for e in emissions}
+    assert counts["v2"] == counts["v3"] == len(trajectories) > counts["v1-discard-broken"] > 0
+    assert set(registered(ch_client, ch_db)) == {"v2", "v1-discard-broken", "v3"}
+    stored = {r.trajectory_id: r for r in clickhouse.select(ch_client, ch_db, "rewards", "WHERE reward_version = 'v3'")}
+    one = next(iter(trajectories))
+    assert stored[one].reward == pytest.approx(
+        compute([e.event for e in emissions if e.event.trajectory_id == one], "v2").reward
+        + min(0, stored[one].components["broken_tool_calls"] / 2)
+    )
+    with pytest.raises(Exception) as err:  # Bytewax wraps the sink's error: the ConfigError is its cause
+        run(_settings(**env, **_define(v3=HARSH | {"weights": {"w_broken": 0.9}})))
+    chain, e = [], err.value
+    while e is not None:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    assert any(isinstance(c, RewardVersionImmutable) and "v3" in str(c) for c in chain), chain
+
+
+def test_rtrl_rewards_list(ch_dsn, ch_db, tmp_path, monkeypatch, capsys):
+    for k, v in {
+        "RTRL_SDK__SALT": SALT,
+        "RTRL_CLICKHOUSE__DSN": ch_dsn,
+        "RTRL_CLICKHOUSE__DATABASE": ch_db,
+        "RTRL_DATA_DIR": str(tmp_path),
+        "COLUMNS": "250",  # a wide terminal: no cell folds
+        **_define(v3=HARSH),
+    }.items():
+        monkeypatch.setenv(k, v)
+    assert main(["rewards", "list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("v2", "v1-discard-broken", "v3"):
+        assert name in out
+    assert BUILTIN["v2"].checksum[:12] in out and "rewards.define.v3" in out and "trains, live" in out
