@@ -19,7 +19,9 @@ that ``apitools`` and the BigQuery client libraries are missing: optional GCP cl
 which rtrl never uses (a backfill reads the Parquet archive or ClickHouse). Nothing else Beam says is hidden:
 with ``-W default`` its import, ``beam.Pipeline`` on the FnApiRunner and ``ReadFromParquet`` emit no Python
 warning, and its other records (the runner it picked, the Prism download the DirectRunner tries) are INFO,
-below rtrl's WARNING level. (No rtrl module imports Beam yet; the Beam backfill will.) Being a root-logger
+below rtrl's WARNING level. Each local worker process of the backfill (FnApiRunner, multi-processing) warns,
+forwarded through ``local_job_service``, that it has no ``semi_persistent_directory`` for user-registered schemas:
+the backfill registers none. Being a root-logger
 call, that warning also installs Python's default handler when logging is not configured yet, which makes a
 later ``logging.basicConfig`` a no-op: configure logging before importing Beam, as ``rtrl`` does.
 """
@@ -47,6 +49,11 @@ KNOWN_LOGS: tuple[tuple[str, str, str], ...] = (
         "root",
         r"apache_beam/io/gcp/internal/clients/bigquery/",
         r"apitools not found, and bigquery client libraries are not available",
+    ),
+    (
+        "apache_beam.runners.portability.local_job_service",
+        r"apache_beam/runners/portability/local_job_service\.py",
+        r"Worker: severity: WARN .*No semi_persistent_directory found",
     ),
 )
 
