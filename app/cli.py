@@ -190,6 +190,54 @@ def cmd_flow(settings: Settings, args: argparse.Namespace, console: Console) -> 
     return 0
 
 
+def cmd_backfill(settings: Settings, args: argparse.Namespace, console: Console) -> int:
+    from flows.backfill import backfill, describe_plan
+
+    since, until = args.since, args.until
+    console.print(
+        describe_plan(settings, args.reward_version, since, until, args.workers), highlight=False, soft_wrap=True
+    )
+    with console.status("backfilling (Apache Beam)"):
+        result = backfill(
+            settings, args.reward_version, since, until, workers=args.workers, worker_log=not args.verbose
+        )
+    console.print(result.summary(), highlight=False, soft_wrap=True)
+    return 0
+
+
+def cmd_rewards(settings: Settings, args: argparse.Namespace, console: Console) -> int:
+    from rewards.versions import registry
+
+    reg = registry(settings)
+    if args.action == "list":
+        from flows.reward_versions import registered, scored
+        from rtrl import clickhouse
+
+        client = clickhouse.setup(settings.clickhouse_dsn, settings.clickhouse.database, settings.clickhouse.timeout_s)
+        db = settings.clickhouse.database
+        have = registered(client, db)
+        table = Table(title="reward versions", title_justify="left")
+        for col in ("version", "parent", "checksum", "registered", "scored", "use", "defined in", "author", "reason"):
+            # names and checksums stay whole (what a user copies); the prose folds
+            table.add_column(col, overflow="fold", no_wrap=col not in ("author", "reason"))
+        for name, v in reg.items():
+            use = ("trains, " if name == settings.rewards.train_version else "") + (
+                "live" if name in settings.rewards.versions else "-"
+            )
+            old = have.get(name)
+            state = "no" if old is None else ("yes" if old.checksum == v.checksum else f"as {old.checksum[:12]}")
+            table.add_row(
+                name, v.parent or "-", v.checksum[:12], state, f"{scored(client, db, name):,}", use, v.source,
+                v.author, v.reason,
+            )  # fmt: skip
+        console.print(table)
+        return 0
+    from app.report import reward_comparison
+
+    reg.check([args.a, args.b], "rtrl rewards compare")
+    return reward_comparison(settings, args.a, args.b, args.since, args.until, console)
+
+
 def cmd_train(settings: Settings, args: argparse.Namespace, console: Console) -> int:
     from trainer.run import run
 
@@ -340,6 +388,24 @@ def _version(text: str) -> int:
     return n
 
 
+def _when(text: str) -> int:
+    """argparse type of a point in time: milliseconds since the epoch, or an ISO 8601 date or time (UTC unless it
+    says otherwise), e.g. 2026-11-30 or 2026-11-30T12:00+01:00."""
+    from datetime import UTC, datetime
+
+    if text.isdigit():
+        return int(text)
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a time: give milliseconds since the epoch or an ISO date, e.g. 2026-11-30T12:00"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return int(when.timestamp() * 1000)
+
+
 def distribution_version() -> str:
     """The installed ``rtrl`` distribution's version (pyproject.toml's name), else ``rtrl.__version__``."""
     from importlib.metadata import PackageNotFoundError, version
@@ -441,6 +507,52 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("-w", "--workers", type=_count, default=1, help="worker threads in this process")
     f.set_defaults(fn=cmd_flow)
     command("train", "train on rtrl.batches (torchrun -m trainer for DP/TP/PP)").set_defaults(fn=cmd_train)
+    bf = command(
+        "backfill",
+        "score the Parquet archive under a reward version with Apache Beam (Parquet + ClickHouse, idempotent)",
+        "Score the archived events under one reward version with Apache Beam: the reward flow's own windows, "
+        "dead-letter rules and reward code, partition by partition in offset order. Rewards of trajectories whose "
+        "first event lies in [--from, --to) go to Parquet (backfill.out_dir) and to ClickHouse rewards; rows already "
+        "there with the same content are not written again, so a rerun changes nothing. Bad files and rows become "
+        "dead letters naming the file and the row. Locally it runs on Beam's FnApiRunner with backfill.workers "
+        "processes; backfill.pipeline_options names another runner (deploy/beam/).",
+    )
+    bf.add_argument(
+        "--reward-version", required=True, help="the version to score: built in, rewards.file or rewards.define"
+    )
+    bf.add_argument(
+        "--from",
+        dest="since",
+        type=_when,
+        default=None,
+        help="first trajectory start (ms or ISO time; default: the archive's start)",
+    )
+    bf.add_argument(
+        "--to", dest="until", type=_when, default=None, help="end of the range, exclusive (default: the archive's end)"
+    )
+    bf.add_argument(
+        "-w", "--workers", type=_count, default=None, help="FnApiRunner worker processes (default: backfill.workers)"
+    )
+    bf.set_defaults(fn=cmd_backfill)
+    rw = command(
+        "rewards",
+        "reward versions: list them, or compare two over the same trajectories",
+        "Reward versions. `rtrl rewards list`: every version (built in, rewards.file, rewards.define) with its "
+        "checksum, whether ClickHouse has it registered and how many trajectories it scored. `rtrl rewards compare A "
+        "B`: how B differs from A over the trajectories both scored or one discarded, per policy version and org "
+        "(means, shift with its 95% interval, rank correlation, sign flips, discards), behaviour flags under each, "
+        "the cohorts that move most, and a PNG.",
+    )
+    rw.add_argument("action", choices=["list", "compare"], help="list: the versions; compare: A against B")
+    rw.add_argument("a", nargs="?", default=None, help="compare: the version compared against (e.g. v1-discard-broken)")
+    rw.add_argument("b", nargs="?", default=None, help="compare: the version compared (e.g. v2)")
+    rw.add_argument(
+        "--from", dest="since", type=_when, default=None, help="compare: trajectories starting from (ms or ISO)"
+    )
+    rw.add_argument(
+        "--to", dest="until", type=_when, default=None, help="compare: trajectories starting before (ms or ISO)"
+    )
+    rw.set_defaults(fn=cmd_rewards)
     fl = command(
         "fleet",
         "next to an inference server: load each promoted version's registry export into it",

@@ -27,6 +27,7 @@ from monitors.alerts import (
     relative_change_ci,
     standard_error,
 )
+from monitors.reward_compare import Pair
 from monitors.stats import Comparison, Users, compare
 from rtrl.clickhouse import _check_name
 
@@ -77,6 +78,44 @@ def reward_stats(ch: Any, db: str, reward_version: str, org_id: str = "*") -> di
         {"rv": reward_version, "org": org_id},
     )
     return {int(r["policy_version"]): r for r in rows}
+
+
+def reward_pairs(
+    ch: Any, db: str, a: str, b: str, since_ms: int | None = None, until_ms: int | None = None
+) -> list[Pair]:
+    """Every closed trajectory starting in ``[since_ms, until_ms)`` (None: unbounded) with its reward under
+    versions ``a`` and ``b`` (view ``reward_pairs``; None where a version has none), for
+    :mod:`monitors.reward_compare`."""
+    where: list[str] = []
+    params: dict[str, Any] = {"a": a, "b": b}
+    if since_ms is not None:
+        where.append("toUnixTimestamp64Milli(first_event_ts) >= {since:Int64}")
+        params["since"] = int(since_ms)
+    if until_ms is not None:
+        where.append("toUnixTimestamp64Milli(first_event_ts) < {until:Int64}")
+        params["until"] = int(until_ms)
+    _, rows = _rows(
+        ch,
+        f"SELECT * FROM {_check_name(db)}.reward_pairs(a = {{a:String}}, b = {{b:String}})"
+        + (" WHERE " + " AND ".join(where) if where else "")
+        + " ORDER BY trajectory_id",
+        params,
+    )
+    return [
+        Pair(
+            trajectory_id=r["trajectory_id"],
+            policy_version=int(r["policy_version"]),
+            org_id=r["org_id"],
+            task_kind=r["task_kind"],
+            reward_a=r["reward_a"] if r["scored_a"] else None,
+            reward_b=r["reward_b"] if r["scored_b"] else None,
+            flags_a=tuple(r["flags_a"] or ()),
+            flags_b=tuple(r["flags_b"] or ()),
+            broken_tool_calls=int(r["broken_tool_calls"]),
+            clarifying_questions=int(r["clarifying_questions"]),
+        )
+        for r in rows
+    ]
 
 
 # ---------------------------------------------------------------- promotion gate

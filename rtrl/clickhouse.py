@@ -65,6 +65,7 @@ TABLES: dict[str, type] = {
 ANALYST_TABLES = (
     "behaviour",
     "reward_stats",
+    "reward_pairs",
     "user_behaviour",
     "user_behaviour_between",
     "user_rewards_between",

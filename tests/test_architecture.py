@@ -61,6 +61,7 @@ PURE = [
     "trainer.dedup",
     "trainer.batch",
     "monitors.alerts",
+    "monitors.reward_compare",
     "evalgate",
 ]
 #: project modules whose job is I/O: a pure module may not reach them

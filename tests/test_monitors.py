@@ -25,6 +25,7 @@ from monitors.alerts import (
     relative_change_ci,
 )
 from monitors.queries import ab_table, behaviour, check_promotion, format_ab_table, reward_stats, train_mismatch
+from rewards.versions import BUILTIN
 from rtrl.clickhouse import insert
 from schemas.records import Checkpoint, DeadLetter, Reward, TrainStep, TrajectorySummary
 
@@ -573,6 +574,7 @@ def test_analyst_queries_run_and_say_what_they_answer(ch_client, ch_db):
         for i, t in enumerate(v2[:20])
     ]
     insert(ch_client, ch_db, "trajectories", v1 + v2 + final_ab)
+    insert(ch_client, ch_db, "reward_versions", [v.record(T0) for v in BUILTIN.values()])
     insert(ch_client, ch_db, "train_metrics", [train_step("loop-0-v2", s, 0.01, 0.5) for s in (1, 2)])
     insert(
         ch_client,

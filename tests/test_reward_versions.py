@@ -260,3 +260,107 @@ def test_rtrl_rewards_list(ch_dsn, ch_db, tmp_path, monkeypatch, capsys):
     for name in ("v2", "v1-discard-broken", "v3"):
         assert name in out
     assert BUILTIN["v2"].checksum[:12] in out and "rewards.define.v3" in out and "trains, live" in out
+
+
+# ---------------------------------------------------------------- comparing two versions
+
+
+def test_comparison_statistics_on_hand_made_pairs():
+    """The paired shift, its interval, flips, discards and flags, against figures computed here."""
+    from scipy import stats as sps
+
+    from monitors.reward_compare import Pair, by_policy_version, flag_rows, flipped, movers
+
+    rows = [
+        Pair("t1", 1, "acme", "bugfix", 0.5, 0.25, ("deferred_edit",), ("deferred_edit",)),
+        Pair("t2", 1, "acme", "bugfix", 0.2, -0.3),  # flips + -> -
+        Pair("t3", 1, "globex", "feature", -0.4, 0.1),  # flips - -> +
+        Pair("t4", 1, "globex", "feature", None, -0.8, (), ("invalid_tool_call",), broken_tool_calls=2),
+        Pair("t5", 1, "globex", "feature", 0.9, 0.7),
+        Pair("t6", 2, "acme", "bugfix", 0.3, None),  # discarded by B
+    ]
+    v1 = by_policy_version(rows)
+    assert [(s.policy_version, s.group) for s in v1] == [(1, "*"), (1, "acme"), (1, "globex"), (2, "*"), (2, "acme")]
+    s = v1[0]
+    d = [0.25 - 0.5, -0.3 - 0.2, 0.1 + 0.4, 0.7 - 0.9]
+    ci = sps.t.interval(0.95, len(d) - 1, loc=sum(d) / 4, scale=sps.sem(d))
+    assert (s.trajectories, s.scored_a, s.scored_b, s.both) == (5, 4, 5, 4)
+    assert s.shift == pytest.approx(sum(d) / 4) and (s.shift_low, s.shift_high) == pytest.approx(ci)
+    assert (s.to_negative, s.to_positive, s.discarded_by_a, s.discarded_by_a_negative_b) == (1, 1, 1, 1)
+    assert s.ks == pytest.approx(sps.ks_2samp([0.5, 0.2, -0.4, 0.9], [0.25, -0.3, 0.1, -0.8, 0.7]).statistic)
+    assert s.spearman == pytest.approx(sps.spearmanr([0.5, 0.2, -0.4, 0.9], [0.25, -0.3, 0.1, 0.7]).statistic)
+    assert v1[3].discarded_by_b == 1 and v1[3].shift is None
+    flags = {r.flag: r for r in flag_rows(rows)}
+    broken = flags["broken tool call"]
+    assert (broken.n_a, broken.n_b, broken.mean_b) == (0, 1, pytest.approx(-0.8))  # A never scored it
+    assert flags["invalid_tool_call"].share_b == pytest.approx(1 / 5)
+    assert flags["deferred_edit"].mean_a == pytest.approx(0.5) and flags["deferred_edit"].share_a == pytest.approx(0.2)
+    top = movers(rows)  # acme/bugfix: (-0.25 - 0.5) / 2 = -0.375 (t6 has no B); globex/feature: +0.15
+    assert [(m.group, round(m.shift, 3)) for m in top] == [("acme/bugfix", -0.375), ("globex/feature", 0.15)]
+    assert {p.trajectory_id for p in flipped(rows)} == {"t2", "t3", "t4", "t6"}
+
+
+def test_compare_v1_with_v2_on_the_v1_trained_period(ch_dsn, ch_client, ch_db, tmp_path, monkeypatch, capsys):
+    """The stream scored only v1-discard-broken (the seed's v1-trained period, a policy breaking many tool
+    calls); v2 is backfilled over the archive; `rtrl rewards compare v1-discard-broken v2` shows the broken-call
+    trajectories v1 discarded as negatives under v2, in its tables and in a PNG."""
+    from flows import backfill as bf
+    from monitors.queries import reward_pairs
+    from monitors.reward_compare import by_policy_version, flag_rows
+    from simulator.population import PolicyProfile
+
+    env = {
+        "RTRL_SDK__SALT": SALT,
+        "RTRL_CLICKHOUSE__DSN": ch_dsn,
+        "RTRL_CLICKHOUSE__DATABASE": ch_db,
+        "RTRL_DATA_DIR": str(tmp_path),
+        "RTRL_REWARDS__VERSIONS": "v1-discard-broken",
+        "RTRL_REWARDS__TRAIN_VERSION": "v1-discard-broken",
+        "COLUMNS": "250",
+    }
+    s = load_settings(env=env)
+    codec, items, offsets = event_codec(), [], Counter()
+    sim = SimulatorSettings(trajectories=160, seed=11, duplicate_rate=0.0)
+    for e in generate(sim, SALT, profiles={1: PolicyProfile(p_broken_tool_call=0.3)}, policy_version=1):
+        p = zlib.crc32(e.event.trajectory_id.encode()) % 2
+        items.append((str(p), Message(e.event.trajectory_id.encode(), codec.encode(e.event), p, offsets[p])))
+        offsets[p] += 1
+    sink = ClickHouseSink(
+        ch_dsn,
+        ch_db,
+        archive=s.data_path / "archive" / "events",
+        reward_versions=registry(s).select(["v1-discard-broken"]),
+    )
+    run_main(
+        reward_flow.build_flow(
+            s, sources={"events": TestingSource(items)}, sinks={"clickhouse": sink, "kafka": TestingSink([])}
+        )
+    )
+    bf.backfill(s, "v2", client=ch_client, workers=1)
+
+    pairs = reward_pairs(ch_client, ch_db, "v1-discard-broken", "v2")
+    discarded = [p for p in pairs if p.reward_a is None]
+    assert len(pairs) == 160 and len(discarded) > 20
+    assert all(p.broken_tool_calls > 0 and p.reward_b is not None for p in discarded)  # v1 dropped broken calls
+    # v2 charges each of them for its broken calls: mostly negative, and well below what both versions scored
+    v2 = {r.trajectory_id: r for r in clickhouse.select(ch_client, ch_db, "rewards", "WHERE reward_version = 'v2'")}
+    assert all(v2[p.trajectory_id].components["broken_tool_calls"] < 0 for p in discarded)
+    assert sum(p.reward_b < 0 for p in discarded) > 0.6 * len(discarded)
+    kept = [p.reward_b for p in pairs if p.reward_a is not None]
+    assert sum(p.reward_b for p in discarded) / len(discarded) < min(0.0, sum(kept) / len(kept))
+    everyone = by_policy_version(pairs)[0]
+    assert (everyone.group, everyone.discarded_by_a, everyone.discarded_by_b) == ("*", len(discarded), 0)
+    assert everyone.discarded_by_a_negative_b == sum(p.reward_b < 0 for p in discarded)
+    broken = next(r for r in flag_rows(pairs) if r.flag == "broken tool call")
+    assert broken.n_a == 0 < broken.n_b and broken.mean_b < 0
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    capsys.readouterr()
+    assert main(["rewards", "compare", "v1-discard-broken", "v2"]) == 0
+    out = capsys.readouterr().out
+    assert "reward v2 against v1-discard-broken" in out and "cohorts that move most" in out
+    assert f"({everyone.discarded_by_a_negative_b} < 0)" in out
+    png = tmp_path / "reports" / "rewards-v1-discard-broken-vs-v2.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["rewards", "compare", "v1-discard-broken", "v2", "--from", "2100-01-01"]) == 1  # nothing there

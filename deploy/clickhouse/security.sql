@@ -25,6 +25,7 @@ GRANT SELECT, INSERT, ALTER, CREATE TABLE, CREATE VIEW, DROP VIEW, OPTIMIZE, TRU
 CREATE ROLE IF NOT EXISTS rtrl_analyst_role SETTINGS PROFILE 'rtrl_analyst_profile';
 GRANT SELECT ON rtrl.behaviour TO rtrl_analyst_role;
 GRANT SELECT ON rtrl.reward_stats TO rtrl_analyst_role;
+GRANT SELECT ON rtrl.reward_pairs TO rtrl_analyst_role;
 GRANT SELECT ON rtrl.user_behaviour TO rtrl_analyst_role;
 GRANT SELECT ON rtrl.user_behaviour_between TO rtrl_analyst_role;
 GRANT SELECT ON rtrl.user_rewards_between TO rtrl_analyst_role;
