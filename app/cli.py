@@ -232,8 +232,18 @@ def cmd_rewards(settings: Settings, args: argparse.Namespace, console: Console) 
             )  # fmt: skip
         console.print(table)
         return 0
+    if args.action == "train":
+        from app.loop import request_reward_switch
+
+        if not args.a:
+            raise ConfigError("rtrl rewards train needs the version to train on, e.g. `rtrl rewards train v2`")
+        path = request_reward_switch(settings, args.a)
+        console.print(f"the loop trains on reward {args.a} from its next cycle on (request: {path})")
+        return 0
     from app.report import reward_comparison
 
+    if not args.a or not args.b:
+        raise ConfigError("rtrl rewards compare needs two versions, e.g. `rtrl rewards compare v1-discard-broken v2`")
     reg.check([args.a, args.b], "rtrl rewards compare")
     return reward_comparison(settings, args.a, args.b, args.since, args.until, console)
 
@@ -536,15 +546,22 @@ def parser() -> argparse.ArgumentParser:
     bf.set_defaults(fn=cmd_backfill)
     rw = command(
         "rewards",
-        "reward versions: list them, or compare two over the same trajectories",
+        "reward versions: list them, compare two over the same trajectories, or switch what the loop trains on",
         "Reward versions. `rtrl rewards list`: every version (built in, rewards.file, rewards.define) with its "
         "checksum, whether ClickHouse has it registered and how many trajectories it scored. `rtrl rewards compare A "
         "B`: how B differs from A over the trajectories both scored or one discarded, per policy version and org "
         "(means, shift with its 95% interval, rank correlation, sign flips, discards), behaviour flags under each, "
-        "the cohorts that move most, and a PNG.",
+        "the cohorts that move most, and a PNG. `rtrl rewards train V`: the loop's trainer trains on V from its next "
+        "cycle on (the cycle in progress keeps its version; each checkpoint records the version it trained on).",
     )
-    rw.add_argument("action", choices=["list", "compare"], help="list: the versions; compare: A against B")
-    rw.add_argument("a", nargs="?", default=None, help="compare: the version compared against (e.g. v1-discard-broken)")
+    rw.add_argument(
+        "action",
+        choices=["list", "compare", "train"],
+        help="list: the versions; compare: A against B; train: switch to A",
+    )
+    rw.add_argument(
+        "a", nargs="?", default=None, help="compare: the version compared against (e.g. v1-discard-broken); train: V"
+    )
     rw.add_argument("b", nargs="?", default=None, help="compare: the version compared (e.g. v2)")
     rw.add_argument(
         "--from", dest="since", type=_when, default=None, help="compare: trajectories starting from (ms or ISO)"

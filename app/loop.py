@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import random
 import shutil
@@ -58,9 +59,11 @@ from flows.batch_flow import summary as batch_summary
 from flows.counts import FlowCounts
 from flows.reward_flow import build_flow as reward_flow
 from flows.reward_flow import summary as reward_summary
+from flows.reward_versions import register_settings
 from monitors.alerts import MismatchRule
 from monitors.queries import ABRow, Side, cohort_users, live_ab, user_sums, users_of
 from monitors.stats import CohortMonitor, Sequential
+from rewards.versions import registry
 from rtrl import clickhouse
 from rtrl.errors import ConfigError, ServiceUnavailable
 from rtrl.files import RUN_PARTS, check_cleanable, data_folder, private_dir
@@ -124,6 +127,54 @@ LOOP_OWNS: dict[str, str] = {
     "train.idle_timeout_s": "a cycle waits at most min(30 s, loop.cycle_max_s) for a micro-batch",
     "train.torch_threads": "the loop's parts share the cores: torch runs one thread in each",
 }
+
+
+log = logging.getLogger("rtrl.loop")
+
+
+def reward_switch_path(settings: Settings) -> Path:
+    """Where `rtrl rewards train V` leaves its request for the trainer (read at each cycle's start)."""
+    return settings.data_path / "loop" / "reward_switch.json"
+
+
+def request_reward_switch(settings: Settings, version: str) -> Path:
+    """Ask the loop's trainer to train on reward version ``version`` from its next cycle on (the cycle in
+    progress keeps its version). The batch flow must make micro-batches for it (``rewards.trainable()``)."""
+    registry(settings).check([version], "rtrl rewards train")
+    if version not in settings.rewards.trainable():
+        raise ConfigError(
+            f"the batch flow makes micro-batches for {settings.rewards.trainable()} only, not {version!r}: the "
+            f"trainer would get nothing to train; fix: add {version!r} to rewards.versions and "
+            "rewards.batch_versions (RTRL_REWARDS__BATCH_VERSIONS) and restart the flows, then ask again"
+        )
+    path = reward_switch_path(settings)
+    private_dir(path.parent)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"reward_version": version, "requested_at": time.time_ns() // 1_000_000}))
+    os.replace(tmp, path)
+    return path
+
+
+def requested_reward(settings: Settings, cycle: int) -> str:
+    """The reward version cycle ``cycle`` should train on: the last `rtrl rewards train` request (the file
+    :func:`request_reward_switch` writes), else ``rewards.train_schedule``, else ``rewards.train_version``.
+    A request for a version the batch flow makes no micro-batches for is ignored, with a warning."""
+    rs = settings.rewards
+    wanted = rs.scheduled(cycle)
+    path = reward_switch_path(settings)
+    if path.exists():
+        asked = json.loads(path.read_text()).get("reward_version", "")
+        if asked in rs.trainable():
+            wanted = asked
+        else:
+            log.warning(
+                "ignoring the request to train on reward version %r (%s): the batch flow makes micro-batches for %s "
+                "only; fix: add it to rewards.batch_versions and restart the batch flow",
+                asked,
+                path,
+                rs.trainable(),
+            )
+    return wanted
 
 
 def loop_settings(settings: Settings) -> Settings:
@@ -340,6 +391,7 @@ class Loop:
         self.version = self.serving = 0
         self.weights = self.ckpt_root / "v0"  # what the next cycle starts from
         self.trained = TrainedSet()  # micro-batches and samples already trained (replays are skipped)
+        self.cycle_reward: str | None = None  # the reward version of the cycle in progress (fixed at its start)
         self.cycle_on_policy = 0  # samples of the serving version this cycle has trained on
         self.evals: dict[int, dict[str, float]] = {}
 
@@ -390,6 +442,7 @@ class Loop:
         reason: str,
         ev: dict[str, float],
         path: Path,
+        reward: str = "",
     ) -> Checkpoint:
         tokens = sum(s.tokens for s in steps)
         ev = ev | {"eval_samples": float(self.suite.samples)}  # what the eval's rates are over (their intervals)
@@ -407,7 +460,20 @@ class Loop:
             reason=reason,
             kafka_offsets=self.offsets or {},
             path=str(path),
+            reward_version=reward,
+            reward_checksum=registry(self.settings)[reward].checksum if reward else "",
         )
+
+    # ------------------------------------------------------------ the trained reward version
+
+    def _start_cycle_reward(self, cycle: int) -> str:
+        """Fix the cycle's reward version at its start (kept by a resumed cycle: the version changes only at a
+        cycle boundary), registered in ClickHouse before anything trains on it."""
+        if self.cycle_reward is None:
+            self.cycle_reward = requested_reward(self.settings, cycle)
+            register_settings(self.settings, [self.cycle_reward], client=self.ch)
+            self._save_state([])
+        return self.cycle_reward
 
     def initial(self) -> None:
         """Version 0: the warm-started policy, promoted without a gate."""
@@ -441,6 +507,7 @@ class Loop:
             "offsets": self.offsets,
             "evals": {str(v): e for v, e in self.evals.items()},
             "trained": self.trained.state(),
+            "cycle_reward": self.cycle_reward,
             "pending": [json.loads(codec.encode(c)) for c in pending],
         }
         tmp = self.state_path.with_suffix(".tmp")
@@ -466,6 +533,7 @@ class Loop:
         self.version, self.serving, self.offsets = st["version"], st["serving"], st["offsets"]
         self.evals = {int(v): e for v, e in st["evals"].items()}
         self.trained = TrainedSet(st["trained"])
+        self.cycle_reward = st.get("cycle_reward")
         pending = [msgspec.convert(c, Checkpoint) for c in st["pending"]]
         for ck in pending:
             self.announce(ck)
@@ -505,6 +573,7 @@ class Loop:
         times: dict[str, float] = {}
         t = time.monotonic()
         serving, version = self.serving, self.version + 1
+        reward = self._start_cycle_reward(version)
         run_id, cycle_dir = f"loop-{ls.seed}-v{version}", self.ckpt_root / "train" / f"v{version}"
         last = checkpoint.latest(cycle_dir)
         resumed = checkpoint.read_extra(last)["step"] if last is not None else 0
@@ -546,6 +615,7 @@ class Loop:
             # own process
             checkpoint_dir=str(cycle_dir) if self.server is None else "",
             idle_timeout_s=min(30.0, ls.cycle_max_s),
+            reward_version=reward,
         )
         deadline = time.monotonic() + ls.cycle_max_s
         train(
@@ -575,7 +645,7 @@ class Loop:
         ok, reason = verdict.promote, verdict.reason
         if not steps:
             ok, reason = False, "no micro-batch arrived within the cycle's wall time"
-        candidate = self._checkpoint(version, serving, steps, "candidate", "trained", ev, path)
+        candidate = self._checkpoint(version, serving, steps, "candidate", "trained", ev, path, reward)
         self.announce(candidate)
         if ok and ls.ab_share > 0:
             ok, reason = self.ab_test(version, serving, reason)
@@ -589,9 +659,10 @@ class Loop:
         else:
             self.weights = path
         self.trained.prune(self.serving - s.train.max_policy_lag)
-        decision = self._checkpoint(version, serving, steps, status, reason, ev, path)
+        decision = self._checkpoint(version, serving, steps, status, reason, ev, path, reward)
         if ok:  # the promoted weights go to the model registry, which the announcement names (trainer.registry)
             decision = export_checkpoint(s, self.model, self.cfg, decision)
+        self.cycle_reward = None  # the next cycle chooses again (saved with the decision)
         self._decide([candidate, decision])
         shutil.rmtree(cycle_dir, ignore_errors=True)  # decided: the cycle's step checkpoints are not needed
         times["eval"] = time.monotonic() - t

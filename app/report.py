@@ -213,13 +213,14 @@ def checkpoint_rows(ch: Any, database: str, reward_version: str) -> list[dict[st
     (delta method or order statistics over trajectories, each taken as independent: an interval per user, as the A/B
     test computes it, is wider when a user's trajectories are alike)."""
     cps = ch.query(
-        f"SELECT version, parent, status, reason, eval_results FROM {database}.checkpoints FINAL ORDER BY version"
+        f"SELECT version, parent, status, reason, eval_results, reward_version, reward_checksum "
+        f"FROM {database}.checkpoints FINAL ORDER BY version"
     ).result_rows
     versions = [int(v) for v, *_ in cps]
     live = behaviour_rows(ch, database, versions)
     rewards = reward_stats(ch, database, reward_version)
     rows = []
-    for version, parent, status, reason, ev in cps:
+    for version, parent, status, reason, ev, trained_on, trained_sum in cps:
         b = live[int(version)]
         rs = rewards.get(int(version), {})
         row: dict[str, Any] = {
@@ -227,6 +228,8 @@ def checkpoint_rows(ch: Any, database: str, reward_version: str) -> list[dict[st
             "parent": parent,
             "status": status,
             "reason": reason,
+            "reward_version": trained_on,
+            "reward_checksum": trained_sum,
             "solve_rate": ev.get("solve_rate"),
             "on_policy_fraction": ev.get("on_policy_fraction"),
             "trajectories": b.get("trajectories") or 0,
@@ -262,7 +265,12 @@ def checkpoint_table(rows: list[dict[str, Any]], title: str) -> Table:
     """Rich table per checkpoint (its parent and the gate's decision under it) with the change of each metric
     against the first checkpoint under its value."""
     names = ["trajectories"] + [name for name, _, _ in CHECKPOINT_METRICS]
-    t = _compact(title, names, "the change vs the first checkpoint (green: better, red: worse)")
+    t = _compact(
+        title,
+        names,
+        "the change vs the first checkpoint (green: better, red: worse); under each version its gate decision and "
+        "the reward version it trained on",
+    )
     t.add_column("version", justify="right")
     for name in names:
         t.add_column(HEADERS[name][0], justify="right")
@@ -273,8 +281,11 @@ def checkpoint_table(rows: list[dict[str, Any]], title: str) -> Table:
             "rejected": "[red]rejected[/]",
             "rolled_back": "[yellow]rolled back[/]",
         }.get(row["status"], row["status"])
+        trained_on = f"\n[dim]{row['reward_version']}[/]" if row.get("reward_version") else ""  # what it trained on
         cells = [
-            f"v{row['version']}" + (f" ← v{row['parent']}" if row["parent"] is not None else "") + f"\n{status}",
+            f"v{row['version']}"
+            + (f" ← v{row['parent']}" if row["parent"] is not None else "")
+            + f"\n{status}{trained_on}",
             f"{row['trajectories']:,}",
         ]
         for name, _, better in CHECKPOINT_METRICS:

@@ -56,13 +56,22 @@ INPUTS = ("rollouts", "rewards")
 OUTPUTS = ("kafka", "clickhouse")
 
 
-def batch_config(settings: Settings) -> BatchConfig:
-    """The ``batching`` section (with the trained reward version and the policy-lag limit) as the pure
-    builder's config: the one mapping of those settings."""
-    registry(settings).check([settings.rewards.train_version], "rewards.train_version")
+def batch_configs(settings: Settings) -> dict[str, BatchConfig]:
+    """One builder config per reward version the flow makes micro-batches for (``rewards.trainable()``: the
+    trained version first, then the train_schedule's and batch_versions), each tagging its batches."""
+    reg = registry(settings)
+    reg.check(settings.rewards.trainable(), "rewards.train_schedule / rewards.batch_versions")
+    return {v: batch_config(settings, v) for v in settings.rewards.trainable()}
+
+
+def batch_config(settings: Settings, reward_version: str | None = None) -> BatchConfig:
+    """The ``batching`` section (with the trained reward version, or ``reward_version``, and the policy-lag limit)
+    as the pure builder's config: the one mapping of those settings."""
+    if reward_version is None:
+        registry(settings).check([settings.rewards.train_version], "rewards.train_version")
     b = settings.batching
     return BatchConfig(
-        reward_version=settings.rewards.train_version,
+        reward_version=settings.rewards.train_version if reward_version is None else reward_version,
         max_policy_lag=settings.train.max_policy_lag,
         join_wait_ms=int(b.join_wait_s * 1000),
         group_wait_ms=int(b.group_wait_s * 1000),
@@ -114,13 +123,24 @@ def summary(counts: FlowCounts, seconds: float | None = None) -> str:
 
 
 class _CohortLogic(StatefulBatchLogic):
-    """Bytewax wrapper around one cohort's :class:`BatchBuilder` (the snapshotted state)."""
+    """Bytewax wrapper around one cohort's :class:`BatchBuilder` per reward version (the snapshotted state):
+    every rollout goes to each builder, each reward to its version's; ``bb`` is the trained version's."""
 
     def __init__(
-        self, state: dict, idle_s: float, stop: threading.Event | None = None, counts: FlowCounts | None = None
+        self,
+        state: dict,
+        idle_s: float,
+        stop: threading.Event | None = None,
+        counts: FlowCounts | None = None,
+        configs: Mapping[str, BatchConfig] | None = None,
     ):
         self.state, self.idle_s, self.stop, self.counts = state, idle_s, stop, counts
         self.bb: BatchBuilder = state["builder"]
+        builders = state.setdefault("others", {})  # versions besides the trained one (a resumed state may lack it)
+        for v, cfg in (configs or {}).items():
+            if v != self.bb.config.reward_version and v not in builders:  # a version added since the snapshot
+                builders[v] = BatchBuilder(cfg)
+        self.builders: dict[str, BatchBuilder] = {self.bb.config.reward_version: self.bb, **builders}
         self.quiet_since: datetime | None = None
         self.counted = _builder_totals(self.bb)  # a resumed cohort's totals so far belong to earlier runs
 
@@ -143,26 +163,27 @@ class _CohortLogic(StatefulBatchLogic):
         self.state["cohort"] = self.state["cohort"] or cohort_of(values[0][1].org_id, values[0][1].task_kind)
         for kind, rec in values:
             if kind == "rollout":
-                self.bb.set_serving_version(rec.policy_version)
-                out += self.bb.add_rollout(rec)
-            else:
-                out += self.bb.add_reward(rec)
+                for bb in self.builders.values():
+                    bb.set_serving_version(rec.policy_version)
+                    out += bb.add_rollout(rec)
+            else:  # a version no builder takes is counted (other_reward_version) by the trained one's
+                out += self.builders.get(rec.reward_version, self.bb).add_reward(rec)
         self.quiet_since = datetime.now(UTC)
         return self._out(out), StatefulBatchLogic.RETAIN
 
     def notify_at(self) -> datetime | None:
-        if not self.bb.ready or self.quiet_since is None:
+        if not any(bb.ready for bb in self.builders.values()) or self.quiet_since is None:
             return None
         return self.quiet_since + timedelta(seconds=self.idle_s)
 
     def on_notify(self) -> tuple[list, bool]:
         self.quiet_since = None
-        return self._out(self.bb.flush_ready()), StatefulBatchLogic.RETAIN
+        return self._out([b for bb in self.builders.values() for b in bb.flush_ready()]), StatefulBatchLogic.RETAIN
 
     def on_eof(self) -> tuple[list, bool]:
         if paused(self.stop):  # stopped, not the end of the input: what waits stays in the snapshot
             return [], StatefulBatchLogic.RETAIN
-        return self._out(self.bb.flush()), StatefulBatchLogic.RETAIN
+        return self._out([b for bb in self.builders.values() for b in bb.flush()]), StatefulBatchLogic.RETAIN
 
     def snapshot(self) -> dict:
         return self.state
@@ -240,7 +261,8 @@ def build_flow(
     flushing what waits; a :class:`flows.kafka_io.Pause` keeps it for a restart from the recovery state).
     With both given the flow touches neither Kafka nor ClickHouse. ``counts`` (a :class:`flows.counts.FlowCounts`)
     counts what the run reads, joins, sends and drops: :func:`summary`."""
-    cfg, bs = batch_config(settings), settings.batching  # bad settings fail before any I/O
+    configs, bs = batch_configs(settings), settings.batching  # bad settings fail before any I/O
+    cfg = configs[settings.rewards.train_version]
     sources = kafka_inputs(settings, bootstrap, stop) if sources is None else injected(sources, INPUTS, "sources")
     sinks = service_outputs(settings, bootstrap) if sinks is None else injected(sinks, OUTPUTS, "sinks")
     flow = Dataflow("rtrl_batches")
@@ -259,6 +281,7 @@ def build_flow(
             bs.idle_flush_s,
             stop,
             counts,
+            configs,
         )
 
     out = op.stateful_batch("batches", keyed, build)

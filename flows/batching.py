@@ -100,8 +100,9 @@ def rows_needed(token_counts: list[int], seq_len: int) -> int:
     return max(first_fit(token_counts, seq_len), default=-1) + 1
 
 
-def pack(samples: list[Sample], seq_len: int, created_at: int) -> MicroBatch:
-    """Samples into rows of ``seq_len`` tokens, first fit in the given order (all must fit)."""
+def pack(samples: list[Sample], seq_len: int, created_at: int, reward_version: str = "") -> MicroBatch:
+    """Samples into rows of ``seq_len`` tokens, first fit in the given order (all must fit). The batch id hashes
+    the sample ids and the reward version: the same samples under two versions make two batches."""
     for s in samples:
         if s.tokens > seq_len:
             raise ValueError(f"sample {s.rollout.trajectory_id} has {s.tokens} tokens > seq_len {seq_len}")
@@ -128,7 +129,8 @@ def pack(samples: list[Sample], seq_len: int, created_at: int) -> MicroBatch:
         blp.append(b + [0.0] * pad)
         seg.append(g + [-1] * pad)
     ids = [s.rollout.trajectory_id for s in samples]
-    batch_id = hashlib.sha1("\n".join(ids).encode()).hexdigest()[:32]
+    digest = hashlib.sha1("\n".join(ids + ([f"reward:{reward_version}"] if reward_version else [])).encode())
+    batch_id = digest.hexdigest()[:32]
     return MicroBatch(
         batch_id=batch_id,
         created_at=created_at,
@@ -140,6 +142,7 @@ def pack(samples: list[Sample], seq_len: int, created_at: int) -> MicroBatch:
         segment_ids=seg,
         sample_ids=ids,
         policy_versions=[s.rollout.policy_version for s in samples],
+        reward_version=reward_version,
     )
 
 
@@ -279,4 +282,4 @@ class BatchBuilder:
         while n < len(self.ready) and rows_needed([s.tokens for s in self.ready[: n + 1]], cfg.seq_len) <= cfg.rows:
             n += 1
         take, self.ready = self.ready[:n], self.ready[n:]
-        return pack(take, cfg.seq_len, self.clock)
+        return pack(take, cfg.seq_len, self.clock, cfg.reward_version)

@@ -208,8 +208,33 @@ class RewardSettings(Section):
     define: dict[str, RewardDefinition] = _s(
         {}, "reward versions defined in the settings tree: [rewards.define.NAME] with parent, reason, author, weights"
     )
+    train_schedule: dict[int, str] = _s(
+        {},
+        "switch the trained reward version at cycle boundaries: {cycle = version}, e.g. {3 = 'v2'} trains cycles "
+        "3 and later on v2 (before the first entry: train_version); `rtrl rewards train V` switches at the next "
+        "cycle instead",
+    )
+    batch_versions: Annotated[list[str], NoDecode] = _s(
+        [],
+        "reward versions the batch flow makes micro-batches for besides train_version and the train_schedule's "
+        "(each batch names its version; a trainer trains only its cycle's): the versions `rtrl rewards train` "
+        "may switch to (comma-separated in the environment)",
+    )
 
-    @field_validator("versions", mode="before")
+    def trainable(self) -> list[str]:
+        """The versions the batch flow makes micro-batches for: train_version, the schedule's, batch_versions."""
+        out = [self.train_version]
+        for v in [self.train_schedule[c] for c in sorted(self.train_schedule)] + list(self.batch_versions):
+            if v not in out:
+                out.append(v)
+        return out
+
+    def scheduled(self, cycle: int) -> str:
+        """The reward version the schedule gives cycle ``cycle`` (1 = the first trained cycle)."""
+        due = [c for c in sorted(self.train_schedule) if c <= cycle]
+        return self.train_schedule[due[-1]] if due else self.train_version
+
+    @field_validator("versions", "batch_versions", mode="before")
     @classmethod
     def _split(cls, v: Any) -> Any:
         if isinstance(v, str):
@@ -224,6 +249,15 @@ class RewardSettings(Section):
                 f"{self.versions}: the batch flow would wait for rewards nobody computes; fix: add it "
                 "to rewards.versions"
             )
+        for v in self.trainable():
+            if v not in self.versions:
+                where = "rewards.batch_versions" if v in self.batch_versions else "rewards.train_schedule"
+                raise ValueError(
+                    f"{where} names {v!r}, which is not among rewards.versions = {self.versions}: no reward "
+                    "flow computes it, so no micro-batch would carry it; fix: add it to rewards.versions"
+                )
+        if any(c < 1 for c in self.train_schedule):
+            raise ValueError("rewards.train_schedule: cycles count from 1; fix: use cycle numbers >= 1")
         return self
 
 

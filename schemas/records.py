@@ -25,6 +25,8 @@ _STRICT = dict(kw_only=True, frozen=True, forbid_unknown_fields=True, gc=False)
 Sentiment = Literal["dissatisfied", "neutral", "satisfied"]
 EndStatus = Literal["completed", "abandoned", "error"]
 CloseReason = Literal["ended", "deadline", "late"]
+#: a label that may be empty (a field added later: rows written before it hold "")
+MaybeLabel = Annotated[str, Meta(max_length=128), Kind("lowcard")]
 CheckpointStatus = Literal["candidate", "promoted", "rejected", "rolled_back"]
 ExperimentStatus = Literal["running", "ended"]
 DeadLetterKind = Literal[
@@ -223,6 +225,9 @@ class MicroBatch(msgspec.Struct, **_STRICT):
     segment_ids: Annotated[list[list[Int32]], doc("Index into sample_ids for each token, -1 for padding.")]
     sample_ids: Annotated[list[Id], doc("Trajectory id of each packed sample.")]
     policy_versions: Annotated[list[Version], doc("Policy version of each packed sample (same order as sample_ids).")]
+    reward_version: Annotated[
+        MaybeLabel, doc("Reward version whose rewards made the advantages; a trainer trains only its own (empty: any).")
+    ] = ""
 
     def __post_init__(self) -> None:
         rows = len(self.token_ids)
@@ -272,6 +277,14 @@ class Checkpoint(msgspec.Struct, **_STRICT):
             "Content hash of that export (sha256 over the sha256sum lines of its files but rtrl.json, sorted by "
             "name; trainer.registry), checked by a fleet before it loads; empty without an export."
         ),
+    ] = ""
+    reward_version: Annotated[
+        MaybeLabel,
+        doc("Reward version the checkpoint's cycle trained on (it changes only between cycles); empty for v0."),
+    ] = ""
+    reward_checksum: Annotated[
+        Annotated[str, Meta(pattern="^([0-9a-f]{64})?$")],
+        doc("Checksum of that reward version's weights (table reward_versions); empty for v0."),
     ] = ""
 
 
@@ -392,6 +405,9 @@ class TrainStep(msgspec.Struct, **_STRICT):
     mismatch_max_abs_log_ratio: Annotated[
         float, doc("Training-inference mismatch: largest |trainer - behaviour log-prob| over on-policy trained tokens.")
     ] = 0.0
+    reward_version: Annotated[
+        MaybeLabel, doc("Reward version of the micro-batches the step trained on (empty: not recorded).")
+    ] = ""
 
 
 # ---------------------------------------------------------------- batch flow counters (table batch_stats)

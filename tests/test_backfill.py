@@ -10,6 +10,7 @@ flow in-process). Bad archive files and rows are dead letters naming the file an
 from __future__ import annotations
 
 import json
+import re
 import zlib
 from collections import Counter
 
@@ -161,6 +162,38 @@ def test_unknown_version_and_bad_range_are_config_errors(streamed, ch_client):
         bf.backfill(settings, "v9", client=ch_client)
     with pytest.raises(ConfigError, match="--to"):
         bf.backfill(settings, "v2", 10, 5, client=ch_client)
+
+
+def test_rtrl_backfill_command(streamed, ch_client, monkeypatch, capsys):
+    """`rtrl backfill --reward-version V --from T1 --to T2 -w N` as a user types it: the plan, then one summary
+    line; run over everything already loaded it writes nothing."""
+    from datetime import UTC, datetime
+
+    from app.cli import main
+
+    settings, db = streamed
+    env = {
+        "RTRL_SDK__SALT": SALT,
+        "RTRL_KAFKA__BOOTSTRAP": settings.kafka.bootstrap,
+        "RTRL_KAFKA__TOPIC_PREFIX": settings.kafka.topic_prefix,
+        "RTRL_CLICKHOUSE__DSN": settings.clickhouse.dsn,
+        "RTRL_CLICKHOUSE__DATABASE": db,
+        "RTRL_DATA_DIR": str(settings.data_path),
+        "RTRL_REWARDS__VERSIONS": "v2,v1-discard-broken",
+        "RTRL_REWARDS__DEFINE": json.dumps(V3),
+        "COLUMNS": "200",
+    } | WINDOWS
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    stream = clickhouse.select(ch_client, db, "rewards", "WHERE reward_version = 'v2'")
+    first = min(r.first_event_ts for r in stream)
+    day = datetime.fromtimestamp(first / 1000, UTC).strftime("%Y-%m-%d")  # the ISO form a user types
+    capsys.readouterr()
+    assert main(["backfill", "--reward-version", "v2", "--from", day, "--to", str(first + 10**9), "-w", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"backfill v2 ({bf.registry(settings)['v2'].checksum[:12]})" in " ".join(out.split())
+    assert re.search(r"ClickHouse: 0 rewards written, [\d,]+ unchanged", " ".join(out.split())), out
+    assert main(["backfill", "--reward-version", "v9"]) == 2  # an unknown version: one error line, no run
 
 
 # ---------------------------------------------------------------- bad files and rows

@@ -106,7 +106,8 @@ def test_a_bad_version_is_one_line(text, capsys, monkeypatch):
 @pytest.mark.parametrize("name", SUBCOMMANDS)
 def test_an_unknown_flag_is_one_line_for_every_subcommand(name, capsys, monkeypatch):
     positionals = {"rollback": ["3"], "broker": ["status"], "clickhouse": ["serve"], "part": ["rewards"]}
-    positionals |= {"flow": ["rewards"], "model": ["init", "DIR"], "fleet": ["follow"]}
+    positionals |= {"flow": ["rewards"], "model": ["init", "DIR"], "fleet": ["follow"], "rewards": ["list"]}
+    positionals |= {"backfill": ["--reward-version", "v2"]}
     rc, lines = _cli([name, *positionals.get(name, []), "--no-such-flag"], {}, capsys, monkeypatch)
     assert rc == 2 and "--no-such-flag" in _one_error_line(lines)
 
@@ -361,6 +362,8 @@ def _checkpoint_rows(n: int) -> list[dict]:
                 "parent": None if v == 0 else v - 1,
                 "status": status,
                 "reason": "the gate's reason, long and not shown in the table " * 3,
+                "reward_version": "" if v == 0 else ("v1-discard-broken" if v < 12 else "v2"),  # switched mid-run
+                "reward_checksum": "" if v == 0 else "ab" * 32,
                 "solve_rate": rng.random(),
                 "on_policy_fraction": None if v == 0 else rng.random(),
                 "trajectories": 0 if status == "rejected" else rng.randint(0, 999_999),

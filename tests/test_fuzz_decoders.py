@@ -285,8 +285,9 @@ _MB = MicroBatch(
     sample_ids=["s"],
     policy_versions=[0],
 )
-#: a one-byte corruption of encode_batch(_MB) (a token_ids list offset) that segfaulted the old decoder
-_SEGFAULT = (2423, 248)
+#: a one-byte corruption of encode_batch(_MB) (the high byte of the token_ids outer list's second offset: its
+#: buffer starts at 2528 since micro-batches carry reward_version) that segfaulted the old decoder
+_SEGFAULT = (2535, 248)
 
 
 def _ipc(table: pa.Table, **options) -> bytes:

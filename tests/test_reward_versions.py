@@ -364,3 +364,96 @@ def test_compare_v1_with_v2_on_the_v1_trained_period(ch_dsn, ch_client, ch_db, t
     png = tmp_path / "reports" / "rewards-v1-discard-broken-vs-v2.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["rewards", "compare", "v1-discard-broken", "v2", "--from", "2100-01-01"]) == 1  # nothing there
+
+
+# ---------------------------------------------------------------- switching the trained version
+
+
+SWITCH_DUMP = """
+import json, sys
+from rtrl import clickhouse
+
+ch = clickhouse.connect(sys.argv[1])
+cps = ch.query("SELECT version, status, reward_version, reward_checksum FROM rtrl.checkpoints FINAL ORDER BY version")
+steps = ch.query("SELECT run_id, step, reward_version, sample_ids FROM rtrl.train_metrics FINAL ORDER BY run_id, step")
+broken = ch.query("SELECT trajectory_id FROM rtrl.trajectories FINAL WHERE broken_tool_calls > 0")
+print(json.dumps({"checkpoints": [list(r) for r in cps.result_rows], "steps": [list(r) for r in steps.result_rows],
+                  "broken": [t for (t,) in broken.result_rows]}))
+"""
+
+
+@pytest.mark.slow
+def test_the_loop_switches_v1_to_v2_at_a_cycle_boundary(tmp_path):
+    """`rtrl run`, two cycles: the first trains v1-discard-broken, rewards.train_schedule switches the second to v2.
+    Every checkpoint and every trainer step records the version (with its checksum); the first cycle trained no
+    trajectory with a broken tool call (v1 discards them, so no v1 micro-batch holds one), the second did (v2's
+    batches score them negative); the loop's table shows the version under each checkpoint."""
+    import subprocess
+    import sys
+
+    from tests.test_cli import _run
+    from tests.test_loop import _small_loop
+
+    env = _small_loop(tmp_path) | {
+        "RTRL_LOOP__FINAL_AB_TRAJECTORIES": "0",
+        "RTRL_REWARDS__VERSIONS": "v2,v1-discard-broken",
+        "RTRL_REWARDS__TRAIN_VERSION": "v1-discard-broken",
+        "RTRL_REWARDS__TRAIN_SCHEDULE": json.dumps({"2": "v2"}),
+        "COLUMNS": "100",
+    }
+    proc = _run(["run"], env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    dump = subprocess.run(
+        [sys.executable, "-c", SWITCH_DUMP, f"chdb://{tmp_path}/clickhouse"], capture_output=True, text=True
+    )
+    assert dump.returncode == 0, dump.stderr
+    d = json.loads(dump.stdout.strip().splitlines()[-1])
+    trained = {v: (rv, cs) for v, _, rv, cs in d["checkpoints"]}
+    assert trained == {
+        0: ("", ""),
+        1: ("v1-discard-broken", BUILTIN["v1-discard-broken"].checksum),
+        2: ("v2", BUILTIN["v2"].checksum),
+    }
+    by_cycle: dict[str, set] = {}
+    samples: dict[str, set] = {}
+    for run_id, _, rv, ids in d["steps"]:
+        by_cycle.setdefault(run_id, set()).add(rv)
+        samples.setdefault(run_id, set()).update(ids)
+    first, second = sorted(by_cycle)  # loop-<seed>-v1, loop-<seed>-v2
+    assert by_cycle == {first: {"v1-discard-broken"}, second: {"v2"}}
+    broken = set(d["broken"])
+    assert samples[first] and not samples[first] & broken  # v1 never makes a sample of a broken trajectory
+    assert samples[second] & broken  # v2 does: the switch took effect at the boundary
+    table = proc.stdout[proc.stdout.index("Checkpoints (reward") :]
+    assert "v1-discard-broken" in table and "\n" in table
+
+
+def test_rtrl_rewards_train_requests_a_switch_for_the_next_cycle(tmp_path, monkeypatch, capsys):
+    """`rtrl rewards train V` leaves a request the loop reads at its next cycle's start; a version the batch flow
+    makes no micro-batches for is refused with the setting to change, and such a request left in the folder is
+    ignored rather than starving the trainer."""
+    from app.loop import requested_reward, reward_switch_path
+
+    env = {
+        "RTRL_SDK__SALT": SALT,
+        "RTRL_DATA_DIR": str(tmp_path),
+        "RTRL_REWARDS__VERSIONS": "v2,v1-discard-broken,v3",
+        "RTRL_REWARDS__TRAIN_VERSION": "v1-discard-broken",
+        "RTRL_REWARDS__TRAIN_SCHEDULE": json.dumps({"3": "v2"}),
+        **_define(v3=HARSH),
+    }
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    s = load_settings()
+    assert [requested_reward(s, c) for c in (1, 2, 3, 4)] == ["v1-discard-broken"] * 2 + ["v2"] * 2  # the schedule
+    assert main(["rewards", "train", "v3"]) == 2  # not trainable: no micro-batches carry v3
+    out = capsys.readouterr()
+    assert "rewards.batch_versions" in out.out + out.err
+    monkeypatch.setenv("RTRL_REWARDS__BATCH_VERSIONS", "v3")
+    assert main(["rewards", "train", "v3"]) == 0
+    assert "from its next cycle on" in capsys.readouterr().out
+    assert json.loads(reward_switch_path(load_settings()).read_text())["reward_version"] == "v3"
+    assert requested_reward(load_settings(), 1) == "v3"  # the request wins over the schedule from then on
+    assert requested_reward(s, 1) == "v1-discard-broken"  # a flow without v3 batches: ignored, with a warning
+    with pytest.raises(ConfigError, match="rewards.train_schedule names 'v9'"):
+        _settings(RTRL_REWARDS__TRAIN_SCHEDULE=json.dumps({"2": "v9"}))

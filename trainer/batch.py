@@ -34,6 +34,7 @@ class Batch:
     policy_versions: np.ndarray  # int64, per sample
     partition: int
     offset: int
+    reward_version: str = ""  # the reward version whose rewards made the advantages ("" = not recorded)
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ def to_batch(data: bytes, partition: int, offset: int, limits: BatchLimits | Non
         policy_versions=np.asarray(mb.policy_versions, dtype=np.int64),
         partition=partition,
         offset=offset,
+        reward_version=mb.reward_version,
     )
     if not np.isin(b.loss_mask, (0.0, 1.0)).all():
         raise Invalid("$.loss_mask", "loss-mask values must be 0 or 1")

@@ -6,8 +6,8 @@ which vLLM, SGLang and transformers load as a model folder:
 - ``config.json`` and ``model.safetensors`` (with pp > 1 one file per pipeline stage and
   ``model.safetensors.index.json``) written by :func:`trainer.hf.export_hf`, plus the other files of the imported
   checkpoint (tokenizer, generation config);
-- ``rtrl.json``: ``format``, ``version``, ``parent``, ``reward_version``, ``eval_results``, ``created_at`` (ms since
-  the epoch), ``checkpoint`` (the Megatron checkpoint it was exported from), ``source`` (the imported Hugging Face
+- ``rtrl.json``: ``format``, ``version``, ``parent``, ``reward_version`` and ``reward_checksum`` (what the cycle
+  trained on), ``eval_results``, ``created_at`` (ms since the epoch), ``checkpoint`` (the Megatron checkpoint it was exported from), ``source`` (the imported Hugging Face
   folder), ``steps``/``samples``/``tokens`` since the parent, ``files`` (each covered file's sha256 and size),
   ``sha256`` (the content hash) and ``sha256_definition``.
 
@@ -214,7 +214,8 @@ def export_checkpoint(settings, model, cfg: ModelConfig, ck: Checkpoint) -> Chec
     t = time.monotonic()
     metadata = {
         "parent": ck.parent,
-        "reward_version": settings.rewards.train_version,
+        "reward_version": ck.reward_version or settings.rewards.train_version,  # what the cycle trained on
+        "reward_checksum": ck.reward_checksum,
         "eval_results": dict(ck.eval_results),
         "created_at": ck.created_at,
         "checkpoint": ck.path,

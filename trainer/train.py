@@ -88,13 +88,16 @@ class TrainConfig:
     idle_timeout_s: float = 30.0
     loss: LossConfig = field(default_factory=lambda: GUARDED)
     """The loss and its guards; default :data:`trainer.loss.GUARDED` (= the settings' ``loss`` defaults)."""
+    reward_version: str = ""
+    """Train only micro-batches of this reward version (others are skipped: the batch flow may make batches for
+    several, :meth:`rtrl.settings.RewardSettings.trainable`); empty = any. Recorded in each ``TrainStep``."""
 
     @classmethod
     def from_settings(cls, settings: Settings, **run: Any) -> TrainConfig:
         """The ``train`` and ``loss`` sections as a TrainConfig: the one mapping from settings to the training
         loop (the trainer job and the closed loop both use it). ``run`` sets what a caller owns: run_id,
         max_steps, checkpoint_dir, idle_timeout_s ... - never the optimizer or the loss."""
-        owned = {"run_id", "max_steps", "checkpoint_dir", "checkpoint_every", "idle_timeout_s"}
+        owned = {"run_id", "max_steps", "checkpoint_dir", "checkpoint_every", "idle_timeout_s", "reward_version"}
         if set(run) - owned:
             raise TypeError(f"TrainConfig.from_settings: {sorted(set(run) - owned)} come from settings only")
         ts, ls = settings.train, settings.loss
@@ -110,6 +113,7 @@ class TrainConfig:
             "norm_tokens": ls.norm_tokens,
             "checkpoint_every": ts.checkpoint_every,
             "idle_timeout_s": ts.idle_timeout_s,
+            "reward_version": settings.rewards.train_version,
             "loss": LossConfig(
                 eps_low=ls.eps_low,
                 eps_high=ls.eps_high,
@@ -214,6 +218,8 @@ def train(
             b = source.get(cfg.idle_timeout_s)
             if b is None:
                 break
+            if cfg.reward_version and b.reward_version and b.reward_version != cfg.reward_version:
+                continue  # another reward version's batch (read past, never trained: its samples stay trainable)
             if (b := trained.take(b, (policy_version - cfg.max_policy_lag, policy_version))) is not None:
                 batches.append(b)
         if not pipe.all_ranks_true(dp, len(batches) == cfg.micro_batches_per_step):
@@ -297,6 +303,7 @@ def train(
             batch_ids=batch_ids,
             sample_ids=sample_ids,
             at=time.time_ns() // 1_000_000,
+            reward_version=cfg.reward_version,
         )
         steps.append(record)
         if on_step:
