@@ -57,6 +57,7 @@ bench: setup
 	$(PY) bench/trainer_input.py
 	$(PY) bench/loop.py
 	$(PY) bench/ab_stats.py
+	$(PY) bench/backfill.py
 
 clean:
 	rm -rf $(VENV) .rtrl .pytest_cache .hypothesis

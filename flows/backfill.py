@@ -1,6 +1,6 @@
 """Backfill: one reward version over the Parquet archive, with Apache Beam (``rtrl backfill``).
 
-    rtrl backfill --reward-version V [--from T1] [--to T2] [--workers N] [--pipeline-options FILE]
+    rtrl backfill --reward-version V [--from T1] [--to T2] [--workers N]   (another runner: backfill.pipeline_options)
 
 The reward flow archives every valid event it reads with its Kafka partition and offset
 (``<archive>/date=YYYY-MM-DD/part-*.parquet``, flows.sinks). The backfill replays that archive through the
@@ -35,6 +35,7 @@ output folder must then be paths every worker can reach (``gs://``, ``s3://``, `
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shlex
 import shutil
@@ -74,6 +75,8 @@ NAMESPACE = "rtrl.backfill"
 REQUIRED = ("event_id", "trajectory_id", "ts", "org_id", "user_hash", "policy_version", "arm", "type") + tuple(
     f.name for f in ARCHIVE_COORDS
 )
+
+log = logging.getLogger("rtrl.backfill")
 
 
 @dataclass(frozen=True)
@@ -257,6 +260,7 @@ def pipeline_options(settings: Settings, workers: int | None = None, extra: Sequ
             args += shlex.split(line, comments=True)
     args += list(extra)
     options = PipelineOptions(args)
+    FileSystems.set_options(options)  # this process lists and reads remote paths (hdfs://, s3://) with them too
     if not options.view_as(StandardOptions).runner:
         n = workers or settings.backfill.workers
         direct = options.view_as(DirectOptions)
@@ -437,6 +441,17 @@ def backfill(
     archive = settings.flow.archive_dir or str(settings.data_path / "archive" / "events")
     files = archive_files(archive, since_ms, window.retention_ms)
     out = out_dir(settings, version, since_ms, until_ms)
+    runner = options.view_as(StandardOptions).runner
+    local_paths = [p for p in (archive, out) if "://" not in p]
+    if runner and local_paths:
+        where = (
+            f"runner {runner} runs the workers elsewhere, and they cannot reach the local paths {local_paths}; fix: "
+            "set flow.archive_dir and backfill.out_dir to shared storage (gs://, s3://, hdfs://) that this machine "
+            "and the workers reach (deploy/beam/README.md)"
+        )
+        if runner == "DataflowRunner":  # always remote workers
+            raise ConfigError(where)
+        log.warning("%s, unless the cluster's workers share this machine's disk (a local Flink or Spark)", where)
     if "://" not in out:
         shutil.rmtree(out, ignore_errors=True)  # a rerun replaces the previous output, never adds to it
     else:
