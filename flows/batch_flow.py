@@ -7,7 +7,9 @@ Steps (stable step ids key the recovery state):
 ``rollouts_in``, ``rewards_in``  Kafka sources (built after a bounded broker check)
 ``parse_*``     decode and validate; failures go to ``rtrl.dead_letters`` with the reason
 ``batches``     per cohort ``org_id/task_kind``: join, staleness filter, advantages, packing
-                (:mod:`flows.batching`); the cohort's state is snapshotted with the input offsets
+                (:mod:`flows.batching`), once per trainable reward version (``rewards.trainable()``: each
+                micro-batch names its version, and a trainer trains only its cycle's); the cohort's state
+                is snapshotted with the input offsets
 ``kafka``       micro-batches (Arrow IPC, key ``batch_id``) and dead letters
 ``clickhouse``  the cohort's running counters (``batch_stats``: unmatched, stale per lag, ...)
                 and the dead letters

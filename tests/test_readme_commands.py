@@ -137,6 +137,19 @@ RULES = (
         r"rtrl flow \.\.\.",
         "tests/test_clean_stop.py::test_reward_flow_stops_cleanly_and_resumes_without_loss_or_duplicates",
     ),
+    Rule(
+        r"rtrl backfill( --reward-version (V|\S+))?( \[--from T1\]| --from \S+)?( \[--to T2\]| --to \S+)?( \[-w N\])?",
+        "tests/test_backfill.py::test_rtrl_backfill_command",
+    ),
+    Rule(r"rtrl rewards (list|list\|compare\|train)", "tests/test_reward_versions.py::test_rtrl_rewards_list"),
+    Rule(
+        r"rtrl rewards compare (A B|\S+ \S+)( \[--from T1\]| --from \S+)?( \[--to T2\]| --to \S+)?",
+        "tests/test_reward_versions.py::test_compare_v1_with_v2_on_the_v1_trained_period",
+    ),
+    Rule(
+        r"rtrl rewards train (V|\S+)",
+        "tests/test_reward_versions.py::test_rtrl_rewards_train_requests_a_switch_for_the_next_cycle",
+    ),
     Rule(r"rtrl --version", "test_version_config_and_a_refused_reward_version"),
     Rule(r"rtrl --config deploy/\S+\.toml config", "test_shown_sessions_print_what_the_documents_show"),
     Rule(r"rtrl config( \[--example\]| --example)?", "test_version_config_and_a_refused_reward_version"),
