@@ -213,9 +213,15 @@ def cmd_rewards(settings: Settings, args: argparse.Namespace, console: Console) 
         from flows.reward_versions import registered, scored
         from rtrl import clickhouse
 
-        client = clickhouse.setup(settings.clickhouse_dsn, settings.clickhouse.database, settings.clickhouse.timeout_s)
+        client = clickhouse.connect(settings.clickhouse_dsn, settings.clickhouse.timeout_s)  # read only (analysts)
         db = settings.clickhouse.database
-        have = registered(client, db)
+        try:
+            have = registered(client, db)
+        except Exception as e:  # noqa: BLE001 - a database without the table: say which and what to do
+            raise ConfigError(
+                f"cannot read {db}.reward_versions ({str(e).splitlines()[0][:300]}); fix: run `rtrl migrate` as the "
+                "writer, or check clickhouse.dsn and clickhouse.database"
+            ) from None
         table = Table(title="reward versions", title_justify="left")
         for col in ("version", "parent", "checksum", "registered", "scored", "use", "defined in", "author", "reason"):
             # names and checksums stay whole (what a user copies); the prose folds
@@ -404,6 +410,8 @@ def _when(text: str) -> int:
     from datetime import UTC, datetime
 
     if text.isdigit():
+        if int(text) > 253_402_300_799_999:  # 9999-12-31T23:59:59.999Z, the last instant a date can name
+            raise argparse.ArgumentTypeError(f"{text} ms is after the year 9999: give milliseconds since the epoch")
         return int(text)
     try:
         when = datetime.fromisoformat(text)

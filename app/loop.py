@@ -139,7 +139,8 @@ def reward_switch_path(settings: Settings) -> Path:
 
 def request_reward_switch(settings: Settings, version: str) -> Path:
     """Ask the loop's trainer to train on reward version ``version`` from its next cycle on (the cycle in
-    progress keeps its version). The batch flow must make micro-batches for it (``rewards.trainable()``)."""
+    progress keeps its version) until another request: it overrides ``rewards.train_schedule``; a fresh
+    ``rtrl run`` forgets it. The batch flow must make micro-batches for it (``rewards.trainable()``)."""
     registry(settings).check([version], "rtrl rewards train")
     if version not in settings.rewards.trainable():
         raise ConfigError(
@@ -148,7 +149,12 @@ def request_reward_switch(settings: Settings, version: str) -> Path:
             "rewards.batch_versions (RTRL_REWARDS__BATCH_VERSIONS) and restart the flows, then ask again"
         )
     path = reward_switch_path(settings)
-    private_dir(path.parent)
+    if not (path.parent / "state.json").exists():
+        raise ConfigError(
+            f"no loop has run in data_dir {settings.data_path} (no {path.parent / 'state.json'}): nothing to switch; "
+            "fix: run this where the loop's trainer runs (the same data_dir), or, for a run not started yet, set "
+            "rewards.train_version or rewards.train_schedule"
+        )
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"reward_version": version, "requested_at": time.time_ns() // 1_000_000}))
     os.replace(tmp, path)
@@ -163,7 +169,12 @@ def requested_reward(settings: Settings, cycle: int) -> str:
     wanted = rs.scheduled(cycle)
     path = reward_switch_path(settings)
     if path.exists():
-        asked = json.loads(path.read_text()).get("reward_version", "")
+        try:
+            request = json.loads(path.read_text())
+            asked = str(request.get("reward_version", "")) if isinstance(request, dict) else ""
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            log.warning("ignoring %s: not a request rtrl wrote (%s); fix: run `rtrl rewards train V` again", path, e)
+            return wanted
         if asked in rs.trainable():
             wanted = asked
         else:
@@ -392,6 +403,7 @@ class Loop:
         self.weights = self.ckpt_root / "v0"  # what the next cycle starts from
         self.trained = TrainedSet()  # micro-batches and samples already trained (replays are skipped)
         self.cycle_reward: str | None = None  # the reward version of the cycle in progress (fixed at its start)
+        self.cycle_reward_checksum = ""  # its checksum then (what the checkpoint records)
         self.cycle_on_policy = 0  # samples of the serving version this cycle has trained on
         self.evals: dict[int, dict[str, float]] = {}
 
@@ -461,7 +473,7 @@ class Loop:
             kafka_offsets=self.offsets or {},
             path=str(path),
             reward_version=reward,
-            reward_checksum=registry(self.settings)[reward].checksum if reward else "",
+            reward_checksum=self.cycle_reward_checksum if reward else "",
         )
 
     # ------------------------------------------------------------ the trained reward version
@@ -469,10 +481,19 @@ class Loop:
     def _start_cycle_reward(self, cycle: int) -> str:
         """Fix the cycle's reward version at its start (kept by a resumed cycle: the version changes only at a
         cycle boundary), registered in ClickHouse before anything trains on it."""
+        rs = self.settings.rewards
         if self.cycle_reward is None:
             self.cycle_reward = requested_reward(self.settings, cycle)
-            register_settings(self.settings, [self.cycle_reward], client=self.ch)
+            reg = register_settings(self.settings, [self.cycle_reward], client=self.ch)
+            self.cycle_reward_checksum = reg[self.cycle_reward].checksum
             self._save_state([])
+        elif self.cycle_reward not in rs.trainable() or self.cycle_reward not in registry(self.settings):
+            raise ConfigError(
+                f"the cycle in progress (v{cycle}) trains on reward version {self.cycle_reward!r}, which the settings "
+                f"no longer define or make micro-batches for ({rs.trainable()}); its version changes only at a cycle "
+                "boundary; fix: list it in rewards.versions and rewards.batch_versions until this cycle ends, or "
+                "start afresh (rtrl run without --resume)"
+            )
         return self.cycle_reward
 
     def initial(self) -> None:
@@ -508,6 +529,7 @@ class Loop:
             "evals": {str(v): e for v, e in self.evals.items()},
             "trained": self.trained.state(),
             "cycle_reward": self.cycle_reward,
+            "cycle_reward_checksum": self.cycle_reward_checksum,
             "pending": [json.loads(codec.encode(c)) for c in pending],
         }
         tmp = self.state_path.with_suffix(".tmp")
@@ -534,6 +556,7 @@ class Loop:
         self.evals = {int(v): e for v, e in st["evals"].items()}
         self.trained = TrainedSet(st["trained"])
         self.cycle_reward = st.get("cycle_reward")
+        self.cycle_reward_checksum = st.get("cycle_reward_checksum", "")
         pending = [msgspec.convert(c, Checkpoint) for c in st["pending"]]
         for ck in pending:
             self.announce(ck)
@@ -964,11 +987,12 @@ def _run_in_process(settings: Settings, services: Services, console: Console, re
 
 def fresh_start_plan(settings: Settings) -> list[Path]:
     """The folders :func:`fresh_start` deletes (those that exist): a previous run's loop state, flow recovery
-    and logs; on the embedded defaults its broker and ClickHouse too (with a cluster and a server configured,
-    those are theirs). Refuses (ConfigError) a data folder rtrl did not mark as its own."""
+    and logs; on the embedded defaults its broker, ClickHouse and event archive too (with a cluster and a server
+    configured, those are theirs; the archive's Kafka offsets belong to the broker's history, which a backfill
+    replays, so it goes with the broker). Refuses (ConfigError) a data folder rtrl did not mark as its own."""
     check_cleanable(settings.data_path)  # never a folder rtrl did not mark as its own
     embedded = not settings.kafka.bootstrap and not settings.clickhouse.dsn
-    parts = [p for p in RUN_PARTS if embedded or p not in ("broker", "clickhouse")]
+    parts = [p for p in RUN_PARTS if embedded or p not in ("broker", "clickhouse", "archive")]
     return [settings.data_path / p for p in parts if (settings.data_path / p).exists()]
 
 

@@ -566,10 +566,10 @@ _SHIFT_HEADERS = (
     "disc.\nby B",
 )
 _SHIFT_LEGEND = (
-    "traj.: closed trajectories; scored A/B: how many each version has a reward for; mean A, mean B: over what "
-    "each scored, and their change; shift: mean of B - A over "
-    "the trajectories both scored, 95% t interval; KS: two-sample Kolmogorov-Smirnov statistic and p-value; W1: "
-    "Wasserstein distance; rho: Spearman rank correlation over both scored; flips: reward >= 0 under A and < 0 "
+    "traj.: closed trajectories; scored A/B: how many each version has a reward for; mean A, mean B: over what each "
+    "scored, and their change; shift: mean of B - A over the trajectories both scored, 95% t interval; KS: "
+    "two-sample Kolmogorov-Smirnov statistic and p-value (p treats the versions as independent samples: a guide); "
+    "W1: Wasserstein distance; rho: Spearman rank correlation over both scored; flips: reward >= 0 under A and < 0 "
     "under B, and the reverse; discarded by A: scored by B only (in brackets: negative under B)"
 )
 
@@ -683,11 +683,19 @@ def reward_comparison(
     trajectory lies in the range."""
     from monitors.queries import reward_pairs
     from rtrl import clickhouse
+    from rtrl.errors import ConfigError
 
     db = settings.clickhouse.database
-    if client is None:
-        client = clickhouse.setup(settings.clickhouse_dsn, db, settings.clickhouse.timeout_s)
-    pairs = reward_pairs(client, db, a, b, since, until)
+    if client is None:  # read only (no migration): what a read-only analyst may run too
+        client = clickhouse.connect(settings.clickhouse_dsn, settings.clickhouse.timeout_s)
+    try:
+        pairs = reward_pairs(client, db, a, b, since, until)
+    except Exception as e:  # noqa: BLE001 - a missing view or grant: say which and what to do
+        raise ConfigError(
+            f"cannot read {db}.reward_pairs at {clickhouse.redact(settings.clickhouse_dsn)} "
+            f"({str(e).splitlines()[0][:300]}); fix: run `rtrl migrate` as the writer, or check clickhouse.dsn "
+            "and clickhouse.database"
+        ) from None
     if not pairs:
         console.print(
             f"no closed trajectory in {db}.trajectories in the range: nothing to compare (fix: widen --from/--to, "

@@ -112,8 +112,12 @@ def archive_files(root: str, since_ms: int | None, retention_ms: int) -> list[st
 
 
 def _dead(spec: Spec, kind: Any, field_: str, reason: str, path: str, row: int, payload: str | None) -> DeadLetter:
-    # the file is the source and the row its offset: what a reader needs to find the input
-    return dead_letter(kind, field_, reason, f"{spec.source} {path}", -1, row, None, payload, spec.now_ms)
+    # the file is in the source (the dead_letters table's key: one row per file, row and kind), its tail where the
+    # whole path would not fit a label, and whole in the key; the row is the offset
+    source = f"{spec.source} {path}"
+    if len(source) > 128:
+        source = f"{spec.source} …{path[-(128 - len(spec.source) - 2) :]}"
+    return dead_letter(kind, field_, reason, source, -1, row, path, payload, spec.now_ms)
 
 
 class ReadFile(beam.DoFn):
@@ -146,8 +150,19 @@ class ReadFile(beam.DoFn):
             yield beam.pvalue.TaggedOutput("dead", _dead(self.spec, "invalid", field_, why, path, row, payload))
         parts = table.column("kafka_partition").to_pylist()
         offsets = table.column("kafka_offset").to_pylist()
-        self.events.inc(len(events))
+        located = []
         for row, event in events:
+            p, o = parts[row], offsets[row]
+            if p is not None and o is not None and p >= 0 and o >= 0:
+                located.append((row, event))
+                continue
+            why = (
+                f"row {row} has no Kafka partition and offset ({p}, {o}): the backfill replays each partition in "
+                "offset order, as the stream read it (archives written before rtrl kept them cannot be replayed)"
+            )
+            yield beam.pvalue.TaggedOutput("dead", _dead(self.spec, "invalid", "$.kafka_offset", why, path, row, None))
+        self.events.inc(len(located))
+        for row, event in located:
             yield parts[row], (offsets[row], event)
 
 
@@ -210,12 +225,25 @@ class WindowPartition(beam.DoFn):
         partition, items = kv
         spec = self.spec
         by_offset: dict[int, EventBase] = {}
+        clashes: list[DeadLetter] = []
         for offset, event in items:
-            by_offset.setdefault(offset, event)  # an event archived twice (a replayed flow) counts once
+            kept = by_offset.setdefault(offset, event)  # an event archived twice (a replayed flow) counts once
+            if kept.event_id != event.event_id:  # two Kafka histories in one archive (a topic made anew)
+                why = (
+                    f"partition {partition} offset {offset} holds event {kept.event_id} and event {event.event_id}: "
+                    "the archive mixes two histories of the topic; fix: move the older archive aside (a fresh rtrl "
+                    "run on the embedded defaults deletes it with the broker)"
+                )
+                clashes.append(
+                    dead_letter(
+                        "invalid", "$.kafka_offset", why, spec.source, partition, offset, None, None, spec.now_ms
+                    )
+                )
         self.counters["replayed"].inc(len(by_offset))
         proc = RewardProcessor(spec.source, spec.window, [spec.version], spec.max_event_bytes)
         located = ((by_offset[o], partition, o) for o in sorted(by_offset))
         out = proc.process_events(located, now_ms=spec.now_ms)
+        out.dead_letters.extend(clashes)
         out.extend(proc.finish(now_ms=spec.now_ms))
         final: dict[str, Reward] = {}  # a trajectory's last revision is its reward (rewards keeps the highest)
         for r in out.rewards:

@@ -111,7 +111,7 @@ def summary(counts: FlowCounts, seconds: float | None = None) -> str:
     """The line the batch flow prints when it ends, e.g. ``batch flow: 300 rollouts, 600 rewards; 300 samples
     joined, 12 micro-batches sent (290 samples); dropped 10 stale, 0 unmatched; 0 dead letters in 4.2s``.
     Rewards of another reward version and later revisions of a reward are skipped, not counted as dropped:
-    they never make samples."""
+    they never make samples. Joined, sent and dropped are the trained version's (``rewards.train_version``)."""
     c = counts.snapshot()
     dropped = by_kind(c, "dropped:")
     unmatched = dropped.get("unmatched_rollout", 0) + dropped.get("unmatched_reward", 0)
@@ -137,23 +137,30 @@ class _CohortLogic(StatefulBatchLogic):
         configs: Mapping[str, BatchConfig] | None = None,
     ):
         self.state, self.idle_s, self.stop, self.counts = state, idle_s, stop, counts
-        self.bb: BatchBuilder = state["builder"]
-        builders = state.setdefault("others", {})  # versions besides the trained one (a resumed state may lack it)
-        for v, cfg in (configs or {}).items():
-            if v != self.bb.config.reward_version and v not in builders:  # a version added since the snapshot
-                builders[v] = BatchBuilder(cfg)
-        self.builders: dict[str, BatchBuilder] = {self.bb.config.reward_version: self.bb, **builders}
+        # a resumed state holds the builders of the versions trainable when it was snapshotted: keep those still
+        # trainable, make the new ones, and make the trained version's the one counted (batch_stats, summary)
+        have = {b.config.reward_version: b for b in [state["builder"], *state.get("others", {}).values()]}
+        if configs:
+            have = {v: have.get(v) or BatchBuilder(cfg) for v, cfg in configs.items()}
+            trained = next(iter(configs))  # batch_configs puts the trained version first
+        else:
+            trained = state["builder"].config.reward_version
+        self.bb: BatchBuilder = have[trained]
+        state["builder"], state["others"] = self.bb, {v: b for v, b in have.items() if v != trained}
+        self.builders: dict[str, BatchBuilder] = {trained: self.bb, **state["others"]}
         self.quiet_since: datetime | None = None
         self.counted = _builder_totals(self.bb)  # a resumed cohort's totals so far belong to earlier runs
 
     def _out(self, batches: list[MicroBatch]) -> list:
-        sent = sum(len(b.sample_ids) for b in batches)
-        self.state["batches"] += len(batches)
+        # what is counted (batch_stats, the summary) is the trained version's; other versions' batches go out too
+        mine = [b for b in batches if b.reward_version == self.bb.config.reward_version]
+        sent = sum(len(b.sample_ids) for b in mine)
+        self.state["batches"] += len(mine)
         self.state["samples"] += sent
         if self.counts is not None:
             totals = _builder_totals(self.bb)
             tally = totals - self.counted
-            tally["batches"], tally["sent"] = len(batches), sent
+            tally["batches"], tally["sent"] = len(mine), sent
             self.counts.add(tally)
             self.counted = totals
         return [(batches, stats_row(self.state["cohort"], self.bb, self.state["samples"], self.state["batches"]))]

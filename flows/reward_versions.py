@@ -8,6 +8,7 @@ registers the versions it scores before its first write, ``rtrl run`` before any
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -43,6 +44,7 @@ def register(client: Any, database: str, versions: Iterable[RewardVersion], now_
     A name already registered with the same checksum is left alone. With another checksum it is
     registered again only while it has scored nothing; otherwise :class:`RewardVersionImmutable`."""
     have = registered(client, database)
+    now_ms = time.time_ns() // 1_000_000 if now_ms is None else now_ms
     new = []
     for v in versions:
         old = have.get(v.name)

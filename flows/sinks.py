@@ -30,10 +30,9 @@ import pyarrow.parquet as pq
 from bytewax.outputs import FixedPartitionedSink, StatefulSinkPartition
 from confluent_kafka import Producer
 
-from flows.reward_versions import register
+from flows.reward_versions import RewardVersionImmutable, register
 from rewards.versions import RewardVersion
 from rtrl import clickhouse
-from rtrl.errors import ConfigError
 from rtrl.files import private_dir
 from rtrl.kafka import produce, producer_config
 from schemas.records import EventBase
@@ -55,7 +54,7 @@ def retry_forever(
     while True:
         try:
             return fn()
-        except ConfigError:  # a setting to fix (e.g. a reward version's weights changed under a used name)
+        except RewardVersionImmutable:  # a setting to fix, not an outage: retrying cannot help
             raise
         except Exception as e:  # noqa: BLE001 - any failure of the destination is retried
             attempt += 1

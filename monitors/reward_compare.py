@@ -7,8 +7,9 @@ come from the ``reward_pairs`` view (:func:`monitors.queries.reward_pairs`). Sta
 
 * **mean shift** per policy version and org (``'*'`` = all orgs): ``B - A`` paired over the trajectories both
   versions scored, with a 95% t interval; each version's mean over everything it scored, and their change;
-* **distribution shift**: the two-sample Kolmogorov-Smirnov statistic (with its p-value) and the Wasserstein
-  distance between the versions' reward distributions (all each scored);
+* **distribution shift**: the two-sample Kolmogorov-Smirnov statistic and the Wasserstein distance between the
+  versions' reward distributions (all each scored); the KS p-value treats the two as independent samples, which
+  they are not (mostly the same trajectories): read it as a guide, the paired interval as the test;
 * **rank correlation**: Spearman's rho over the trajectories both scored (None where either side is constant);
 * **sign flips** (a reward >= 0 under A and < 0 under B, or the reverse) and **discards** (scored by one
   version only), with how many of A's discards B scores negative;
@@ -16,7 +17,8 @@ come from the ``reward_pairs`` view (:func:`monitors.queries.reward_pairs`). Sta
   reward, plus two behaviours read from the trajectory itself (a broken tool call, a clarifying question) so a
   version that discards them shows up as a lower share;
 * **cohorts that move most**: ``org_id/task_kind`` ordered by the absolute change of the mean reward (each
-  version's mean over what it scored, 95% Welch interval).
+  version's mean over what it scored, a 95% interval that accounts for the trajectories both scored), cohorts
+  of fewer than 10 trajectories last.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ class Shift:
     mean_a: float | None
     mean_b: float | None
     change: float | None  # mean_b - mean_a: each over everything its version scored (discards move it)
-    change_low: float | None  # 95% interval (Welch: the two means' variances added)
+    change_low: float | None  # 95% t interval; the means share trajectories, so their covariance is subtracted
     change_high: float | None
     shift: float | None  # mean of B - A over the trajectories both scored
     shift_low: float | None
@@ -137,7 +139,11 @@ def shift(pairs: Sequence[Pair], policy_version: int | None, group: str) -> Shif
     if a and b:
         change = float(np.mean(b) - np.mean(a))
         if len(a) > 1 and len(b) > 1:
-            half = 1.959964 * math.sqrt(np.var(a, ddof=1) / len(a) + np.var(b, ddof=1) / len(b))
+            # Var(mean_b - mean_a) over trajectories drawn independently, each scored by A, B or both: the
+            # means share the trajectories both scored, whose covariance enters as n_both / (n_a n_b)
+            cov = float(np.cov([x for x, _ in both], [y for _, y in both])[0, 1]) if len(both) > 1 else 0.0
+            var = np.var(a, ddof=1) / len(a) + np.var(b, ddof=1) / len(b) - 2 * cov * len(both) / (len(a) * len(b))
+            half = float(stats.t.ppf(0.975, min(len(a), len(b)) - 1)) * math.sqrt(max(0.0, float(var)))
             c_low, c_high = change - half, change + half
     return Shift(
         policy_version=policy_version,
@@ -193,15 +199,16 @@ def flag_rows(pairs: Sequence[Pair]) -> list[FlagRow]:
     return out
 
 
-def movers(pairs: Iterable[Pair], top: int = 8) -> list[Shift]:
+def movers(pairs: Iterable[Pair], top: int = 8, min_trajectories: int = 10) -> list[Shift]:
     """The ``top`` cohorts (``org_id/task_kind``, all policy versions) whose mean reward changes most in absolute
     value (:attr:`Shift.change`: what each version scored, so a cohort whose trajectories one version discards
-    moves too), then by the paired shift."""
+    moves too), then by the paired shift; cohorts under ``min_trajectories`` come after the others (a cohort of
+    one trajectory moves by chance)."""
     groups: dict[str, list[Pair]] = defaultdict(list)
     for p in pairs:
         groups[f"{p.org_id}/{p.task_kind}"].append(p)
     rows = [shift(ps, None, g) for g, ps in groups.items()]
-    rows.sort(key=lambda s: (-abs(s.change or 0.0), -abs(s.shift or 0.0), s.group))
+    rows.sort(key=lambda s: (s.trajectories < min_trajectories, -abs(s.change or 0.0), -abs(s.shift or 0.0), s.group))
     return rows[:top]
 
 

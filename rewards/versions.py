@@ -4,7 +4,8 @@ A version is a name, a full set of weights (a :class:`~rewards.functions.RewardC
 derived from, why it exists and who defined it. Three places define versions, merged by :func:`registry`:
 
 - the built-in ones in code (:data:`BUILTIN`: ``v2`` and the historical ``v1-discard-broken``);
-- ``rewards.file``: a TOML file with one ``[versions.NAME]`` table per version;
+- ``rewards.file``: a TOML file with one ``[versions.NAME]`` table per version (read once, when the settings
+  load: :func:`rtrl.settings.read_reward_file`; this module reads no file, no clock, nothing);
 - ``rewards.define``: ``[rewards.define.NAME]`` tables in the settings file (or ``RTRL_REWARDS__DEFINE`` as JSON).
 
 Each table names a ``parent`` (built in or defined in either place), a ``reason``, an ``author`` and the
@@ -18,7 +19,8 @@ Each table names a ``parent`` (built in or defined in either place), a ``reason`
 
 The version's **checksum** is the sha256 of the canonical JSON of all of its weights (the parent's
 included), so it changes exactly when what the version computes changes. :func:`register` writes each
-version to ClickHouse ``reward_versions`` (flows.reward_versions: this module stays pure); a name that has scored anything (a row in ``rewards``) is
+version to ClickHouse ``reward_versions`` (flows.reward_versions); a name that has scored anything (a row in
+``rewards``) is
 immutable: registering other weights under it is refused with the fix (a new name). Built-in names can
 never be redefined. Defining a version changes no code: add a table, list it in ``rewards.versions`` (the
 reward flow shadow-scores every listed version) or backfill it (``rtrl backfill``).
@@ -31,14 +33,9 @@ import difflib
 import hashlib
 import json
 import re
-import time
-import tomllib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-
-from pydantic import ValidationError
 
 from rewards.functions import V1_DISCARD_BROKEN, V2, RewardConfig
 from rtrl.errors import ConfigError
@@ -80,7 +77,7 @@ class RewardVersion:
         """sha256 (hex) of :attr:`weights_json`: equal checksums score every trajectory alike."""
         return hashlib.sha256(self.weights_json.encode()).hexdigest()
 
-    def record(self, now_ms: int | None = None) -> RewardVersionRecord:
+    def record(self, now_ms: int) -> RewardVersionRecord:
         return RewardVersionRecord(
             name=self.name,
             checksum=self.checksum,
@@ -89,7 +86,7 @@ class RewardVersion:
             reason=self.reason,
             author=self.author,
             builtin=self.builtin,
-            registered_at=time.time_ns() // 1_000_000 if now_ms is None else now_ms,
+            registered_at=now_ms,
         )
 
 
@@ -150,33 +147,6 @@ def derive(name: str, parent: RewardConfig, weights: Mapping[str, Any], where: s
         raise ConfigError(f"{where}: {e}; fix: change that weight") from None
 
 
-def load_file(path: str | Path) -> dict[str, RewardDefinition]:
-    """The ``[versions.NAME]`` tables of a TOML file, checked; errors name the file and the version."""
-    p = Path(path)
-    try:
-        data = tomllib.loads(p.read_text())
-    except OSError as e:
-        raise ConfigError(
-            f"setting rewards.file = {str(path)!r} cannot be read ({e}); fix: point it at a TOML file"
-        ) from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"rewards.file {p} is not valid TOML: {e}; fix: correct the file") from None
-    extra = set(data) - {"versions"}
-    if extra or not isinstance(data.get("versions", {}), dict):
-        raise ConfigError(
-            f"rewards.file {p} may hold only [versions.NAME] tables, found {sorted(extra) or 'versions'}; "
-            "fix: put each version in a [versions.NAME] table"
-        )
-    out = {}
-    for name, table in data.get("versions", {}).items():
-        try:
-            out[name] = RewardDefinition.model_validate(table)
-        except ValidationError as e:
-            problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
-            raise ConfigError(f"{p} [versions.{name}]: {problems}; fix: correct that table") from None
-    return out
-
-
 class Registry(Mapping[str, RewardVersion]):
     """Every reward version known to one settings tree, by name (a read-only mapping)."""
 
@@ -198,8 +168,8 @@ class Registry(Mapping[str, RewardVersion]):
         if unknown:
             raise ConfigError(
                 f"setting {setting} = {list(names)} names unknown reward versions {unknown}; fix: use "
-                f"{', '.join(sorted(self._by_name))}, or define the version in rewards.file or rewards.define "
-                f"(RTRL_{setting.upper().replace('.', '__')})"
+                f"{', '.join(sorted(self._by_name))}, or define the version in rewards.file or rewards.define"
+                + (f" (RTRL_{setting.upper().replace('.', '__')})" if re.fullmatch(r"rewards\.\w+", setting) else "")
             )
 
     def configs(self, names: Sequence[str], setting: str = "rewards.versions") -> list[RewardConfig]:
@@ -218,7 +188,7 @@ def registry(settings: Settings) -> Registry:
     rs = settings.rewards
     defs: dict[str, tuple[RewardDefinition, str]] = {}
     if rs.file:
-        defs |= {n: (d, f"{rs.file} [versions.{n}]") for n, d in load_file(rs.file).items()}
+        defs |= {n: (d, f"{rs.file} [versions.{n}]") for n, d in rs.file_versions.items()}
     for n, d in rs.define.items():
         if n in defs:
             raise ConfigError(

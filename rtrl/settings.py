@@ -28,7 +28,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, cast
 from urllib.parse import urlencode, urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -193,6 +202,34 @@ class RewardDefinition(Section):
     )
 
 
+def read_reward_file(path: str) -> dict[str, RewardDefinition]:
+    """The ``[versions.NAME]`` tables of ``rewards.file``, checked (ValueError naming the file, the table and the
+    fix). Read once, when the settings load, so every part of a process sees the same definitions."""
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(
+            f"setting rewards.file = {str(path)!r} cannot be read ({e}); fix: point it at a UTF-8 TOML file"
+        ) from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"rewards.file {p} is not valid TOML: {e}; fix: correct the file") from None
+    extra = set(data) - {"versions"}
+    if extra or not isinstance(data.get("versions", {}), dict):
+        raise ValueError(
+            f"rewards.file {p} may hold only [versions.NAME] tables, found {sorted(extra) or 'versions'}; "
+            "fix: put each version in a [versions.NAME] table"
+        )
+    out = {}
+    for name, table in data.get("versions", {}).items():
+        try:
+            out[name] = RewardDefinition.model_validate(table)
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+            raise ValueError(f"{p} [versions.{name}]: {problems}; fix: correct that table") from None
+    return out
+
+
 class RewardSettings(Section):
     """Which reward versions exist in the stream, and which one trains: the built-in ones (v2, v1-discard-broken),
     those of ``rewards.file`` and those of ``rewards.define`` (rewards.versions)."""
@@ -212,7 +249,7 @@ class RewardSettings(Section):
         {},
         "switch the trained reward version at cycle boundaries: {cycle = version}, e.g. {3 = 'v2'} trains cycles "
         "3 and later on v2 (before the first entry: train_version); `rtrl rewards train V` switches at the next "
-        "cycle instead",
+        "cycle instead and overrides this schedule until another request",
     )
     batch_versions: Annotated[list[str], NoDecode] = _s(
         [],
@@ -233,6 +270,18 @@ class RewardSettings(Section):
         """The reward version the schedule gives cycle ``cycle`` (1 = the first trained cycle)."""
         due = [c for c in sorted(self.train_schedule) if c <= cycle]
         return self.train_schedule[due[-1]] if due else self.train_version
+
+    _file_versions: dict[str, RewardDefinition] = PrivateAttr(default_factory=dict)
+
+    @property
+    def file_versions(self) -> dict[str, RewardDefinition]:
+        """The versions of ``rewards.file``, as read when the settings loaded."""
+        return self._file_versions
+
+    @model_validator(mode="after")
+    def _read_file(self) -> RewardSettings:
+        self._file_versions = read_reward_file(self.file) if self.file else {}
+        return self
 
     @field_validator("versions", "batch_versions", mode="before")
     @classmethod

@@ -414,7 +414,8 @@ class TrainStep(msgspec.Struct, **_STRICT):
 
 
 class BatchStats(msgspec.Struct, **_STRICT):
-    """The batch flow's running counters for one cohort; the newest row per cohort is current."""
+    """The batch flow's running counters for one cohort, of the trained reward version's micro-batches (those it
+    makes for other trainable versions are not counted); the newest row per cohort is current."""
 
     cohort: Annotated[Label, doc("'org_id/task_kind' the counters are for.")]
     samples: Annotated[UInt64, doc("Samples packed into micro-batches so far.")]

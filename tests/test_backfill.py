@@ -194,6 +194,9 @@ def test_rtrl_backfill_command(streamed, ch_client, monkeypatch, capsys):
     assert f"backfill v2 ({bf.registry(settings)['v2'].checksum[:12]})" in " ".join(out.split())
     assert re.search(r"ClickHouse: 0 rewards written, [\d,]+ unchanged", " ".join(out.split())), out
     assert main(["backfill", "--reward-version", "v9"]) == 2  # an unknown version: one error line, no run
+    with pytest.raises(SystemExit) as bad:  # argparse's usage error: one line, exit code 2
+        main(["backfill", "--reward-version", "v2", "--from", "9" * 20])
+    assert bad.value.code == 2 and "after the year 9999" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- bad files and rows
@@ -240,7 +243,8 @@ def test_corrupt_file_schema_drift_and_bad_rows_are_dead_letters(tmp_path, ch_cl
     )
     result = bf.backfill(settings, "v2", client=ch_client, workers=1)
     dead = clickhouse.select(ch_client, ch_db, "dead_letters", "WHERE startsWith(source, 'backfill:v2 ')")
-    by_file = {(d.source.rsplit("/", 1)[-1], d.offset): d for d in dead}
+    assert all(d.source == f"backfill:v2 {d.key}" for d in dead)  # the file: in the source and, whole, the key
+    by_file = {(d.key.rsplit("/", 1)[-1], d.offset): d for d in dead}  # the row is the offset
     assert "cannot read Parquet" in by_file[("part-corrupt.parquet", -1)].reason
     assert "trajectory_id is missing" in by_file[("part-nocolumn.parquet", -1)].reason
     assert (
@@ -251,7 +255,7 @@ def test_corrupt_file_schema_drift_and_bad_rows_are_dead_letters(tmp_path, ch_cl
         "row 1" in by_file[("part-badrows.parquet", 1)].reason
         and by_file[("part-badrows.parquet", 1)].field == "$.user_hash"
     )
-    assert not [d for d in dead if d.source.endswith("part-retyped.parquet")]  # cast without loss: used
+    assert not [d for d in dead if (d.key or "").endswith("part-retyped.parquet")]  # cast without loss: used
     assert result.counts["files"] == 5
     assert {r.trajectory_id for r in _out_rewards(result)} == set(good.column("trajectory_id").to_pylist())
     # the retyped file's rows and the bad file's valid rows repeat the good file's offsets: each event counts once
@@ -307,3 +311,41 @@ def test_property_stream_equals_batch(data, tmp_path_factory, ch_client, ch_db):
     stream = [r for _, (table, rows) in ch if table == "rewards" for r in rows]
     result = bf.backfill(settings, "v2", client=ch_client, workers=1)
     assert stream and _final(_out_rewards(result)) == _final(stream)
+
+
+def test_long_paths_missing_coordinates_and_two_histories_are_dead_letters(tmp_path, ch_client, ch_db):
+    """A dead letter's source stays a valid label under a long archive path (the whole path in its key); rows
+    without Kafka coordinates and an offset holding two different events (an archive of two topic histories)
+    are dead letters with the reason, and the run goes on."""
+    good = _archive_events(30, seed=3)
+    archive = tmp_path / ("a" * 90) / "archive"
+    write_archive(archive, good)
+    day = next(archive.glob("date=*"))
+    corrupt = day / "part-corrupt.parquet"
+    corrupt.write_bytes(b"PAR1 not really parquet")
+    other = _archive_events(4, seed=99)  # another history of the topic: other events at offsets the good file holds
+    pq.write_table(other, day / "part-other-history.parquet")
+    nocoords = good.slice(0, 2).set_column(
+        good.schema.get_field_index("kafka_offset"), "kafka_offset", pa.array([None, -1], pa.int64())
+    )
+    pq.write_table(nocoords, day / "part-nocoords.parquet")
+    settings = load_settings(
+        env={
+            "RTRL_SDK__SALT": SALT,
+            "RTRL_DATA_DIR": str(tmp_path),
+            "RTRL_FLOW__ARCHIVE_DIR": str(archive),
+            "RTRL_CLICKHOUSE__DATABASE": ch_db,
+        }
+    )
+    result = bf.backfill(settings, "v2", client=ch_client, workers=1)
+    dead = clickhouse.select(ch_client, ch_db, "dead_letters", "WHERE startsWith(source, 'backfill:v2')")
+    assert all(len(d.source) <= 128 for d in dead)
+    unreadable = [d for d in dead if d.key == str(corrupt)]
+    assert (
+        unreadable
+        and "cannot read Parquet" in unreadable[0].reason
+        and unreadable[0].source.endswith("corrupt.parquet")
+    )
+    assert sum("no Kafka partition and offset" in d.reason for d in dead) == 2
+    assert sum("two histories" in d.reason for d in dead) == other.num_rows
+    assert result.counts["files"] >= 3 and result.counts["rewards"] > 0

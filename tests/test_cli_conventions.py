@@ -158,7 +158,7 @@ def test_rollback_of_a_version_that_does_not_exist_is_one_line(tmp_path):
 
 def _marked_data_folder(tmp_path):
     data = data_folder(tmp_path / "data")
-    for part in ("loop", "recovery", "logs", "broker", "clickhouse"):
+    for part in ("loop", "recovery", "logs", "broker", "clickhouse", "archive"):
         (data / part).mkdir()
         (data / part / "kept.txt").write_text(part)
     return data
@@ -185,14 +185,14 @@ def test_keep_data_deletes_nothing(flag, tmp_path, no_loop, capsys, monkeypatch)
     rc, lines = _cli(["run", flag], {"RTRL_DATA_DIR": str(data)}, capsys, monkeypatch)
     assert rc == 0 and no_loop == [True], lines
     assert lines == [f"keeping {data}: nothing is deleted (--resume/--keep-data)"]
-    for part in ("loop", "recovery", "logs", "broker", "clickhouse"):
+    for part in ("loop", "recovery", "logs", "broker", "clickhouse", "archive"):
         assert (data / part / "kept.txt").read_text() == part
     assert (data / MARKER).exists()
 
 
 def test_run_says_what_it_deletes(tmp_path, no_loop, capsys, monkeypatch):
     data = _marked_data_folder(tmp_path)
-    expected = [data / p for p in ("broker", "clickhouse", "loop", "recovery", "logs")]
+    expected = [data / p for p in ("broker", "clickhouse", "archive", "loop", "recovery", "logs")]
     assert app.loop.fresh_start_plan(load_settings(env={"RTRL_DATA_DIR": str(data)})) == expected
     rc, lines = _cli(["run"], {"RTRL_DATA_DIR": str(data)}, capsys, monkeypatch)
     assert rc == 0 and no_loop == [False], lines

@@ -9,6 +9,7 @@ import re
 import zlib
 from collections import Counter
 
+import msgspec
 import pytest
 from bytewax.testing import TestingSink, TestingSource, run_main
 
@@ -291,6 +292,7 @@ def test_comparison_statistics_on_hand_made_pairs():
     assert s.ks == pytest.approx(sps.ks_2samp([0.5, 0.2, -0.4, 0.9], [0.25, -0.3, 0.1, -0.8, 0.7]).statistic)
     assert s.spearman == pytest.approx(sps.spearmanr([0.5, 0.2, -0.4, 0.9], [0.25, -0.3, 0.1, 0.7]).statistic)
     assert v1[3].discarded_by_b == 1 and v1[3].shift is None
+    assert s.change == pytest.approx(s.mean_b - s.mean_a) and s.change_low < s.change < s.change_high
     flags = {r.flag: r for r in flag_rows(rows)}
     broken = flags["broken tool call"]
     assert (broken.n_a, broken.n_b, broken.mean_b) == (0, 1, pytest.approx(-0.8))  # A never scored it
@@ -452,10 +454,65 @@ def test_rtrl_rewards_train_requests_a_switch_for_the_next_cycle(tmp_path, monke
     out = capsys.readouterr()
     assert "rewards.batch_versions" in out.out + out.err
     monkeypatch.setenv("RTRL_REWARDS__BATCH_VERSIONS", "v3")
+    assert main(["rewards", "train", "v3"]) == 2  # no loop has run in this folder: nothing to switch
+    assert "no loop has run" in "".join(capsys.readouterr())
+    (tmp_path / "loop").mkdir()
+    (tmp_path / "loop" / "state.json").write_text("{}")  # a loop's folder (what Loop._save_state leaves)
     assert main(["rewards", "train", "v3"]) == 0
     assert "from its next cycle on" in capsys.readouterr().out
     assert json.loads(reward_switch_path(load_settings()).read_text())["reward_version"] == "v3"
     assert requested_reward(load_settings(), 1) == "v3"  # the request wins over the schedule from then on
     assert requested_reward(s, 1) == "v1-discard-broken"  # a flow without v3 batches: ignored, with a warning
+    reward_switch_path(s).write_text("[not a request")
+    assert requested_reward(s, 3) == "v2"  # a damaged request is ignored, with a warning
     with pytest.raises(ConfigError, match="rewards.train_schedule names 'v9'"):
         _settings(RTRL_REWARDS__TRAIN_SCHEDULE=json.dumps({"2": "v9"}))
+
+
+def test_the_batch_flow_makes_batches_for_each_trainable_version_and_counts_the_trained_one():
+    """With rewards.batch_versions the batch flow makes micro-batches for a second version from the same rollouts:
+    each batch names its version, ids never collide, the trained version's batches and counters are exactly those
+    of a single-version run (the trainer's filter on the version: test_the_loop_switches_v1_to_v2_at_a_cycle_boundary)."""
+    from flows import batch_flow
+    from schemas.codec import JsonCodec, decode_batch
+    from schemas.records import Reward, Rollout
+    from tests.test_flows_inprocess import _batch_world, _decode_outputs, _final_stats, _samples
+
+    rollouts, rewards, _ = _batch_world()
+    v1 = [msgspec.structs.replace(r, reward_version="v1-discard-broken", reward=-r.reward) for r in rewards]
+    rc, wc = JsonCodec(Rollout), JsonCodec(Reward)
+
+    def run(env: dict[str, str], with_v1: bool) -> tuple[dict, dict]:
+        ro_msgs = [Message(r.trajectory_id.encode(), rc.encode(r), 0, i) for i, r in enumerate(rollouts)]
+        rw_msgs = [
+            Message(r.trajectory_id.encode(), wc.encode(r), 0, i)
+            for i, r in enumerate(rewards + (v1 if with_v1 else []))
+        ]
+        kafka, ch = [], []
+        settings = load_settings(env={"RTRL_SDK__SALT": SALT, "RTRL_REWARDS__VERSIONS": "v2,v1-discard-broken"} | env)
+        run_main(
+            batch_flow.build_flow(
+                settings,
+                sources={
+                    "rollouts": TestingSource(ro_msgs, batch_size=8),
+                    "rewards": TestingSource(rw_msgs, batch_size=8),
+                },
+                sinks={"kafka": TestingSink(kafka), "clickhouse": TestingSink(ch)},
+            )
+        )
+        return _decode_outputs(kafka, ch)
+
+    one_topics, one_tables = run({}, with_v1=False)
+    topics, tables = run({"RTRL_REWARDS__BATCH_VERSIONS": "v1-discard-broken"}, with_v1=True)
+    batches = [decode_batch(v) for _, v in next(iter(topics.values()))]
+    single = [decode_batch(v) for _, v in next(iter(one_topics.values()))]
+    by_version: dict[str, list] = {}
+    for b in batches:
+        by_version.setdefault(b.reward_version, []).append(b)
+    assert set(by_version) == {"v2", "v1-discard-broken"} and {b.reward_version for b in single} == {"v2"}
+    assert len({b.batch_id for b in batches}) == len(batches)  # the same samples under two versions: two ids
+    assert _samples(by_version["v2"]) == _samples(single)  # the trained version is unchanged by the second
+    v1_samples, v2_samples = _samples(by_version["v1-discard-broken"]), _samples(single)
+    assert set(v1_samples) == set(v2_samples)
+    assert all(v1_samples[t][1] == pytest.approx(-v2_samples[t][1]) for t in v2_samples)  # its own advantages
+    assert _final_stats(tables["batch_stats"]) == _final_stats(one_tables["batch_stats"])  # counts: trained only

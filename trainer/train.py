@@ -214,12 +214,18 @@ def train(
     while step < cfg.max_steps and not (should_stop is not None and pipe.all_ranks_true(dp, should_stop())):
         t0 = time.monotonic()
         batches: list[Batch] = []
+        useful = time.monotonic()  # when the last batch of the trained reward version arrived
         while len(batches) < cfg.micro_batches_per_step:
             b = source.get(cfg.idle_timeout_s)
             if b is None:
                 break
             if cfg.reward_version and b.reward_version and b.reward_version != cfg.reward_version:
-                continue  # another reward version's batch (read past, never trained: its samples stay trainable)
+                # another reward version's batch: read past, never trained (its samples stay trainable); a
+                # stream of nothing else counts as idle, or the cycle's wall-time trigger would never be checked
+                if time.monotonic() - useful > cfg.idle_timeout_s:
+                    break
+                continue
+            useful = time.monotonic()
             if (b := trained.take(b, (policy_version - cfg.max_policy_lag, policy_version))) is not None:
                 batches.append(b)
         if not pipe.all_ranks_true(dp, len(batches) == cfg.micro_batches_per_step):
