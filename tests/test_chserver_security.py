@@ -204,6 +204,7 @@ def test_the_analyst_reads_the_analyst_tables_and_nothing_else(front):
             "reward_stats": "(rv = 'v2')",
             "user_behaviour_between": "(since_ms = 0, until_ms = 10413792000000)",
             "user_rewards_between": "(reward_version = 'v2', since_ms = 0, until_ms = 10413792000000)",
+            "reward_pairs": "(a = 'v1-discard-broken', b = 'v2')",
         }
         source = f"rtrl.{table}{params.get(table, '')}"
         assert a.query(f"SELECT count() FROM {source}").result_rows[0][0] >= 0
