@@ -418,7 +418,7 @@ def describe_plan(
     runner = options.view_as(StandardOptions).runner or (
         f"FnApiRunner with {options.view_as(DirectOptions).direct_num_workers} worker processes"
     )
-    archive = settings.flow.archive_dir or str(settings.data_path / "archive" / "events")
+    archive = settings.archive_root
     files = archive_files(archive, since_ms, window_config(settings).retention_ms)
     return (
         f"backfill {version}: trajectories starting in [{_span(since_ms, 'the start')}, {_span(until_ms, 'the end')}) "
@@ -466,7 +466,7 @@ def backfill(
     chosen = reg.select([version], "--reward-version")[0]
     options = pipeline_options(settings, workers, extra_options)
     window = window_config(settings)
-    archive = settings.flow.archive_dir or str(settings.data_path / "archive" / "events")
+    archive = settings.archive_root
     files = archive_files(archive, since_ms, window.retention_ms)
     out = out_dir(settings, version, since_ms, until_ms)
     runner = options.view_as(StandardOptions).runner

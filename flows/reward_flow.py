@@ -128,7 +128,7 @@ def kafka_inputs(
 def service_outputs(settings: Settings, bootstrap: str | None = None) -> dict[str, Sink]:
     """The flow's default outputs: the ClickHouse tables (+ the Parquet archive) and the Kafka topics."""
     fs = settings.flow
-    archive_root = fs.archive_dir or str(settings.data_path / "archive" / "events")
+    archive_root = settings.archive_root
     return {
         "clickhouse": ClickHouseSink(
             settings.clickhouse_dsn,

@@ -750,6 +750,11 @@ class Settings(BaseSettings):
         return Path(self.data_dir).expanduser().resolve()
 
     @property
+    def archive_root(self) -> str:
+        """Where the reward flow writes the Parquet event archive and the backfill reads it."""
+        return self.flow.archive_dir or str(self.data_path / "archive" / "events")
+
+    @property
     def clickhouse_dsn(self) -> str:
         dsn = self.clickhouse.dsn or f"chdb://{self.data_path / 'clickhouse'}"
         if self.clickhouse.password_file and dsn.startswith("http") and "password_file=" not in dsn:
