@@ -209,6 +209,19 @@ def _archive_events(n: int, seed: int) -> pa.Table:
     return with_coords(to_arrow(events, EventBase), [(0, i) for i in range(len(events))])
 
 
+def _backfill_v2(tmp_path, archive, ch_client, ch_db) -> bf.BackfillResult:
+    """The backfill of v2 over ``archive`` on one worker, into the test's database."""
+    settings = load_settings(
+        env={
+            "RTRL_SDK__SALT": SALT,
+            "RTRL_DATA_DIR": str(tmp_path),
+            "RTRL_FLOW__ARCHIVE_DIR": str(archive),
+            "RTRL_CLICKHOUSE__DATABASE": ch_db,
+        }
+    )
+    return bf.backfill(settings, "v2", client=ch_client, workers=1)
+
+
 def test_corrupt_file_schema_drift_and_bad_rows_are_dead_letters(tmp_path, ch_client, ch_db):
     """A corrupt file, a file missing a required column, a retyped column that casts, and bad rows: each is a
     dead letter naming the file (and the row), and everything else is scored."""
@@ -233,15 +246,7 @@ def test_corrupt_file_schema_drift_and_bad_rows_are_dead_letters(tmp_path, ch_cl
         bad_rows.schema.get_field_index("user_hash"), "user_hash", pa.array([ids[0], "not-a-hash", *ids[2:]])
     )
     pq.write_table(bad_rows, archive / day / "part-badrows.parquet")
-    settings = load_settings(
-        env={
-            "RTRL_SDK__SALT": SALT,
-            "RTRL_DATA_DIR": str(tmp_path),
-            "RTRL_FLOW__ARCHIVE_DIR": str(archive),
-            "RTRL_CLICKHOUSE__DATABASE": ch_db,
-        }
-    )
-    result = bf.backfill(settings, "v2", client=ch_client, workers=1)
+    result = _backfill_v2(tmp_path, archive, ch_client, ch_db)
     dead = clickhouse.select(ch_client, ch_db, "dead_letters", "WHERE startsWith(source, 'backfill:v2 ')")
     assert all(d.source == f"backfill:v2 {d.key}" for d in dead)  # the file: in the source and, whole, the key
     by_file = {(d.key.rsplit("/", 1)[-1], d.offset): d for d in dead}  # the row is the offset
@@ -329,15 +334,7 @@ def test_long_paths_missing_coordinates_and_two_histories_are_dead_letters(tmp_p
         good.schema.get_field_index("kafka_offset"), "kafka_offset", pa.array([None, -1], pa.int64())
     )
     pq.write_table(nocoords, day / "part-nocoords.parquet")
-    settings = load_settings(
-        env={
-            "RTRL_SDK__SALT": SALT,
-            "RTRL_DATA_DIR": str(tmp_path),
-            "RTRL_FLOW__ARCHIVE_DIR": str(archive),
-            "RTRL_CLICKHOUSE__DATABASE": ch_db,
-        }
-    )
-    result = bf.backfill(settings, "v2", client=ch_client, workers=1)
+    result = _backfill_v2(tmp_path, archive, ch_client, ch_db)
     dead = clickhouse.select(ch_client, ch_db, "dead_letters", "WHERE startsWith(source, 'backfill:v2')")
     assert all(len(d.source) <= 128 for d in dead)
     unreadable = [d for d in dead if d.key == str(corrupt)]
