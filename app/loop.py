@@ -66,7 +66,7 @@ from monitors.stats import CohortMonitor, Sequential
 from rewards.versions import registry
 from rtrl import clickhouse
 from rtrl.errors import ConfigError, ServiceUnavailable
-from rtrl.files import RUN_PARTS, check_cleanable, data_folder, private_dir
+from rtrl.files import RUN_PARTS, check_cleanable, data_folder, private_dir, write_private
 from rtrl.kafka import producer_config, read_topic
 from rtrl.settings import Settings, refuse_overrides, refuse_user_set
 from schemas.codec import Invalid, JsonCodec
@@ -155,10 +155,9 @@ def request_reward_switch(settings: Settings, version: str) -> Path:
             "fix: run this where the loop's trainer runs (the same data_dir), or, for a run not started yet, set "
             "rewards.train_version or rewards.train_schedule"
         )
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"reward_version": version, "requested_at": time.time_ns() // 1_000_000}))
-    os.replace(tmp, path)
-    return path
+    return write_private(
+        path, json.dumps({"reward_version": version, "requested_at": time.time_ns() // 1_000_000}).encode()
+    )
 
 
 def requested_reward(settings: Settings, cycle: int) -> str:
