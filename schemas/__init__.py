@@ -25,6 +25,8 @@ from schemas.records import (  # noqa: F401
     MicroBatch,
     Reward,
     Rollout,
+    TaskCheckin,
+    TaskVerdict,
     ToolCall,
     TrajectoryEnded,
     TrajectoryStarted,

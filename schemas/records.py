@@ -25,6 +25,7 @@ _STRICT = dict(kw_only=True, frozen=True, forbid_unknown_fields=True, gc=False)
 Sentiment = Literal["dissatisfied", "neutral", "satisfied"]
 EndStatus = Literal["completed", "abandoned", "error"]
 CloseReason = Literal["ended", "deadline", "late"]
+Verdict = Literal["merged", "partly_kept", "discarded"]
 #: a label that may be empty (a field added later: rows written before it hold "")
 MaybeLabel = Annotated[str, Meta(max_length=128), Kind("lowcard")]
 CheckpointStatus = Literal["candidate", "promoted", "rejected", "rolled_back"]
@@ -119,6 +120,21 @@ class TrajectoryEnded(EventBase, tag="trajectory_ended"):
     status: Annotated[EndStatus, doc("completed, abandoned or error.")]
 
 
+class TaskCheckin(EventBase, tag="task_checkin"):
+    """A background task reported interim progress and the user reacted to it (a provisional signal)."""
+
+    progress: Annotated[float, Meta(ge=0.0, le=1.0), doc("Share of the task the agent reports done, 0..1.")]
+    sentiment: Annotated[Sentiment, doc("The user's reaction to the check-in: dissatisfied, neutral or satisfied.")]
+
+
+class TaskVerdict(EventBase, tag="task_verdict"):
+    """The user's verdict on a whole background task's outcome, hours or days after it ended."""
+
+    verdict: Annotated[Verdict, doc("merged, partly_kept or discarded.")]
+    fraction: Annotated[float, Meta(ge=0.0, le=1.0), doc("Fraction of the task's work the user kept, 0..1.")]
+    verdict_after_s: Annotated[float, Meta(ge=0.0), doc("Seconds between the task's end and the verdict.")]
+
+
 EVENT_TYPES: tuple[type[EventBase], ...] = (
     TrajectoryStarted,
     ToolCall,
@@ -130,6 +146,8 @@ EVENT_TYPES: tuple[type[EventBase], ...] = (
     ClarifyingQuestion,
     Latency,
     TrajectoryEnded,
+    TaskCheckin,
+    TaskVerdict,
 )
 Event = Union[  # noqa: UP007 - a runtime alias msgspec decodes as a tagged union
     TrajectoryStarted,
@@ -142,6 +160,8 @@ Event = Union[  # noqa: UP007 - a runtime alias msgspec decodes as a tagged unio
     ClarifyingQuestion,
     Latency,
     TrajectoryEnded,
+    TaskCheckin,
+    TaskVerdict,
 ]
 EVENT_BY_TYPE: dict[str, type[EventBase]] = {cast(str, c.__struct_config__.tag): c for c in EVENT_TYPES}
 
@@ -207,6 +227,13 @@ class Reward(msgspec.Struct, **_STRICT):
     first_event_ts: Annotated[Millis, doc("Event time of the earliest event.")]
     last_event_ts: Annotated[Millis, doc("Event time of the latest event.")]
     emitted_at: Annotated[Millis, doc("Wall-clock time the reward was computed.")]
+    provisional: Annotated[
+        bool,
+        doc(
+            "True while a long task awaits its user's verdict (a reward from interim signals); the revision that "
+            "carries the verdict replaces it. A trainer trains a trajectory once, on its final reward."
+        ),
+    ] = False
 
 
 # ---------------------------------------------------------------- micro-batches (topic rtrl.batches, Arrow IPC)
