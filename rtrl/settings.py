@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+import json
 import os
 import re
 import tomllib
@@ -174,6 +175,27 @@ class SdkSettings(Section):
 # ---------------------------------------------------------------- data plane: streams
 
 
+class TaskKindSettings(Section):
+    """Window rules of one task kind (``flow.task_kinds.NAME``); unset times fall back to the flow's."""
+
+    deadline_s: float | None = _s(
+        None, "event time from the first event to a forced close; unset = flow.deadline_s", gt=0
+    )
+    allowed_lateness_s: float | None = _s(
+        None, "how long after its deadline a late event still revises the reward; unset = flow.allowed_lateness_s", ge=0
+    )
+    awaits_verdict: bool = _s(
+        False,
+        "the kind ends with the user's verdict (task_verdict): its reward stays provisional until the verdict "
+        "arrives, and the revision carrying it is final",
+    )
+
+
+def _default_task_kinds() -> dict[str, TaskKindSettings]:
+    # background tasks run for hours and are judged as a whole, hours or days after they end
+    return {"background": TaskKindSettings(deadline_s=86_400.0, allowed_lateness_s=7 * 86_400.0, awaits_verdict=True)}
+
+
 class FlowSettings(Section):
     """The reward flow's windows; the sinks and snapshots of both flows."""
 
@@ -181,6 +203,11 @@ class FlowSettings(Section):
     grace_s: float = _s(10.0, "event time to wait after a trajectory ends for overtaken events", ge=0)
     allowed_lateness_s: float = _s(86400.0, "how long after its deadline a late event still revises a reward", ge=0)
     max_future_s: float = _s(86400.0, "events further ahead of the partition watermark are rejected", gt=0)
+    task_kinds: dict[str, TaskKindSettings] = Field(
+        default_factory=_default_task_kinds,
+        description="window rules per task kind [flow.task_kinds.NAME] (deadline, allowed lateness, whether a "
+        "verdict ends it), from minutes to days; kinds not listed use the flow's",
+    )
     batch_rows: int = _s(20_000, "rows buffered per ClickHouse table / archive before a write (both flows)", gt=0)
     batch_seconds: float = _s(1.0, "longest a row waits in a sink buffer before a write (both flows)", gt=0)
     archive_dir: str = _s("", "Parquet archive of raw events; empty = <data_dir>/archive/events")
@@ -936,6 +963,8 @@ def as_env(settings: Settings) -> dict[str, str]:
             return "true" if v else "false"
         if isinstance(v, list):
             return ",".join(map(str, v))
+        if isinstance(v, dict):  # a table of sections or values: JSON, which the environment source parses
+            return json.dumps(v)
         return repr(v) if isinstance(v, float) else str(v)
 
     out = {f"{ENV_PREFIX}DATA_DIR": settings.data_dir}
@@ -993,6 +1022,10 @@ def _toml(v: Any) -> str:
         return f'"{v}"'
     if isinstance(v, list):
         return "[" + ", ".join(_toml(x) for x in v) + "]"
+    if isinstance(v, BaseModel):
+        v = v.model_dump()
+    if isinstance(v, dict):  # an inline table; unset (None) values are left out
+        return "{ " + ", ".join(f"{k} = {_toml(x)}" for k, x in v.items() if x is not None) + " }"
     return repr(v)
 
 
