@@ -56,7 +56,7 @@ from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
 
 from flows.processor import RewardProcessor
-from flows.reward_flow import window_config
+from flows.reward_flow import verdict_kinds, window_config
 from flows.reward_versions import register
 from flows.sinks import ARCHIVE_COORDS, archive_schema
 from flows.windowing import WindowConfig
@@ -90,6 +90,7 @@ class Spec:
     until_ms: int | None = None
     max_event_bytes: int = 64 * 1024
     now_ms: int = 0
+    verdict_kinds: tuple[str, ...] = ()  # task kinds whose rewards stay provisional until the user's verdict
 
     @property
     def source(self) -> str:
@@ -240,7 +241,9 @@ class WindowPartition(beam.DoFn):
                     )
                 )
         self.counters["replayed"].inc(len(by_offset))
-        proc = RewardProcessor(spec.source, spec.window, [spec.version], spec.max_event_bytes)
+        proc = RewardProcessor(
+            spec.source, spec.window, [spec.version], spec.max_event_bytes, verdict_kinds=spec.verdict_kinds
+        )
         located = ((by_offset[o], partition, o) for o in sorted(by_offset))
         out = proc.process_events(located, now_ms=spec.now_ms)
         out.dead_letters.extend(clashes)
@@ -487,7 +490,9 @@ def backfill(
         if existing:
             FileSystems.delete(existing)
     stamp = time.time_ns() // 1_000_000 if now_ms is None else now_ms
-    spec = Spec(chosen.config, window, out, since_ms, until_ms, settings.sdk.max_event_bytes, stamp)
+    spec = Spec(
+        chosen.config, window, out, since_ms, until_ms, settings.sdk.max_event_bytes, stamp, verdict_kinds(settings)
+    )
     if client is None:
         client = clickhouse.setup(settings.clickhouse_dsn, settings.clickhouse.database, settings.clickhouse.timeout_s)
     register(client, settings.clickhouse.database, [chosen])  # refuses changed weights under a used name, first

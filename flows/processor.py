@@ -3,14 +3,16 @@
 ``RewardProcessor.process(messages)`` parses and validates raw messages (bad ones become dead
 letters with their reason), feeds the valid events to the partition's windows
 (:mod:`flows.windowing`), and turns every closed window into one :class:`Reward` per configured
-reward version plus one :class:`TrajectorySummary`. The Bytewax flow only wraps it; tests drive it
+reward version plus one :class:`TrajectorySummary`. A trajectory of a kind that ends with the user's verdict
+(``verdict_kinds``, from ``flow.task_kinds``) gets provisional rewards until its ``task_verdict`` arrives; the
+verdict, usually a late event, re-closes the window as a new revision whose rewards are final. The Bytewax flow only wraps it; tests drive it
 directly. The wall clock is read only for ``emitted_at``/``at`` stamps, never for decisions.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -97,6 +99,7 @@ class RewardProcessor:
         reward_versions: Sequence[str | RewardConfig],
         max_event_bytes: int = 64 * 1024,
         state: PartitionWindows | None = None,
+        verdict_kinds: Collection[str] = (),
     ):
         # a name is a built-in version; a config is any version (rewards.versions.registry resolves defined ones)
         check_versions([v for v in reward_versions if isinstance(v, str)])  # ConfigError naming rewards.versions
@@ -105,6 +108,8 @@ class RewardProcessor:
         self.versions = [(c.version, c) for c in configs]
         self.codec = event_codec(max_event_bytes)
         self.windows = state if state is not None else PartitionWindows(window)
+        #: task kinds that end with the user's verdict: their rewards are provisional until it arrives
+        self.verdict_kinds = frozenset(verdict_kinds)
 
     def _dead(
         self,
@@ -173,6 +178,7 @@ class RewardProcessor:
                 continue
             f = features(r.events)
             out.summaries.append(summary(f, r.revision, r.close_reason))
+            provisional = f.verdict is None and f.task_kind in self.verdict_kinds
             for name, cfg in self.versions:
                 res = reward(f, cfg)
                 if res is None:
@@ -196,5 +202,6 @@ class RewardProcessor:
                         first_event_ts=f.first_ts,
                         last_event_ts=f.last_ts,
                         emitted_at=now,
+                        provisional=provisional,
                     )
                 )

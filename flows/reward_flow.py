@@ -60,6 +60,12 @@ def window_config(settings: Settings) -> WindowConfig:
     )
 
 
+def verdict_kinds(settings: Settings) -> tuple[str, ...]:
+    """The task kinds that end with the user's verdict (``flow.task_kinds.NAME.awaits_verdict``): their rewards
+    are provisional until it arrives."""
+    return tuple(sorted(k for k, rules in settings.flow.task_kinds.items() if rules.awaits_verdict))
+
+
 def count(counts: FlowCounts | None, messages: int, out: FlowOutput) -> FlowOutput:
     """Add what one batch read and produced to ``counts`` (when given): ``events`` (messages read),
     ``trajectories`` (closed windows, revisions included), ``rewards:<version>`` and ``dead:<kind>``."""
@@ -171,7 +177,9 @@ def build_flow(
     sinks = service_outputs(settings, bootstrap) if sinks is None else injected(sinks, OUTPUTS, "sinks")
 
     def build(resume: PartitionWindows | None) -> _PartitionLogic:
-        processor = RewardProcessor(source_topic, cfg, versions, settings.sdk.max_event_bytes, resume)
+        processor = RewardProcessor(
+            source_topic, cfg, versions, settings.sdk.max_event_bytes, resume, verdict_kinds(settings)
+        )
         return _PartitionLogic(processor, stop, counts)
 
     # The source makes a tracked Python object per Kafka message; with the default generation-0

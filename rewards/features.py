@@ -20,11 +20,16 @@ from schemas.records import (
     EventBase,
     Followup,
     Latency,
+    TaskCheckin,
+    TaskVerdict,
     ToolCall,
     TrajectoryEnded,
     TrajectoryStarted,
     event_type,
 )
+
+
+_REACTION = {"satisfied": 1, "neutral": 0, "dissatisfied": -1}
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,12 @@ class TrajectoryFeatures:
     latency_ms: float | None = None  # worst total latency reported
     ttft_ms: float | None = None  # worst time to first token reported
     user_hash: str = ""  # the user's salted hash (the unit of an A/B's randomisation and analysis)
+    checkins: int = 0  # interim check-ins of a background task
+    checkin_score: float | None = None  # mean reaction to them: satisfied +1, neutral 0, dissatisfied -1
+    progress: float | None = None  # largest progress a check-in reported
+    verdict: str | None = None  # the user's verdict on the whole outcome (task_verdict), None until it arrives
+    verdict_fraction: float | None = None  # fraction of the work the user kept, with the verdict
+    verdict_ts: int | None = None  # event time of the verdict
 
     @property
     def started(self) -> bool:
@@ -67,8 +78,9 @@ class TrajectoryFeatures:
 
     @property
     def deferred(self) -> bool:
-        """Asked a clarifying question and proposed no edit: the 'ask instead of edit' pattern."""
-        return self.clarifying_questions > 0 and self.edits_proposed == 0
+        """Asked a clarifying question and proposed no edit: the 'ask instead of edit' pattern. A background
+        task the user gave a verdict on delivered work, so it is not a deferral."""
+        return self.clarifying_questions > 0 and self.edits_proposed == 0 and self.verdict is None
 
 
 def features(events: Iterable[EventBase]) -> TrajectoryFeatures:
@@ -88,6 +100,9 @@ def features(events: Iterable[EventBase]) -> TrajectoryFeatures:
     followups: Counter[str] = Counter()
     broken = answers_needed = answers_unneeded = 0
     status = ended_ts = latency = ttft = None
+    reactions: list[int] = []
+    progress: float | None = None
+    verdict: TaskVerdict | None = None
     # ``t is X`` narrows ``e`` to X, which mypy does not follow through the alias ``t`` (kept: identity
     # checks on one type() call are the cheap path here), hence the attr-defined ignores below
     for e in ordered:
@@ -114,6 +129,11 @@ def features(events: Iterable[EventBase]) -> TrajectoryFeatures:
             ttft = e.ttft_ms if ttft is None else max(ttft, e.ttft_ms)  # type: ignore[attr-defined]
         elif t is TrajectoryEnded:
             status, ended_ts = e.status, e.ts  # type: ignore[attr-defined]  # the latest end wins
+        elif t is TaskCheckin:
+            reactions.append(_REACTION[e.sentiment])  # type: ignore[attr-defined]
+            progress = e.progress if progress is None else max(progress, e.progress)  # type: ignore[attr-defined]
+        elif t is TaskVerdict:
+            verdict = e  # type: ignore[assignment]  # the latest verdict wins (a user may change their mind)
     return TrajectoryFeatures(
         trajectory_id=head.trajectory_id,
         policy_version=head.policy_version,
@@ -139,4 +159,10 @@ def features(events: Iterable[EventBase]) -> TrajectoryFeatures:
         followups=dict(sorted(followups.items())),
         latency_ms=latency,
         ttft_ms=ttft,
+        checkins=len(reactions),
+        checkin_score=sum(reactions) / len(reactions) if reactions else None,
+        progress=progress,
+        verdict=None if verdict is None else verdict.verdict,
+        verdict_fraction=None if verdict is None else verdict.fraction,
+        verdict_ts=None if verdict is None else verdict.ts,
     )

@@ -38,6 +38,8 @@ COMPONENTS: tuple[str, ...] = (
     "latency",
     "status",
     "deferral",
+    "checkin",
+    "verdict",
     "deferral_cap",
 )
 """Component names, in the order they are summed (the order of ``RewardResult.components``)."""
@@ -96,12 +98,21 @@ class RewardConfig:
     deferral_ceiling: float | None = 0.0
     """Most a deferred trajectory (question, no edit) can earn: the neutral baseline. None: no cap (v1 bug)."""
 
+    # --- background tasks: interim check-ins, then the user's verdict on the whole outcome
+    w_checkin: float = 0.3
+    """Scale of the ``checkin`` component: w_checkin * mean reaction to the check-ins (+1 satisfied, -1
+    dissatisfied), only while no verdict has arrived (the provisional reward of a long task)."""
+    w_verdict: float = 1.0
+    """Scale of the ``verdict`` component: w_verdict * (2 * kept fraction - 1), so merged = +w_verdict and
+    discarded = -w_verdict. A verdict judges the whole outcome, so it replaces the check-ins' component."""
+
     def __post_init__(self) -> None:
         if not self.version:
             raise ValueError("a reward config needs a version name")
         for name in (
             "w_edit", "w_broken", "w_dissatisfied", "w_satisfied", "w_latency", "w_error",
             "w_abandoned", "w_unneeded_question", "w_unneeded_question_with_edit", "latency_target_ms",
+            "w_checkin", "w_verdict",
         ):  # fmt: skip
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
@@ -170,6 +181,18 @@ def _unneeded(f: TrajectoryFeatures, c: RewardConfig) -> float:
     return -weight * n
 
 
+def _checkin(f: TrajectoryFeatures, c: RewardConfig) -> float:
+    if f.verdict is not None or f.checkin_score is None:
+        return 0.0
+    return c.w_checkin * f.checkin_score
+
+
+def _verdict(f: TrajectoryFeatures, c: RewardConfig) -> float:
+    if f.verdict_fraction is None:
+        return 0.0
+    return c.w_verdict * (2.0 * f.verdict_fraction - 1.0)
+
+
 def _flags(f: TrajectoryFeatures) -> list[str]:
     flags = []
     if f.broken_tool_calls > 0:
@@ -184,6 +207,8 @@ def _flags(f: TrajectoryFeatures) -> list[str]:
         flags.append("unverified_edit")
     if f.status in ("error", "abandoned"):
         flags.append(f"status_{f.status}")
+    if f.verdict is not None:
+        flags.append(f"verdict_{f.verdict}")
     return sorted(flags)
 
 
@@ -202,6 +227,8 @@ def reward(f: TrajectoryFeatures, config: RewardConfig) -> RewardResult | None:
         "latency": _latency(f, config),
         "status": _status(f, config),
         "deferral": _unneeded(f, config),
+        "checkin": _checkin(f, config),
+        "verdict": _verdict(f, config),
     }
     total = 0.0
     for v in parts.values():

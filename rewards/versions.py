@@ -45,6 +45,13 @@ from schemas.records import RewardVersionRecord
 #: the weights of a version: every RewardConfig field but its name, in declaration order
 WEIGHTS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RewardConfig) if f.name != "version")
 _TYPES: dict[str, Any] = {f.name: f.type for f in dataclasses.fields(RewardConfig)}
+#: weights added after versions were first registered, with the release that added them. Each enters the
+#: canonical JSON (and so the checksum) only where a version sets it to something other than its default, so a
+#: version registered before it keeps its checksum on upgrade. This is sound because each one only scores events
+#: that did not exist before it (w_checkin and w_verdict: the task_checkin and task_verdict events of background
+#: tasks, issue 16), so no trajectory a version scored before the upgrade scores differently after it.
+LATER_WEIGHTS: dict[str, str] = {"w_checkin": "issue 16", "w_verdict": "issue 16"}
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(RewardConfig)}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -69,8 +76,10 @@ class RewardVersion:
 
     @property
     def weights_json(self) -> str:
-        """All weights as canonical JSON: sorted keys, no spaces, floats as Python writes them."""
-        return json.dumps(self.weights, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        """All weights as canonical JSON: sorted keys, no spaces, floats as Python writes them (a weight of
+        :data:`LATER_WEIGHTS` at its default is left out, so older versions keep their checksums)."""
+        weights = {k: v for k, v in self.weights.items() if not (k in LATER_WEIGHTS and v == _DEFAULTS[k])}
+        return json.dumps(weights, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
     @property
     def checksum(self) -> str:

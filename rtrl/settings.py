@@ -629,6 +629,22 @@ class SimulatorSettings(Section):
     duplicate_rate: float = _s(0.01, "fraction of events the client sends twice", ge=0, le=1)
     reorder_rate: float = _s(0.02, "fraction of events delivered after their successor", ge=0, le=1)
     late_check_rate: float = _s(0.05, "fraction of persistence checks that arrive hours late", ge=0, le=1)
+    long_task_share: float = _s(
+        0.0, "share of trajectories that are hours-long background tasks (kind 'background') judged by a verdict", ge=0, le=1
+    )
+    long_task_hours: float = _s(3.0, "median event-time length of a background task, hours", gt=0)
+    verdict_min_h: float = _s(1.0, "least event-time hours between a background task's end and its verdict", ge=0)
+    verdict_max_h: float = _s(48.0, "most event-time hours between a background task's end and its verdict", ge=0)
+    verdict_rate: float = _s(0.9, "share of background tasks whose user ever gives a verdict", ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _verdict_range(self) -> SimulatorSettings:
+        if self.verdict_min_h > self.verdict_max_h:
+            raise ValueError(
+                f"simulator.verdict_min_h = {self.verdict_min_h} is above simulator.verdict_max_h = "
+                f"{self.verdict_max_h}; fix: make the range [verdict_min_h, verdict_max_h] non-empty"
+            )
+        return self
 
 
 class ServingSettings(Section):

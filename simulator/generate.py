@@ -10,6 +10,14 @@ the client sends it. Delivery is deliberately imperfect: network jitter, events 
 their successor (``reorder_rate``), client retries that send an event twice with the same
 ``event_id`` (``duplicate_rate``), and persistence checks that happen hours late
 (``late_check_rate``).
+
+**Background tasks** (``long_task_share`` of the trajectories, kind ``background``) run for hours of
+event time (median ``long_task_hours``): the agent works with tool calls and sends a check-in about
+every 45 minutes, to which the user reacts (a noisy view of how the task is going); after the end, the
+user's verdict on the whole outcome (merged, partly kept, discarded) arrives ``verdict_min_h`` to
+``verdict_max_h`` hours later, for ``verdict_rate`` of the tasks. The verdict is a sharper signal than
+the check-ins: it follows the task's latent outcome closely, while each check-in reaction is that
+outcome plus wide noise. Event time is simulated, so days of it take seconds to generate.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ from schemas.records import (
     Event,
     Followup,
     Latency,
+    TaskCheckin,
+    TaskVerdict,
     ToolCall,
     TrajectoryEnded,
     TrajectoryStarted,
@@ -218,6 +228,59 @@ def _simulate(tr: _Trajectory, user: User, org: Org, profile: PolicyProfile, lat
     tr.emit(TrajectoryEnded, _lognormal(rng, 5000.0, 0.6), status=status or "completed")
 
 
+BACKGROUND = "background"
+"""Task kind of the hours-long background tasks (``flow.task_kinds.background`` awaits their verdict)."""
+CHECKIN_EVERY_MS = 2_700_000.0
+"""Median event time between two check-ins of a background task (45 min)."""
+
+
+def _background(tr: _Trajectory, user: User, org: Org, profile: PolicyProfile, settings: SimulatorSettings) -> None:
+    """Fill ``tr`` with one background task: tool calls and check-ins over hours, the end, and (in
+    ``tr.checks``, delivered at its own time) the user's verdict."""
+    rng = tr.rng
+    tr.emit(TrajectoryStarted, 0, task_kind=BACKGROUND)
+    p_broken = min(1.0, profile.p_broken_tool_call * org.difficulty)
+    quality = profile.edit_quality**org.difficulty
+    outcome = rng.betavariate(1 + 8 * quality, 1 + 8 * (1 - quality))  # the task's latent outcome, 0..1
+    length_ms = min(12 * 3_600_000.0, max(1_800_000.0, _lognormal(rng, settings.long_task_hours * 3_600_000, 0.5)))
+    start = tr.t
+    checkins = max(1, round(length_ms / CHECKIN_EVERY_MS))
+    broken = False
+    for k in range(1, checkins + 1):
+        broken = tr.tool_calls(_poisson(rng, profile.mean_tool_calls), p_broken) or broken
+        due = start + length_ms * k / (checkins + 1)
+        # the user sees the work so far: the outcome plus wide noise, so one reaction says little
+        seen = min(1.0, max(0.0, outcome + rng.gauss(0.0, 0.35)))
+        tr.emit(
+            TaskCheckin,
+            due - tr.t,
+            progress=round(k / (checkins + 1), 3),
+            sentiment=_sentiment(rng, seen, user.strictness),
+        )
+    ttft = _lognormal(rng, profile.ttft_median_ms, profile.ttft_sigma)
+    total = ttft + _lognormal(rng, profile.gen_median_ms, profile.gen_sigma)
+    tr.emit(Latency, max(1.0, start + length_ms - tr.t), ttft_ms=round(ttft, 1), total_ms=round(total, 1))
+    status = "error" if broken and rng.random() < 0.1 else "completed"
+    tr.emit(TrajectoryEnded, _lognormal(rng, 5000.0, 0.6), status=status)
+    if status == "completed" and rng.random() < settings.verdict_rate:
+        # the verdict follows the outcome closely: merged, partly kept (about the outcome's share) or discarded
+        kept = min(1.0, max(0.0, outcome + rng.gauss(0.0, 0.05)))
+        verdict, fraction = (
+            ("merged", 1.0) if kept >= 0.75 else ("discarded", 0.0) if kept < 0.3 else ("partly_kept", kept)
+        )
+        after_ms = rng.uniform(settings.verdict_min_h, settings.verdict_max_h) * 3_600_000
+        tr.checks.append(
+            TaskVerdict(
+                event_id=_uuid(rng),
+                ts=tr.t + max(1, int(after_ms)),
+                **tr.env,
+                verdict=verdict,
+                fraction=round(fraction, 4),
+                verdict_after_s=round(max(1, int(after_ms)) / 1000, 3),
+            )
+        )
+
+
 def _deliver(
     rng: random.Random, events: list[Event], checks: list[Event], settings: SimulatorSettings
 ) -> list[Emission]:
@@ -270,7 +333,14 @@ def generate(
         content, delivery = random.Random(master.getrandbits(64)), random.Random(master.getrandbits(64))
         user = population.pick_user(content)
         tr = _Trajectory(content, t, user, policy_version, arm)
-        _simulate(tr, user, orgs[user.org_id], profile, settings.late_check_rate)
+        # drawn apart from the master generator, so short trajectories are the same whatever the share
+        if (
+            settings.long_task_share > 0
+            and random.Random(f"{settings.seed}:long:{i}").random() < settings.long_task_share
+        ):
+            _background(tr, user, orgs[user.org_id], profile, settings)
+        else:
+            _simulate(tr, user, orgs[user.org_id], profile, settings.late_check_rate)
         out.extend(_deliver(delivery, tr.events, tr.checks, settings))
     out.sort(key=lambda e: e.at_ms)
     return out

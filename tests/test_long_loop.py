@@ -1,0 +1,248 @@
+"""Long-loop feedback (issue 16): hours-long background tasks, provisional rewards and the user's verdict.
+
+The simulator's background tasks run for hours of event time, send check-ins, and end with a verdict on the
+whole outcome that arrives hours later; the reward uses the verdict, and until it arrives a background task's
+reward is provisional. The reward flow's per-kind windows and spilled state are tested in
+tests/test_spilled_state.py and tests/test_windowing.py, the delayed training path in tests/test_delayed_path.py.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+
+import pytest
+
+from flows.processor import Message, RewardProcessor
+from flows.reward_flow import verdict_kinds, window_config
+from rewards import features, get_config, reward
+from rewards.functions import RewardConfig
+from rewards.versions import BUILTIN, RewardVersion
+from rtrl.errors import ConfigError
+from rtrl.settings import SimulatorSettings, load_settings
+from schemas.codec import event_codec
+from schemas.records import (
+    ClarifyingQuestion,
+    TaskCheckin,
+    TaskVerdict,
+    ToolCall,
+    TrajectoryEnded,
+    TrajectoryStarted,
+)
+from simulator.generate import BACKGROUND, generate, stats
+from simulator.population import PolicyProfile
+
+SALT = "long-loop-salt"
+HOUR = 3_600_000
+
+
+def _sim(**kw) -> SimulatorSettings:
+    base = dict(trajectories=300, long_task_share=0.3, duplicate_rate=0.0, reorder_rate=0.0, seed=7)
+    return SimulatorSettings(**(base | kw))
+
+
+def _by_trajectory(emissions) -> dict[str, list]:
+    out: dict[str, list] = defaultdict(list)
+    for em in emissions:
+        out[em.event.trajectory_id].append(em.event)
+    return out
+
+
+# ---------------------------------------------------------------- the simulator's background tasks
+
+
+def test_background_tasks_run_for_hours_send_checkins_and_end_with_a_later_verdict():
+    trajectories = _by_trajectory(generate(_sim(), SALT))
+    long = {t: evs for t, evs in trajectories.items() if any(type(e) is TaskVerdict for e in evs)}
+    background = {
+        t: evs
+        for t, evs in trajectories.items()
+        if any(type(e) is TrajectoryStarted and e.task_kind == BACKGROUND for e in evs)
+    }
+    assert 0.2 < len(background) / len(trajectories) < 0.4  # about the share asked for
+    assert set(long) <= set(background) and len(long) >= 0.7 * len(background)  # most get a verdict
+    for evs in long.values():
+        started = next(e for e in evs if type(e) is TrajectoryStarted)
+        ended = next(e for e in evs if type(e) is TrajectoryEnded)
+        verdict = next(e for e in evs if type(e) is TaskVerdict)
+        checkins = [e for e in evs if type(e) is TaskCheckin]
+        assert ended.ts - started.ts >= HOUR / 2  # hours of event time
+        assert checkins and all(started.ts < c.ts < ended.ts for c in checkins)
+        assert verdict.ts - ended.ts >= HOUR  # the verdict comes hours after the task ends
+        assert verdict.verdict_after_s == pytest.approx((verdict.ts - ended.ts) / 1000)
+        assert (verdict.verdict == "merged") == (verdict.fraction == 1.0)
+        assert (verdict.verdict == "discarded") == (verdict.fraction == 0.0)
+    # no background task has edits or follow-ups: its outcome is judged whole, by the verdict
+    assert all(type(e) not in (ClarifyingQuestion,) for evs in background.values() for e in evs)
+
+
+def test_event_time_is_simulated_so_days_of_it_take_seconds():
+    emissions = generate(_sim(trajectories=600, verdict_min_h=24, verdict_max_h=72), SALT)
+    span_days = (max(e.event.ts for e in emissions) - min(e.event.ts for e in emissions)) / (24 * HOUR)
+    assert span_days > 2  # generated in well under a second of wall time per thousand trajectories
+    assert stats(emissions)["by_type"]["task_verdict"] > 0
+
+
+def test_short_trajectories_do_not_change_with_the_share_of_long_ones():
+    plain = _by_trajectory(generate(_sim(long_task_share=0.0), SALT))
+    mixed = _by_trajectory(generate(_sim(long_task_share=0.3), SALT))
+    short = {t for t, evs in mixed.items() if not any(getattr(e, "task_kind", None) == BACKGROUND for e in evs)}
+    assert short and short < set(plain)
+    assert all(mixed[t] == plain[t] for t in short)
+
+
+def _scores(profile: PolicyProfile, seed: int) -> tuple[list[float], list[float]]:
+    """(mean check-in reaction, verdict score 2 * fraction - 1) of each judged background task."""
+    checkin, verdict = [], []
+    for evs in _by_trajectory(
+        generate(_sim(trajectories=500, long_task_share=1.0, seed=seed), SALT, {0: profile})
+    ).values():
+        f = features(evs)
+        if f.verdict_fraction is not None and f.checkin_score is not None:
+            checkin.append(f.checkin_score)
+            verdict.append(2 * f.verdict_fraction - 1)
+    return checkin, verdict
+
+
+def test_the_verdict_is_a_sharper_signal_than_the_checkins():
+    """Between a good and a poor policy, the verdict's effect size (difference of means over the pooled
+    standard deviation) is larger than the check-ins': it separates the two with far less noise."""
+
+    def effect(a: list[float], b: list[float]) -> float:
+        pooled = ((statistics.pvariance(a) + statistics.pvariance(b)) / 2) ** 0.5
+        return (statistics.mean(a) - statistics.mean(b)) / pooled
+
+    good_c, good_v = _scores(PolicyProfile(edit_quality=0.8), seed=1)
+    poor_c, poor_v = _scores(PolicyProfile(edit_quality=0.4), seed=2)
+    assert effect(good_v, poor_v) > 0 and effect(good_c, poor_c) > 0
+    assert effect(good_v, poor_v) > 1.5 * effect(good_c, poor_c)
+
+
+def test_simulator_verdict_range_is_validated():
+    with pytest.raises(ConfigError, match="verdict_min_h"):
+        load_settings(env={"RTRL_SIMULATOR__VERDICT_MIN_H": "5", "RTRL_SIMULATOR__VERDICT_MAX_H": "2"})
+
+
+# ---------------------------------------------------------------- rewards: provisional, then the verdict
+
+
+def _task(verdict: str | None, fraction: float = 1.0, reactions=("satisfied",), broken: int = 0, question=False):
+    env = dict(trajectory_id="bg-1", org_id="org-1", user_hash="0" * 32, policy_version=3, arm="control")
+    evs = [TrajectoryStarted(event_id="e0", ts=0, task_kind=BACKGROUND, **env)]
+    if question:
+        evs.append(ClarifyingQuestion(event_id="eq", ts=1, **env))
+    evs += [ToolCall(event_id=f"t{i}", ts=2 + i, tool="shell", valid=False, error="boom", **env) for i in range(broken)]
+    evs += [
+        TaskCheckin(event_id=f"c{i}", ts=(i + 1) * HOUR, progress=0.5, sentiment=s, **env)
+        for i, s in enumerate(reactions)
+    ]
+    evs.append(TrajectoryEnded(event_id="end", ts=4 * HOUR, status="completed", **env))
+    if verdict is not None:
+        evs.append(
+            TaskVerdict(
+                event_id="v", ts=30 * HOUR, verdict=verdict, fraction=fraction, verdict_after_s=26 * 3600, **env
+            )
+        )
+    return evs
+
+
+def _score(events, version="v2"):
+    return reward(features(events), get_config(version))
+
+
+def test_the_verdict_decides_a_long_tasks_reward_and_replaces_the_checkins():
+    merged, partly, discarded = (
+        _score(_task("merged")),
+        _score(_task("partly_kept", 0.6)),
+        _score(_task("discarded", 0)),
+    )
+    assert merged.reward > partly.reward > discarded.reward
+    assert merged.components["verdict"] == 1.0 and discarded.components["verdict"] == -1.0
+    assert partly.components["verdict"] == pytest.approx(0.2)
+    for r in (merged, partly, discarded):
+        assert r.components["checkin"] == 0.0  # the verdict judges the whole outcome
+    assert "verdict_merged" in merged.flags and "verdict_discarded" in discarded.flags
+    # happy check-ins do not save a discarded task, unhappy ones do not sink a merged one
+    assert _score(_task("discarded", 0, reactions=("satisfied",) * 4)).reward < 0
+    assert _score(_task("merged", reactions=("dissatisfied",) * 4)).reward > 0
+
+
+def test_provisional_reward_reads_the_checkins():
+    happy, unhappy = (
+        _score(_task(None, reactions=("satisfied", "neutral"))),
+        _score(_task(None, reactions=("dissatisfied",))),
+    )
+    assert happy.components["checkin"] == pytest.approx(0.3 * 0.5)
+    assert unhappy.components["checkin"] == pytest.approx(-0.3)
+    assert happy.components["verdict"] == 0.0
+
+
+def test_broken_calls_stay_negative_and_asking_is_no_safe_harbour_for_long_tasks():
+    assert _score(_task("merged", broken=2)).reward < _score(_task("merged")).reward
+    # a provisional reward of a task that only asked is capped at the neutral baseline, like any deferral
+    asked = _score(_task(None, reactions=("satisfied",) * 3, question=True))
+    assert asked.reward == 0.0 and "deferred_edit" in asked.flags
+    # once the user merged its work it is judged by the verdict, not capped
+    assert _score(_task("merged", question=True)).reward > 0
+
+
+def test_components_still_sum_to_the_reward():
+    for evs in (_task("merged", broken=1), _task(None), _task("partly_kept", 0.4, question=True)):
+        r = _score(evs)
+        assert sum(r.components.values()) == pytest.approx(r.reward)
+
+
+def test_builtin_checksums_survive_the_new_weights_but_a_changed_weight_changes_it():
+    v2 = BUILTIN["v2"]
+    assert "w_verdict" not in v2.weights_json and "w_checkin" not in v2.weights_json
+    harsher = RewardVersion(RewardConfig(version="v2-verdict-x2", w_verdict=2.0))
+    assert '"w_verdict":2.0' in harsher.weights_json and harsher.checksum != v2.checksum
+
+
+def _messages(events, partition=0):
+    codec = event_codec()
+    return [Message(e.trajectory_id.encode(), codec.encode(e), partition, i) for i, e in enumerate(events)]
+
+
+def test_reward_flow_emits_a_provisional_reward_then_the_verdicts_final_revision():
+    settings = load_settings(env={"RTRL_SDK__SALT": SALT})
+    assert verdict_kinds(settings) == (BACKGROUND,)
+    proc = RewardProcessor("test", window_config(settings), ["v2"], verdict_kinds=verdict_kinds(settings))
+    events = sorted(_task("merged"), key=lambda e: e.ts)
+    env = dict(org_id="org-1", user_hash="0" * 32, policy_version=3, arm="control")
+    # later short trajectories move the partition's clock past the background task's end, up to its verdict
+    tick = [
+        TrajectoryStarted(event_id=f"x{h}", trajectory_id=f"short-{h}", ts=h * HOUR, task_kind="bugfix", **env)
+        for h in range(5, 30, 5)
+    ]
+    out = proc.process(_messages(events[:-1] + tick + events[-1:]), now_ms=1)
+    bg = [r for r in out.rewards if r.trajectory_id == "bg-1"]
+    assert [(r.revision, r.provisional) for r in bg] == [(0, True), (1, False)]
+    assert bg[0].components["checkin"] > 0 and bg[0].components["verdict"] == 0
+    assert bg[1].components["verdict"] == 1.0 and bg[1].close_reason == "late"
+    short = [r for r in out.rewards + proc.finish(now_ms=2).rewards if r.trajectory_id.startswith("short")]
+    assert len(short) == 5 and not any(r.provisional for r in short)  # other kinds are never provisional
+    assert not out.dead_letters
+
+
+def test_simulated_background_tasks_get_final_rewards_through_the_reward_processor():
+    settings = load_settings(env={"RTRL_SDK__SALT": SALT})
+    emissions = generate(_sim(trajectories=400, verdict_min_h=1, verdict_max_h=6), SALT)
+    proc = RewardProcessor("test", window_config(settings), ["v2"], verdict_kinds=verdict_kinds(settings))
+    codec = event_codec()
+    out = proc.process(
+        [Message(em.event.trajectory_id.encode(), codec.encode(em.event), 0, i) for i, em in enumerate(emissions)],
+        now_ms=1,
+    )
+    out.extend(proc.finish(now_ms=2))
+    latest: dict[str, object] = {}
+    for r in out.rewards:
+        latest[r.trajectory_id] = r
+    final_bg = [r for r in latest.values() if r.task_kind == BACKGROUND and not r.provisional]
+    provisional_first = {
+        r.trajectory_id for r in out.rewards if r.task_kind == BACKGROUND and r.revision == 0 and r.provisional
+    }
+    assert final_bg and provisional_first
+    assert all(r.components["verdict"] != 0 or r.flags for r in final_bg)
+    assert {r.trajectory_id for r in final_bg} <= provisional_first | {r.trajectory_id for r in final_bg}
+    assert not out.dead_letters or all(d.kind in ("duplicate", "too_late") for d in out.dead_letters)
