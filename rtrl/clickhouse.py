@@ -76,6 +76,11 @@ ANALYST_TABLES = (
     "train_metrics",
     "batch_stats",
     "reward_versions",
+    "verdict_delays",
+    "reward_arrival",
+    "provisional_vs_final",
+    "provisional_rewards",
+    "promotions",
 )
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

@@ -18,11 +18,14 @@ from flows.reward_flow import verdict_kinds, window_config
 from rewards import features, get_config, reward
 from rewards.functions import RewardConfig
 from rewards.versions import BUILTIN, RewardVersion
+from rtrl.clickhouse import insert
 from rtrl.errors import ConfigError
 from rtrl.settings import SimulatorSettings, load_settings
 from schemas.codec import event_codec
 from schemas.records import (
+    Checkpoint,
     ClarifyingQuestion,
+    Reward,
     TaskCheckin,
     TaskVerdict,
     ToolCall,
@@ -246,3 +249,84 @@ def test_simulated_background_tasks_get_final_rewards_through_the_reward_process
     assert all(r.components["verdict"] != 0 or r.flags for r in final_bg)
     assert {r.trajectory_id for r in final_bg} <= provisional_first | {r.trajectory_id for r in final_bg}
     assert not out.dead_letters or all(d.kind in ("duplicate", "too_late") for d in out.dead_letters)
+
+
+# ---------------------------------------------------------------- analysts see the delay (ClickHouse views)
+
+T0 = 1_750_000_000_000
+
+
+def _reward(tid, version, kind, revision, value, provisional, emitted_at, span_h=0.1, verdict=False) -> Reward:
+    return Reward(
+        trajectory_id=tid,
+        policy_version=version,
+        reward_version="v2",
+        revision=revision,
+        reward=value,
+        components={"verdict": value} if verdict else {},
+        flags=[],
+        close_reason="late" if revision else "ended",
+        org_id="org-1",
+        arm="control",
+        task_kind=kind,
+        n_events=5,
+        event_counts={"task_verdict": 1} if verdict else {},
+        first_event_ts=T0,
+        last_event_ts=T0 + int(span_h * HOUR),
+        emitted_at=emitted_at,
+        provisional=provisional,
+    )
+
+
+def _checkpoint(version: int, at: int) -> Checkpoint:
+    return Checkpoint(
+        version=version,
+        parent=version - 1 if version else None,
+        created_at=at,
+        steps=1,
+        samples=1,
+        tokens=1,
+        eval_results={},
+        status="promoted",
+        reason="test",
+        kafka_offsets={},
+        path="",
+    )
+
+
+def test_views_show_time_to_verdict_late_arrivals_and_provisional_against_final(ch_client, ch_db):
+    # versions 1, 2, 3 promoted at T0 + 1 h, 2 h, 3 h
+    insert(ch_client, ch_db, "checkpoints", [_checkpoint(v, T0 + v * HOUR) for v in (1, 2, 3)])
+    rows = [_reward(f"s{i}", 0, "bugfix", 0, 0.5, False, T0 + 600_000) for i in range(4)]  # short: on time
+    # background tasks served by version 0: provisional at T0 + 0.5 h, the verdict's revision at T0 + 3.5 h
+    for i, (prov, final) in enumerate([(0.2, 1.0), (0.3, -1.0), (-0.1, 0.6)]):
+        rows.append(_reward(f"b{i}", 0, "background", 0, prov, True, T0 + HOUR // 2, span_h=4))
+        rows.append(_reward(f"b{i}", 0, "background", 1, final, False, T0 + 7 * HOUR // 2, span_h=30, verdict=True))
+    rows.append(_reward("b-open", 0, "background", 0, 0.1, True, T0 + HOUR // 2, span_h=4))  # no verdict yet
+    insert(ch_client, ch_db, "rewards", rows)
+
+    def view(name: str) -> dict[tuple, dict]:
+        res = ch_client.query(f"SELECT * FROM {ch_db}.{name}")
+        out = [dict(zip(res.column_names, r)) for r in res.result_rows]
+        return {tuple(v for k, v in r.items() if k in ("task_kind", "judged", "reward_version")): r for r in out}
+
+    delays = view("verdict_delays")
+    assert delays[("background", 1)]["trajectories"] == 3 and delays[("background", 1)]["hours_p50"] == pytest.approx(
+        30
+    )
+    assert delays[("background", 0)]["trajectories"] == 1 and delays[("bugfix", 0)]["hours_max"] == pytest.approx(0.1)
+
+    arrival = view("reward_arrival")
+    bg, short = arrival[("v2", "background")], arrival[("v2", "bugfix")]
+    assert (bg["rewards"], bg["after_replacement"], bg["versions_behind_max"]) == (3, 3, 3)  # 3 versions later
+    assert bg["share_after_replacement"] == 1.0 and bg["more_than_one_version_behind"] == 3
+    assert (short["rewards"], short["after_replacement"]) == (4, 0)  # rewarded before version 1 came
+
+    cmp = view("provisional_vs_final")[("v2", "background")]
+    assert (cmp["final_rewards"], cmp["still_provisional"], cmp["revised_from_provisional"]) == (3, 1, 3)
+    assert cmp["provisional_mean"] == pytest.approx(0.4 / 3) and cmp["final_mean"] == pytest.approx(0.6 / 3)
+    assert cmp["revision_mean"] == pytest.approx((0.8 - 1.3 + 0.7) / 3)
+    assert cmp["sign_held"] == pytest.approx(1 / 3)  # only b0 kept its sign (b1 flipped, b2 went -0.1 -> 0.6)
+    assert cmp["correlation"] == pytest.approx(statistics.correlation([0.2, 0.3, -0.1], [1.0, -1.0, 0.6]))
+    short_cmp = view("provisional_vs_final")[("v2", "bugfix")]
+    assert (short_cmp["final_rewards"], short_cmp["revised_from_provisional"]) == (4, 0)
