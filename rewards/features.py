@@ -28,7 +28,6 @@ from schemas.records import (
     event_type,
 )
 
-
 _REACTION = {"satisfied": 1, "neutral": 0, "dissatisfied": -1}
 
 

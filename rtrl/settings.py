@@ -630,7 +630,10 @@ class SimulatorSettings(Section):
     reorder_rate: float = _s(0.02, "fraction of events delivered after their successor", ge=0, le=1)
     late_check_rate: float = _s(0.05, "fraction of persistence checks that arrive hours late", ge=0, le=1)
     long_task_share: float = _s(
-        0.0, "share of trajectories that are hours-long background tasks (kind 'background') judged by a verdict", ge=0, le=1
+        0.0,
+        "share of trajectories that are hours-long background tasks (kind 'background') judged by a verdict",
+        ge=0,
+        le=1,
     )
     long_task_hours: float = _s(3.0, "median event-time length of a background task, hours", gt=0)
     verdict_min_h: float = _s(1.0, "least event-time hours between a background task's end and its verdict", ge=0)
