@@ -36,6 +36,8 @@ from schemas.records import (
     EventBase,
     Followup,
     Latency,
+    TaskCheckin,
+    TaskVerdict,
     ToolCall,
     TrajectoryEnded,
     TrajectoryStarted,
@@ -308,3 +310,20 @@ class Trajectory:
 
     def end(self, status: Literal["completed", "abandoned", "error"] = "completed", ts: int | None = None) -> bool:
         return self._emit(TrajectoryEnded, ts, status=status)
+
+    def checkin(
+        self, progress: float, sentiment: Literal["dissatisfied", "neutral", "satisfied"], ts: int | None = None
+    ) -> bool:
+        """A background task's interim check-in and the user's reaction to it (a provisional signal)."""
+        return self._emit(TaskCheckin, ts, progress=progress, sentiment=sentiment)
+
+    def verdict(
+        self,
+        verdict: Literal["merged", "partly_kept", "discarded"],
+        fraction: float,
+        verdict_after_s: float,
+        ts: int | None = None,
+    ) -> bool:
+        """The user's verdict on a whole background task, sent when it comes (hours or days after the end): the
+        reward flow revises the task's provisional reward with it."""
+        return self._emit(TaskVerdict, ts, verdict=verdict, fraction=fraction, verdict_after_s=verdict_after_s)

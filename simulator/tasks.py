@@ -3,8 +3,8 @@
 Pure: token layout, task sampling, parsing a completion, the user's reaction as events, and the
 held-out score. A prompt is ``BOS kind level a b SEP``; the policy answers with two tokens, a
 tool call and an edit. The *right* edit is the digit ``a`` for an ``easy`` task and
-``(a + b) % 10`` for a ``hard`` one, so correctness is checkable and a tiny model can learn it on
-two CPU cores in minutes. What the user sees:
+``(a + b) % 10`` for a ``hard`` one (``b`` for a long ``background`` task), so correctness is
+checkable and a tiny model can learn it on two CPU cores in minutes. What the user sees:
 
 * a tool token the harness knows (``read_file``, ``run_tests``, ``search``) is a valid tool call;
   any other token there is a broken tool call (malformed arguments);
@@ -34,6 +34,10 @@ MALFORMED = (8, 9, 10)  # tool tokens with broken arguments; any non-tool token 
 DIGIT0 = 11  # digits 0..9 are tokens 11..20
 KINDS = {"bugfix": 21, "feature": 22, "refactor": 23, "explain": 24, "test": 25}
 EASY, HARD = 26, 27
+BACKGROUND = "background"
+"""Kind of the long background tasks (issue 16): their right edit is the digit ``b``, and their user judges the
+whole outcome with a verdict cycles later (:func:`simulator.world.react_background`)."""
+KIND_TOKENS = KINDS | {BACKGROUND: 28}
 VOCAB = 32
 PROMPT_LEN, COMPLETION_LEN = 6, 2
 
@@ -51,11 +55,13 @@ class Task:
 
     @property
     def answer(self) -> int:
+        if self.kind == BACKGROUND:
+            return self.b
         return self.a if self.level == "easy" else (self.a + self.b) % 10
 
     @property
     def prompt(self) -> list[int]:
-        return [BOS, KINDS[self.kind], EASY if self.level == "easy" else HARD, DIGIT0 + self.a, DIGIT0 + self.b, SEP]
+        return [BOS, KIND_TOKENS[self.kind], EASY if self.level == "easy" else HARD, DIGIT0 + self.a, DIGIT0 + self.b, SEP]
 
 
 @dataclass(frozen=True)
@@ -85,10 +91,11 @@ def sample_task(
     )
 
 
-def held_out(n: int = 200, seed: int = 7) -> list[Task]:
-    """The eval suite's fixed tasks (a seed no training round uses)."""
-    rng = random.Random(f"held-out-{seed}")
-    return [sample_task(rng, "eval") for _ in range(n)]
+def held_out(n: int = 200, seed: int = 7, kinds: tuple[str, ...] = tuple(KINDS)) -> list[Task]:
+    """The eval suite's fixed tasks (a seed no training round uses); ``kinds=(BACKGROUND,)`` gives held-out
+    background tasks (from their own stream)."""
+    rng = random.Random(f"held-out-{seed}" if kinds == tuple(KINDS) else f"held-out-{seed}-{'-'.join(kinds)}")
+    return [sample_task(rng, "eval", kinds=kinds) for _ in range(n)]
 
 
 def outcome(task: Task, completion: list[int]) -> Outcome:

@@ -244,3 +244,71 @@ def react(
         status = "error"
     trajectory.end(status, ts=done + 250)
     return r
+
+
+@dataclass(frozen=True)
+class LongWorld:
+    """How users judge the loop's background tasks (:func:`react_background`); probabilities in [0, 1].
+
+    While the task runs, each of ``checkins`` check-ins draws a reaction that leans only a little toward the
+    truth (``checkin_lean``): satisfied with chance 0.5 + lean for a right edit, 0.5 - lean for a wrong one,
+    otherwise dissatisfied or neutral. The verdict, cycles later, follows the outcome closely: a right edit is
+    merged (chance ``merge_right``, else partly kept, fraction ~ U(0.6, 0.9)), a wrong one discarded (chance
+    ``discard_wrong``, else partly kept, fraction ~ U(0.1, 0.4)); no edit is discarded. So the provisional
+    reward (from the check-ins) is a weak signal and the final one (from the verdict) a sharp one.
+    """
+
+    checkins: int = 3
+    checkin_lean: float = 0.1
+    merge_right: float = 0.9
+    discard_wrong: float = 0.85
+    step_ms: int = 600_000  # event time between two check-ins (the task runs for checkins x step_ms)
+
+
+LONG_WORLD = LongWorld()
+
+
+def react_background(
+    trajectory,
+    task: Task,
+    out: Outcome,
+    rng: random.Random,
+    t0_ms: int,
+    verdict_after_ms: int,
+    later: Callable[[int, Callable[[], object]], None] = _now,
+    world: LongWorld = LONG_WORLD,
+) -> str:
+    """Record the user's side of one background task through the SDK: the tool call, the check-ins with their
+    reactions, the delivered edit, the latency and the end; then the verdict ``verdict_after_ms`` after the end
+    through ``later`` (the caller's clock decides when it is sent, e.g. some cycles later). Returns the verdict."""
+    t = t0_ms + 300
+    trajectory.tool_call(
+        out.tool or "malformed", valid=not out.broken, error=None if not out.broken else "malformed arguments", ts=t
+    )
+    lean = world.checkin_lean if out.correct else -world.checkin_lean
+    for k in range(1, world.checkins + 1):
+        u = rng.random()
+        sentiment = "satisfied" if u < 0.5 + lean else "dissatisfied" if u < 0.85 + lean / 2 else "neutral"
+        trajectory.checkin(round(k / (world.checkins + 1), 3), sentiment, ts=t + k * world.step_ms)  # type: ignore[arg-type]
+    done = t + (world.checkins + 1) * world.step_ms
+    if out.edit is not None:
+        trajectory.edit_proposed(lines=1 + task.b, ts=done - 1000)
+    elif out.asked:
+        trajectory.clarifying_question(ts=done - 1000)
+    trajectory.latency(ttft_ms=300.0, total_ms=float(done - t0_ms), ts=done)
+    trajectory.end("completed" if out.edit is not None or out.asked else "error", ts=done + 1)
+    if out.edit is None:
+        verdict, fraction = "discarded", 0.0
+    elif out.correct:
+        merged = rng.random() < world.merge_right
+        verdict, fraction = ("merged", 1.0) if merged else ("partly_kept", rng.uniform(0.6, 0.9))
+    else:
+        dropped = rng.random() < world.discard_wrong
+        verdict, fraction = ("discarded", 0.0) if dropped else ("partly_kept", rng.uniform(0.1, 0.4))
+    at = done + 1 + verdict_after_ms
+    later(
+        verdict_after_ms,
+        lambda: trajectory.verdict(verdict, round(fraction, 4), verdict_after_ms / 1000, ts=at),  # type: ignore[arg-type]
+    )
+    return verdict
+

@@ -1,0 +1,355 @@
+"""The long-loop experiment (issue 16): does training delayed rewards, with correction, beat dropping them?
+
+A share of the loop's tasks are background tasks (:data:`simulator.tasks.BACKGROUND`): their user reacts to
+check-ins while the task runs (a provisional reward, weak) and judges the whole outcome with a verdict about
+``verdict_cycles`` cycles later (the final reward, sharp). By then the policy that served them has been
+replaced ``verdict_cycles`` times, so their samples are that many versions old. Three arms see the same traffic
+and differ only in what the batch flow and the trainer do with those samples:
+
+* ``drop``: today's behaviour (``train.max_delayed_lag = 0``): samples over ``train.max_policy_lag`` are dropped;
+* ``corrected``: the delayed path (``train.max_delayed_lag``), trained with a truncated importance weight from
+  the stored behaviour log-probs to the current policy (``loss.delayed_correction = "truncated_is"``);
+* ``uncorrected``: the same samples without any correction (``loss.delayed_correction = "none"``).
+
+Each cycle runs the production pieces in-process on simulated event time (one cycle = ``cycle_minutes`` of it):
+the policy samples completions (:func:`simulator.policy.sample`), the simulated users' events are recorded
+through the SDK's trajectory handle (:func:`simulator.world.react`, :func:`simulator.world.react_background`),
+the reward flow's processor windows and scores them (:class:`flows.processor.RewardProcessor`, provisional until
+the verdict), the batch flow's builders join and pack them (:class:`flows.batching.BatchBuilder`, one per
+cohort, configured by :func:`flows.batch_flow.batch_config`), the micro-batches go through the Arrow wire format
+(:func:`schemas.codec.encode_batch`, :func:`trainer.batch.to_batch`) to the trainer
+(:func:`trainer.train.train`, configured by :meth:`trainer.train.TrainConfig.from_settings`), and the candidate
+is promoted (no gate: the arms must stay comparable). Kafka, ClickHouse and Bytewax are left out so the three
+arms see identical, seeded input; the flows' handling of the same records is tested against the real broker
+and engine elsewhere (tests/test_delayed_path.py, tests/test_long_loop.py).
+
+Per cycle it reports the held-out success (greedy solve rate) on background and on short tasks, the KL to the
+reference and the gradient norms of the cycle's steps, and how many delayed samples were trained and dropped.
+``bench/long_loop.py`` runs all three arms and writes a table and a PNG; tests/test_long_loop.py asserts the
+direction on a short seeded run.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import random
+import statistics
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from app.loop import loop_model_config, loop_settings
+from client.hashing import hash_user
+from client.sdk import Trajectory
+from flows.batch_flow import batch_config, cohort_of
+from flows.batching import BatchBuilder
+from flows.processor import Message, RewardProcessor
+from flows.reward_flow import verdict_kinds, window_config
+from rtrl.settings import Settings, as_env, load_settings
+from schemas.codec import encode_batch, event_codec
+from schemas.records import EventBase, MicroBatch, Rollout, TaskVerdict, TrajectoryStarted
+from simulator.policy import greedy, sample, warm_start
+from simulator.tasks import BACKGROUND, COMPLETION_LEN, KINDS, held_out, outcome, sample_task, score
+from simulator.world import LONG_WORLD, LongWorld, react, react_background
+from trainer.batch import to_batch
+from trainer.dedup import TrainedSet
+from trainer.model import build_model, init_parallel
+from trainer.train import MemorySource, TrainConfig, train
+
+#: the arms: name -> (train.max_delayed_lag, loss.delayed_correction)
+ARMS: dict[str, tuple[int, str]] = {
+    "drop": (0, "truncated_is"),
+    "corrected": (-1, "truncated_is"),  # -1: the experiment's max_delayed_lag
+    "uncorrected": (-1, "none"),
+}
+
+MINUTE = 60_000
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """The experiment's world and size (defaults: bench/long_loop.py's)."""
+
+    cycles: int = 12
+    tasks_per_cycle: int = 256  # prompts served per cycle, each sampled group_size times
+    group_size: int = 4
+    long_share: float = 0.2  # share of the prompts that are background tasks
+    verdict_cycles: int = 3  # the verdict arrives about this many cycles after the rollout
+    max_delayed_lag: int = 5  # the corrected and uncorrected arms' train.max_delayed_lag
+    cycle_minutes: int = 60  # simulated event time per cycle
+    rate: float = 100.0  # tasks served per second of event time (loop.rate), each group_size times
+    eval_tasks: int = 200  # held-out tasks of each kind
+    orgs: int = 3
+    seed: int = 0
+    warm_start_steps: int = 300
+    world: LongWorld = LONG_WORLD
+
+
+@dataclass
+class CycleRow:
+    """What one cycle of one arm did and scored (the version it promoted is ``cycle``)."""
+
+    arm: str
+    cycle: int
+    long_success: float  # greedy solve rate on held-out background tasks
+    short_success: float  # greedy solve rate on held-out short tasks
+    long_sampled: float  # solve rate of sampled completions on held-out background tasks
+    kl: float  # mean KL to the reference over the cycle's steps
+    grad_norm: float  # mean gradient norm (before clipping) over the cycle's steps
+    grad_norm_max: float
+    steps: int
+    samples: int  # samples trained
+    delayed_samples: int  # of which came by the delayed path
+    delayed_lag: float  # their mean policy lag
+    dropped: int  # samples the builders dropped as too old (total so far)
+    verdicts: int  # verdicts that arrived this cycle
+    long_solved: tuple[bool, ...] = ()  # per held-out background task: solved greedily (for paired intervals)
+    short_solved: tuple[bool, ...] = ()
+
+
+@dataclass
+class _Recorder:
+    """Stands in for the SDK client under :class:`client.sdk.Trajectory`: keeps each recorded event."""
+
+    events: list[EventBase] = field(default_factory=list)
+
+    def record(self, event: EventBase) -> bool:
+        self.events.append(event)
+        return True
+
+
+def arm_settings(base: Settings, arm: str, exp: Experiment) -> Settings:
+    """The base settings with the arm's delayed path, and windows for the experiment's event time: a background
+    task's window stays open long enough for its verdict (``verdict_cycles`` cycles and two more)."""
+    lag, correction = ARMS[arm]
+    horizon_s = (exp.verdict_cycles + 2) * exp.cycle_minutes * 60
+    env = as_env(base) | {
+        "RTRL_TRAIN__MAX_DELAYED_LAG": str(exp.max_delayed_lag if lag < 0 else lag),
+        "RTRL_LOSS__DELAYED_CORRECTION": correction,
+        "RTRL_FLOW__TASK_KINDS": json.dumps(
+            {
+                BACKGROUND: {
+                    "deadline_s": exp.cycle_minutes * 60,
+                    "allowed_lateness_s": horizon_s,
+                    "awaits_verdict": True,
+                }
+            }
+        ),
+    }
+    return load_settings(env=env)
+
+
+def _settings(base: Settings | None) -> Settings:
+    s = base if base is not None else load_settings(env={"RTRL_SDK__SALT": "long-loop-experiment"})
+    return loop_settings(s)
+
+
+def run_arm(
+    arm: str, exp: Experiment, base: Settings | None = None, progress: Callable[[CycleRow], None] | None = None
+) -> list[CycleRow]:
+    """One arm of the experiment: ``exp.cycles`` cycles from the same warm start and the same traffic."""
+    s = arm_settings(_settings(base), arm, exp)
+    cfg, precision = loop_model_config(s)
+    init_parallel(cfg)
+    torch.manual_seed(exp.seed)
+    model, reference = build_model(cfg, precision), build_model(cfg, precision)
+    rng = random.Random(exp.seed)
+    warm = [sample_task(rng, "warm", 0.5, kinds=(*KINDS, BACKGROUND)) for _ in range(600)]
+    warm_start(model, warm, steps=exp.warm_start_steps, seed=exp.seed)
+    reference.load_state_dict(model.state_dict())
+    short_eval = held_out(exp.eval_tasks, seed=7 + exp.seed)
+    long_eval = held_out(exp.eval_tasks, seed=7 + exp.seed, kinds=(BACKGROUND,))
+
+    processor = RewardProcessor(
+        "long-loop", window_config(s), [s.rewards.train_version], verdict_kinds=verdict_kinds(s)
+    )
+    bcfg = batch_config(s)
+    builders: dict[str, BatchBuilder] = {}
+    codec = event_codec()
+    trained, version = TrainedSet(), 0
+    pending: list[tuple[int, int, EventBase]] = []  # events not yet delivered, by event time (verdicts)
+    order = 0
+    serve_rng, world_rng = random.Random(f"serve-{exp.seed}"), random.Random(f"world-{exp.seed}")
+    gen = torch.Generator().manual_seed(exp.seed)
+    leftover: list[MicroBatch] = []
+    rows: list[CycleRow] = []
+    t0 = 1_767_225_600_000  # 2026-01-01, simulated
+    orgs = [f"org-{i}" for i in range(exp.orgs)]
+
+    def builder(org: str, kind: str) -> BatchBuilder:
+        key = cohort_of(org, kind)
+        if key not in builders:
+            builders[key] = BatchBuilder(bcfg, serving_version=version)
+        return builders[key]
+
+    for cycle in range(1, exp.cycles + 1):
+        start = t0 + (cycle - 1) * exp.cycle_minutes * MINUTE
+        end = start + exp.cycle_minutes * MINUTE
+        # serve: the prompts of this cycle, group_size samples each, by the serving version
+        tasks = [
+            sample_task(
+                serve_rng,
+                serve_rng.choice(orgs),
+                0.5,
+                kinds=(BACKGROUND,) if serve_rng.random() < exp.long_share else tuple(KINDS),
+            )
+            for _ in range(exp.tasks_per_cycle)
+        ]
+        flat = [t for t in tasks for _ in range(exp.group_size)]
+        completions, logps = sample(model, flat, gen)
+        timeline: list[tuple[int, int, object]] = []  # (time, order, rollout or event)
+        rec = _Recorder()
+        gap = max(1, round(1000 / (exp.rate * exp.group_size)))  # a burst at the cycle's start, at the loop's rate
+        for i, (task, comp, lp) in enumerate(zip(flat, completions, logps)):
+            t = start + i * gap
+            tid = f"c{cycle}-{i}"
+            ro = Rollout(
+                trajectory_id=tid,
+                policy_version=version,
+                group_id=f"c{cycle}-g{i // exp.group_size}",
+                group_size=exp.group_size,
+                org_id=task.org_id,
+                task_kind=task.kind,
+                prompt_ids=task.prompt,
+                completion_ids=comp,
+                behaviour_logprobs=lp,
+                loss_mask=[1] * COMPLETION_LEN,
+                created_at=t,
+            )
+            timeline.append((t, order, ro))
+            order += 1
+            user = f"{task.org_id}-u{world_rng.randrange(50)}"
+            user_hash = hash_user(user, s.sdk.salt)
+            rec.record(
+                TrajectoryStarted(
+                    event_id=f"{tid}-start",
+                    trajectory_id=tid,
+                    ts=t,
+                    org_id=task.org_id,
+                    user_hash=user_hash,
+                    policy_version=version,
+                    arm="control",
+                    task_kind=task.kind,
+                )
+            )
+            # the recorder stands in for the SDK client: the handle records the user's events through it
+            traj = Trajectory(rec, tid, task.org_id, user_hash, version, "control")  # type: ignore[arg-type]
+            out = outcome(task, comp)
+            if task.kind == BACKGROUND:
+                react_background(
+                    traj,
+                    task,
+                    out,
+                    world_rng,
+                    t,
+                    exp.verdict_cycles * exp.cycle_minutes * MINUTE,
+                    world=exp.world,
+                )
+            else:
+                react(traj, task, out, world_rng, t, user)
+        for ev in rec.events:
+            heapq.heappush(pending, (ev.ts, order, ev))
+            order += 1
+        verdicts = 0
+        while pending and pending[0][0] < end:
+            ts, o, ev = heapq.heappop(pending)
+            verdicts += type(ev) is TaskVerdict
+            timeline.append((ts, o, ev))
+        timeline.sort(key=lambda x: (x[0], x[1]))
+        batches: list[MicroBatch] = []
+        offset = 0
+        for ts, _, item in timeline:
+            if isinstance(item, Rollout):
+                batches += builder(item.org_id, item.task_kind).add_rollout(item)
+                continue
+            assert isinstance(item, EventBase)
+            out_ = processor.process([Message(item.trajectory_id.encode(), codec.encode(item), 0, offset)], now_ms=ts)
+            offset += 1
+            for r in out_.rewards:
+                batches += builder(r.org_id, r.task_kind).add_reward(r)
+        for b in builders.values():
+            batches += b.advance_to(end)
+            batches += b.flush_ready()
+        # train on whole steps of micro-batches; a remainder waits for the next cycle
+        todo = leftover + batches
+        mbps = s.train.micro_batches_per_step
+        n = len(todo) // mbps * mbps
+        todo, leftover = todo[:n], todo[n:]
+        wire = [to_batch(encode_batch(mb), 0, k) for k, mb in enumerate(todo)]
+        tc = TrainConfig.from_settings(
+            s, run_id=f"long-loop-{arm}-{cycle}", max_steps=10**9, checkpoint_dir="", idle_timeout_s=0.01
+        )
+        steps = train(
+            model,
+            reference,
+            lambda _o, wire=wire: MemorySource(wire),
+            tc,
+            policy_version=version,
+            resume=False,
+            trained=trained,
+        )
+        version += 1  # promoted: the arms must stay comparable, so no gate
+        for b in builders.values():
+            b.set_serving_version(version)
+        long_solved = tuple(outcome(t, c).correct for t, c in zip(long_eval, greedy(model, long_eval)))
+        short_solved = tuple(outcome(t, c).correct for t, c in zip(short_eval, greedy(model, short_eval)))
+        long_greedy, short_greedy = sum(long_solved) / len(long_solved), sum(short_solved) / len(short_solved)
+        long_comps, _ = sample(model, long_eval, torch.Generator().manual_seed(exp.seed + 99))
+        delayed = _delayed(todo, version - 1, s.train.max_policy_lag)
+        dropped = sum(sum(b.dropped_lag.values()) for b in builders.values())
+        row = CycleRow(
+            arm=arm,
+            cycle=cycle,
+            long_success=long_greedy,
+            short_success=short_greedy,
+            long_sampled=score(long_eval, long_comps)["solve_rate"],
+            kl=statistics.fmean([st.kl for st in steps]) if steps else 0.0,
+            grad_norm=statistics.fmean([st.grad_norm for st in steps]) if steps else 0.0,
+            grad_norm_max=max((st.grad_norm for st in steps), default=0.0),
+            steps=len(steps),
+            samples=sum(len(mb.sample_ids) for mb in todo),
+            delayed_samples=len(delayed),
+            delayed_lag=statistics.fmean(delayed) if delayed else 0.0,
+            dropped=dropped,
+            verdicts=verdicts,
+            long_solved=long_solved,
+            short_solved=short_solved,
+        )
+        rows.append(row)
+        if progress is not None:
+            progress(row)
+    return rows
+
+
+def _delayed(batches: Iterable[MicroBatch], version: int, max_policy_lag: int) -> list[int]:
+    """The policy lags of the trained samples older than ``max_policy_lag`` (those the delayed path brought)."""
+    return [version - v for mb in batches for v in mb.policy_versions if version - v > max_policy_lag]
+
+
+def run(
+    exp: Experiment,
+    arms: Iterable[str] = tuple(ARMS),
+    base: Settings | None = None,
+    progress: Callable[[CycleRow], None] | None = None,
+) -> dict[str, list[CycleRow]]:
+    """Every arm of the experiment, one after the other, from the same warm start and traffic."""
+    return {arm: run_arm(arm, exp, base, progress) for arm in arms}
+
+
+def summary(results: dict[str, list[CycleRow]], last: int = 3) -> dict[str, dict[str, float]]:
+    """Per arm, the means over the last ``last`` cycles of the figures the experiment compares."""
+    out = {}
+    for arm, rows in results.items():
+        tail = rows[-last:]
+        out[arm] = {
+            "long_success": statistics.fmean(r.long_success for r in tail),
+            "short_success": statistics.fmean(r.short_success for r in tail),
+            "long_sampled": statistics.fmean(r.long_sampled for r in tail),
+            "kl": statistics.fmean(r.kl for r in tail),
+            "grad_norm": statistics.fmean(r.grad_norm for r in tail),
+            "delayed_samples": float(sum(r.delayed_samples for r in rows)),
+            "dropped": float(rows[-1].dropped),
+        }
+    return out
