@@ -423,7 +423,9 @@ class TrainSettings(Section):
     warmup_steps: int = _s(0, "steps of linear learning-rate warm-up from 0 to lr", ge=0)
     grad_clip: float = _s(1.0, "clip the global gradient norm to this (0 = off); on by default", ge=0)
     max_policy_lag: int = _s(
-        1, "samples older than this many policy versions are dropped (counted) or, within max_delayed_lag, delayed", ge=0
+        1,
+        "samples older than this many policy versions are dropped (counted) or, within max_delayed_lag, delayed",
+        ge=0,
     )
     max_delayed_lag: int = _s(
         4,

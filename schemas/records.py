@@ -457,7 +457,10 @@ class TrainStep(msgspec.Struct, **_STRICT):
         ),
     ] = 0.0
     delayed_tokens: Annotated[UInt64, doc("Trained tokens of delayed samples.")] = 0
-    delayed_mean_lag: Annotated[float, doc("Mean policy lag of the trained tokens of delayed samples (0: none).")] = 0.0
+    delayed_mean_lag: Annotated[
+        float,
+        doc("Mean policy lag of the delayed samples' tokens sent for training (before the sequence guard; 0: none)."),
+    ] = 0.0
     delayed_lag_histogram: Annotated[
         dict[Label, UInt32], doc("Delayed samples the step trained, per policy lag ('2', '3', ...).")
     ] = {}

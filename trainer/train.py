@@ -342,7 +342,7 @@ def train(
             on_policy_fraction=sums["on"] / n,
             near_policy_fraction=(sums["tokens"] - sums["on"] - sums["delayed"]) / n,
             delayed_fraction=sums["delayed"] / n,
-            delayed_tokens=sums["delayed"],
+            delayed_tokens=int(sums["delayed"]),
             delayed_mean_lag=sums["dlag_sum"] / max(1, sums["dlag_tok"]),
             delayed_lag_histogram=delayed_hist,
             delayed_truncated_fraction=sums["dtrunc_tok"] / max(1, sums["delayed"]),
