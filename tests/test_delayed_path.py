@@ -404,6 +404,21 @@ def _batch(name: str, versions: list[int], delayed: list[bool] | None, seed: int
     )
 
 
+def test_settings_make_the_trainers_delayed_path():
+    from trainer.train import TrainConfig
+
+    tc = TrainConfig.from_settings(load_settings(env={}))
+    assert (tc.max_policy_lag, tc.max_delayed_lag) == (1, 4)
+    assert (tc.loss.delayed_correction, tc.loss.delayed_is_cap) == ("truncated_is", 1.0)
+    env = {
+        "RTRL_TRAIN__MAX_DELAYED_LAG": "0",
+        "RTRL_LOSS__DELAYED_CORRECTION": "none",
+        "RTRL_LOSS__DELAYED_IS_CAP": "2",
+    }
+    tc = TrainConfig.from_settings(load_settings(env=env))
+    assert (tc.max_delayed_lag, tc.loss.delayed_correction, tc.loss.delayed_is_cap) == (0, "none", 2.0)
+
+
 def test_prepare_trains_delayed_samples_up_to_max_delayed_lag():
     """Trainer version 6, max_policy_lag 1, max_delayed_lag 4: a delayed sample of lag 3 is trained (marked for
     the loss); the same lag unflagged stays masked as stale; a delayed sample of lag 5 is masked too, and with

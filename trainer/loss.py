@@ -62,11 +62,12 @@ f_t = 1 and m_t is the input mask unless the per-sequence guard is on (below).
 - k3 clamp: kl_t is at most K (default 10, as veRL's ``low_var_kl``); where it binds the KL term's
   value is K and its gradient zero. k3 <= 10 holds for x in about [-11, 2.6] (the policy may assign a
   token up to e^11 times the reference's probability, or e^-2.6 = 7% of it, before the clamp binds).
-- Bound: with dual-clip and the k3 clamp on, every trained token's |pg_t| and |d pg_t / d lp_t| are
-  at most max(1 + eps_high, c) * |A_t| (a delayed token's at most min(D, c)*|A_t| for A_t < 0 and
-  D*|A_t| for A_t > 0, so max(1 + eps_high, c, D) * |A_t| over all tokens), its kl_t is in [0, K] and |d kl_t / d lp_t| <= max(1, K + x_K)
-  where x_K > 0 solves exp(x) - x - 1 = K (x_K ~ 2.61 for K = 10). So the loss and its gradient are
-  bounded by the advantages and the config, whatever lp, b and ref are.
+- Bound: with dual-clip and the k3 clamp on, every on- and near-on-policy token's |pg_t| and
+  |d pg_t / d lp_t| are at most max(1 + eps_high, c) * |A_t|, a delayed token's at most min(D, c) * |A_t|
+  for A_t < 0 and D * |A_t| for A_t > 0 (so every token's at most max(1 + eps_high, c, D) * |A_t|);
+  every token's kl_t is in [0, K] and |d kl_t / d lp_t| <= max(1, K + x_K) where x_K > 0 solves
+  exp(x) - x - 1 = K (x_K ~ 2.61 for K = 10). So the loss and its gradient are bounded by the
+  advantages and the config, whatever lp, b and ref are.
 - Guards off (L = c = K = 0, the ``LossConfig()`` defaults; the trainer's settings turn them on, see
   :data:`GUARDED`): the plain formula. With every guard on and no token beyond a guard's threshold,
   the loss and its gradient are bit-identical to the plain formula (clamp and where select the same
