@@ -680,7 +680,7 @@ class Loop:
             self.weights = self.ckpt_root / f"v{serving}"
         else:
             self.weights = path
-        self.trained.prune(self.serving - s.train.max_policy_lag)
+        self.trained.prune(self.serving - max(s.train.max_policy_lag, s.train.max_delayed_lag))  # delayed too
         decision = self._checkpoint(version, serving, steps, status, reason, ev, path, reward)
         if ok:  # the promoted weights go to the model registry, which the announcement names (trainer.registry)
             decision = export_checkpoint(s, self.model, self.cfg, decision)

@@ -6,7 +6,8 @@ Steps (stable step ids key the recovery state):
 
 ``rollouts_in``, ``rewards_in``  Kafka sources (built after a bounded broker check)
 ``parse_*``     decode and validate; failures go to ``rtrl.dead_letters`` with the reason
-``batches``     per cohort ``org_id/task_kind``: join, staleness filter, advantages, packing
+``batches``     per cohort ``org_id/task_kind``: join (a kind awaiting a verdict: its final reward),
+                staleness filter (delayed samples kept, marked), advantages, packing
                 (:mod:`flows.batching`), once per trainable reward version (``rewards.trainable()``: each
                 micro-batch names its version, and a trainer trains only its cycle's); the cohort's state
                 is snapshotted with the input offsets
@@ -67,14 +68,33 @@ def batch_configs(settings: Settings) -> dict[str, BatchConfig]:
 
 
 def batch_config(settings: Settings, reward_version: str | None = None) -> BatchConfig:
-    """The ``batching`` section (with the trained reward version, or ``reward_version``, and the policy-lag limit)
+    """The ``batching`` section (with the trained reward version, or ``reward_version``, the policy-lag and
+    delayed-lag limits, and the wait for the final reward of each ``flow.task_kinds`` kind that awaits a verdict)
     as the pure builder's config: the one mapping of those settings."""
     if reward_version is None:
         registry(settings).check([settings.rewards.train_version], "rewards.train_version")
-    b = settings.batching
+    b, f = settings.batching, settings.flow
+    # a kind awaiting a verdict: its final reward can come until its deadline + allowed lateness (+ the join slack)
+    verdict_wait_ms = tuple(
+        (
+            kind,
+            int(
+                (
+                    (f.deadline_s if k.deadline_s is None else k.deadline_s)
+                    + (f.allowed_lateness_s if k.allowed_lateness_s is None else k.allowed_lateness_s)
+                    + b.join_wait_s
+                )
+                * 1000
+            ),
+        )
+        for kind, k in sorted(f.task_kinds.items())
+        if k.awaits_verdict
+    )
     return BatchConfig(
         reward_version=settings.rewards.train_version if reward_version is None else reward_version,
         max_policy_lag=settings.train.max_policy_lag,
+        max_delayed_lag=settings.train.max_delayed_lag,
+        verdict_wait_ms=verdict_wait_ms,
         join_wait_ms=int(b.join_wait_s * 1000),
         group_wait_ms=int(b.group_wait_s * 1000),
         seq_len=b.seq_len,

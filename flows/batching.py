@@ -4,15 +4,32 @@ A cohort is ``(org_id, task_kind)``. Rollouts and rewards both carry it, and the
 group (completions of the same prompt) always share it, so one :class:`BatchBuilder` per cohort can
 join, group and baseline without talking to any other. Steps, in order:
 
-1. **Join** a rollout with the reward of the same ``trajectory_id`` (only ``reward_version``, only
-   revision 0: later revisions come after the sample may have been trained). Either side waits
-   at most ``join_wait_ms``; what is still unmatched then is counted and dropped.
+1. **Join** a rollout with the reward of the same ``trajectory_id`` (only ``reward_version``). Either
+   side waits at most ``join_wait_ms``; what is still unmatched then is counted and dropped.
+
+   - Ordinary task kinds join revision 0 only: later revisions come after the sample may have
+     been trained (counted ``later_revision_or_duplicate``).
+   - Task kinds that await the user's verdict (``verdict_wait_ms`` lists them: settings
+     ``flow.task_kinds.NAME.awaits_verdict``) join the *final* reward, the first one with
+     ``provisional`` False, whatever its revision: a provisional reward (interim signals, before the
+     verdict) is never joined (counted ``provisional_reward``), and the rollout waits for the final
+     one up to the kind's ``verdict_wait_ms`` (its deadline + allowed lateness + ``join_wait_ms``)
+     instead of ``join_wait_ms``. A trajectory joins at most once (later copies and revisions are
+     counted ``later_revision_or_duplicate``), so it is trained at most once: never a provisional
+     reward and its revision as two samples.
 2. **Staleness**: a joined sample's lag is the serving version (the newest promotion seen)
-   minus its ``policy_version``; samples over ``max_policy_lag`` are dropped and counted per lag.
-3. **Advantages** (Dr. GRPO, no std normalisation): a group of two or more samples uses
-   ``reward - mean(group reward)``. A group waits ``group_wait_ms`` for its ``group_size``
-   members; a group that ends up with one sample (or prompts sampled once) uses
-   ``reward - baseline`` with the cohort's running mean, which it then updates.
+   minus its ``policy_version``. Lag <= ``max_policy_lag``: a normal (on- or near-on-policy) sample.
+   ``max_policy_lag`` < lag <= ``max_delayed_lag``: a **delayed** sample (``MicroBatch.delayed``), which the
+   trainer corrects with a truncated importance weight (``trainer.loss``). Over both (or over
+   ``max_policy_lag`` with ``max_delayed_lag`` = 0, the default: no delayed path): dropped and counted per lag.
+3. **Advantages** (Dr. GRPO, no std normalisation), separately for the normal and the delayed samples
+   of a group: two or more of one kind use ``reward - mean(their rewards)``; a single one uses
+   ``reward - baseline`` with its kind's running mean, which it then updates. The delayed samples have
+   their own running mean (``delayed_baseline``), never the normal samples' one: a delayed sample's
+   reward comes from another regime (a long task, a verdict hours later) and a short-task baseline
+   would bias its advantage. A group waits ``group_wait_ms`` after its first join for its
+   ``group_size`` members; verdict-kind members whose final rewards arrive further apart than that
+   become groups of one (the group is not held for hours: it would go stale).
 4. **Packing**: samples (prompt + completion tokens) are packed first-fit into rows of ``seq_len``
    tokens; a micro-batch is emitted when ``rows`` rows cannot take the next sample, or when its
    oldest sample has waited ``flush_ms``. Prompt tokens and padding have loss mask 0.
@@ -41,11 +58,22 @@ class BatchConfig:
     rows: int = 8
     flush_ms: int = 2_000
     baseline_alpha: float = 0.2
+    max_delayed_lag: int = 0
+    """Samples with max_policy_lag < lag <= this are delayed (trained with correction); 0 = none, they are dropped."""
+    verdict_wait_ms: tuple[tuple[str, int], ...] = ()
+    """(task kind, ms) for each kind that awaits the user's verdict: its rollouts wait this long for the final
+    reward (provisional ones are never joined); kinds not listed join revision 0 within join_wait_ms."""
 
     def __post_init__(self) -> None:
-        for name in ("join_wait_ms", "group_wait_ms", "flush_ms", "max_policy_lag"):
+        for name in ("join_wait_ms", "group_wait_ms", "flush_ms", "max_policy_lag", "max_delayed_lag"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if any(ms < 0 for _, ms in self.verdict_wait_ms):
+            raise ValueError("verdict_wait_ms must be >= 0")
+
+    def verdict_wait(self, task_kind: str) -> int | None:
+        """How long a rollout of ``task_kind`` waits for its final reward; None = the kind awaits no verdict."""
+        return next((ms for kind, ms in self.verdict_wait_ms if kind == task_kind), None)
         if self.seq_len < 2 or self.rows < 1:
             raise ValueError("seq_len must be >= 2 and rows >= 1")
         if not 0.0 < self.baseline_alpha <= 1.0:
@@ -60,6 +88,7 @@ class Sample:
     reward: float
     joined_at: int
     advantage: float = 0.0
+    delayed: bool = False  # lag over max_policy_lag, within max_delayed_lag
 
     @property
     def tokens(self) -> int:
@@ -143,11 +172,14 @@ def pack(samples: list[Sample], seq_len: int, created_at: int, reward_version: s
         sample_ids=ids,
         policy_versions=[s.rollout.policy_version for s in samples],
         reward_version=reward_version,
+        delayed=[s.delayed for s in samples] if any(s.delayed for s in samples) else [],
     )
 
 
 class BatchBuilder:
     """Join, staleness filter, advantages and packing for one cohort; see the module docstring."""
+
+    delayed_baseline: float | None = None  # the delayed samples' running mean (a class default: older snapshots)
 
     def __init__(self, config: BatchConfig, serving_version: int = 0):
         self.config = config
@@ -181,9 +213,12 @@ class BatchBuilder:
     def add_reward(self, rw: Reward) -> list[MicroBatch]:
         self._tick(rw.emitted_at)
         tid = rw.trajectory_id
+        verdict = self.config.verdict_wait(rw.task_kind) is not None
         if rw.reward_version != self.config.reward_version:
             self.counts["other_reward_version"] += 1
-        elif rw.revision > 0 or tid in self.joined or tid in self.rewards:
+        elif verdict and rw.provisional:  # the final reward (the verdict's revision) is the one trained
+            self.counts["provisional_reward"] += 1
+        elif (rw.revision > 0 and not verdict) or tid in self.joined or tid in self.rewards:
             self.counts["later_revision_or_duplicate"] += 1
         elif tid in self.rollouts:
             self._join(self.rollouts.pop(tid), rw)
@@ -234,35 +269,43 @@ class BatchBuilder:
 
     def _close_group(self, gid: str) -> None:
         g = self.groups.pop(gid)
-        kept = []
+        cfg = self.config
+        kept, normal, delayed = [], [], []
         for s in g.samples:
             lag = self.serving_version - s.rollout.policy_version
-            if lag > self.config.max_policy_lag:
-                self.dropped_lag[lag] += 1
+            if lag <= cfg.max_policy_lag:
+                normal.append(s)
+            elif lag <= cfg.max_delayed_lag:
+                s.delayed = True
+                delayed.append(s)
             else:
-                kept.append(s)
-        if not kept:
-            return
-        if len(kept) >= 2:
-            for s, a in zip(kept, group_advantages([s.reward for s in kept])):
-                s.advantage = a
-        else:
-            s = kept[0]
-            base = s.reward if self.baseline is None else self.baseline
-            s.advantage = s.reward - base
-            self.baseline = base + self.config.baseline_alpha * (s.reward - base)
+                self.dropped_lag[lag] += 1
+                continue
+            kept.append(s)
+        if normal:
+            self.baseline = self._advantages(normal, self.baseline)
+        if delayed:
+            self.delayed_baseline = self._advantages(delayed, self.delayed_baseline)
         for s in kept:
             self.lag_counts[self.serving_version - s.rollout.policy_version] += 1
         self.ready.extend(kept)
 
+    def _advantages(self, samples: list[Sample], baseline: float | None) -> float | None:
+        """Set the advantages of a group's samples of one kind (normal or delayed) with that kind's running
+        ``baseline``; return the baseline afterwards (a group of two or more is its own baseline)."""
+        if len(samples) >= 2:
+            for s, a in zip(samples, group_advantages([s.reward for s in samples])):
+                s.advantage = a
+            return baseline
+        s = samples[0]
+        base = s.reward if baseline is None else baseline
+        s.advantage = s.reward - base
+        return base + self.config.baseline_alpha * (s.reward - base)
+
     def _advance(self) -> list[MicroBatch]:
         cfg, now = self.config, self.clock
         for table, what in ((self.rollouts, "unmatched_rollout"), (self.rewards, "unmatched_reward")):
-            stale = [
-                tid
-                for tid, x in table.items()
-                if (x.created_at if isinstance(x, Rollout) else x.emitted_at) + cfg.join_wait_ms < now
-            ]
+            stale = [tid for tid, x in table.items() if self._waits_until(x) < now]
             for tid in stale:
                 del table[tid]
                 self.counts[what] += 1
@@ -272,6 +315,13 @@ class BatchBuilder:
         while self.ready and (self._full() or self.ready[0].joined_at + cfg.flush_ms <= now):
             out.append(self._emit())
         return out
+
+    def _waits_until(self, x: Rollout | Reward) -> int:
+        """The cohort time until which an unmatched rollout or reward waits for its other half."""
+        if isinstance(x, Reward):
+            return x.emitted_at + self.config.join_wait_ms
+        verdict = self.config.verdict_wait(x.task_kind)
+        return x.created_at + (self.config.join_wait_ms if verdict is None else verdict)
 
     def _full(self) -> bool:
         return rows_needed([s.tokens for s in self.ready], self.config.seq_len) > self.config.rows

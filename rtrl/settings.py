@@ -389,6 +389,18 @@ class LossSettings(Section):
     )
     seq_ratio_low: float = _s(0.5, "lower end of the sequence guard's band of geometric-mean ratios", gt=0, le=1)
     seq_ratio_high: float = _s(2.0, "upper end of the sequence guard's band of geometric-mean ratios", ge=1)
+    delayed_correction: Literal["truncated_is", "none"] = _s(
+        "truncated_is",
+        "how a delayed sample (policy lag over train.max_policy_lag, within train.max_delayed_lag) is corrected: "
+        "truncated_is (each token's gradient weighted by min(ratio to its behaviour policy, delayed_is_cap)) or "
+        "none (no correction: plain advantage x grad log-prob, an experiment's control arm)",
+    )
+    delayed_is_cap: float = _s(
+        1.0,
+        "cap of a delayed token's importance weight (>= 1: a cap below 1 would shrink even a token whose "
+        "probability did not change; 1 = delayed tokens are only ever down-weighted)",
+        ge=1,
+    )
 
     @field_validator("dual_clip")
     @classmethod
@@ -410,7 +422,18 @@ class TrainSettings(Section):
     weight_decay: float = _s(0.0, "AdamW decoupled weight decay", ge=0)
     warmup_steps: int = _s(0, "steps of linear learning-rate warm-up from 0 to lr", ge=0)
     grad_clip: float = _s(1.0, "clip the global gradient norm to this (0 = off); on by default", ge=0)
-    max_policy_lag: int = _s(1, "samples older than this many policy versions are dropped (counted)", ge=0)
+    max_policy_lag: int = _s(
+        1,
+        "samples older than this many policy versions are dropped (counted) or, within max_delayed_lag, delayed",
+        ge=0,
+    )
+    max_delayed_lag: int = _s(
+        4,
+        "samples with a policy lag over max_policy_lag but at most this train on the delayed path (their own "
+        "baseline, a truncated importance weight: loss.delayed_correction); older ones are dropped (counted); "
+        "0 = no delayed path (every sample over max_policy_lag is dropped)",
+        ge=0,
+    )
     checkpoint_every: int = _s(10, "steps between checkpoints (one is also written at the end)", gt=0)
     checkpoint_dir: str = _s("", "where checkpoints go; empty = <data_dir>/checkpoints")
     idle_timeout_s: float = _s(30.0, "stop when no micro-batch arrives for this long", gt=0)

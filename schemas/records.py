@@ -255,6 +255,14 @@ class MicroBatch(msgspec.Struct, **_STRICT):
     reward_version: Annotated[
         MaybeLabel, doc("Reward version whose rewards made the advantages; a trainer trains only its own (empty: any).")
     ] = ""
+    delayed: Annotated[
+        list[bool],
+        doc(
+            "Per sample (same order as sample_ids): True for a delayed sample (policy lag over train.max_policy_lag, "
+            "within train.max_delayed_lag; its advantage has the delayed samples' own baseline and the trainer "
+            "corrects it with a truncated importance weight). Empty = no sample is delayed."
+        ),
+    ] = []
 
     def __post_init__(self) -> None:
         rows = len(self.token_ids)
@@ -266,6 +274,8 @@ class MicroBatch(msgspec.Struct, **_STRICT):
             raise ValueError(f"every token_ids row must hold seq_len={self.seq_len} tokens")
         if len(self.policy_versions) != len(self.sample_ids):
             raise ValueError("policy_versions must have one entry per sample_ids entry")
+        if self.delayed and len(self.delayed) != len(self.sample_ids):
+            raise ValueError("delayed must be empty (no sample delayed) or have one entry per sample_ids entry")
         n = len(self.sample_ids)
         if any(not -1 <= s < n for r in self.segment_ids for s in r):
             raise ValueError(f"segment_ids must be -1 (padding) or an index below {n}")
@@ -435,6 +445,32 @@ class TrainStep(msgspec.Struct, **_STRICT):
     reward_version: Annotated[
         MaybeLabel, doc("Reward version of the micro-batches the step trained on (empty: not recorded).")
     ] = ""
+    near_policy_fraction: Annotated[
+        float,
+        doc("Share of trained tokens of samples that are not delayed and had policy lag 1..train.max_policy_lag."),
+    ] = 0.0
+    delayed_fraction: Annotated[
+        float,
+        doc(
+            "Share of trained tokens of delayed samples (lag up to train.max_delayed_lag, trained with a truncated "
+            "importance weight); on_policy_fraction + near_policy_fraction + delayed_fraction = 1."
+        ),
+    ] = 0.0
+    delayed_tokens: Annotated[UInt64, doc("Trained tokens of delayed samples.")] = 0
+    delayed_mean_lag: Annotated[
+        float,
+        doc("Mean policy lag of the delayed samples' tokens sent for training (before the sequence guard; 0: none)."),
+    ] = 0.0
+    delayed_lag_histogram: Annotated[
+        dict[Label, UInt32], doc("Delayed samples the step trained, per policy lag ('2', '3', ...).")
+    ] = {}
+    delayed_truncated_fraction: Annotated[
+        float,
+        doc(
+            "Share of delayed trained tokens whose importance weight the cap (loss.delayed_is_cap) truncated "
+            "(always 0 with loss.delayed_correction = none)."
+        ),
+    ] = 0.0
 
 
 # ---------------------------------------------------------------- batch flow counters (table batch_stats)

@@ -123,4 +123,5 @@ def micro_batches(draw) -> MicroBatch:
         segment_ids=grid(st.integers(-1, len(samples) - 1)),
         sample_ids=samples,
         policy_versions=draw(st.lists(st.integers(0, 10**6), min_size=len(samples), max_size=len(samples))),
+        delayed=draw(st.just([]) | st.lists(st.booleans(), min_size=len(samples), max_size=len(samples))),
     )

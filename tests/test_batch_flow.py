@@ -76,6 +76,7 @@ def test_batch_flow_end_to_end(broker, topic_prefix, ch_dsn, ch_client, ch_db, t
         "RTRL_BATCHING__SEQ_LEN": "16",
         "RTRL_BATCHING__ROWS": "2",
         "RTRL_TRAIN__MAX_POLICY_LAG": "1",
+        "RTRL_TRAIN__MAX_DELAYED_LAG": "0",  # the stale sample is dropped (the delayed path: test_delayed_path)
         "RTRL_DATA_DIR": str(tmp_path),
     }
     run_main(build_flow(load_settings(env=env)))

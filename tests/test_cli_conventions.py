@@ -280,6 +280,7 @@ def test_flow_batches_ends_with_one_line_of_what_it_joined_sent_and_dropped(brok
     _produce(broker.bootstrap, topic_prefix + "rollouts", [(b"k", m.value) for m in rollouts])
     _produce(broker.bootstrap, topic_prefix + "rewards", [(b"k", m.value) for m in rewards])
     env = _services_env(broker, topic_prefix, tmp_path) | {"RTRL_BATCHING__TAIL": "false"}
+    env["RTRL_TRAIN__MAX_DELAYED_LAG"] = "0"  # the stale samples are dropped, not delayed
     run = _run(["flow", "batches"], env, timeout=300)
     lines = _lines(run)
     assert run.returncode == 0, lines

@@ -38,8 +38,10 @@ WORKERS = (1, 2)
 
 
 def _settings():
-    # no RTRL_KAFKA__BOOTSTRAP: building a Kafka source or sink would raise ConfigError at once
-    return load_settings(env={"RTRL_SDK__SALT": SALT, "RTRL_REWARDS__VERSIONS": ",".join(VERSIONS)})
+    # no RTRL_KAFKA__BOOTSTRAP: building a Kafka source or sink would raise ConfigError at once; no delayed path:
+    # the batch world's stale samples are dropped (tests/test_delayed_path.py trains them delayed)
+    env = {"RTRL_SDK__SALT": SALT, "RTRL_REWARDS__VERSIONS": ",".join(VERSIONS), "RTRL_TRAIN__MAX_DELAYED_LAG": "0"}
+    return load_settings(env=env)
 
 
 def _run(flow, workers: int) -> None:

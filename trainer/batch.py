@@ -35,6 +35,7 @@ class Batch:
     partition: int
     offset: int
     reward_version: str = ""  # the reward version whose rewards made the advantages ("" = not recorded)
+    delayed: np.ndarray | None = None  # bool, per sample: a delayed sample (MicroBatch.delayed); None = none
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ def to_batch(data: bytes, partition: int, offset: int, limits: BatchLimits | Non
         partition=partition,
         offset=offset,
         reward_version=mb.reward_version,
+        delayed=np.asarray(mb.delayed, dtype=bool) if any(mb.delayed) else None,
     )
     if not np.isin(b.loss_mask, (0.0, 1.0)).all():
         raise Invalid("$.loss_mask", "loss-mask values must be 0 or 1")

@@ -4,8 +4,8 @@ The batch flow is at-least-once: after a kill -9 it resumes from its last snapsh
 micro-batches since then again - usually with the same ids, but a cohort flushed by its wall-clock
 idle timer before the crash may be packed differently on replay, so the same samples can come back
 inside a micro-batch with a new id. :class:`TrainedSet` remembers the ids of the micro-batches and
-samples the trainer has taken (per policy version, only as far back as ``max_policy_lag`` can
-reach: older samples are dropped as stale anyway), skips a micro-batch it has seen, and turns
+samples the trainer has taken (per policy version, only as far back as ``max_policy_lag`` - or, for
+delayed samples, ``max_delayed_lag`` - can reach: older samples are dropped as stale anyway), skips a micro-batch it has seen, and turns
 samples it has seen into padding (:func:`drop_samples`). Its :meth:`state` goes into every
 checkpoint, so a resumed trainer knows exactly what its weights have seen.
 """
@@ -34,6 +34,7 @@ def drop_samples(batch: Batch, keep: list[bool]) -> Batch:
         loss_mask=np.where(seg >= 0, batch.loss_mask, 0).astype(np.float32),
         sample_ids=[batch.sample_ids[i] for i in kept],
         policy_versions=batch.policy_versions[kept],
+        delayed=None if batch.delayed is None else batch.delayed[kept],
     )
 
 
@@ -58,14 +59,24 @@ class TrainedSet:
     def _seen(self, d: dict[int, set[str]], version: int, key: str) -> bool:
         return key in d.get(version, ())
 
-    def take(self, batch: Batch, trainable: tuple[int, int] | None = None) -> Batch | None:
+    def take(
+        self,
+        batch: Batch,
+        trainable: tuple[int, int] | None = None,
+        delayed_trainable: tuple[int, int] | None = None,
+    ) -> Batch | None:
         """What of ``batch`` is new: None for a micro-batch already taken or one whose samples all were,
         else the batch with already-trained samples made padding.
 
         ``trainable`` = (oldest, newest) policy version the trainer learns from now: only those samples
         count as trained; the others stay in the batch for the trainer to mask and count as stale, and a
-        micro-batch with none of them is not remembered (a replay that arrives too late trains nothing)."""
-        lo, hi = trainable if trainable is not None else (-(2**62), 2**62)
+        micro-batch with none of them is not remembered (a replay that arrives too late trains nothing).
+        ``delayed_trainable`` is that window for the batch's delayed samples (None = ``trainable``)."""
+        everything = (-(2**62), 2**62)
+        window = trainable if trainable is not None else everything
+        delayed_window = delayed_trainable if delayed_trainable is not None else window
+        flags = batch.delayed if batch.delayed is not None else [False] * len(batch.sample_ids)
+        windows = [delayed_window if d else window for d in flags]
         pending_batches = {b for _, b, _ in self._pending}
         pending_samples = {s for _, _, ss in self._pending for s in ss}
         rb, rs = self._pending_repeats
@@ -74,14 +85,19 @@ class TrainedSet:
             return None
         keep = [
             not (lo <= int(v) <= hi and (self._seen(self.samples, int(v), sid) or (int(v), sid) in pending_samples))
-            for sid, v in zip(batch.sample_ids, batch.policy_versions)
+            for sid, v, (lo, hi) in zip(batch.sample_ids, batch.policy_versions, windows)
         ]
         self._pending_repeats = (rb, rs + keep.count(False))
         out = drop_samples(batch, keep) if any(keep) else None
+        kept_windows = [w for w, k in zip(windows, keep) if k]
         fresh = (
             []
             if out is None
-            else [(int(v), s) for s, v in zip(out.sample_ids, out.policy_versions) if lo <= int(v) <= hi]
+            else [
+                (int(v), s)
+                for s, v, (lo, hi) in zip(out.sample_ids, out.policy_versions, kept_windows)
+                if lo <= int(v) <= hi
+            ]
         )
         if fresh:
             self._pending.append((max(v for v, _ in fresh), batch.batch_id, fresh))

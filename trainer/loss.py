@@ -4,16 +4,26 @@ DESIGN.md, "Near-on-policy training". All per-token inputs share one shape (``[T
 ``logprobs`` lp (current policy, with grad), ``behaviour_logprobs`` b (the rollout's), ``ref_logprobs``
 ref (reference model), ``advantages`` A, ``loss_mask`` m (1 = trained token, 0 = not), ``off_policy``
 o (1 = the token's sample has policy lag >= 1) and, optionally, ``seq_ids`` s (which sequence - packed
-sample - each token belongs to; any integers, equal within a sequence). b, ref and A are data: they
-are detached here.
+sample - each token belongs to; any integers, equal within a sequence) and ``delayed`` δ (1 = the
+token's sample is delayed: lag over the trainer's max_policy_lag, within max_delayed_lag; None = all 0).
+b, ref and A are data: they are detached here.
 
-Per trained token t (m_t = 1), with config ``eps_low``, ``eps_high``, ``is_cap`` = C, ``kl_coef`` = beta
-and the guards ``log_ratio_clamp`` = L, ``dual_clip`` = c, ``k3_clamp`` = K (each 0 = off)::
+Three kinds of trained token: **on-policy** (δ_t = 0, o_t = 0), **near-on-policy** (δ_t = 0, o_t = 1)
+and **delayed** (δ_t = 1, whatever o_t).
 
-    d_t   = clamp(lp_t - b_t, -L, L)                          # log-ratio clamp (before any exp)
+Per trained token t (m_t = 1), with config ``eps_low``, ``eps_high``, ``is_cap`` = C, ``kl_coef`` = beta,
+``delayed_correction``, ``delayed_is_cap`` = D and the guards ``log_ratio_clamp`` = L, ``dual_clip`` = c,
+``k3_clamp`` = K (each 0 = off); sg(.) is stop-gradient (detach)::
+
+    b'_t  = sg(lp_t)  if δ_t = 1 and delayed_correction = "none"   else   b_t
+    d_t   = clamp(lp_t - b'_t, -L, L)                         # log-ratio clamp (before any exp)
     r_t   = exp(d_t)                                          # ratio to the behaviour policy
-    w_t   = min(r_t, C)  if o_t = 1   else   r_t              # truncated IS weight, off-policy only
-    pg_t  = -min(w_t * A_t, clip(r_t, 1 - eps_low, 1 + eps_high) * A_t)
+    if δ_t = 0:                                               # on- and near-on-policy: PPO-clip
+      w_t   = min(r_t, C)  if o_t = 1   else   r_t            # truncated IS weight, off-policy only
+      pg_t  = -min(w_t * A_t, clip(r_t, 1 - eps_low, 1 + eps_high) * A_t)
+    if δ_t = 1:                                               # delayed: truncated IS policy gradient
+      w_t   = sg(min(r_t, D))
+      pg_t  = -w_t * exp(lp_t - sg(lp_t)) * A_t               # value -w_t*A_t, gradient -w_t*A_t*grad lp_t
     pg_t  = min(pg_t, -c * A_t)      if A_t < 0              # dual-clip, every negative-advantage token
     x_t   = clamp(ref_t - lp_t, -L, L)
     kl_t  = min(exp(x_t) - x_t - 1, K)                        # k3 (>= 0, unbiased for KL(pi || ref)), clamped
@@ -25,6 +35,17 @@ f_t = 1 and m_t is the input mask unless the per-sequence guard is on (below).
   also where the clip does not bind (negative advantages, where PPO's min picks the unclipped r_t*A_t).
   Where the truncation binds (r_t > C) w_t is the constant C: that token's value is -C*A_t and its
   gradient is zero (as in dual-clip PPO). On-policy tokens (o_t = 0) are plain PPO-clip.
+- Delayed tokens (``delayed_correction = "truncated_is"``, the default): the weight of a delayed token's
+  value and gradient is w_t = min(r_t, D) <= D for any lp and b (IMPALA's truncated importance
+  sampling, V-trace's rho-bar): the gradient never vanishes where the cap binds (unlike the PPO clip,
+  which would zero most of a stale sample's tokens) and is never more than D*|A_t|*|grad lp_t|. There
+  is no PPO clip on them (the ratio to a behaviour policy several versions old is far from 1 anyway).
+  With the default D = 1 a delayed token is only ever down-weighted. ``delayed_correction = "none"``
+  (the control arm of the experiment): b' = sg(lp), so r_t = 1, w_t = 1 and the gradient is the plain
+  REINFORCE A_t * grad lp_t, with no correction at all; the sequence guard sees log-ratio 0 there.
+- Without delayed tokens (``delayed`` None or all 0) the computation is exactly the one before the
+  delayed path existed: the on- and near-on-policy tokens' values and gradients are bit-identical,
+  and with delayed tokens present theirs are still unchanged (each token's terms are its own).
 - Where the clipped branch is the active min (it changed the value: clip(r)*A < w*A) the value is
   constant in lp, so the gradient is zero; ties take the unclipped branch (same value and gradient).
 - Dual-clip (Ye et al. 2020, "Mastering complex control in MOBA games"): PPO's min leaves the
@@ -41,10 +62,12 @@ f_t = 1 and m_t is the input mask unless the per-sequence guard is on (below).
 - k3 clamp: kl_t is at most K (default 10, as veRL's ``low_var_kl``); where it binds the KL term's
   value is K and its gradient zero. k3 <= 10 holds for x in about [-11, 2.6] (the policy may assign a
   token up to e^11 times the reference's probability, or e^-2.6 = 7% of it, before the clamp binds).
-- Bound: with dual-clip and the k3 clamp on, every trained token's |pg_t| and |d pg_t / d lp_t| are
-  at most max(1 + eps_high, c) * |A_t|, its kl_t is in [0, K] and |d kl_t / d lp_t| <= max(1, K + x_K)
-  where x_K > 0 solves exp(x) - x - 1 = K (x_K ~ 2.61 for K = 10). So the loss and its gradient are
-  bounded by the advantages and the config, whatever lp, b and ref are.
+- Bound: with dual-clip and the k3 clamp on, every on- and near-on-policy token's |pg_t| and
+  |d pg_t / d lp_t| are at most max(1 + eps_high, c) * |A_t|, a delayed token's at most min(D, c) * |A_t|
+  for A_t < 0 and D * |A_t| for A_t > 0 (so every token's at most max(1 + eps_high, c, D) * |A_t|);
+  every token's kl_t is in [0, K] and |d kl_t / d lp_t| <= max(1, K + x_K) where x_K > 0 solves
+  exp(x) - x - 1 = K (x_K ~ 2.61 for K = 10). So the loss and its gradient are bounded by the
+  advantages and the config, whatever lp, b and ref are.
 - Guards off (L = c = K = 0, the ``LossConfig()`` defaults; the trainer's settings turn them on, see
   :data:`GUARDED`): the plain formula. With every guard on and no token beyond a guard's threshold,
   the loss and its gradient are bit-identical to the plain formula (clamp and where select the same
@@ -74,11 +97,14 @@ Metrics in :class:`LossOutput` are detached python floats over trained tokens (N
 the sequence guard): ``pg_loss`` = sum_t m_t*f_t*pg_t / norm (so ``loss = pg_loss + beta * kl * N / norm``);
 ``kl`` = sum_t m_t*kl_t / N; ``clip_fraction`` = share of trained tokens whose clipped branch was the active
 min; ``dual_clip_fraction`` = share of trained tokens where the dual-clip bound replaced the value;
-``is_truncated_fraction`` = share of trained tokens that are off-policy with r_t > C; ``mean_ratio`` =
-mean r_t (untruncated); ``tokens`` = N; ``on_policy_tokens`` = trained tokens with o_t = 0;
-``seq_guarded_tokens`` = input-trained tokens whose sequence the guard masked or truncated.
+``is_truncated_fraction`` = share of trained tokens that are near-on-policy with r_t > C; ``mean_ratio`` =
+mean r_t (untruncated; 1 on delayed tokens under "none"); ``tokens`` = N; ``on_policy_tokens`` = trained
+tokens with o_t = 0 and δ_t = 0; ``delayed_tokens`` = trained tokens with δ_t = 1 (so the near-on-policy
+ones are N - on - delayed); ``delayed_truncated_fraction`` = share of trained tokens that are delayed with
+r_t > D (0 under "none"); ``seq_guarded_tokens`` = input-trained tokens whose sequence the guard masked
+or truncated. ``clip_fraction`` counts only on- and near-on-policy tokens (delayed ones have no clip).
 Training-inference mismatch, over the on-policy tokens of the *input* mask (M = ``mismatch_tokens``,
-m_t = 1 and o_t = 0, before the sequence guard): ``mismatch_k3`` = (1/M) sum_t exp(d_t) - d_t - 1, the
+m_t = 1, o_t = 0 and δ_t = 0, before the sequence guard): ``mismatch_k3`` = (1/M) sum_t exp(d_t) - d_t - 1, the
 k3 estimator of KL(pi_behaviour || pi_trainer) on tokens sampled from the behaviour policy
 (d_t = lp_t - b_t, clamped to [-L, L] when L > 0, so it stays finite), and ``mismatch_max_abs_log_ratio``
 = max_t |lp_t - b_t| (unclamped). With N = 0 the loss is a zero that still has a grad path and every
@@ -97,10 +123,20 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-__all__ = ["GUARDED", "SEQ_RATIO_GUARDS", "LossConfig", "LossOutput", "policy_loss", "token_logprobs"]
+__all__ = [
+    "DELAYED_CORRECTIONS",
+    "GUARDED",
+    "SEQ_RATIO_GUARDS",
+    "LossConfig",
+    "LossOutput",
+    "policy_loss",
+    "token_logprobs",
+]
 
 #: values of LossConfig.seq_ratio_guard
 SEQ_RATIO_GUARDS = ("off", "mask", "truncate")
+#: values of LossConfig.delayed_correction
+DELAYED_CORRECTIONS = ("truncated_is", "none")
 
 
 @dataclass(frozen=True)
@@ -118,13 +154,16 @@ class LossConfig:
     seq_ratio_guard: str = "off"  # per-sequence geometric-mean ratio guard: off | mask | truncate
     seq_ratio_low: float = 0.5  # lo of the band: in (0, 1]
     seq_ratio_high: float = 2.0  # hi of the band: >= 1
+    delayed_correction: str = "truncated_is"  # delayed tokens: truncated_is | none (plain REINFORCE)
+    delayed_is_cap: float = 1.0  # D, cap of a delayed token's IS weight: >= 1 (below 1 would shrink r = 1)
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name == "seq_ratio_guard":
-                if v not in SEQ_RATIO_GUARDS:
-                    raise ValueError(f"LossConfig.seq_ratio_guard must be one of {SEQ_RATIO_GUARDS}, got {v!r}")
+            if f.name in ("seq_ratio_guard", "delayed_correction"):
+                allowed = SEQ_RATIO_GUARDS if f.name == "seq_ratio_guard" else DELAYED_CORRECTIONS
+                if v not in allowed:
+                    raise ValueError(f"LossConfig.{f.name} must be one of {allowed}, got {v!r}")
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ValueError(f"LossConfig.{f.name} must be a finite number, got {v!r}")
@@ -146,6 +185,8 @@ class LossConfig:
             raise ValueError(f"LossConfig.seq_ratio_low must be in (0, 1], got {self.seq_ratio_low!r}")
         if not self.seq_ratio_high >= 1.0:
             raise ValueError(f"LossConfig.seq_ratio_high must be >= 1, got {self.seq_ratio_high!r}")
+        if not self.delayed_is_cap >= 1.0:
+            raise ValueError(f"LossConfig.delayed_is_cap must be >= 1, got {self.delayed_is_cap!r}")
 
 
 #: the guards the trainer runs with by default (the settings' ``loss`` defaults): log-ratio clamp 20,
@@ -170,6 +211,8 @@ class LossOutput:
     mismatch_k3: float = 0.0
     mismatch_max_abs_log_ratio: float = 0.0
     mismatch_tokens: int = 0
+    delayed_tokens: int = 0
+    delayed_truncated_fraction: float = 0.0
 
 
 def _as_flag(x: Tensor, name: str, shape: torch.Size) -> Tensor:
@@ -216,10 +259,12 @@ def policy_loss(
     norm: float,
     config: LossConfig | None = None,
     seq_ids: Tensor | None = None,
+    delayed: Tensor | None = None,
 ) -> LossOutput:
     """Dr. GRPO clipped surrogate with truncated off-policy IS weights plus beta * k3 KL, summed / ``norm``,
     with the guards of ``config``. ``seq_ids`` (integers, the shape of ``logprobs``) names each token's
-    sequence; the sequence guard needs it."""
+    sequence; the sequence guard needs it. ``delayed`` (0/1 or bool, the shape of ``logprobs``; None = none)
+    marks the tokens of delayed samples, trained with ``config.delayed_correction``."""
     cfg = config if config is not None else LossConfig()
     if isinstance(norm, bool) or not isinstance(norm, (int, float)) or not math.isfinite(norm) or norm <= 0:
         raise ValueError(f"norm must be a finite number > 0, got {norm!r}")
@@ -235,6 +280,9 @@ def policy_loss(
             raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)} (the shape of logprobs)")
     mask = _as_flag(loss_mask, "loss_mask", shape)
     off = _as_flag(off_policy, "off_policy", shape)
+    dly = _as_flag(delayed, "delayed", shape) if delayed is not None else None
+    if dly is not None and not bool((dly & mask).any()):
+        dly = None  # no delayed token: exactly the computation without the delayed path
     if seq_ids is not None and (seq_ids.shape != shape or seq_ids.is_floating_point() or seq_ids.dtype == torch.bool):
         raise ValueError(
             f"seq_ids must be an integer tensor of shape {tuple(shape)} (the shape of logprobs), "
@@ -248,7 +296,10 @@ def policy_loss(
     zero = lp.new_zeros(())
     # Masked positions get 0 log-ratios and advantages *before* any exp, so inf/nan there cannot
     # reach the value or (through where's backward) the gradient.
-    raw_log_ratio = torch.where(mask, lp - behaviour_logprobs.detach().to(dtype), zero)
+    behaviour = behaviour_logprobs.detach().to(dtype)
+    if dly is not None and cfg.delayed_correction == "none":
+        behaviour = torch.where(dly, lp.detach(), behaviour)  # no correction: the ratio to itself, 1
+    raw_log_ratio = torch.where(mask, lp - behaviour, zero)
     ref_minus_lp = torch.where(mask, ref_logprobs.detach().to(dtype) - lp, zero)
     adv = torch.where(mask, advantages.detach().to(dtype), zero)
     log_ratio = raw_log_ratio
@@ -264,12 +315,22 @@ def policy_loss(
         mask, factor, seq_guarded = _sequence_guard(log_ratio, mask, seq_ids, cfg)
 
     ratio = torch.exp(log_ratio)
-    truncated = off & (ratio > cfg.is_cap) & mask
+    near = off if dly is None else off & ~dly
+    truncated = near & (ratio > cfg.is_cap) & mask
     weight = torch.where(truncated, ratio.new_tensor(cfg.is_cap), ratio)
     unclipped = weight * adv
     clipped = torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high) * adv
     clip_active = (clipped < unclipped) & mask
+    if dly is not None:
+        clip_active = clip_active & ~dly
     pg = -torch.where(clip_active, clipped, unclipped)
+    delayed_truncated = torch.zeros_like(mask)
+    if dly is not None:
+        # delayed: value -w*A, gradient -w*A*grad lp with the detached truncated weight w = min(r, D)
+        delayed_weight = torch.clamp(ratio.detach(), max=cfg.delayed_is_cap)
+        delayed_truncated = dly & mask & (ratio.detach() > cfg.delayed_is_cap)
+        score = torch.exp(torch.where(mask, lp - lp.detach(), zero))  # 1, with gradient grad lp
+        pg = torch.where(dly, -(delayed_weight * score * adv), pg)
     dual_active = torch.zeros_like(mask)
     if cfg.dual_clip > 0:
         bound = -cfg.dual_clip * adv
@@ -289,6 +350,8 @@ def policy_loss(
         n = int(mask.sum())
         per = 1.0 / n if n else 0.0
         on = input_mask & ~off  # mismatch: every on-policy token sent for training, before the sequence guard
+        if dly is not None:
+            on = on & ~dly
         m = int(on.sum())
         d = log_ratio.detach() if cfg.log_ratio_clamp > 0 else raw_log_ratio.detach()
         k3 = torch.where(on, torch.exp(d) - d - 1.0, zero)
@@ -301,12 +364,14 @@ def policy_loss(
             is_truncated_fraction=float(truncated.sum()) * per,
             mean_ratio=float(torch.where(mask, ratio, zero).sum()) * per,
             tokens=n,
-            on_policy_tokens=int((mask & ~off).sum()),
+            on_policy_tokens=int((mask & ~off).sum()) if dly is None else int((mask & ~off & ~dly).sum()),
             dual_clip_fraction=float(dual_active.sum()) * per,
             seq_guarded_tokens=int(seq_guarded.sum()),
             mismatch_k3=float(k3.sum()) / m if m else 0.0,
             mismatch_max_abs_log_ratio=max_abs,
             mismatch_tokens=m,
+            delayed_tokens=0 if dly is None else int((mask & dly).sum()),
+            delayed_truncated_fraction=float(delayed_truncated.sum()) * per,
         )
 
 

@@ -81,6 +81,9 @@ class TrainConfig:
     """Clip the global gradient norm (over every rank's shard) to this; 0 = off. The norm before clipping is
     recorded either way (``TrainStep.grad_norm``)."""
     max_policy_lag: int = 4
+    max_delayed_lag: int = 0
+    """Delayed samples (``MicroBatch.delayed``) train up to this policy lag, with ``loss.delayed_correction``;
+    0 = no delayed path (they are masked like stale samples)."""
     norm_tokens: int = 0
     """Constant loss normaliser (Dr. GRPO); 0 = micro_batches_per_step x rows x seq_len of the first batch."""
     checkpoint_every: int = 5
@@ -110,6 +113,7 @@ class TrainConfig:
             "warmup_steps": ts.warmup_steps,
             "grad_clip": ts.grad_clip,
             "max_policy_lag": ts.max_policy_lag,
+            "max_delayed_lag": ts.max_delayed_lag,
             "norm_tokens": ls.norm_tokens,
             "checkpoint_every": ts.checkpoint_every,
             "idle_timeout_s": ts.idle_timeout_s,
@@ -125,6 +129,8 @@ class TrainConfig:
                 seq_ratio_guard=ls.seq_ratio_guard,
                 seq_ratio_low=ls.seq_ratio_low,
                 seq_ratio_high=ls.seq_ratio_high,
+                delayed_correction=ls.delayed_correction,
+                delayed_is_cap=ls.delayed_is_cap,
             ),
         } | run
         return cls(**params)
@@ -146,11 +152,21 @@ class Prepared:
     """Each target's sample (its segment id, -1 = padding): the loss's sequence ids."""
     lags: np.ndarray  # per sample
     stale_tokens: int
+    delayed: torch.Tensor | None = None
+    """Per target: its sample is a delayed one that is trained (the loss's ``delayed``); None = no such sample."""
+    delayed_lags: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    """Policy lag of each trained delayed sample."""
+    delayed_lag_sum: int = 0
+    """Sum of the policy lags of the trained tokens of delayed samples (before the loss's sequence guard)."""
+    delayed_input_tokens: int = 0
+    """Trained tokens of delayed samples (before the loss's sequence guard)."""
 
 
-def prepare(batch: Batch, policy_version: int, max_policy_lag: int) -> Prepared:
+def prepare(batch: Batch, policy_version: int, max_policy_lag: int, max_delayed_lag: int = 0) -> Prepared:
     """Shift, build per-segment positions and a block-diagonal causal mask; drop tokens of samples whose
-    policy lag exceeds ``max_policy_lag`` (they stay in the batch, masked out, and are counted)."""
+    policy lag exceeds ``max_policy_lag`` (they stay in the batch, masked out, and are counted). A delayed
+    sample (``batch.delayed``) is trained up to ``max_delayed_lag`` instead (0 = never: masked and counted),
+    marked ``delayed`` for the loss; a sample of a newer version than ``policy_version`` never is."""
     seg = batch.segment_ids
     rows, seq = seg.shape
     inputs, targets = batch.tokens[:, :-1], batch.tokens[:, 1:]
@@ -161,7 +177,11 @@ def prepare(batch: Batch, policy_version: int, max_policy_lag: int) -> Prepared:
     positions = idx - np.maximum.accumulate(starts, axis=1)
     lags = policy_version - batch.policy_versions
     token_lag = np.where(seg_t >= 0, lags[np.clip(seg_t, 0, None)], 0)
-    fresh = (token_lag <= max_policy_lag) & (token_lag >= 0)  # a newer version (an A/B candidate) is not ours
+    flags = batch.delayed if batch.delayed is not None else np.zeros(len(lags), bool)
+    sample_ok = np.where(flags, (lags <= max_delayed_lag) & (max_delayed_lag > 0), lags <= max_policy_lag)
+    sample_ok &= lags >= 0  # a newer version (an A/B candidate) is not ours
+    token_delayed = np.where(seg_t >= 0, flags[np.clip(seg_t, 0, None)], False)
+    fresh = np.where(seg_t >= 0, sample_ok[np.clip(seg_t, 0, None)], False)
     mask = batch.loss_mask[:, 1:] * same * fresh
     stale = int((batch.loss_mask[:, 1:] * same * ~fresh).sum())
     attend = (seg_in[:, :, None] == seg_in[:, None, :]) & (idx[:, None, :] <= idx[:, :, None])
@@ -177,6 +197,10 @@ def prepare(batch: Batch, policy_version: int, max_policy_lag: int) -> Prepared:
         segments=torch.from_numpy(np.ascontiguousarray(seg_t)),
         lags=lags,
         stale_tokens=stale,
+        delayed=torch.from_numpy(np.ascontiguousarray(token_delayed & fresh)) if (flags & sample_ok).any() else None,
+        delayed_lags=lags[flags & sample_ok],
+        delayed_lag_sum=int((mask * (token_delayed & fresh) * token_lag).sum()),
+        delayed_input_tokens=int((mask * (token_delayed & fresh)).sum()),
     )
 
 
@@ -226,7 +250,10 @@ def train(
                     break
                 continue
             useful = time.monotonic()
-            if (b := trained.take(b, (policy_version - cfg.max_policy_lag, policy_version))) is not None:
+            window = (policy_version - cfg.max_policy_lag, policy_version)
+            # delayed samples are trained up to max_delayed_lag (0: never, an empty window)
+            late = (policy_version - cfg.max_delayed_lag, policy_version) if cfg.max_delayed_lag > 0 else (1, 0)
+            if (b := trained.take(b, window, late)) is not None:
                 batches.append(b)
         if not pipe.all_ranks_true(dp, len(batches) == cfg.micro_batches_per_step):
             trained.discard()  # the partial step is not trained: its batches are read again by the next run
@@ -247,26 +274,40 @@ def train(
             "mm_k3_tok": 0.0,
             "mm_tok": 0,
             "mm_max": 0.0,
+            "delayed": 0,
+            "dtrunc_tok": 0.0,
+            "dlag_sum": 0,
+            "dlag_tok": 0,
         }
         lag_hist: dict[str, int] = {}
+        delayed_hist: dict[str, int] = {}
         if pipe.size == 1:
             for b in batches:
-                p = prepare(b, policy_version, cfg.max_policy_lag)
+                p = prepare(b, policy_version, cfg.max_policy_lag, cfg.max_delayed_lag)
                 lp = forward_logprobs(model, p.tokens, p.positions, p.targets, p.attention_mask)
                 with torch.no_grad():
                     ref = forward_logprobs(reference, p.tokens, p.positions, p.targets, p.attention_mask)
                 out = policy_loss(
-                    lp, p.behaviour, ref, p.advantages, p.loss_mask, p.off_policy, norm, cfg.loss, p.segments
+                    lp,
+                    p.behaviour,
+                    ref,
+                    p.advantages,
+                    p.loss_mask,
+                    p.off_policy,
+                    norm,
+                    cfg.loss,
+                    p.segments,
+                    p.delayed,
                 )
                 out.loss.backward()
                 _add_metrics(sums, out)
-                _count_lags(lag_hist, p)
+                _count_lags(lag_hist, delayed_hist, sums, p)
         else:
-            prepared = [prepare(b, policy_version, cfg.max_policy_lag) for b in batches]
+            prepared = [prepare(b, policy_version, cfg.max_policy_lag, cfg.max_delayed_lag) for b in batches]
             for out in pipeline_step(model, reference, prepared, norm, cfg.loss):  # outputs on the last stage only
                 _add_metrics(sums, out)
             for p in prepared:  # every stage holds the same micro-batches
-                _count_lags(lag_hist, p)
+                _count_lags(lag_hist, delayed_hist, sums, p)
         pipe.reduce_tied_embedding_grads(model)
         reduce_sequence_parallel_grads(model)
         dp.reduce_gradients(model)
@@ -278,8 +319,8 @@ def train(
         totals = dp.sum(pipe.from_last_stage([sums[k] for k in keys]))  # the last stage computed them
         (mm_max,) = dp.max(pipe.from_last_stage([sums["mm_max"]]))  # a max: MAX over the replicas, not SUM
         sums = dict(zip(keys, totals))
-        sums["tokens"], sums["on"] = int(sums["tokens"]), int(sums["on"])
-        lag_hist = dp.merge_counts(lag_hist)
+        sums["tokens"], sums["on"], sums["delayed"] = int(sums["tokens"]), int(sums["on"]), int(sums["delayed"])
+        lag_hist, delayed_hist = dp.merge_counts(lag_hist), dp.merge_counts(delayed_hist)
         # what this step really trained on: samples within the policy lag (stale ones are masked)
         step_batches, step_samples = trained.step_ids()
         batch_ids, sample_ids = dp.gather(step_batches), dp.gather(step_samples)
@@ -299,6 +340,12 @@ def train(
             is_truncated_fraction=sums["trunc_tok"] / n,
             tokens=int(sums["tokens"]),
             on_policy_fraction=sums["on"] / n,
+            near_policy_fraction=(sums["tokens"] - sums["on"] - sums["delayed"]) / n,
+            delayed_fraction=sums["delayed"] / n,
+            delayed_tokens=int(sums["delayed"]),
+            delayed_mean_lag=sums["dlag_sum"] / max(1, sums["dlag_tok"]),
+            delayed_lag_histogram=delayed_hist,
+            delayed_truncated_fraction=sums["dtrunc_tok"] / max(1, sums["delayed"]),
             lag_histogram=lag_hist,
             grad_norm=grad_norm,
             dual_clip_fraction=sums["dual_tok"] / n,
@@ -334,11 +381,18 @@ def _add_metrics(sums: dict[str, float], out: LossOutput) -> None:
     sums["mm_k3_tok"] += out.mismatch_k3 * out.mismatch_tokens
     sums["mm_tok"] += out.mismatch_tokens
     sums["mm_max"] = max(sums["mm_max"], out.mismatch_max_abs_log_ratio)
+    sums["delayed"] += out.delayed_tokens
+    sums["dtrunc_tok"] += out.delayed_truncated_fraction * out.tokens
 
 
-def _count_lags(lag_hist: dict[str, int], p: Prepared) -> None:
+def _count_lags(lag_hist: dict[str, int], delayed_hist: dict[str, int], sums: dict[str, float], p: Prepared) -> None:
+    """Every sample's lag (``lag_histogram``), the trained delayed samples' lags and their tokens' lag sum."""
     for lag in p.lags.tolist():
         lag_hist[str(lag)] = lag_hist.get(str(lag), 0) + 1
+    for lag in p.delayed_lags.tolist():
+        delayed_hist[str(lag)] = delayed_hist.get(str(lag), 0) + 1
+    sums["dlag_sum"] += p.delayed_lag_sum
+    sums["dlag_tok"] += p.delayed_input_tokens
 
 
 @contextlib.contextmanager
@@ -424,7 +478,9 @@ def pipeline_step(
 
     def loss_func(p: Prepared, ref: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         lp = logprobs_from_logits(logits, p.targets)
-        out = policy_loss(lp, p.behaviour, ref, p.advantages, p.loss_mask, p.off_policy, norm, loss_cfg, p.segments)
+        out = policy_loss(
+            lp, p.behaviour, ref, p.advantages, p.loss_mask, p.off_policy, norm, loss_cfg, p.segments, p.delayed
+        )
         outs.append(out)
         return out.loss, torch.tensor(out.tokens, dtype=torch.int), {}
 
