@@ -36,7 +36,7 @@ from flows.counts import FlowCounts, by_kind, dead_letters
 from flows.kafka_io import kafka_source, paused
 from flows.processor import FlowOutput, RewardProcessor
 from flows.sinks import ClickHouseSink, KafkaSink
-from flows.windowing import PartitionWindows, WindowConfig
+from flows.windowing import KindRules, PartitionWindows, WindowConfig
 from flows.wiring import injected, require_bootstrap
 from rewards.versions import registry
 from rtrl.settings import Settings, load_settings
@@ -51,12 +51,26 @@ OUTPUTS = ("clickhouse", "kafka")
 
 
 def window_config(settings: Settings) -> WindowConfig:
+    """The windows' rules from ``flow``: the defaults, and per task kind (``flow.task_kinds``) its own deadline and
+    allowed lateness (unset: the defaults) and whether it awaits a verdict."""
     f = settings.flow
+
+    def ms(seconds: float | None, default: float) -> int:
+        return int((default if seconds is None else seconds) * 1000)
+
+    kinds = tuple(
+        (
+            name,
+            KindRules(ms(k.deadline_s, f.deadline_s), ms(k.allowed_lateness_s, f.allowed_lateness_s), k.awaits_verdict),
+        )
+        for name, k in sorted(f.task_kinds.items())
+    )
     return WindowConfig(
         deadline_ms=int(f.deadline_s * 1000),
         grace_ms=int(f.grace_s * 1000),
         allowed_lateness_ms=int(f.allowed_lateness_s * 1000),
         max_future_ms=int(f.max_future_s * 1000),
+        kinds=kinds,
     )
 
 
