@@ -6,7 +6,9 @@ Steps (stable step ids key the recovery state):
 
 ``events_in``   KafkaSource over rtrl.events (built after a bounded broker check), each message
                 keyed by its Kafka partition: one partition = one event-time clock
-``rewards``     parse/validate, deduplicate, window, compute rewards (flows.processor)
+``rewards``     parse/validate, deduplicate, window, compute rewards (flows.processor); beyond
+                ``flow.state_memory_mb`` per partition, windows spill to SQLite in ``flow.state_dir``
+                (flows.spill), rolled back with the recovery snapshot on a resume
 ``clickhouse``  events, rewards, trajectories, dead_letters tables, and the Parquet archive of
                 raw events by date (for backfill)
 ``kafka``       rtrl.rewards and rtrl.dead_letters topics
@@ -25,6 +27,7 @@ import gc
 import threading
 from collections import Counter
 from collections.abc import Mapping
+from pathlib import Path
 
 import bytewax.operators as op
 from bytewax.dataflow import Dataflow
@@ -36,6 +39,7 @@ from flows.counts import FlowCounts, by_kind, dead_letters
 from flows.kafka_io import kafka_source, paused
 from flows.processor import FlowOutput, RewardProcessor
 from flows.sinks import ClickHouseSink, KafkaSink
+from flows.spill import SqliteStore, partition_file
 from flows.windowing import KindRules, PartitionWindows, WindowConfig
 from flows.wiring import injected, require_bootstrap
 from rewards.versions import registry
@@ -105,11 +109,19 @@ class _PartitionLogic(StatefulBatchLogic):
     """Bytewax wrapper: the processor's windows are the snapshotted state of one partition key."""
 
     def __init__(
-        self, processor: RewardProcessor, stop: threading.Event | None = None, counts: FlowCounts | None = None
+        self,
+        processor: RewardProcessor,
+        stop: threading.Event | None = None,
+        counts: FlowCounts | None = None,
+        state_root: Path | None = None,
     ):
-        self.processor, self.stop, self.counts = processor, stop, counts
+        self.processor, self.stop, self.counts, self.state_root = processor, stop, counts, state_root
 
     def on_batch(self, values: list) -> tuple[list[FlowOutput], bool]:
+        windows = self.processor.windows
+        if self.state_root is not None and windows.store is None and values:
+            # the first batch names the partition (the builder is not told its key): a fresh file for it
+            windows.store = SqliteStore.fresh(partition_file(self.state_root, values[0].partition))
         return [count(self.counts, len(values), self.processor.process(values))], StatefulBatchLogic.RETAIN
 
     def on_eof(self) -> tuple[list[FlowOutput], bool]:
@@ -184,9 +196,18 @@ def build_flow(
     sources = kafka_inputs(settings, bootstrap, stop) if sources is None else injected(sources, INPUTS, "sources")
     sinks = service_outputs(settings, bootstrap) if sinks is None else injected(sinks, OUTPUTS, "sinks")
 
+    # windows beyond the memory budget live in one SQLite file per partition (flows.spill)
+    budget = int(settings.flow.state_memory_mb * 1_000_000)
+    state_root = Path(settings.state_root)
+
     def build(resume: PartitionWindows | None) -> _PartitionLogic:
+        if resume is not None:
+            if isinstance(resume.store, SqliteStore):  # roll the file back to this snapshot's generation
+                resume.store.resume(state_root / resume.store.path.name)
+            resume.budget_bytes = budget
         processor = RewardProcessor(source_topic, cfg, versions, settings.sdk.max_event_bytes, resume)
-        return _PartitionLogic(processor, stop, counts)
+        processor.windows.budget_bytes = budget
+        return _PartitionLogic(processor, stop, counts, state_root if budget > 0 else None)
 
     # The source makes a tracked Python object per Kafka message; with the default generation-0
     # threshold (700) the cyclic GC ran ~2,000 times per 200k events and took ~30% of the worker's
