@@ -71,6 +71,7 @@ class SqliteStore:
         self.generation = snapshot + 1  # the generation being written
         self._db: sqlite3.Connection | None = None
         self._live = 0
+        self._min: dict[str, int | None] = {}  # cached min_due per key (absent: ask the file)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -133,6 +134,7 @@ class SqliteStore:
         db.execute("COMMIT")
         db.execute("BEGIN")
         self.generation = s + 1
+        self._min.clear()
         self._live = db.execute("SELECT count(*) FROM windows WHERE died IS NULL").fetchone()[0]
         return self
 
@@ -204,6 +206,10 @@ class SqliteStore:
             ],
         )
         self._live += len(rows)
+        for k, cached in list(self._min.items()):
+            values = [v for r in rows if (v := getattr(r, k)) is not None]
+            if values and (cached is None or min(values) < cached):
+                self._min[k] = min(values)
 
     def _kill(self, found: list[tuple]) -> list[Cold]:
         """Take rows out: delete those written in this generation (no snapshot holds them), mark the rest."""
@@ -211,7 +217,20 @@ class SqliteStore:
         db.executemany("DELETE FROM windows WHERE rowid = ?", [(f[0],) for f in found if f[9] == g])
         db.executemany("UPDATE windows SET died = ? WHERE rowid = ?", [(g, f[0]) for f in found if f[9] != g])
         self._live -= len(found)
-        return [Cold(f[1], f[2], None if f[3] is None else pickle.loads(f[3]), *f[4:9]) for f in found]
+        rows = [Cold(f[1], f[2], None if f[3] is None else pickle.loads(f[3]), *f[4:9]) for f in found]
+        for k, cached in list(self._min.items()):
+            if cached is not None and any(getattr(r, k) == cached for r in rows):
+                del self._min[k]  # the smallest may be gone: ask again
+        return rows
+
+    def min_due(self, key: DueKey) -> int | None:
+        if key not in self._min:
+            self._min[key] = (
+                self.db()
+                .execute(f"SELECT min({key}) FROM windows WHERE died IS NULL AND {key} IS NOT NULL")
+                .fetchone()[0]
+            )
+        return self._min[key]
 
     def take(self, tid: str) -> Cold | None:
         found = self.db().execute(f"SELECT {_COLUMNS} FROM windows WHERE tid = ? AND died IS NULL", (tid,)).fetchall()

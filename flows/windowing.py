@@ -207,6 +207,9 @@ class ColdStore(Protocol):
     def take_due(self, key: DueKey, until: int, limit: int) -> list[Cold]:
         """Remove and return up to ``limit`` rows whose ``key`` is at most ``until``, in (key, tid) order."""
 
+    def min_due(self, key: DueKey) -> int | None:
+        """The smallest ``key`` of any row (None: no row has one); asked before every :meth:`take_due`, so cache it."""
+
 
 class MemoryStore:
     """A :class:`ColdStore` in a dict: the reference the SQLite store is tested against (no I/O)."""
@@ -233,12 +236,15 @@ class MemoryStore:
                 due.append((t, r.tid))
         return [self.rows.pop(tid) for _, tid in sorted(due)[:limit]]
 
+    def min_due(self, key: DueKey) -> int | None:
+        return min((t for r in self.rows.values() if (t := getattr(r, key)) is not None), default=None)
+
 
 #: estimated bytes in memory of a window, of each of its events, and of a tombstone, with their schedule
 #: entries and bookkeeping (measured with tracemalloc by bench/spill_state.py)
-WINDOW_BYTES = 700
-EVENT_BYTES = 420
-TOMBSTONE_BYTES = 260
+WINDOW_BYTES = 850
+EVENT_BYTES = 300
+TOMBSTONE_BYTES = 230
 #: rows read from the store per step when the watermark makes many of them due at once
 CHUNK = 512
 
@@ -393,17 +399,23 @@ class PartitionWindows:
         out: list[Closed | Rejected] = []
         if wm is None:  # no event yet (only ingest calls this, after setting the watermark): nothing is due
             return out
-        cold = self.store is not None and len(self.store) > 0
         # each schedule is run only when something may be due (the common case is nothing)
-        if cold or (self._ready and self._ready[0][0] <= wm):
+        if (self._ready and self._ready[0][0] <= wm) or self._cold_due("ready", wm):
             self._run(self._ready, "ready", wm, self._ready_due, out)
-        if cold or (self._deadlines and self._deadlines[0][0] <= wm):
+        if (self._deadlines and self._deadlines[0][0] <= wm) or self._cold_due("deadline", wm):
             self._run(self._deadlines, "deadline", wm, self._deadline_due, out)
-        if cold or (self._retention and self._retention[0][0] < wm):
+        if (self._retention and self._retention[0][0] < wm) or self._cold_due("retention", wm - 1):
             self._run(self._retention, "retention", wm - 1, self._retention_due, out)
-        if cold or (self._expiry and self._expiry[0][0] < wm):
+        if (self._expiry and self._expiry[0][0] < wm) or self._cold_due("expiry", wm - 1):
             self._run(self._expiry, "expiry", wm - 1, self._expiry_due, out)
         return out
+
+    def _cold_due(self, key: DueKey, until: int) -> bool:
+        store = self.store
+        if store is None or not len(store):
+            return False
+        m = store.min_due(key)
+        return m is not None and m <= until
 
     def _ready_due(self, entry: tuple[int, str, int], out: list[Closed | Rejected]) -> None:
         w = self.open.get(entry[1])
@@ -448,7 +460,8 @@ class PartitionWindows:
         store = self.store
         while True:
             bound = None
-            if store is not None and len(store):
+            if self._cold_due(key, until):
+                assert store is not None
                 rows = store.take_due(key, until, CHUNK)
                 for r in rows:
                     self._load(r)
