@@ -23,6 +23,7 @@ import argparse
 import json
 import random
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -99,6 +100,7 @@ def run(mode: str, n: int, budget_mb: float, snapshot_every: int) -> dict:
         assert w.hot_count + len(store) == n
     else:
         assert w.open_count == n
+    shutil.rmtree(tmp)
     return out
 
 

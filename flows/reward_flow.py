@@ -130,7 +130,10 @@ class _PartitionLogic(StatefulBatchLogic):
         return [count(self.counts, 0, self.processor.finish())], StatefulBatchLogic.RETAIN
 
     def snapshot(self) -> PartitionWindows:
-        return self.processor.windows
+        windows = self.processor.windows
+        if isinstance(windows.store, SqliteStore):  # each epoch's writes committed, recovery or not
+            windows.store.checkpoint()
+        return windows
 
 
 def kafka_inputs(

@@ -9,7 +9,8 @@ back up or delete them together.
 **Consistency with Bytewax recovery.** Bytewax pickles the windows at every snapshot (epoch) and, after a
 crash, resumes from the last snapshot it committed - possibly older than the file's newest writes. So the
 file is versioned by *generation*: pickling the store (its ``__getstate__``) commits the open SQLite
-transaction durably (WAL, ``synchronous=FULL``), saves only the file's name and the generation ``S`` just
+transaction durably (WAL, ``synchronous=FULL``; the flow's ``snapshot()`` commits at every epoch end even
+without recovery, when Bytewax pickles nothing, so no transaction grows for ever), saves only the file's name and the generation ``S`` just
 closed, and starts generation ``S + 1``. Every row records the generation it was written in (``born``)
 and the one it was taken out in (``died``; a live row has none). Resuming from a pickle of generation
 ``S`` first rolls the file back to it: rows born after ``S`` are deleted and rows that died after ``S``
@@ -72,6 +73,7 @@ class SqliteStore:
         self._db: sqlite3.Connection | None = None
         self._live = 0
         self._min: dict[str, int | None] = {}  # cached min_due per key (absent: ask the file)
+        self._dirty = False  # written since the last checkpoint
 
     # ------------------------------------------------------------ lifecycle
 
@@ -163,7 +165,7 @@ class SqliteStore:
         db.execute("UPDATE meta SET value = ? WHERE key = 'snapshot'", (str(s),))
         db.execute("COMMIT")
         db.execute("BEGIN")
-        self.snapshot, self.generation = s, s + 1
+        self.snapshot, self.generation, self._dirty = s, s + 1, False
         return s
 
     def close(self) -> None:
@@ -174,7 +176,8 @@ class SqliteStore:
 
     def __getstate__(self) -> dict[str, Any]:
         # pickling is Bytewax's snapshot: commit what the pickle's windows rely on, and name its generation
-        snapshot = self.checkpoint() if self._db is not None else self.snapshot
+        # (the flow's snapshot() has just checkpointed: then nothing is new and the generation is that one)
+        snapshot = self.checkpoint() if self._db is not None and self._dirty else self.snapshot
         return {"path": str(self.path), "run": self.run, "snapshot": snapshot}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -206,6 +209,7 @@ class SqliteStore:
             ],
         )
         self._live += len(rows)
+        self._dirty = True
         for k, cached in list(self._min.items()):
             values = [v for r in rows if (v := getattr(r, k)) is not None]
             if values and (cached is None or min(values) < cached):
@@ -217,6 +221,7 @@ class SqliteStore:
         db.executemany("DELETE FROM windows WHERE rowid = ?", [(f[0],) for f in found if f[9] == g])
         db.executemany("UPDATE windows SET died = ? WHERE rowid = ?", [(g, f[0]) for f in found if f[9] != g])
         self._live -= len(found)
+        self._dirty = True
         rows = [Cold(f[1], f[2], None if f[3] is None else pickle.loads(f[3]), *f[4:9]) for f in found]
         for k, cached in list(self._min.items()):
             if cached is not None and any(getattr(r, k) == cached for r in rows):

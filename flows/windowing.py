@@ -552,7 +552,12 @@ class PartitionWindows:
             del self._lru[r.tid]
         if rows:
             store.put(rows)
-            self._rebuild()
+            # entries of evicted windows are skipped when they come up (not in memory) and a reloaded window
+            # pushes its own; rebuilding only once they dominate keeps the schedules bounded at a constant cost
+            # per evicted window
+            hot = len(self.open) + len(self.closed) + len(self.tombstones)
+            if len(self._ready) + len(self._deadlines) + len(self._retention) + len(self._expiry) > 2 * hot + CHUNK:
+                self._rebuild()
         return len(rows)
 
     def _rebuild(self) -> None:
