@@ -260,3 +260,19 @@ def test_corrupt_or_foreign_state_file_is_a_clear_error(tmp_path):
     SqliteStore.fresh(path).close()  # a fresh start of another run over the same folder
     with pytest.raises(StateError, match="belongs to another run"):
         pickle.loads(snap).store.resume()
+
+
+def test_state_dir_on_another_volume_is_refused(tmp_path):
+    """`rtrl flow rewards` and the loop's part refuse a flow.state_dir on another volume than the recovery folder."""
+    from app.parts import check_state_volume
+    from rtrl.errors import ConfigError
+    from rtrl.settings import load_settings
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("no second volume here")
+    with tempfile.TemporaryDirectory(dir=shm) as other:
+        env = {"RTRL_DATA_DIR": str(tmp_path), "RTRL_FLOW__STATE_MEMORY_MB": "64", "RTRL_FLOW__STATE_DIR": other}
+        with pytest.raises(ConfigError, match="another volume.*flow.state_dir|flow.state_dir.*another volume"):
+            check_state_volume(load_settings(env=env))
+    check_state_volume(load_settings(env={"RTRL_DATA_DIR": str(tmp_path), "RTRL_FLOW__STATE_MEMORY_MB": "64"}))
