@@ -156,7 +156,10 @@ class SqliteStore:
         return self._db
 
     def checkpoint(self) -> int:
-        """Commit generation ``generation`` durably and start the next; returns the generation committed."""
+        """Commit generation ``generation`` durably and start the next; returns the generation committed. With
+        nothing written since the last one, nothing changes (no write, no fsync): that one is returned."""
+        if not self._dirty:
+            return self.snapshot
         db, s = self.db(), self.generation
         purge = s - KEEP_GENERATIONS
         if purge >= 0:
@@ -177,7 +180,7 @@ class SqliteStore:
     def __getstate__(self) -> dict[str, Any]:
         # pickling is Bytewax's snapshot: commit what the pickle's windows rely on, and name its generation
         # (the flow's snapshot() has just checkpointed: then nothing is new and the generation is that one)
-        snapshot = self.checkpoint() if self._db is not None and self._dirty else self.snapshot
+        snapshot = self.checkpoint() if self._db is not None else self.snapshot
         return {"path": str(self.path), "run": self.run, "snapshot": snapshot}
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -154,7 +154,8 @@ def test_dead_rows_are_purged_only_generations_later(tmp_path):
     run(w, [make(TrajectoryStarted, "a", 0, "e1"), make(TrajectoryStarted, "b", 1, "e2")])
     old = pickle.dumps(w)
     run(w, [make(ToolCall, "a", 2, "e3")])  # a is read back: its row dies
-    for _ in range(KEEP_GENERATIONS + 1):  # epochs end: the flow's snapshot() checkpoints each
+    for i in range(KEEP_GENERATIONS + 1):  # epochs with writes end: the flow's snapshot() checkpoints each
+        run(w, [make(TrajectoryStarted, f"n{i}", 3 + i, f"n{i}")])
         w.store.checkpoint()  # type: ignore[union-attr]
     db = sqlite3.connect(tmp_path / "p")
     assert db.execute("SELECT count(*) FROM windows WHERE died IS NOT NULL").fetchone()[0] == 0
