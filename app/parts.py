@@ -33,7 +33,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from rtrl.errors import RtrlError, ServiceUnavailable
+from rtrl.errors import ConfigError, RtrlError, ServiceUnavailable
 from rtrl.files import private_dir
 from rtrl.quiet import quiet_known_warnings
 from rtrl.settings import Settings, load_settings
@@ -58,6 +58,21 @@ def recovery_config(settings: Settings, name: str) -> Any:
     return RecoveryConfig(str(recovery), backup_interval=timedelta(0))
 
 
+def check_state_volume(settings: Settings) -> None:
+    """With spilled window state (``flow.state_memory_mb`` > 0), ``flow.state_dir`` must be on the reward flow's
+    recovery folder's volume: the snapshots there refer to the files there, so they are backed up, restored and
+    moved together (ConfigError naming both otherwise). Creates both folders (owner-only)."""
+    if settings.flow.state_memory_mb <= 0:
+        return
+    state, recovery = private_dir(Path(settings.state_root)), private_dir(recovery_path(settings, "rewards"))
+    if state.stat().st_dev != recovery.stat().st_dev:
+        raise ConfigError(
+            f"flow.state_dir {state} is on another volume than the reward flow's recovery folder {recovery}; the "
+            "recovery snapshots refer to the window state files, so both must be saved and restored together. "
+            "Fix: set flow.state_dir to a folder on the recovery folder's volume (empty = <data_dir>/state/rewards)"
+        )
+
+
 def run_flow(
     settings: Settings, name: str, bootstrap: str, workers: int = 1, stop: threading.Event | None = None
 ) -> str:
@@ -72,6 +87,8 @@ def run_flow(
     from flows.kafka_io import stop_on_signals
 
     counts, t0 = FlowCounts(), time.monotonic()
+    if name == "rewards":
+        check_state_volume(settings)
     build = reward_flow.build_flow if name == "rewards" else batch_flow.build_flow
     cli_main(
         build(settings, bootstrap=bootstrap, stop=stop if stop is not None else stop_on_signals(), counts=counts),

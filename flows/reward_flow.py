@@ -6,7 +6,9 @@ Steps (stable step ids key the recovery state):
 
 ``events_in``   KafkaSource over rtrl.events (built after a bounded broker check), each message
                 keyed by its Kafka partition: one partition = one event-time clock
-``rewards``     parse/validate, deduplicate, window, compute rewards (flows.processor)
+``rewards``     parse/validate, deduplicate, window, compute rewards (flows.processor); beyond
+                ``flow.state_memory_mb`` per partition, windows spill to SQLite in ``flow.state_dir``
+                (flows.spill), rolled back with the recovery snapshot on a resume
 ``clickhouse``  events, rewards, trajectories, dead_letters tables, and the Parquet archive of
                 raw events by date (for backfill)
 ``kafka``       rtrl.rewards and rtrl.dead_letters topics
@@ -25,6 +27,7 @@ import gc
 import threading
 from collections import Counter
 from collections.abc import Mapping
+from pathlib import Path
 
 import bytewax.operators as op
 from bytewax.dataflow import Dataflow
@@ -36,7 +39,8 @@ from flows.counts import FlowCounts, by_kind, dead_letters
 from flows.kafka_io import kafka_source, paused
 from flows.processor import FlowOutput, RewardProcessor
 from flows.sinks import ClickHouseSink, KafkaSink
-from flows.windowing import PartitionWindows, WindowConfig
+from flows.spill import SqliteStore, partition_file
+from flows.windowing import KindRules, PartitionWindows, WindowConfig
 from flows.wiring import injected, require_bootstrap
 from rewards.versions import registry
 from rtrl.settings import Settings, load_settings
@@ -51,12 +55,26 @@ OUTPUTS = ("clickhouse", "kafka")
 
 
 def window_config(settings: Settings) -> WindowConfig:
+    """The windows' rules from ``flow``: the defaults, and per task kind (``flow.task_kinds``) its own deadline and
+    allowed lateness (unset: the defaults) and whether it awaits a verdict."""
     f = settings.flow
+
+    def ms(seconds: float | None, default: float) -> int:
+        return int((default if seconds is None else seconds) * 1000)
+
+    kinds = tuple(
+        (
+            name,
+            KindRules(ms(k.deadline_s, f.deadline_s), ms(k.allowed_lateness_s, f.allowed_lateness_s), k.awaits_verdict),
+        )
+        for name, k in sorted(f.task_kinds.items())
+    )
     return WindowConfig(
         deadline_ms=int(f.deadline_s * 1000),
         grace_ms=int(f.grace_s * 1000),
         allowed_lateness_ms=int(f.allowed_lateness_s * 1000),
         max_future_ms=int(f.max_future_s * 1000),
+        kinds=kinds,
     )
 
 
@@ -97,11 +115,19 @@ class _PartitionLogic(StatefulBatchLogic):
     """Bytewax wrapper: the processor's windows are the snapshotted state of one partition key."""
 
     def __init__(
-        self, processor: RewardProcessor, stop: threading.Event | None = None, counts: FlowCounts | None = None
+        self,
+        processor: RewardProcessor,
+        stop: threading.Event | None = None,
+        counts: FlowCounts | None = None,
+        state_root: Path | None = None,
     ):
-        self.processor, self.stop, self.counts = processor, stop, counts
+        self.processor, self.stop, self.counts, self.state_root = processor, stop, counts, state_root
 
     def on_batch(self, values: list) -> tuple[list[FlowOutput], bool]:
+        windows = self.processor.windows
+        if self.state_root is not None and windows.store is None and values:
+            # the first batch names the partition (the builder is not told its key): a fresh file for it
+            windows.store = SqliteStore.fresh(partition_file(self.state_root, values[0].partition))
         return [count(self.counts, len(values), self.processor.process(values))], StatefulBatchLogic.RETAIN
 
     def on_eof(self) -> tuple[list[FlowOutput], bool]:
@@ -110,7 +136,10 @@ class _PartitionLogic(StatefulBatchLogic):
         return [count(self.counts, 0, self.processor.finish())], StatefulBatchLogic.RETAIN
 
     def snapshot(self) -> PartitionWindows:
-        return self.processor.windows
+        windows = self.processor.windows
+        if isinstance(windows.store, SqliteStore):  # each epoch's writes committed, recovery or not
+            windows.store.checkpoint()
+        return windows
 
 
 def kafka_inputs(
@@ -176,11 +205,20 @@ def build_flow(
     sources = kafka_inputs(settings, bootstrap, stop) if sources is None else injected(sources, INPUTS, "sources")
     sinks = service_outputs(settings, bootstrap) if sinks is None else injected(sinks, OUTPUTS, "sinks")
 
+    # windows beyond the memory budget live in one SQLite file per partition (flows.spill)
+    budget = int(settings.flow.state_memory_mb * 1_000_000)
+    state_root = Path(settings.state_root)
+
     def build(resume: PartitionWindows | None) -> _PartitionLogic:
+        if resume is not None:
+            if isinstance(resume.store, SqliteStore):  # roll the file back to this snapshot's generation
+                resume.store.resume(state_root / resume.store.path.name)
+            resume.budget_bytes = budget
         processor = RewardProcessor(
             source_topic, cfg, versions, settings.sdk.max_event_bytes, resume, verdict_kinds(settings)
         )
-        return _PartitionLogic(processor, stop, counts)
+        processor.windows.budget_bytes = budget
+        return _PartitionLogic(processor, stop, counts, state_root if budget > 0 else None)
 
     # The source makes a tracked Python object per Kafka message; with the default generation-0
     # threshold (700) the cyclic GC ran ~2,000 times per 200k events and took ~30% of the worker's

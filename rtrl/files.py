@@ -66,7 +66,7 @@ def write_private(path: str | os.PathLike, data: bytes) -> Path:
 #: written into a data folder rtrl created: only such a folder is ever cleaned by ``rtrl run``
 MARKER = ".rtrl-data"
 #: what ``rtrl run`` on the embedded defaults deletes for a fresh start
-RUN_PARTS = ("broker", "clickhouse", "archive", "loop", "recovery", "logs", "registry")
+RUN_PARTS = ("broker", "clickhouse", "archive", "loop", "recovery", "state", "logs", "registry")
 #: files only rtrl writes: the marker, or (folders of runs before the marker existed) its broker's address
 #: file and the loop's state
 _SIGNS = (MARKER, "broker/rtrl-broker.json", "loop/state.json")

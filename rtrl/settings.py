@@ -212,6 +212,19 @@ class FlowSettings(Section):
     batch_seconds: float = _s(1.0, "longest a row waits in a sink buffer before a write (both flows)", gt=0)
     archive_dir: str = _s("", "Parquet archive of raw events; empty = <data_dir>/archive/events")
     recovery_dir: str = _s("", "Bytewax recovery folder; empty = <data_dir>/recovery/rewards")
+    state_memory_mb: float = _s(
+        512.0,
+        "memory (MB, estimated) the reward flow's windows may use per Kafka partition; beyond it the least recently "
+        "touched open, closed and expired windows move to a SQLite file per partition in state_dir and come back "
+        "when an event needs them (same results); 0 = no limit, all in memory",
+        ge=0,
+    )
+    state_dir: str = _s(
+        "",
+        "folder of the reward flow's spilled window state (state_memory_mb); empty = <data_dir>/state/rewards. "
+        "Recovery snapshots refer to it: keep it on the recovery folder's volume and move, back up or delete both "
+        "together",
+    )
     snapshot_s: float = _s(
         2.0, "Bytewax snapshot (epoch) interval of both flows: the most work replayed after a crash", gt=0
     )
@@ -817,6 +830,11 @@ class Settings(BaseSettings):
     @property
     def data_path(self) -> Path:
         return Path(self.data_dir).expanduser().resolve()
+
+    @property
+    def state_root(self) -> str:
+        """Where the reward flow spills its windows (``flow.state_dir``, default ``<data_dir>/state/rewards``)."""
+        return self.flow.state_dir or str(self.data_path / "state" / "rewards")
 
     @property
     def archive_root(self) -> str:

@@ -1,0 +1,258 @@
+"""The reward flow's windows on disk: a SQLite :class:`flows.windowing.ColdStore`, one file per partition.
+
+:class:`flows.windowing.PartitionWindows` keeps ``flow.state_memory_mb`` of windows in memory and moves the
+least recently touched to this store (a row per window or tombstone: its pickled state and the due times
+that drive it, each in an indexed column). The file lives in ``flow.state_dir`` (default
+``<data_dir>/state/rewards``), beside the Bytewax recovery folder; keep both on one volume and move,
+back up or delete them together.
+
+**Consistency with Bytewax recovery.** Bytewax pickles the windows at every snapshot (epoch) and, after a
+crash, resumes from the last snapshot it committed - possibly older than the file's newest writes. So the
+file is versioned by *generation*: pickling the store (its ``__getstate__``) commits the open SQLite
+transaction durably (WAL, ``synchronous=FULL``; the flow's ``snapshot()`` commits at every epoch end even
+without recovery, when Bytewax pickles nothing, so no transaction grows for ever), saves only the file's name and the generation ``S`` just
+closed, and starts generation ``S + 1``. Every row records the generation it was written in (``born``)
+and the one it was taken out in (``died``; a live row has none). Resuming from a pickle of generation
+``S`` first rolls the file back to it: rows born after ``S`` are deleted and rows that died after ``S``
+live again - exactly the rows that snapshot's in-memory windows do not hold. A fresh start (no snapshot to
+resume from) wipes the partition's file.
+
+Dead rows are deleted for good only :data:`KEEP_GENERATIONS` generations after they died: Bytewax may resume
+from an epoch before the newest snapshot this process pickled (a crash between our commit and Bytewax's,
+or a cluster whose workers committed different epochs), and rolling back to it must find them. A resume
+from further back than that is refused with an error rather than silently losing windows.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sqlite3
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from flows.windowing import DUE_KEYS, Cold, DueKey
+from rtrl.errors import RtrlError
+
+#: generations a dead row is kept for rollback (see the module docstring)
+KEEP_GENERATIONS = 16
+
+_SCHEMA = [
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS windows (tid TEXT NOT NULL, state TEXT NOT NULL, value BLOB, ready INTEGER, "
+    "deadline INTEGER, retention INTEGER, expiry INTEGER, first INTEGER, born INTEGER NOT NULL, died INTEGER)",
+    "CREATE UNIQUE INDEX IF NOT EXISTS live_tid ON windows (tid) WHERE died IS NULL",
+    "CREATE INDEX IF NOT EXISTS dead ON windows (died) WHERE died IS NOT NULL",
+] + [
+    f"CREATE INDEX IF NOT EXISTS due_{k} ON windows ({k}, tid) WHERE died IS NULL AND {k} IS NOT NULL" for k in DUE_KEYS
+]
+_COLUMNS = "rowid, tid, state, value, ready, deadline, retention, expiry, first, born"
+
+
+class StateError(RtrlError):
+    """The reward flow's spilled window state cannot be used (missing, foreign, corrupt or too old)."""
+
+
+def partition_file(state_dir: str | Path, partition: int) -> Path:
+    """The state file of Kafka partition ``partition`` in ``state_dir``."""
+    return Path(state_dir) / f"partition-{partition}.sqlite"
+
+
+class SqliteStore:
+    """A :class:`flows.windowing.ColdStore` in one SQLite file (see the module docstring).
+
+    Make one with :meth:`fresh` (a new file, any old one wiped) or get one back from a pickle and call
+    :meth:`resume` (rolls the file back to the pickle's generation) before use."""
+
+    def __init__(self, path: Path, run: str, snapshot: int):
+        self.path = Path(path)
+        self.run = run  # names the lineage of snapshots this file belongs to
+        self.snapshot = snapshot  # the generation the last pickle closed (-1: none yet)
+        self.generation = snapshot + 1  # the generation being written
+        self._db: sqlite3.Connection | None = None
+        self._live = 0
+        self._min: dict[str, int | None] = {}  # cached min_due per key (absent: ask the file)
+        self._dirty = False  # written since the last checkpoint
+
+    # ------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def fresh(cls, path: str | Path) -> SqliteStore:
+        """A new, empty store at ``path`` (an old file there and its WAL are deleted: a fresh start)."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        for f in (p, p.with_name(p.name + "-wal"), p.with_name(p.name + "-shm")):
+            f.unlink(missing_ok=True)
+        store = cls(p, uuid.uuid4().hex, -1)
+        db = store._connect()
+        db.executemany("INSERT INTO meta VALUES (?, ?)", [("run", store.run), ("snapshot", "-1"), ("purged", "-1")])
+        db.execute("COMMIT")
+        db.execute("BEGIN")
+        return store
+
+    def resume(self, path: str | Path | None = None) -> SqliteStore:
+        """Open the file (at ``path`` when given: the state folder may have moved) and roll it back to this
+        store's snapshot generation. Raises :class:`StateError` naming the file, ``flow.state_dir`` and the likely
+        cause when it is missing, not a state file, of another run, or older than the snapshot."""
+        if path is not None:
+            self.path = Path(path)
+        p = self.path
+        if not p.exists():
+            raise StateError(
+                f"the reward flow's window state file {p} is missing, but the recovery snapshot being resumed "
+                f"refers to it; likely cause: flow.state_dir was changed or its folder deleted, or the recovery "
+                f"folder was copied without it. Fix: point flow.state_dir at the folder holding it (keep it beside "
+                f"the recovery folder, on the same volume), or delete the recovery folder to start afresh"
+            )
+        try:
+            db = self._connect()
+            meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
+        except sqlite3.DatabaseError as e:
+            raise StateError(
+                f"the reward flow's window state file {p} (in flow.state_dir) cannot be read: {e}; likely cause: "
+                f"it was overwritten or corrupted. Fix: restore it with its recovery folder, or delete both to start "
+                f"afresh"
+            ) from None
+        if meta.get("run") != self.run:
+            raise StateError(
+                f"the reward flow's window state file {p} (in flow.state_dir) belongs to another run than the "
+                f"recovery snapshot being resumed; likely cause: the flow was started afresh (or with another "
+                f"recovery folder) over the same flow.state_dir. Fix: use the recovery folder and state folder of "
+                f"one run together, or delete both to start afresh"
+            )
+        committed, purged = int(meta["snapshot"]), int(meta["purged"])
+        if committed < self.snapshot or purged > self.snapshot:
+            raise StateError(
+                f"the reward flow's window state file {p} (in flow.state_dir) holds generations {purged + 1}.."
+                f"{committed}, not the recovery snapshot's {self.snapshot}; likely cause: an older copy of the "
+                f"file, or a recovery folder restored from a backup older than it. Fix: restore both from the "
+                f"same backup, or delete both to start afresh"
+            )
+        s = self.snapshot
+        db.execute("DELETE FROM windows WHERE born > ?", (s,))
+        db.execute("UPDATE windows SET died = NULL WHERE died IS NOT NULL AND died > ?", (s,))
+        db.execute("UPDATE meta SET value = ? WHERE key = 'snapshot'", (str(s),))
+        db.execute("COMMIT")
+        db.execute("BEGIN")
+        self.generation = s + 1
+        self._min.clear()
+        self._live = db.execute("SELECT count(*) FROM windows WHERE died IS NULL").fetchone()[0]
+        return self
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")  # a commit (at each snapshot) is on disk when it returns
+        for stmt in _SCHEMA:
+            db.execute(stmt)
+        db.execute("BEGIN")
+        self._db = db
+        return db
+
+    def db(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise StateError(f"window state {self.path} was restored from a snapshot but not resumed (call resume())")
+        return self._db
+
+    def checkpoint(self) -> int:
+        """Commit generation ``generation`` durably and start the next; returns the generation committed. With
+        nothing written since the last one, nothing changes (no write, no fsync): that one is returned."""
+        if not self._dirty:
+            return self.snapshot
+        db, s = self.db(), self.generation
+        purge = s - KEEP_GENERATIONS
+        if purge >= 0:
+            db.execute("DELETE FROM windows WHERE died IS NOT NULL AND died <= ?", (purge,))
+            db.execute("UPDATE meta SET value = ? WHERE key = 'purged'", (str(purge),))
+        db.execute("UPDATE meta SET value = ? WHERE key = 'snapshot'", (str(s),))
+        db.execute("COMMIT")
+        db.execute("BEGIN")
+        self.snapshot, self.generation, self._dirty = s, s + 1, False
+        return s
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.execute("ROLLBACK")  # what the last snapshot did not commit is not state
+            self._db.close()
+            self._db = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # pickling is Bytewax's snapshot: commit what the pickle's windows rely on, and name its generation
+        # (the flow's snapshot() has just checkpointed: then nothing is new and the generation is that one)
+        snapshot = self.checkpoint() if self._db is not None else self.snapshot
+        return {"path": str(self.path), "run": self.run, "snapshot": snapshot}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(Path(state["path"]), state["run"], state["snapshot"])  # type: ignore[misc]
+
+    # ------------------------------------------------------------ ColdStore
+
+    def __len__(self) -> int:
+        return self._live
+
+    def put(self, rows: Sequence[Cold]) -> None:
+        g = self.generation
+        self.db().executemany(
+            "INSERT INTO windows (tid, state, value, ready, deadline, retention, expiry, first, born) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [
+                (
+                    r.tid,
+                    r.state,
+                    None if r.value is None else pickle.dumps(r.value, pickle.HIGHEST_PROTOCOL),
+                    r.ready,
+                    r.deadline,
+                    r.retention,
+                    r.expiry,
+                    r.first,
+                    g,
+                )
+                for r in rows
+            ],
+        )
+        self._live += len(rows)
+        self._dirty = True
+        for k, cached in list(self._min.items()):
+            values = [v for r in rows if (v := getattr(r, k)) is not None]
+            if values and (cached is None or min(values) < cached):
+                self._min[k] = min(values)
+
+    def _kill(self, found: list[tuple]) -> list[Cold]:
+        """Take rows out: delete those written in this generation (no snapshot holds them), mark the rest."""
+        db, g = self.db(), self.generation
+        db.executemany("DELETE FROM windows WHERE rowid = ?", [(f[0],) for f in found if f[9] == g])
+        db.executemany("UPDATE windows SET died = ? WHERE rowid = ?", [(g, f[0]) for f in found if f[9] != g])
+        self._live -= len(found)
+        self._dirty = True
+        rows = [Cold(f[1], f[2], None if f[3] is None else pickle.loads(f[3]), *f[4:9]) for f in found]
+        for k, cached in list(self._min.items()):
+            if cached is not None and any(getattr(r, k) == cached for r in rows):
+                del self._min[k]  # the smallest may be gone: ask again
+        return rows
+
+    def min_due(self, key: DueKey) -> int | None:
+        if key not in self._min:
+            self._min[key] = (
+                self.db()
+                .execute(f"SELECT min({key}) FROM windows WHERE died IS NULL AND {key} IS NOT NULL")
+                .fetchone()[0]
+            )
+        return self._min[key]
+
+    def take(self, tid: str) -> Cold | None:
+        found = self.db().execute(f"SELECT {_COLUMNS} FROM windows WHERE tid = ? AND died IS NULL", (tid,)).fetchall()
+        return self._kill(found)[0] if found else None
+
+    def take_due(self, key: DueKey, until: int, limit: int) -> list[Cold]:
+        assert key in DUE_KEYS
+        found = (
+            self.db()
+            .execute(
+                f"SELECT {_COLUMNS} FROM windows WHERE died IS NULL AND {key} IS NOT NULL AND {key} <= ? "
+                f"ORDER BY {key}, tid LIMIT ?",
+                (until, limit),
+            )
+            .fetchall()
+        )
+        return self._kill(found) if found else []
