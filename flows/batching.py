@@ -70,14 +70,14 @@ class BatchConfig:
                 raise ValueError(f"{name} must be >= 0")
         if any(ms < 0 for _, ms in self.verdict_wait_ms):
             raise ValueError("verdict_wait_ms must be >= 0")
-
-    def verdict_wait(self, task_kind: str) -> int | None:
-        """How long a rollout of ``task_kind`` waits for its final reward; None = the kind awaits no verdict."""
-        return next((ms for kind, ms in self.verdict_wait_ms if kind == task_kind), None)
         if self.seq_len < 2 or self.rows < 1:
             raise ValueError("seq_len must be >= 2 and rows >= 1")
         if not 0.0 < self.baseline_alpha <= 1.0:
             raise ValueError("baseline_alpha must be in (0, 1]")
+
+    def verdict_wait(self, task_kind: str) -> int | None:
+        """How long a rollout of ``task_kind`` waits for its final reward; None = the kind awaits no verdict."""
+        return next((ms for kind, ms in self.verdict_wait_ms if kind == task_kind), None)
 
 
 @dataclass

@@ -226,3 +226,18 @@ def test_every_accepted_sample_is_packed_exactly_once(items, seq_len, rows):
         ) == len(b.token_ids)
         assert sum(map(sum, b.loss_mask)) == sum(sum(rollouts[s].loss_mask) for s in b.sample_ids)
     assert _run(items, cfg)[1] == batches  # deterministic: same input, same batches and ids
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(seq_len=1),
+        dict(rows=0),
+        dict(baseline_alpha=0.0),
+        dict(baseline_alpha=1.5),
+        dict(verdict_wait_ms=(("background", -1),)),
+    ],
+)
+def test_batch_config_refuses_impossible_shapes(bad):
+    with pytest.raises(ValueError):
+        BatchConfig(**bad)
