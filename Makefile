@@ -58,6 +58,8 @@ bench: setup
 	$(PY) bench/loop.py
 	$(PY) bench/ab_stats.py
 	$(PY) bench/backfill.py
+	$(PY) bench/spill_state.py
+	$(PY) bench/long_loop.py
 
 clean:
 	rm -rf $(VENV) .rtrl .pytest_cache .hypothesis

@@ -50,7 +50,7 @@ from flows.reward_flow import verdict_kinds, window_config
 from rtrl.settings import Settings, as_env, load_settings
 from schemas.codec import encode_batch, event_codec
 from schemas.records import EventBase, MicroBatch, Rollout, TaskVerdict, TrajectoryStarted
-from simulator.policy import greedy, sample, warm_start
+from simulator.policy import greedy, sample, solve_probability, warm_start
 from simulator.tasks import BACKGROUND, COMPLETION_LEN, KINDS, held_out, outcome, sample_task, score
 from simulator.world import LONG_WORLD, LongWorld, react, react_background
 from trainer.batch import to_batch
@@ -73,7 +73,7 @@ class Experiment:
     """The experiment's world and size (defaults: bench/long_loop.py's)."""
 
     cycles: int = 12
-    tasks_per_cycle: int = 256  # prompts served per cycle, each sampled group_size times
+    tasks_per_cycle: int = 512  # prompts served per cycle, each sampled group_size times (the loop's 2,048 samples)
     group_size: int = 4
     long_share: float = 0.2  # share of the prompts that are background tasks
     verdict_cycles: int = 3  # the verdict arrives about this many cycles after the rollout
@@ -96,6 +96,8 @@ class CycleRow:
     long_success: float  # greedy solve rate on held-out background tasks
     short_success: float  # greedy solve rate on held-out short tasks
     long_sampled: float  # solve rate of sampled completions on held-out background tasks
+    long_expected: float  # mean probability that a sampled completion solves a held-out background task
+    short_expected: float  # the same on held-out short tasks
     kl: float  # mean KL to the reference over the cycle's steps
     grad_norm: float  # mean gradient norm (before clipping) over the cycle's steps
     grad_norm_max: float
@@ -107,6 +109,8 @@ class CycleRow:
     verdicts: int  # verdicts that arrived this cycle
     long_solved: tuple[bool, ...] = ()  # per held-out background task: solved greedily (for paired intervals)
     short_solved: tuple[bool, ...] = ()
+    long_probs: tuple[float, ...] = ()  # per held-out background task: probability a sample solves it
+    short_probs: tuple[float, ...] = ()
 
 
 @dataclass
@@ -297,6 +301,7 @@ def run_arm(
         short_solved = tuple(outcome(t, c).correct for t, c in zip(short_eval, greedy(model, short_eval)))
         long_greedy, short_greedy = sum(long_solved) / len(long_solved), sum(short_solved) / len(short_solved)
         long_comps, _ = sample(model, long_eval, torch.Generator().manual_seed(exp.seed + 99))
+        long_probs, short_probs = tuple(solve_probability(model, long_eval)), tuple(solve_probability(model, short_eval))
         delayed = _delayed(todo, version - 1, s.train.max_policy_lag)
         dropped = sum(sum(b.dropped_lag.values()) for b in builders.values())
         row = CycleRow(
@@ -305,6 +310,8 @@ def run_arm(
             long_success=long_greedy,
             short_success=short_greedy,
             long_sampled=score(long_eval, long_comps)["solve_rate"],
+            long_expected=statistics.fmean(long_probs),
+            short_expected=statistics.fmean(short_probs),
             kl=statistics.fmean([st.kl for st in steps]) if steps else 0.0,
             grad_norm=statistics.fmean([st.grad_norm for st in steps]) if steps else 0.0,
             grad_norm_max=max((st.grad_norm for st in steps), default=0.0),
@@ -316,6 +323,8 @@ def run_arm(
             verdicts=verdicts,
             long_solved=long_solved,
             short_solved=short_solved,
+            long_probs=long_probs,
+            short_probs=short_probs,
         )
         rows.append(row)
         if progress is not None:

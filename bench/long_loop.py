@@ -1,19 +1,20 @@
 """Long-loop feedback, measured: drop delayed samples (a), train them with correction (b), or without (c).
 
-    .venv/bin/python bench/long_loop.py [--cycles 12] [--tasks 256] [--seeds 3] [--long-share 0.2] [--verdict-cycles 3]
+    .venv/bin/python bench/long_loop.py [--cycles 12] [--tasks 512] [--seeds 3] [--long-share 0.2] [--verdict-cycles 3]
 
 The experiment of :mod:`app.long_loop`: 20% of the tasks are background tasks whose verdict arrives about
 three cycles after the rollout; the three arms see the same seeded traffic from the same warm start. Printed:
 
-1. per arm, the held-out success (greedy solve rate on 200 held-out tasks of each kind) of the final policy,
-   averaged over seeds, with a 95% interval (Wilson's on the pooled tasks), KL to the reference and gradient
-   norms of the last cycles, and how many delayed samples were trained or dropped;
-2. the figure and its baseline measured in the same run: long-task success of (b) against (a), and of (c)
-   against (a), as a difference with a 95% interval paired by held-out task (same tasks, same seeds) and as a
-   ratio; the same for short tasks (the delayed path must not hurt them).
+1. per arm, the held-out success of the final policy on 200 held-out tasks of each kind, pooled over seeds:
+   P(solve), the exact probability that a sampled completion solves a task (a smooth measure), with a 95%
+   interval, and the greedy solve rate with Wilson's; KL to the reference and gradient norms of the last
+   cycles; how many delayed samples were trained or dropped;
+2. the figure and its baseline measured in the same run: P(solve) of (b) against (a), and of (c) against
+   (a), as a difference with a 95% interval paired by held-out task and seed, and as a ratio; for long
+   tasks (the point) and short tasks (the delayed path must not hurt them).
 
-PNG: ``bench/long_loop.png``: long-task success, short-task success, KL and gradient norm per cycle, one line
-per arm (mean over seeds). Record the figures in bench/RESULTS.md.
+PNG: ``bench/long_loop.png``: long- and short-task P(solve), KL and gradient norm per cycle, one line per
+arm (mean over seeds). Record the figures in bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from app.long_loop import ARMS, CycleRow, Experiment, run_arm
+from rtrl.quiet import quiet_known_warnings
 
 Z = 1.96
 
@@ -42,18 +44,23 @@ def wilson(hits: int, n: int) -> tuple[float, float]:
     return ((centre - half) / (1 + Z * Z / n), (centre + half) / (1 + Z * Z / n))
 
 
-def paired_difference(a: list[bool], b: list[bool]) -> tuple[float, float, float]:
-    """Mean of b - a over paired binary outcomes, with a 95% normal interval of the paired differences."""
-    d = [int(y) - int(x) for x, y in zip(a, b, strict=True)]
-    mean = statistics.fmean(d)
-    se = statistics.pstdev(d) / math.sqrt(len(d)) if len(d) > 1 else 0.0
+def mean_ci(xs: list[float]) -> tuple[float, float, float]:
+    """Mean with a 95% normal interval (standard error of the mean)."""
+    mean = statistics.fmean(xs)
+    se = statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else 0.0
     return mean, mean - Z * se, mean + Z * se
 
 
+def paired_difference(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """Mean of b - a over paired outcomes (the same held-out task and seed), with a 95% normal interval."""
+    return mean_ci([float(y) - float(x) for x, y in zip(a, b, strict=True)])
+
+
 def main() -> None:
+    quiet_known_warnings()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cycles", type=int, default=12)
-    ap.add_argument("--tasks", type=int, default=256, help="prompts per cycle (x4 samples)")
+    ap.add_argument("--tasks", type=int, default=512, help="prompts per cycle (x4 samples)")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--long-share", type=float, default=0.2)
     ap.add_argument("--verdict-cycles", type=int, default=3)
@@ -84,42 +91,49 @@ def main() -> None:
             results[arm].append(run_arm(arm, exp, progress=show))
             console.print(f"seed {seed} arm {arm}: {time.monotonic() - t:.0f} s")
 
-    table = Table(title=f"Long-loop experiment: final policy after {args.cycles} cycles, {args.seeds} seed(s)")
-    for col in ("arm", "long success [95% CI]", "short success [95% CI]", "KL (last 3)", "grad norm (last 3)",
-                "delayed trained", "dropped"):  # fmt: skip
-        table.add_column(col, justify="right" if col != "arm" else "left")
     final = {a: [runs[-1] for runs in results[a]] for a in arms}
+    table = Table(title=f"Long-loop experiment: the policy after {args.cycles} cycles, {args.seeds} seed(s)")
+    for col in ("arm", "long: P(solve) [95% CI]", "short: P(solve) [95% CI]", "long greedy [95% CI]",
+                "short greedy [95% CI]", "KL (last 3)", "grad norm (last 3)", "delayed trained", "dropped"):  # fmt: skip
+        table.add_column(col, justify="right" if col != "arm" else "left")
     for a in arms:
-        longs = [x for r in final[a] for x in r.long_solved]
-        shorts = [x for r in final[a] for x in r.short_solved]
-        lo, hi = wilson(sum(longs), len(longs))
-        slo, shi = wilson(sum(shorts), len(shorts))
+        cells = []
+        for kind in ("long", "short"):
+            probs = [p for r in final[a] for p in getattr(r, f"{kind}_probs")]
+            m, lo, hi = mean_ci(probs)
+            cells.append(f"{m:.3f} [{lo:.3f}, {hi:.3f}]")
+        for kind in ("long", "short"):
+            solved = [x for r in final[a] for x in getattr(r, f"{kind}_solved")]
+            lo, hi = wilson(sum(solved), len(solved))
+            cells.append(f"{sum(solved) / len(solved):.3f} [{lo:.3f}, {hi:.3f}]")
         tail = [r for runs in results[a] for r in runs[-3:]]
         table.add_row(
             a,
-            f"{sum(longs) / len(longs):.3f} [{lo:.3f}, {hi:.3f}]",
-            f"{sum(shorts) / len(shorts):.3f} [{slo:.3f}, {shi:.3f}]",
+            *cells,
             f"{statistics.fmean(r.kl for r in tail):.4f}",
             f"{statistics.fmean(r.grad_norm for r in tail):.3f}",
             f"{sum(r.delayed_samples for runs in results[a] for r in runs):,}",
             f"{sum(runs[-1].dropped for runs in results[a]):,}",
         )
     console.print(table)
+    console.print(
+        "P(solve): the probability that a sampled completion solves a held-out task, exactly (tool x right edit), "
+        "averaged over the tasks of every seed; greedy: the share of tasks the greedy completion solves."
+    )
     if "drop" in arms:
         base = final["drop"]
-        cmp = Table(title="Against the baseline measured in the same run: (a) drop")
-        for col in ("arm", "kind", "success", "baseline (a)", "difference [95% CI, paired by task]", "ratio"):
+        cmp = Table(title="Against the baseline measured in the same run, (a) drop: P(solve), paired by task and seed")
+        for col in ("arm", "kind", "P(solve)", "baseline (a)", "difference [95% CI]", "ratio"):
             cmp.add_column(col, justify="right" if col not in ("arm", "kind") else "left")
         for a in arms:
             if a == "drop":
                 continue
             for kind in ("long", "short"):
-                xs = [x for r in base for x in getattr(r, f"{kind}_solved")]
-                ys = [x for r in final[a] for x in getattr(r, f"{kind}_solved")]
+                xs = [x for r in base for x in getattr(r, f"{kind}_probs")]
+                ys = [x for r in final[a] for x in getattr(r, f"{kind}_probs")]
                 d, lo, hi = paired_difference(xs, ys)
-                pa, pb = sum(xs) / len(xs), sum(ys) / len(ys)
-                cmp.add_row(a, kind, f"{pb:.3f}", f"{pa:.3f}", f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]",
-                            f"{pb / pa:.2f}" if pa else "inf")  # fmt: skip
+                pa, pb = statistics.fmean(xs), statistics.fmean(ys)
+                cmp.add_row(a, kind, f"{pb:.3f}", f"{pa:.3f}", f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]", f"{pb / pa:.2f}")
         console.print(cmp)
     console.print(
         f"{platform.node()} {platform.processor() or platform.machine()}: {time.monotonic() - started:.0f} s in all"
@@ -135,8 +149,8 @@ def plot(results: dict[str, list[list[CycleRow]]], cycles: int, path: Path) -> N
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     panels = (
-        ("long_success", "long-task held-out success (greedy)"),
-        ("short_success", "short-task held-out success (greedy)"),
+        ("long_expected", "long tasks: held-out P(solve)"),
+        ("short_expected", "short tasks: held-out P(solve)"),
         ("kl", "KL to the reference (mean over the cycle's steps)"),
         ("grad_norm", "gradient norm (mean over the cycle's steps)"),
     )
