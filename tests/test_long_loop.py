@@ -359,3 +359,71 @@ def test_training_delayed_verdicts_with_correction_beats_dropping_them():
     assert tail(corrected, "long_expected") > tail(drop, "long_expected") + 0.03
     assert tail(corrected, "short_expected") >= tail(drop, "short_expected") - 0.03
     assert all(math.isfinite(r.grad_norm) and math.isfinite(r.kl) for r in drop + corrected)
+
+
+def test_reward_flow_on_the_broker_stores_provisional_then_final_rewards_with_spilled_windows(
+    broker, topic_prefix, ch_dsn, ch_client, ch_db, tmp_path
+):
+    """Simulated background tasks through the real reward flow (the broker, ClickHouse, windows spilled to
+    SQLite under a tiny memory budget): each judged task's provisional reward is kept in provisional_rewards,
+    its final reward (the verdict's revision) replaces it in rewards, both went to rtrl.rewards, and the
+    analyst views count them."""
+    from bytewax.testing import run_main
+    from confluent_kafka import Producer
+
+    from flows.reward_flow import build_flow
+    from rtrl.kafka import producer_config, read_topic
+    from schemas.codec import JsonCodec
+
+    emissions = generate(_sim(trajectories=200, verdict_min_h=1, verdict_max_h=6, seed=3), SALT)
+    codec = event_codec()
+    producer = Producer(producer_config(broker.bootstrap))
+    for em in emissions:  # one partition: one clock for the whole stream
+        producer.produce(topic_prefix + "events", key=b"k", value=codec.encode(em.event))
+    assert producer.flush(30) == 0
+    env = {
+        "RTRL_SDK__SALT": SALT,
+        "RTRL_KAFKA__BOOTSTRAP": broker.bootstrap,
+        "RTRL_KAFKA__TOPIC_PREFIX": topic_prefix,
+        "RTRL_CLICKHOUSE__DSN": ch_dsn,
+        "RTRL_CLICKHOUSE__DATABASE": ch_db,
+        "RTRL_FLOW__TAIL": "false",
+        "RTRL_FLOW__STATE_MEMORY_MB": "0.02",
+        "RTRL_DATA_DIR": str(tmp_path),
+    }
+    run_main(build_flow(load_settings(env=env)))
+    assert list((tmp_path / "state" / "rewards").glob("*.sqlite"))  # windows did spill
+
+    judged = {
+        e.event.trajectory_id for e in emissions if type(e.event) is TaskVerdict
+    }  # background tasks with a verdict
+    background = {
+        e.event.trajectory_id
+        for e in emissions
+        if type(e.event) is TrajectoryStarted and e.event.task_kind == BACKGROUND
+    }
+    q = lambda sql: ch_client.query(sql.format(db=ch_db)).result_rows  # noqa: E731
+    final = dict(
+        q(
+            "SELECT trajectory_id, provisional FROM {db}.rewards FINAL WHERE reward_version = 'v2' AND task_kind = 'background'"
+        )
+    )
+    assert set(final) == background and judged
+    assert {t for t, p in final.items() if not p} == judged  # the verdict made them final
+    kept = {t for (t,) in q("SELECT trajectory_id FROM {db}.provisional_rewards FINAL WHERE reward_version = 'v2'")}
+    assert judged <= kept  # the provisional reward each verdict replaced is still there
+    published = [JsonCodec(Reward).decode(m.value()) for m in read_topic(broker.bootstrap, topic_prefix + "rewards")]
+    one = next(iter(sorted(judged)))
+    assert [
+        (r.revision > 0, r.provisional) for r in published if r.trajectory_id == one and r.reward_version == "v2"
+    ] == [
+        (False, True),
+        (True, False),
+    ]
+    row = q(
+        "SELECT final_rewards, still_provisional, revised_from_provisional FROM {db}.provisional_vs_final "
+        "WHERE reward_version = 'v2' AND task_kind = 'background'"
+    )[0]
+    assert row == (len(judged), len(background - judged), len(judged))
+    delays = dict(q("SELECT judged, hours_p50 FROM {db}.verdict_delays WHERE task_kind = 'background'"))
+    assert delays[1] > 1  # a verdict comes at least an hour after the task's end
