@@ -54,21 +54,22 @@ def greedy(model, tasks: list[Task]) -> list[list[int]]:
 
 @torch.no_grad()
 def solve_probability(model, tasks: list[Task]) -> list[float]:
-    """Each task's probability that a sampled completion solves it, exactly: the sum over valid tool tokens of
-    P(tool) x P(right edit | tool). A smoother measure of a policy's success than a solve rate of draws."""
-    from simulator.tasks import DIGIT0, TOOLS
+    """Each task's probability that a sampled completion solves it (its edit is right, as
+    :func:`simulator.tasks.score` counts), exactly: the sum over first tokens t of P(t) x P(right edit | t).
+    A smoother measure of a policy's success than a solve rate of draws."""
+    from simulator.tasks import DIGIT0
 
     model.eval()
     prompts = torch.tensor([t.prompt for t in tasks], dtype=torch.long)
-    p_tool = torch.softmax(_logits(model, prompts)[:, -1], dim=-1)  # [N, V]
-    tools = sorted(TOOLS)
+    p_first = torch.softmax(_logits(model, prompts)[:, -1], dim=-1)  # [N, V]
+    vocab = p_first.shape[1]
     seqs = torch.cat(
-        [prompts.repeat_interleave(len(tools), 0), torch.tensor(tools * len(tasks)).unsqueeze(1)], dim=1
-    )  # [N * tools, prompt + 1]
-    p_edit = torch.softmax(_logits(model, seqs)[:, -1], dim=-1).view(len(tasks), len(tools), -1)
+        [prompts.repeat_interleave(vocab, 0), torch.arange(vocab).repeat(len(tasks)).unsqueeze(1)], dim=1
+    )  # every task followed by every first token: [N * V, prompt + 1]
+    p_edit = torch.softmax(_logits(model, seqs)[:, -1], dim=-1).view(len(tasks), vocab, -1)
     right = torch.tensor([DIGIT0 + t.answer for t in tasks])
-    p_right = p_edit.gather(2, right.view(-1, 1, 1).expand(-1, len(tools), 1))[..., 0]  # [N, tools]
-    return (p_tool[:, tools] * p_right).sum(1).tolist()
+    p_right = p_edit.gather(2, right.view(-1, 1, 1).expand(-1, vocab, 1))[..., 0]  # [N, V]
+    return (p_first * p_right).sum(1).tolist()
 
 
 def warm_start(

@@ -427,3 +427,30 @@ def test_reward_flow_on_the_broker_stores_provisional_then_final_rewards_with_sp
     assert row == (len(judged), len(background - judged), len(judged))
     delays = dict(q("SELECT judged, hours_p50 FROM {db}.verdict_delays WHERE task_kind = 'background'"))
     assert delays[1] > 1  # a verdict comes at least an hour after the task's end
+
+
+def test_exact_solve_probability_matches_sampled_completions():
+    """simulator.policy.solve_probability (the experiment's smooth measure) is what sampling gives: on a warm-started
+    policy, the per-task probability averaged over tasks equals the solve rate of many sampled completions."""
+    import random
+
+    import torch
+
+    from app.loop import loop_model_config, loop_settings
+    from simulator.policy import sample, solve_probability, warm_start
+    from simulator.tasks import KINDS, held_out, sample_task, score
+    from trainer.model import build_model, init_parallel
+
+    cfg, precision = loop_model_config(loop_settings(load_settings(env={"RTRL_SDK__SALT": SALT})))
+    init_parallel(cfg)
+    torch.manual_seed(0)
+    model = build_model(cfg, precision)
+    rng = random.Random(0)
+    warm_start(model, [sample_task(rng, "w", kinds=(*KINDS, BACKGROUND)) for _ in range(200)], steps=60, seed=0)
+    tasks = held_out(20, seed=3) + held_out(20, seed=3, kinds=(BACKGROUND,))
+    exact = statistics.fmean(solve_probability(model, tasks))
+    draws = 400
+    comps, _ = sample(model, tasks * draws, torch.Generator().manual_seed(1))
+    rate = score(tasks * draws, comps)["solve_rate"]
+    se = math.sqrt(exact * (1 - exact) / (len(tasks) * draws))
+    assert 0.05 < exact < 0.95 and abs(rate - exact) < 4 * se
