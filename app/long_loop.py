@@ -288,7 +288,7 @@ def run_arm(
         steps = train(
             model,
             reference,
-            lambda _o, wire=wire: MemorySource(wire),
+            _opener(MemorySource(wire)),
             tc,
             policy_version=version,
             resume=False,
@@ -301,7 +301,10 @@ def run_arm(
         short_solved = tuple(outcome(t, c).correct for t, c in zip(short_eval, greedy(model, short_eval)))
         long_greedy, short_greedy = sum(long_solved) / len(long_solved), sum(short_solved) / len(short_solved)
         long_comps, _ = sample(model, long_eval, torch.Generator().manual_seed(exp.seed + 99))
-        long_probs, short_probs = tuple(solve_probability(model, long_eval)), tuple(solve_probability(model, short_eval))
+        long_probs, short_probs = (
+            tuple(solve_probability(model, long_eval)),
+            tuple(solve_probability(model, short_eval)),
+        )
         delayed = _delayed(todo, version - 1, s.train.max_policy_lag)
         dropped = sum(sum(b.dropped_lag.values()) for b in builders.values())
         row = CycleRow(
@@ -330,6 +333,11 @@ def run_arm(
         if progress is not None:
             progress(row)
     return rows
+
+
+def _opener(source: MemorySource) -> Callable[[dict[str, int] | None], MemorySource]:
+    """What ``train`` calls to open its input: this cycle's micro-batches, from the start."""
+    return lambda _offsets: source
 
 
 def _delayed(batches: Iterable[MicroBatch], version: int, max_policy_lag: int) -> list[int]:

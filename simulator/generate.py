@@ -45,6 +45,7 @@ from schemas.records import (
     ToolCall,
     TrajectoryEnded,
     TrajectoryStarted,
+    Verdict,
     event_type,
 )
 from simulator.population import (
@@ -265,9 +266,8 @@ def _background(tr: _Trajectory, user: User, org: Org, profile: PolicyProfile, s
     if status == "completed" and rng.random() < settings.verdict_rate:
         # the verdict follows the outcome closely: merged, partly kept (about the outcome's share) or discarded
         kept = min(1.0, max(0.0, outcome + rng.gauss(0.0, 0.05)))
-        verdict, fraction = (
-            ("merged", 1.0) if kept >= 0.75 else ("discarded", 0.0) if kept < 0.3 else ("partly_kept", kept)
-        )
+        verdict: Verdict = "merged" if kept >= 0.75 else "discarded" if kept < 0.3 else "partly_kept"
+        fraction = {"merged": 1.0, "discarded": 0.0}.get(verdict, kept)
         after_ms = rng.uniform(settings.verdict_min_h, settings.verdict_max_h) * 3_600_000
         tr.checks.append(
             TaskVerdict(

@@ -61,7 +61,14 @@ class Task:
 
     @property
     def prompt(self) -> list[int]:
-        return [BOS, KIND_TOKENS[self.kind], EASY if self.level == "easy" else HARD, DIGIT0 + self.a, DIGIT0 + self.b, SEP]
+        return [
+            BOS,
+            KIND_TOKENS[self.kind],
+            EASY if self.level == "easy" else HARD,
+            DIGIT0 + self.a,
+            DIGIT0 + self.b,
+            SEP,
+        ]
 
 
 @dataclass(frozen=True)

@@ -311,4 +311,3 @@ def react_background(
         lambda: trajectory.verdict(verdict, round(fraction, 4), verdict_after_ms / 1000, ts=at),  # type: ignore[arg-type]
     )
     return verdict
-
