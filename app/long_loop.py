@@ -35,6 +35,7 @@ import heapq
 import json
 import random
 import statistics
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -102,8 +103,8 @@ class CycleRow:
     grad_norm: float  # mean gradient norm (before clipping) over the cycle's steps
     grad_norm_max: float
     steps: int
-    samples: int  # samples trained
-    delayed_samples: int  # of which came by the delayed path
+    samples: int  # samples trained (the trainer's train_metrics)
+    delayed_samples: int  # of which the delayed path brought (train_metrics' delayed_lag_histogram)
     delayed_lag: float  # their mean policy lag
     dropped: int  # samples the builders dropped as too old (total so far)
     verdicts: int  # verdicts that arrived this cycle
@@ -305,7 +306,9 @@ def run_arm(
             tuple(solve_probability(model, long_eval)),
             tuple(solve_probability(model, short_eval)),
         )
-        delayed = _delayed(todo, version - 1, s.train.max_policy_lag)
+        delayed = Counter()  # the delayed samples the trainer trained, by lag (its own count, train_metrics')
+        for st in steps:
+            delayed.update({int(lag): n for lag, n in st.delayed_lag_histogram.items()})
         dropped = sum(sum(b.dropped_lag.values()) for b in builders.values())
         row = CycleRow(
             arm=arm,
@@ -319,9 +322,9 @@ def run_arm(
             grad_norm=statistics.fmean([st.grad_norm for st in steps]) if steps else 0.0,
             grad_norm_max=max((st.grad_norm for st in steps), default=0.0),
             steps=len(steps),
-            samples=sum(len(mb.sample_ids) for mb in todo),
-            delayed_samples=len(delayed),
-            delayed_lag=statistics.fmean(delayed) if delayed else 0.0,
+            samples=sum(len(st.sample_ids) for st in steps),
+            delayed_samples=sum(delayed.values()),
+            delayed_lag=sum(lag * n for lag, n in delayed.items()) / max(1, sum(delayed.values())),
             dropped=dropped,
             verdicts=verdicts,
             long_solved=long_solved,
@@ -338,11 +341,6 @@ def run_arm(
 def _opener(source: MemorySource) -> Callable[[dict[str, int] | None], MemorySource]:
     """What ``train`` calls to open its input: this cycle's micro-batches, from the start."""
     return lambda _offsets: source
-
-
-def _delayed(batches: Iterable[MicroBatch], version: int, max_policy_lag: int) -> list[int]:
-    """The policy lags of the trained samples older than ``max_policy_lag`` (those the delayed path brought)."""
-    return [version - v for mb in batches for v in mb.policy_versions if version - v > max_policy_lag]
 
 
 def run(

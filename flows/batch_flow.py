@@ -45,6 +45,7 @@ from flows.batching import BatchBuilder, BatchConfig
 from flows.counts import FlowCounts, by_kind, dead_letters
 from flows.kafka_io import kafka_source, paused
 from flows.processor import Message
+from flows.reward_flow import window_config
 from flows.sinks import ClickHouseSink, KafkaSink
 from flows.wiring import injected, require_bootstrap
 from rewards.versions import registry
@@ -73,22 +74,12 @@ def batch_config(settings: Settings, reward_version: str | None = None) -> Batch
     as the pure builder's config: the one mapping of those settings."""
     if reward_version is None:
         registry(settings).check([settings.rewards.train_version], "rewards.train_version")
-    b, f = settings.batching, settings.flow
+    b = settings.batching
     # a kind awaiting a verdict: its final reward can come until its deadline + allowed lateness (+ the join slack)
     verdict_wait_ms = tuple(
-        (
-            kind,
-            int(
-                (
-                    (f.deadline_s if k.deadline_s is None else k.deadline_s)
-                    + (f.allowed_lateness_s if k.allowed_lateness_s is None else k.allowed_lateness_s)
-                    + b.join_wait_s
-                )
-                * 1000
-            ),
-        )
-        for kind, k in sorted(f.task_kinds.items())
-        if k.awaits_verdict
+        (kind, rules.retention_ms + int(b.join_wait_s * 1000))
+        for kind, rules in window_config(settings).kinds
+        if rules.awaits_verdict
     )
     return BatchConfig(
         reward_version=settings.rewards.train_version if reward_version is None else reward_version,
@@ -102,6 +93,14 @@ def batch_config(settings: Settings, reward_version: str | None = None) -> Batch
         flush_ms=int(b.flush_s * 1000),
         baseline_alpha=b.baseline_alpha,
     )
+
+
+def _configured(builder: BatchBuilder | None, config: BatchConfig) -> BatchBuilder:
+    """``builder`` (resumed from a snapshot) under ``config``, or a new one."""
+    if builder is None:
+        return BatchBuilder(config)
+    builder.config = config
+    return builder
 
 
 def cohort_of(org_id: str, task_kind: str) -> str:
@@ -161,7 +160,8 @@ class _CohortLogic(StatefulBatchLogic):
         # trainable, make the new ones, and make the trained version's the one counted (batch_stats, summary)
         have = {b.config.reward_version: b for b in [state["builder"], *state.get("others", {}).values()]}
         if configs:
-            have = {v: have.get(v) or BatchBuilder(cfg) for v, cfg in configs.items()}
+            # a resumed builder takes the current settings' config (lags, waits, verdict kinds), not its snapshot's
+            have = {v: _configured(have.get(v), cfg) for v, cfg in configs.items()}
             trained = next(iter(configs))  # batch_configs puts the trained version first
         else:
             trained = state["builder"].config.reward_version

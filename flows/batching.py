@@ -21,7 +21,8 @@ join, group and baseline without talking to any other. Steps, in order:
    minus its ``policy_version``. Lag <= ``max_policy_lag``: a normal (on- or near-on-policy) sample.
    ``max_policy_lag`` < lag <= ``max_delayed_lag``: a **delayed** sample (``MicroBatch.delayed``), which the
    trainer corrects with a truncated importance weight (``trainer.loss``). Over both (or over
-   ``max_policy_lag`` with ``max_delayed_lag`` = 0, the default: no delayed path): dropped and counted per lag.
+   ``max_policy_lag`` with ``max_delayed_lag`` = 0, BatchConfig's default, no delayed path; the setting
+   ``train.max_delayed_lag`` defaults to 4): dropped and counted per lag.
 3. **Advantages** (Dr. GRPO, no std normalisation), separately for the normal and the delayed samples
    of a group: two or more of one kind use ``reward - mean(their rewards)``; a single one uses
    ``reward - baseline`` with its kind's running mean, which it then updates. The delayed samples have
@@ -42,6 +43,7 @@ same order emits the same micro-batches with the same ids.
 from __future__ import annotations
 
 import hashlib
+import heapq
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -180,6 +182,9 @@ class BatchBuilder:
     """Join, staleness filter, advantages and packing for one cohort; see the module docstring."""
 
     delayed_baseline: float | None = None  # the delayed samples' running mean (a class default: older snapshots)
+    #: (wait end, 0 rollout / 1 reward, trajectory id) of what is held unmatched; None in a builder from an older
+    #: snapshot until first used
+    _waits: list[tuple[int, int, str]] | None = None
 
     def __init__(self, config: BatchConfig, serving_version: int = 0):
         self.config = config
@@ -194,6 +199,7 @@ class BatchBuilder:
         self.counts: Counter[str] = Counter()
         self.lag_counts: Counter[int] = Counter()  # accepted samples by lag
         self.dropped_lag: Counter[int] = Counter()  # dropped samples by lag
+        self._waits = []
 
     # ------------------------------------------------------------ input
 
@@ -207,7 +213,7 @@ class BatchBuilder:
         elif tid in self.rewards:
             self._join(r, self.rewards.pop(tid))
         else:
-            self.rollouts[tid] = r
+            self._hold(self.rollouts, tid, r)
         return self._advance()
 
     def add_reward(self, rw: Reward) -> list[MicroBatch]:
@@ -223,7 +229,7 @@ class BatchBuilder:
         elif tid in self.rollouts:
             self._join(self.rollouts.pop(tid), rw)
         else:
-            self.rewards[tid] = rw
+            self._hold(self.rewards, tid, rw)
         return self._advance()
 
     def set_serving_version(self, version: int) -> None:
@@ -248,6 +254,7 @@ class BatchBuilder:
         self.counts["unmatched_reward"] += len(self.rewards)
         self.rollouts.clear()
         self.rewards.clear()
+        self._waits = []
         for gid in sorted(self.groups, key=lambda g: (self.groups[g].first_ts, g)):
             self._close_group(gid)
         return self.flush_ready()
@@ -304,17 +311,42 @@ class BatchBuilder:
 
     def _advance(self) -> list[MicroBatch]:
         cfg, now = self.config, self.clock
-        for table, what in ((self.rollouts, "unmatched_rollout"), (self.rewards, "unmatched_reward")):
-            stale = [tid for tid, x in table.items() if self._waits_until(x) < now]
-            for tid in stale:
+        if self._waits is None:  # a builder from an older snapshot: index what it holds
+            self._waits = [
+                (self._waits_until(x), kind, tid)
+                for kind, table in enumerate(self._tables())
+                for tid, x in table.items()
+            ]
+            heapq.heapify(self._waits)
+        # what waited too long, in the order it expires: a heap, so a cohort holding days of verdict-kind rollouts
+        # does not scan them all on every event
+        while self._waits and self._waits[0][0] < now:
+            until, kind, tid = heapq.heappop(self._waits)
+            table = self._tables()[kind]
+            x = table.get(tid)
+            if x is None:  # joined (or counted) since
+                continue
+            due = self._waits_until(x)
+            if due < now:
                 del table[tid]
-                self.counts[what] += 1
+                self.counts["unmatched_rollout" if kind == 0 else "unmatched_reward"] += 1
+            elif due != until:  # the config changed on a resume: wait by the new rule
+                heapq.heappush(self._waits, (due, kind, tid))
         for gid in [gid for gid, g in self.groups.items() if g.first_ts + cfg.group_wait_ms < now]:
             self._close_group(gid)
         out = []
         while self.ready and (self._full() or self.ready[0].joined_at + cfg.flush_ms <= now):
             out.append(self._emit())
         return out
+
+    def _tables(self) -> tuple[dict[str, Rollout], dict[str, Reward]]:
+        return self.rollouts, self.rewards  # type: ignore[return-value]  # index 0 and 1 of the waits heap
+
+    def _hold(self, table: dict, tid: str, x: Rollout | Reward) -> None:
+        """Keep an unmatched rollout or reward until its other half comes or its wait ends."""
+        table[tid] = x
+        if self._waits is not None:
+            heapq.heappush(self._waits, (self._waits_until(x), 0 if isinstance(x, Rollout) else 1, tid))
 
     def _waits_until(self, x: Rollout | Reward) -> int:
         """The cohort time until which an unmatched rollout or reward waits for its other half."""

@@ -43,6 +43,7 @@ from flows.spill import SqliteStore, partition_file
 from flows.windowing import KindRules, PartitionWindows, WindowConfig
 from flows.wiring import injected, require_bootstrap
 from rewards.versions import registry
+from rtrl.errors import ConfigError
 from rtrl.settings import Settings, load_settings
 from schemas.codec import JsonCodec
 from schemas.records import DeadLetter, Reward
@@ -81,7 +82,7 @@ def window_config(settings: Settings) -> WindowConfig:
 def verdict_kinds(settings: Settings) -> tuple[str, ...]:
     """The task kinds that end with the user's verdict (``flow.task_kinds.NAME.awaits_verdict``): their rewards
     are provisional until it arrives."""
-    return tuple(sorted(k for k, rules in settings.flow.task_kinds.items() if rules.awaits_verdict))
+    return tuple(name for name, rules in window_config(settings).kinds if rules.awaits_verdict)
 
 
 def count(counts: FlowCounts | None, messages: int, out: FlowOutput) -> FlowOutput:
@@ -181,6 +182,21 @@ def service_outputs(settings: Settings, bootstrap: str | None = None) -> dict[st
     }
 
 
+def reconfigure(windows: PartitionWindows, cfg: WindowConfig) -> None:
+    """Resume ``windows`` under the current settings' rules ``cfg``: the windows in memory are rescheduled by
+    them. Windows spilled to the state file keep the due times they were written with, so a change with some
+    spilled is refused (:class:`rtrl.errors.ConfigError`) rather than half applied."""
+    if windows.store is not None and len(windows.store):
+        raise ConfigError(
+            "the reward flow's recovery state was made under other window rules (flow.deadline_s, flow.grace_s, "
+            "flow.allowed_lateness_s, flow.max_future_s or flow.task_kinds) and holds windows spilled to "
+            "flow.state_dir, which would keep the old rules; fix: restore the settings the state was made with, "
+            "or start the flow afresh (delete flow.recovery_dir and flow.state_dir, and replay the topic)"
+        )
+    windows.config = cfg
+    windows.reschedule()
+
+
 def build_flow(
     settings: Settings,
     bootstrap: str | None = None,
@@ -213,6 +229,8 @@ def build_flow(
         if resume is not None:
             if isinstance(resume.store, SqliteStore):  # roll the file back to this snapshot's generation
                 resume.store.resume(state_root / resume.store.path.name)
+            if resume.config != cfg:  # the settings' window rules changed since the snapshot
+                reconfigure(resume, cfg)
             resume.budget_bytes = budget
         processor = RewardProcessor(
             source_topic, cfg, versions, settings.sdk.max_event_bytes, resume, verdict_kinds(settings)

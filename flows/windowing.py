@@ -560,6 +560,10 @@ class PartitionWindows:
                 self._rebuild()
         return len(rows)
 
+    def reschedule(self) -> None:
+        """Recompute every in-memory schedule from :attr:`config` (after the config was replaced on a resume)."""
+        self._rebuild()
+
     def _rebuild(self) -> None:
         """The schedules of what is still in memory only (in place: a running :meth:`_run` holds them)."""
         g = self.config.grace_ms

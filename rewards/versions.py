@@ -50,8 +50,9 @@ _TYPES: dict[str, Any] = {f.name: f.type for f in dataclasses.fields(RewardConfi
 #: version registered before it keeps its checksum on upgrade. This is sound because each one only scores events
 #: that did not exist before it (w_checkin and w_verdict: the task_checkin and task_verdict events of background
 #: tasks, issue 16), so no trajectory a version scored before the upgrade scores differently after it.
-LATER_WEIGHTS: dict[str, str] = {"w_checkin": "issue 16", "w_verdict": "issue 16"}
-_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(RewardConfig)}
+#: Each value is the weight's default when it was added, frozen here: were a default changed later, versions
+#: that use the old value would keep their checksum while scoring differently.
+LATER_WEIGHTS: dict[str, float] = {"w_checkin": 0.3, "w_verdict": 1.0}  # added by issue 16
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -78,7 +79,7 @@ class RewardVersion:
     def weights_json(self) -> str:
         """All weights as canonical JSON: sorted keys, no spaces, floats as Python writes them (a weight of
         :data:`LATER_WEIGHTS` at its default is left out, so older versions keep their checksums)."""
-        weights = {k: v for k, v in self.weights.items() if not (k in LATER_WEIGHTS and v == _DEFAULTS[k])}
+        weights = {k: v for k, v in self.weights.items() if not (k in LATER_WEIGHTS and v == LATER_WEIGHTS[k])}
         return json.dumps(weights, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
     @property

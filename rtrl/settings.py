@@ -454,6 +454,16 @@ class TrainSettings(Section):
         0, "CPU threads for torch; 0 = auto: all cores but one on a CPU-only machine (the broker needs one)", ge=0
     )
 
+    @model_validator(mode="after")
+    def _delayed_beyond_near(self) -> TrainSettings:
+        if 0 < self.max_delayed_lag <= self.max_policy_lag:
+            raise ValueError(
+                f"train.max_delayed_lag = {self.max_delayed_lag} is not above train.max_policy_lag = "
+                f"{self.max_policy_lag}, so no sample would take the delayed path; fix: set train.max_delayed_lag "
+                "above train.max_policy_lag, or to 0 to drop every sample over train.max_policy_lag"
+            )
+        return self
+
 
 class ModelSettings(Section):
     """The policy's architecture (a megatron-core GPTModel). Defaults: the tiny CPU model."""

@@ -9,6 +9,7 @@ tests/test_spilled_state.py and tests/test_windowing.py, the delayed training pa
 from __future__ import annotations
 
 import math
+import sqlite3
 import statistics
 from collections import defaultdict
 
@@ -26,6 +27,8 @@ from schemas.codec import event_codec
 from schemas.records import (
     Checkpoint,
     ClarifyingQuestion,
+    EditProposed,
+    Followup,
     Reward,
     TaskCheckin,
     TaskVerdict,
@@ -76,8 +79,9 @@ def test_background_tasks_run_for_hours_send_checkins_and_end_with_a_later_verdi
         assert verdict.verdict_after_s == pytest.approx((verdict.ts - ended.ts) / 1000)
         assert (verdict.verdict == "merged") == (verdict.fraction == 1.0)
         assert (verdict.verdict == "discarded") == (verdict.fraction == 0.0)
-    # no background task has edits or follow-ups: its outcome is judged whole, by the verdict
-    assert all(type(e) not in (ClarifyingQuestion,) for evs in background.values() for e in evs)
+    # no background task has edits, questions or follow-ups: its outcome is judged whole, by the verdict
+    others = (ClarifyingQuestion, EditProposed, Followup)
+    assert all(type(e) not in others for evs in background.values() for e in evs)
 
 
 def test_event_time_is_simulated_so_days_of_it_take_seconds():
@@ -239,16 +243,19 @@ def test_simulated_background_tasks_get_final_rewards_through_the_reward_process
         now_ms=1,
     )
     out.extend(proc.finish(now_ms=2))
-    latest: dict[str, object] = {}
+    latest: dict[str, Reward] = {}
     for r in out.rewards:
         latest[r.trajectory_id] = r
     final_bg = [r for r in latest.values() if r.task_kind == BACKGROUND and not r.provisional]
     provisional_first = {
         r.trajectory_id for r in out.rewards if r.task_kind == BACKGROUND and r.revision == 0 and r.provisional
     }
-    assert final_bg and provisional_first
-    assert all(r.components["verdict"] != 0 or r.flags for r in final_bg)
-    assert {r.trajectory_id for r in final_bg} <= provisional_first | {r.trajectory_id for r in final_bg}
+    fractions = {em.event.trajectory_id: em.event.fraction for em in emissions if type(em.event) is TaskVerdict}
+    assert final_bg and {r.trajectory_id for r in final_bg} == set(fractions)  # final exactly when judged
+    assert {r.trajectory_id for r in final_bg} <= provisional_first  # each was provisional first
+    for r in final_bg:  # its reward reads the verdict
+        assert r.components["verdict"] == pytest.approx(2 * fractions[r.trajectory_id] - 1)
+        assert r.components["checkin"] == 0.0 and r.revision > 0
     assert not out.dead_letters or all(d.kind in ("duplicate", "too_late") for d in out.dead_letters)
 
 
@@ -296,8 +303,8 @@ def _checkpoint(version: int, at: int) -> Checkpoint:
 
 
 def test_views_show_time_to_verdict_late_arrivals_and_provisional_against_final(ch_client, ch_db):
-    # versions 1, 2, 3 promoted at T0 + 1 h, 2 h, 3 h
-    insert(ch_client, ch_db, "checkpoints", [_checkpoint(v, T0 + v * HOUR) for v in (1, 2, 3)])
+    # versions 1, 2 promoted at T0 + 1 h, 2 h; 3 rejected (never promoted); 4 promoted at T0 + 3 h
+    insert(ch_client, ch_db, "checkpoints", [_checkpoint(v, T0 + min(v, 3) * HOUR) for v in (1, 2, 4)])
     rows = [_reward(f"s{i}", 0, "bugfix", 0, 0.5, False, T0 + 600_000) for i in range(4)]  # short: on time
     # background tasks served by version 0: provisional at T0 + 0.5 h, the verdict's revision at T0 + 3.5 h
     for i, (prov, final) in enumerate([(0.2, 1.0), (0.3, -1.0), (-0.1, 0.6)]):
@@ -319,7 +326,8 @@ def test_views_show_time_to_verdict_late_arrivals_and_provisional_against_final(
 
     arrival = view("reward_arrival")
     bg, short = arrival[("v2", "background")], arrival[("v2", "bugfix")]
-    assert (bg["rewards"], bg["after_replacement"], bg["versions_behind_max"]) == (3, 3, 3)  # 3 versions later
+    # the lag the batch flow measures: the newest promoted version (4) minus the rollout's (0)
+    assert (bg["rewards"], bg["after_replacement"], bg["versions_behind_max"]) == (3, 3, 4)
     assert bg["share_after_replacement"] == 1.0 and bg["more_than_one_version_behind"] == 3
     assert (short["rewards"], short["after_replacement"]) == (4, 0)  # rewarded before version 1 came
 
@@ -392,7 +400,9 @@ def test_reward_flow_on_the_broker_stores_provisional_then_final_rewards_with_sp
         "RTRL_DATA_DIR": str(tmp_path),
     }
     run_main(build_flow(load_settings(env=env)))
-    assert list((tmp_path / "state" / "rewards").glob("*.sqlite"))  # windows did spill
+    files = list((tmp_path / "state" / "rewards").glob("*.sqlite"))
+    spilled = sum(sqlite3.connect(f).execute("SELECT count(*) FROM windows").fetchone()[0] for f in files)
+    assert spilled > 50  # windows did spill (closed ones are kept for their allowed lateness)
 
     judged = {
         e.event.trajectory_id for e in emissions if type(e.event) is TaskVerdict
@@ -454,3 +464,63 @@ def test_exact_solve_probability_matches_sampled_completions():
     rate = score(tasks * draws, comps)["solve_rate"]
     se = math.sqrt(exact * (1 - exact) / (len(tasks) * draws))
     assert 0.05 < exact < 0.95 and abs(rate - exact) < 4 * se
+
+
+# ---------------------------------------------------------------- settings, and resuming under new settings
+
+
+def test_a_delayed_lag_at_or_below_the_policy_lag_is_refused_naming_both():
+    with pytest.raises(ConfigError, match=r"train\.max_delayed_lag = 2 is not above train\.max_policy_lag = 2"):
+        load_settings(env={"RTRL_TRAIN__MAX_POLICY_LAG": "2", "RTRL_TRAIN__MAX_DELAYED_LAG": "2"})
+    assert load_settings(env={"RTRL_TRAIN__MAX_DELAYED_LAG": "0"}).train.max_delayed_lag == 0  # 0: no delayed path
+
+
+def test_resumed_windows_take_the_current_window_rules_unless_some_are_spilled(tmp_path):
+    """A reward flow resumed from a snapshot made under other window rules reschedules the windows in memory by
+    the current ones; with windows spilled to the state file (due times written under the old rules) it refuses,
+    naming the settings and the fix."""
+    import pickle
+
+    from flows.reward_flow import reconfigure
+    from flows.spill import SqliteStore
+    from flows.windowing import PartitionWindows, WindowConfig
+
+    env = dict(trajectory_id="bg", org_id="o", user_hash="0" * 32, policy_version=0, arm="control")
+    old = PartitionWindows(WindowConfig(deadline_ms=HOUR))  # before per-kind rules: background closes at 1 h
+    old.ingest(TrajectoryStarted(event_id="s", ts=0, task_kind=BACKGROUND, **env), 0)
+    resumed = pickle.loads(pickle.dumps(old))
+    new = window_config(load_settings(env={"RTRL_SDK__SALT": SALT}))
+    reconfigure(resumed, new)
+    tick = dict(env, trajectory_id="other")
+    later = TrajectoryStarted(event_id="t", ts=2 * HOUR, task_kind="bugfix", **tick)
+    assert [c.trajectory_id for c in old.ingest(later, 1) if hasattr(c, "close_reason")] == ["bg"]  # old: closed
+    assert not [c for c in resumed.ingest(later, 1) if getattr(c, "trajectory_id", "") == "bg"]  # new: a day
+
+    spilled = PartitionWindows(WindowConfig(deadline_ms=HOUR), store=SqliteStore.fresh(tmp_path / "p0.sqlite"))
+    spilled.budget_bytes = 1  # everything goes to the file
+    spilled.ingest(TrajectoryStarted(event_id="s", ts=0, task_kind=BACKGROUND, **env), 0)
+    spilled.ingest(later, 1)
+    assert spilled.store is not None and len(spilled.store)
+    with pytest.raises(ConfigError, match=r"flow\.task_kinds.*fix: restore the settings"):
+        reconfigure(spilled, new)
+
+
+def test_resumed_batch_builders_take_the_current_config_and_expire_what_they_hold():
+    """A cohort's builders resumed by the batch flow use the current settings' config (a snapshot from before the
+    delayed path would otherwise join provisional rewards), and a builder from an older snapshot, without the
+    index of held rollouts, still expires them on time."""
+    import pickle
+
+    from flows.batch_flow import _configured, batch_config
+    from flows.batching import BatchBuilder, BatchConfig
+    from tests.test_batching import ro
+
+    settings = load_settings(env={"RTRL_SDK__SALT": SALT})
+    old = BatchBuilder(BatchConfig(join_wait_ms=1000))
+    old.add_rollout(ro("t1", at=0))
+    del old.__dict__["_waits"]  # as pickled before the index existed
+    resumed = _configured(pickle.loads(pickle.dumps(old)), batch_config(settings))
+    assert resumed.config == batch_config(settings) and resumed.config.max_delayed_lag == 4
+    assert resumed.config.verdict_wait(BACKGROUND) is not None
+    resumed.advance_to(60_000 + 2)  # past the current join wait (batching.join_wait_s = 60 s)
+    assert resumed.counts["unmatched_rollout"] == 1 and not resumed.rollouts

@@ -61,9 +61,9 @@ FROM
 )
 GROUP BY task_kind, judged;
 
--- Whether each final reward arrived after its policy version was replaced: versions_behind counts the versions
--- newer than the trajectory's that were promoted before the reward was computed (emitted_at). One row per
--- (reward version, task kind).
+-- Whether each final reward arrived after its policy version was replaced: versions_behind is the newest version
+-- promoted before the reward was computed (emitted_at) minus the trajectory's, the policy lag the batch flow
+-- measures (rejected candidates use up version numbers too). One row per (reward version, task kind).
 CREATE VIEW IF NOT EXISTS {db}.reward_arrival AS
 SELECT
     reward_version,
@@ -79,9 +79,17 @@ FROM
     SELECT
         toString(r.reward_version) AS reward_version,
         toString(r.task_kind) AS task_kind,
-        arrayCount(
-            p -> ((p.1) > r.policy_version) AND ((p.2) <= r.emitted_at),
-            (SELECT groupArray(tuple(version, promoted_at)) FROM {db}.promotions FINAL)
+        greatest(
+            toInt64(0),
+            arrayMax(
+                arrayMap(
+                    p -> (p.1),
+                    arrayFilter(
+                        p -> ((p.2) <= r.emitted_at),
+                        (SELECT groupArray(tuple(version, promoted_at)) FROM {db}.promotions FINAL)
+                    )
+                )
+            ) - r.policy_version
         ) AS versions_behind
     FROM {db}.rewards AS r FINAL
     WHERE NOT r.provisional
