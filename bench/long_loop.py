@@ -10,8 +10,9 @@ three cycles after the rollout; the three arms see the same seeded traffic from 
    interval, and the greedy solve rate with Wilson's; KL to the reference and gradient norms of the last
    cycles; how many delayed samples were trained or dropped;
 2. the figure and its baseline measured in the same run: P(solve) of (b) against (a), and of (c) against
-   (a), as a difference with a 95% interval paired by held-out task and seed, and as a ratio; for long
-   tasks (the point) and short tasks (the delayed path must not hurt them).
+   (a), as the mean of per-seed differences with a 95% Student-t interval over seeds (each seed is a whole
+   run; the held-out tasks of one run are not independent draws), each seed's difference, and the ratio; for
+   long tasks (the point) and short tasks (the delayed path must not hurt them).
 
 PNG: ``bench/long_loop.png``: long- and short-task P(solve), KL and gradient norm per cycle, one line per
 arm (mean over seeds). Record the figures in bench/RESULTS.md.
@@ -51,9 +52,16 @@ def mean_ci(xs: list[float]) -> tuple[float, float, float]:
     return mean, mean - Z * se, mean + Z * se
 
 
-def paired_difference(a: list[float], b: list[float]) -> tuple[float, float, float]:
-    """Mean of b - a over paired outcomes (the same held-out task and seed), with a 95% normal interval."""
-    return mean_ci([float(y) - float(x) for x, y in zip(a, b, strict=True)])
+def seed_interval(diffs: list[float]) -> tuple[float, float, float]:
+    """Mean of per-seed differences with a 95% Student-t interval over seeds (each seed is one whole training
+    run: the tasks of one run are not independent draws of the arms' difference)."""
+    from scipy import stats
+
+    mean = statistics.fmean(diffs)
+    if len(diffs) < 2:
+        return mean, float("nan"), float("nan")
+    half = stats.t.ppf(0.975, len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+    return mean, mean - half, mean + half
 
 
 def main() -> None:
@@ -66,7 +74,7 @@ def main() -> None:
     ap.add_argument("--verdict-cycles", type=int, default=3)
     ap.add_argument("--arms", default=",".join(ARMS))
     args = ap.parse_args()
-    console = Console()
+    console = Console(width=200)  # wide tables stay readable when the output goes to a file
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     results: dict[str, list[list[CycleRow]]] = {a: [] for a in arms}
     started = time.monotonic()
@@ -117,23 +125,38 @@ def main() -> None:
         )
     console.print(table)
     console.print(
-        "P(solve): the probability that a sampled completion solves a held-out task, exactly (tool x right edit), "
-        "averaged over the tasks of every seed; greedy: the share of tasks the greedy completion solves."
+        "P(solve): the probability that a sampled completion solves a held-out task, exactly (any first token, then "
+        "the right edit), averaged over the tasks of every seed; greedy: the share of tasks the greedy completion "
+        "solves. These intervals are over the held-out tasks; the comparison below takes its intervals over seeds."
     )
     if "drop" in arms:
         base = final["drop"]
-        cmp = Table(title="Against the baseline measured in the same run, (a) drop: P(solve), paired by task and seed")
-        for col in ("arm", "kind", "P(solve)", "baseline (a)", "difference [95% CI]", "ratio"):
+        cmp = Table(
+            title="Against the baseline measured in the same run, (a) drop: P(solve) of the final policy; the "
+            "interval is over seeds (each seed a whole run, paired with (a)'s run on the same seed)"
+        )
+        for col in ("arm", "kind", "P(solve)", "baseline (a)", "difference [95% CI over seeds]", "per seed", "ratio"):
             cmp.add_column(col, justify="right" if col not in ("arm", "kind") else "left")
         for a in arms:
             if a == "drop":
                 continue
             for kind in ("long", "short"):
-                xs = [x for r in base for x in getattr(r, f"{kind}_probs")]
-                ys = [x for r in final[a] for x in getattr(r, f"{kind}_probs")]
-                d, lo, hi = paired_difference(xs, ys)
-                pa, pb = statistics.fmean(xs), statistics.fmean(ys)
-                cmp.add_row(a, kind, f"{pb:.3f}", f"{pa:.3f}", f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]", f"{pb / pa:.2f}")
+                per_seed = [
+                    statistics.fmean(getattr(y, f"{kind}_probs")) - statistics.fmean(getattr(x, f"{kind}_probs"))
+                    for x, y in zip(base, final[a], strict=True)
+                ]
+                d, lo, hi = seed_interval(per_seed)
+                pa = statistics.fmean(p for r in base for p in getattr(r, f"{kind}_probs"))
+                pb = statistics.fmean(p for r in final[a] for p in getattr(r, f"{kind}_probs"))
+                cmp.add_row(
+                    a,
+                    kind,
+                    f"{pb:.3f}",
+                    f"{pa:.3f}",
+                    f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]",
+                    " ".join(f"{x:+.3f}" for x in per_seed),
+                    f"{pb / pa:.2f}",
+                )
         console.print(cmp)
     console.print(
         f"{platform.node()} {platform.processor() or platform.machine()}: {time.monotonic() - started:.0f} s in all"
