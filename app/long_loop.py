@@ -306,7 +306,9 @@ def run_arm(
             tuple(solve_probability(model, long_eval)),
             tuple(solve_probability(model, short_eval)),
         )
-        delayed = Counter()  # the delayed samples the trainer trained, by lag (its own count, train_metrics')
+        delayed: Counter[int] = (
+            Counter()
+        )  # the delayed samples the trainer trained, by lag (its own count, train_metrics')
         for st in steps:
             delayed.update({int(lag): n for lag, n in st.delayed_lag_histogram.items()})
         dropped = sum(sum(b.dropped_lag.values()) for b in builders.values())

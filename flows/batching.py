@@ -312,11 +312,8 @@ class BatchBuilder:
     def _advance(self) -> list[MicroBatch]:
         cfg, now = self.config, self.clock
         if self._waits is None:  # a builder from an older snapshot: index what it holds
-            self._waits = [
-                (self._waits_until(x), kind, tid)
-                for kind, table in enumerate(self._tables())
-                for tid, x in table.items()
-            ]
+            held: list[tuple[int, dict[str, Rollout] | dict[str, Reward]]] = [(0, self.rollouts), (1, self.rewards)]
+            self._waits = [(self._waits_until(x), kind, tid) for kind, table in held for tid, x in table.items()]
             heapq.heapify(self._waits)
         # what waited too long, in the order it expires: a heap, so a cohort holding days of verdict-kind rollouts
         # does not scan them all on every event
@@ -340,7 +337,7 @@ class BatchBuilder:
         return out
 
     def _tables(self) -> tuple[dict[str, Rollout], dict[str, Reward]]:
-        return self.rollouts, self.rewards  # type: ignore[return-value]  # index 0 and 1 of the waits heap
+        return self.rollouts, self.rewards  # index 0 and 1 of the waits heap
 
     def _hold(self, table: dict, tid: str, x: Rollout | Reward) -> None:
         """Keep an unmatched rollout or reward until its other half comes or its wait ends."""
