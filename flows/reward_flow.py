@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import uuid
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
@@ -128,7 +129,9 @@ class _PartitionLogic(StatefulBatchLogic):
         windows = self.processor.windows
         if self.state_root is not None and windows.store is None and values:
             # the first batch names the partition (the builder is not told its key): a fresh file for it
-            windows.store = SqliteStore.fresh(partition_file(self.state_root, values[0].partition))
+            windows.store = SqliteStore.fresh(
+                partition_file(self.state_root, values[0].partition, uuid.uuid4().hex[:12])
+            )
         return [count(self.counts, len(values), self.processor.process(values))], StatefulBatchLogic.RETAIN
 
     def on_eof(self) -> tuple[list[FlowOutput], bool]:

@@ -54,9 +54,12 @@ class StateError(RtrlError):
     """The reward flow's spilled window state cannot be used (missing, foreign, corrupt or too old)."""
 
 
-def partition_file(state_dir: str | Path, partition: int) -> Path:
-    """The state file of Kafka partition ``partition`` in ``state_dir``."""
-    return Path(state_dir) / f"partition-{partition}.sqlite"
+def partition_file(state_dir: str | Path, partition: int, run: str = "") -> Path:
+    """The state file of Kafka partition ``partition`` in ``state_dir`` (of one run of the flow, when ``run`` is
+    given: a flow started afresh, e.g. a plain ``bytewax.run`` without recovery, then never overwrites the file a
+    recovery snapshot of another run refers to; its own file stays behind, in the folder a fresh ``rtrl run``
+    clears)."""
+    return Path(state_dir) / (f"partition-{partition}-{run}.sqlite" if run else f"partition-{partition}.sqlite")
 
 
 class SqliteStore:

@@ -213,10 +213,11 @@ class FlowSettings(Section):
     archive_dir: str = _s("", "Parquet archive of raw events; empty = <data_dir>/archive/events")
     recovery_dir: str = _s("", "Bytewax recovery folder; empty = <data_dir>/recovery/rewards")
     state_memory_mb: float = _s(
-        512.0,
+        0.0,
         "memory (MB, estimated) the reward flow's windows may use per Kafka partition; beyond it the least recently "
         "touched open, closed and expired windows move to a SQLite file per partition in state_dir and come back "
-        "when an event needs them (same results); 0 = no limit, all in memory",
+        "when an event needs them (same results); 0 = no limit, all in memory (the default: set it, e.g. 512, for "
+        "hours-long tasks with many open windows)",
         ge=0,
     )
     state_dir: str = _s(
