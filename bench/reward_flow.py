@@ -58,6 +58,7 @@ import time
 import traceback
 import tracemalloc
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from bytewax.testing import run_main
@@ -72,9 +73,12 @@ from rtrl.kafka import base_config, ensure_topics, producer_config
 from rtrl.kafka import produce as produce_one  # bench's own produce() sends a whole list
 from rtrl.settings import SimulatorSettings, load_settings
 from schemas.codec import Invalid, event_codec
-from schemas.records import EditProposed, EventBase, ToolCall, TrajectoryStarted
+from schemas.records import EventBase
 from schemas.types import to_arrow
 from simulator.generate import generate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, for bench.spill_state
+from bench.spill_state import trajectory as open_trajectory  # noqa: E402  # the same open trajectory as the spill bench
 
 SALT = "bench-salt-123"
 TARGET_EPS = 50_000
@@ -498,27 +502,13 @@ def latency(args, bootstrap: str, dsn: str, ch, tmp: str) -> dict:
 def memory(args) -> dict:
     codec = event_codec()
     rnd = random.Random(7)
-    base = 1_780_000_000_000
-    hexid = lambda: f"{rnd.getrandbits(128):032x}"  # noqa: E731
     w = PartitionWindows(WindowConfig(deadline_ms=10 * 3600 * 1000), partition=0)
     payload_bytes = 0
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     off = 0
     for i in range(args.open):
-        common: dict[str, Any] = {
-            "trajectory_id": hexid(),
-            "org_id": f"org-{i % 6}",
-            "user_hash": f"{rnd.getrandbits(128):032x}",
-            "policy_version": 3,
-            "arm": "control",
-        }
-        ts = base + i * 10
-        for ev in (
-            TrajectoryStarted(event_id=hexid(), ts=ts, task_kind="bugfix", **common),
-            ToolCall(event_id=hexid(), ts=ts + 2, tool="read_file", valid=True, **common),
-            EditProposed(event_id=hexid(), ts=ts + 5, edit_id=hexid(), lines=12, **common),
-        ):
+        for ev in open_trajectory(rnd, i):
             p = codec.encode(ev)
             payload_bytes += len(p)
             assert w.ingest(ev, off) == []

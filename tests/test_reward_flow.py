@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections import Counter, defaultdict
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -296,6 +297,18 @@ def reference(broker, tmp_path_factory):
     return phase1, phase2, _dump(data)
 
 
+def _run_then_kill(recovery: Path, env: dict[str, str], bootstrap: str, rewards_topic: str, after: int = 100) -> None:
+    """Start the flow on its recovery folder, wait until it has written `after` rewards, then SIGKILL it."""
+    first = subprocess.Popen(_flow_cmd(recovery), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if sum(1 for _ in read_topic(bootstrap, rewards_topic)) >= after:
+            break
+        time.sleep(0.2)
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait(30)
+
+
 def test_kill_9_and_restart_equals_uninterrupted(broker, tmp_path, reference):
     """kill -9 the flow mid-stream, restart it from its recovery folder: rewards, trajectories and dead letters
     (FINAL) equal an uninterrupted run of the same input exactly."""
@@ -306,19 +319,7 @@ def test_kill_9_and_restart_equals_uninterrupted(broker, tmp_path, reference):
     recovery.mkdir()
     subprocess.run([sys.executable, "-m", "bytewax.recovery", str(recovery), "1"], check=True, timeout=60)
     _produce(broker.bootstrap, prefix + "events", phase1)
-    first = subprocess.Popen(
-        _flow_cmd(recovery),
-        env=_env(broker.bootstrap, prefix, tmp_path, tail=True),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if sum(1 for _ in read_topic(broker.bootstrap, prefix + "rewards")) >= 100:
-            break
-        time.sleep(0.2)
-    os.kill(first.pid, signal.SIGKILL)
-    first.wait(30)
+    _run_then_kill(recovery, _env(broker.bootstrap, prefix, tmp_path, tail=True), broker.bootstrap, prefix + "rewards")
     _produce(broker.bootstrap, prefix + "events", phase2)
     second = subprocess.run(
         _flow_cmd(recovery),

@@ -5,14 +5,11 @@ clear error. The store is the real SQLite file; the flow test runs on the real b
 
 from __future__ import annotations
 
-import os
 import pickle
-import signal
 import sqlite3
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +20,7 @@ import flows.windowing as windowing
 from devservices.broker import free_port
 from flows.spill import KEEP_GENERATIONS, SqliteStore, StateError, partition_file
 from flows.windowing import KindRules, MemoryStore, PartitionWindows, WindowConfig
-from rtrl.kafka import ensure_topics, read_topic
+from rtrl.kafka import ensure_topics
 from rtrl.settings import SimulatorSettings
 from schemas.records import (
     EditAccepted,
@@ -34,7 +31,7 @@ from schemas.records import (
     TrajectoryStarted,
 )
 from simulator.generate import generate
-from tests.test_reward_flow import _dump, _env, _flow_cmd, _produce, reference  # noqa: F401  # reference: fixture
+from tests.test_reward_flow import _dump, _env, _flow_cmd, _produce, _run_then_kill, reference  # noqa: F401  # reference: fixture
 
 CFG = WindowConfig(
     deadline_ms=1000,
@@ -179,19 +176,9 @@ def test_kill_9_and_restart_with_spilled_state_equals_uninterrupted(broker, tmp_
     subprocess.run([sys.executable, "-m", "bytewax.recovery", str(recovery), "1"], check=True, timeout=60)
     _produce(broker.bootstrap, prefix + "events", phase1)
     spill = {"RTRL_FLOW__STATE_MEMORY_MB": "0.02"}
-    first = subprocess.Popen(
-        _flow_cmd(recovery),
-        env=_env(broker.bootstrap, prefix, tmp_path, tail=True) | spill,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+    _run_then_kill(
+        recovery, _env(broker.bootstrap, prefix, tmp_path, tail=True) | spill, broker.bootstrap, prefix + "rewards"
     )
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if sum(1 for _ in read_topic(broker.bootstrap, prefix + "rewards")) >= 100:
-            break
-        time.sleep(0.2)
-    os.kill(first.pid, signal.SIGKILL)
-    first.wait(30)
     files = sorted((tmp_path / "state" / "rewards").glob("partition-*.sqlite"))
     assert files, "the flow spilled nothing"
     _produce(broker.bootstrap, prefix + "events", phase2)
