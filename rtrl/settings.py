@@ -697,6 +697,64 @@ class SimulatorSettings(Section):
         return self
 
 
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""The megatron linears a LoRA adapter may target (attention's fused QKV and output projections, the MLP's two)."""
+
+
+class AdapterSettings(Section):
+    """Per-organisation LoRA adapters on the shared policy (issue 17): which orgs get one, their shape, and what the
+    shared policy trains on. An org's adapter trains only on that org's samples; it is gated and promoted on its own."""
+
+    orgs: Annotated[list[str], NoDecode] = _s(
+        [],
+        "organisations that get their own adapter once they pass adapters.min_samples; '*' = every org that does; "
+        "empty = no adapters (comma-separated in the environment)",
+    )
+    min_samples: int = _s(
+        256,
+        "samples an org must have sent through the batch flow before its adapter stream starts (the "
+        "minimum-traffic threshold); until then its samples train only the shared policy",
+        ge=0,
+    )
+    shared_traffic: Literal["all", "unadapted"] = _s(
+        "all",
+        "what the shared policy trains on: all traffic (an adapted org's samples train its adapter and the shared "
+        "policy), or only the orgs without an adapter",
+    )
+    rank: int = _s(8, "LoRA rank r of every adapter", gt=0, le=1024)
+    alpha: float = _s(16.0, "LoRA alpha: the adapter's update is scaled by alpha / rank", gt=0)
+    targets: Annotated[list[str], NoDecode] = _s(
+        list(LORA_TARGETS),
+        "megatron linears that carry the adapter: linear_qkv, linear_proj, linear_fc1, linear_fc2 "
+        "(comma-separated in the environment)",
+        min_length=1,
+    )
+    dropout: float = _s(0.0, "dropout on the adapter's input (RL compares log-probs: keep 0)", ge=0, lt=1)
+    lr: float = _s(0.0, "AdamW learning rate of an adapter; 0 = train.lr", ge=0)
+    max_loaded: int = _s(64, "adapters the policy server holds in memory at once (least recently used leave)", gt=0)
+
+    @field_validator("orgs", "targets", mode="before")
+    @classmethod
+    def _split(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = [x.strip() for x in v.split(",") if x.strip()]
+        return v
+
+    @field_validator("targets")
+    @classmethod
+    def _known(cls, v: list[str]) -> list[str]:
+        bad = [t for t in v if t not in LORA_TARGETS]
+        if bad:
+            raise ValueError(f"names unknown modules {bad}; fix: choose among {list(LORA_TARGETS)}")
+        if len(set(v)) != len(v):
+            raise ValueError(f"names a module twice: {v}")
+        return v
+
+    def wants(self, org: str) -> bool:
+        """Whether ``org`` may get an adapter (traffic threshold apart)."""
+        return "*" in self.orgs or org in self.orgs
+
+
 class ServingSettings(Section):
     url: str = _s(
         "",
@@ -793,6 +851,7 @@ class Settings(BaseSettings):
     loop: LoopSettings = Field(default_factory=LoopSettings)
     simulator: SimulatorSettings = Field(default_factory=SimulatorSettings)
     serving: ServingSettings = Field(default_factory=ServingSettings)
+    adapters: AdapterSettings = Field(default_factory=AdapterSettings)
 
     @classmethod
     def settings_customise_sources(
