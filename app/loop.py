@@ -906,10 +906,12 @@ def rollback(settings: Settings, bootstrap: str, ch, version: int, reason: str) 
 
 
 def announce(settings: Settings, ch, producer: Producer, ck: Checkpoint) -> None:
-    """Record a checkpoint decision in ClickHouse ``checkpoints`` and publish it on ``rtrl.deployments``."""
-    clickhouse.insert(ch, settings.clickhouse.database, "checkpoints", [ck])
+    """Record a checkpoint decision in ClickHouse ``checkpoints`` (an org's adapter: ``adapter_checkpoints``) and
+    publish it on ``rtrl.deployments``, keyed by version (an adapter: by org and version)."""
+    clickhouse.insert(ch, settings.clickhouse.database, "adapter_checkpoints" if ck.org else "checkpoints", [ck])
     codec: JsonCodec[Checkpoint] = JsonCodec(Checkpoint)
-    producer.produce(settings.topic("deployments"), key=str(ck.version).encode(), value=codec.encode(ck))
+    key = f"{ck.org}/{ck.version}" if ck.org else str(ck.version)
+    producer.produce(settings.topic("deployments"), key=key.encode(), value=codec.encode(ck))
     if producer.flush(30):
         raise RuntimeError("deployment announcement not acknowledged")
 

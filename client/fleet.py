@@ -317,6 +317,8 @@ class FleetFollower:
                 log.warning("fleet: skipped an undecodable announcement at offset %s: %s", msg.offset(), e)
                 continue
             n += 1
+            if ck.org:  # an org's adapter decision: the shared policy's versions are what this follower loads
+                continue
             self.latest[ck.version] = ck.status
             if ck.status == "promoted":
                 self.promotions.append(ck)

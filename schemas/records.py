@@ -323,6 +323,20 @@ class Checkpoint(msgspec.Struct, **_STRICT):
         Annotated[str, Meta(pattern="^([0-9a-f]{64})?$")],
         doc("Checksum of that reward version's weights (table reward_versions); empty for v0."),
     ] = ""
+    org: Annotated[
+        MaybeLabel,
+        doc(
+            "Organisation whose LoRA adapter this is (issue 17): then version counts that org's adapter versions and "
+            "the record is kept in table adapter_checkpoints; empty = the shared policy (table checkpoints)."
+        ),
+    ] = ""
+    base_version: Annotated[
+        Version | None,
+        doc(
+            "For an adapter: the shared policy version it was trained and gated on, and is served over; null for "
+            "the shared policy."
+        ),
+    ] = None
 
 
 # ---------------------------------------------------------------- experiments (topic rtrl.experiments)

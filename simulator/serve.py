@@ -181,6 +181,8 @@ class PolicyServer:
                 ck = self.codec.decode(msg.value())
             except Invalid:
                 continue
+            if ck.org:  # an org's adapter decision: not the shared policy's
+                continue
             if ck.status == "promoted":
                 latest = ck
             elif ck.status == "candidate" and self.ab:

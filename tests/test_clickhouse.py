@@ -23,6 +23,7 @@ KEYS = {
     "rewards": lambda r: (r.trajectory_id, r.reward_version),
     "batches": lambda r: r.batch_id,
     "checkpoints": lambda r: r.version,
+    "adapter_checkpoints": lambda r: (r.org, r.version),
     "dead_letters": lambda r: (r.source, r.partition, r.offset, r.kind),
     "trajectories": lambda r: r.trajectory_id,
     "train_metrics": lambda r: (r.run_id, r.step),

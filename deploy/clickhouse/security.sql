@@ -41,6 +41,7 @@ GRANT SELECT ON rtrl.reward_arrival TO rtrl_analyst_role;
 GRANT SELECT ON rtrl.provisional_vs_final TO rtrl_analyst_role;
 GRANT SELECT ON rtrl.provisional_rewards TO rtrl_analyst_role;
 GRANT SELECT ON rtrl.promotions TO rtrl_analyst_role;
+GRANT SELECT ON rtrl.adapter_checkpoints TO rtrl_analyst_role;
 
 -- Users (passwords are placeholders: replace them; store the writer's in the password file).
 CREATE USER IF NOT EXISTS rtrl_writer IDENTIFIED WITH sha256_password BY 'CHANGE_ME_WRITER_PASSWORD'
