@@ -421,6 +421,32 @@ def _table_for(cfg: ModelConfig, names: dict[str, str]) -> dict[str, Rule]:
     raise ConfigError(f"model tensors with no Hugging Face counterpart: {', '.join(unknown[:6])}")
 
 
+# --------------------------------------------------------------------------- fused layouts
+
+
+def qkv_geometry(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(query groups = KV heads, query heads per group, head width) of ``linear_qkv``'s per-group layout."""
+    groups = cfg.num_query_groups or cfg.num_attention_heads
+    return groups, cfg.num_attention_heads // groups, cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+
+
+def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """``linear_qkv`` rows from the rows of ``groups`` consecutive query groups of q, k and v (HF ``q_proj``,
+    ``k_proj``, ``v_proj`` weights, biases or any tensor with their rows): ``[q heads of group 0, k_0, v_0,
+    q heads of group 1, ...]``. Trailing dims are kept."""
+    tail = q.shape[1:]
+    parts = [q.reshape(groups, -1, *tail), k.reshape(groups, -1, *tail), v.reshape(groups, -1, *tail)]
+    return torch.cat(parts, 1).reshape(-1, *tail)
+
+
+def split_qkv(full: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`interleave_qkv` for a whole (tp = 1 layout) ``linear_qkv`` tensor: (q, k, v) rows."""
+    groups, qpg, d = qkv_geometry(cfg)
+    tail = full.shape[1:]
+    q, k, v = full.reshape(groups, (qpg + 2) * d, *tail).split([qpg * d, d, d], dim=1)
+    return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
+
+
 # --------------------------------------------------------------------------- reading
 
 
@@ -517,16 +543,13 @@ def _shard(ck: _Checkpoint, rule: Rule, cfg: ModelConfig, tp: int, r: int) -> to
             out[: real.shape[0]] = real
         return out
     # qkv: this rank's query groups, each [q heads of the group, k, v]
-    groups = (cfg.num_query_groups or cfg.num_attention_heads) // tp
-    qpg = cfg.num_attention_heads // (cfg.num_query_groups or cfg.num_attention_heads)
-    d = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+    all_groups, qpg, d = qkv_geometry(cfg)
+    groups = all_groups // tp
     g0 = r * groups
     q = ck.read(rule.hf[0], rows=(g0 * qpg * d, (g0 + groups) * qpg * d))
     k = ck.read(rule.hf[1], rows=(g0 * d, (g0 + groups) * d))
     v = ck.read(rule.hf[2], rows=(g0 * d, (g0 + groups) * d))
-    tail = q.shape[1:]
-    qkv = torch.cat([q.reshape(groups, qpg * d, *tail), k.reshape(groups, d, *tail), v.reshape(groups, d, *tail)], 1)
-    return qkv.reshape(-1, *tail)
+    return interleave_qkv(q, k, v, groups)
 
 
 def load_hf(model, cfg: ModelConfig, path: str | os.PathLike | None = None) -> LoadReport:
@@ -598,13 +621,7 @@ def _split(rule: Rule, shards: list[torch.Tensor], cfg: ModelConfig) -> dict[str
     if rule.kind == "gate_up":
         halves = [s.chunk(2) for s in shards]
         return {rule.hf[0]: torch.cat([g for g, _ in halves]), rule.hf[1]: torch.cat([u for _, u in halves])}
-    groups = cfg.num_query_groups or cfg.num_attention_heads
-    qpg = cfg.num_attention_heads // groups
-    d = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
-    full = torch.cat(shards)
-    tail = full.shape[1:]
-    q, k, v = full.reshape(groups, (qpg + 2) * d, *tail).split([qpg * d, d, d], dim=1)
-    return {name: x.reshape(-1, *tail) for name, x in zip(rule.hf, (q, k, v), strict=True)}
+    return dict(zip(rule.hf, split_qkv(torch.cat(shards), cfg), strict=True))
 
 
 def _gather_tp(t: torch.Tensor) -> list[torch.Tensor] | None:
