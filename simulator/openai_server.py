@@ -14,7 +14,8 @@ loopback by default, a free port by default) and serves one or more named models
                           ``i // n``) with ``text``, ``logprobs`` (``tokens``, ``token_logprobs``,
                           ``top_logprobs``, ``text_offset``), ``finish_reason`` (``length``, or ``stop`` at
                           EOS), ``token_ids`` / ``prompt_token_ids`` when asked; ``usage``.
-``GET /v1/models``        the served model names (``max_model_len`` included, as vLLM lists it).
+``GET /v1/models``        the served model names (``max_model_len`` included, as vLLM lists it), then the loaded
+                          LoRA adapters with ``root`` their folder and ``parent`` their base model, as vLLM does.
 ``GET /health``           200 with an empty body while the server runs.
 ``POST /update_weights_from_disk``  SGLang's native reload API: ``model_path`` (a Hugging Face export folder, e.g. a
                           registry version ``<registry>/v3``), optional ``weight_version`` (a label), ``load_format``
@@ -24,6 +25,16 @@ loopback by default, a free port by default) and serves one or more named models
                           or 400 with ``success`` false and why (no Hugging Face config for that model, another
                           architecture, missing tensors; the weights are then unchanged). Only models given a
                           Hugging Face ``configs`` entry can be reloaded.
+``POST /v1/load_lora_adapter``  vLLM's runtime LoRA API: ``lora_name`` and ``lora_path`` (a PEFT LoRA folder, as
+                          :func:`trainer.lora.export_peft` writes, for a Hugging Face model; or an rtrl adapter
+                          checkpoint, :func:`trainer.lora.save_adapter`, for any model) and optional
+                          ``base_model_name`` (which served model it goes on; default the first). From then on a
+                          request whose ``model`` is ``lora_name`` samples from that base with the adapter (S-LoRA /
+                          Punica style: one copy of the base, many adapters). Beyond ``max_loras`` adapters the least
+                          recently used one is unloaded. 200 with vLLM's text ``Success: LoRA adapter '...' added
+                          successfully.``; 400 for a name already loaded or a folder that does not load.
+``POST /v1/unload_lora_adapter``  ``lora_name``: 200 ``Success: LoRA adapter '...' removed successfully.``, 404
+                          for a name not loaded.
 ``GET /get_model_info``   SGLang's: ``model_path`` (the last export loaded, else the model's source) and
                           ``weight_version`` of the first model, ``is_generation``.
 
@@ -47,20 +58,24 @@ weights: a request samples under it.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import re
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from rtrl.errors import ConfigError
 from simulator.tasks import ASK, BOS, DIGIT0, EASY, EOS, HARD, KINDS, MALFORMED, PAD, SEP, TOOLS, VOCAB
+from trainer import lora
 from trainer.model import causal_mask
 
 #: the text of each token of the simulator's vocabulary (a leading space, as byte-level BPE pieces have)
@@ -156,7 +171,7 @@ class CompletionServer:
 
     ``max_model_len`` bounds prompt + completion (default: the first model's ``max_sequence_length``);
     ``max_logprobs`` bounds ``logprobs`` and ``prompt_logprobs`` (vLLM's ``--max-logprobs``, default 20);
-    ``max_n`` the sequences one request samples (prompts x ``n``);
+    ``max_n`` the sequences one request samples (prompts x ``n``); ``max_loras`` the LoRA adapters held at once;
     ``return_tokens_as_token_ids`` is the default of the request field of that name (vLLM's
     ``--return-tokens-as-token-ids``); ``configs`` (name -> the :class:`~trainer.config.ModelConfig` a model was
     built from) makes a Hugging Face model reloadable from an export (``POST /update_weights_from_disk``). Use as a
@@ -178,11 +193,17 @@ class CompletionServer:
         lock: threading.Lock | None = None,
         request_timeout_s: float = 60.0,
         configs: Mapping[str, Any] | None = None,
+        max_loras: int = 64,
     ):
         if not models:
             raise ValueError("a completions server needs at least one model")
         self.models = dict(models)
         self.configs = dict(configs or {})
+        if max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {max_loras!r}")
+        #: LoRA adapters by name -> (base model name, folder), least recently used first
+        self.loras: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
+        self.max_loras = max_loras
         #: per model: the export folder it last loaded (else its source) and the weight_version label given with it
         self.loaded: dict[str, tuple[str, str | None]] = {
             name: (getattr(self.configs.get(name), "hf_path", "") or "", None) for name in self.models
@@ -220,11 +241,16 @@ class CompletionServer:
         return self
 
     def close(self) -> None:
+        """Stop serving; the LoRA adapters loaded through the API leave the models (the caller's) with it."""
         if self._thread is not None:
             self.httpd.shutdown()
             self._thread.join(10)
             self._thread = None
         self.httpd.server_close()
+        with self.lock:
+            while self.loras:
+                name, (base, _) = self.loras.popitem()
+                lora.remove_adapter(self.models[base], name)
 
     def __enter__(self) -> CompletionServer:
         return self.start()
@@ -248,8 +274,75 @@ class CompletionServer:
                     "max_model_len": self.max_model_len,
                 }
                 for name in self.models
+            ]
+            + [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": self._created,
+                    "owned_by": "rtrl",
+                    "root": folder,
+                    "parent": base,
+                    "max_model_len": self.max_model_len,
+                }
+                for name, (base, folder) in self.loras.items()
             ],
         }
+
+    def load_lora_adapter(self, body: Any) -> str:
+        """vLLM's ``/v1/load_lora_adapter`` body -> its success text; raises :class:`ApiError` (the served models are
+        then unchanged)."""
+        if not isinstance(body, dict):
+            raise ApiError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object")
+        name, path = body.get("lora_name"), body.get("lora_path")
+        base = body.get("base_model_name") or next(iter(self.models))
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise ApiError(HTTPStatus.BAD_REQUEST, "Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
+        if name in self.loras or name in self.models:
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        if not isinstance(base, str) or base not in self.models:
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"The model `{base}` does not exist.", "base_model_name")
+        model, folder = self.models[base], Path(path)
+        with self.lock:
+            try:
+                if (folder / "adapter_config.json").is_file():  # a PEFT folder: only a Hugging Face model reads it
+                    cfg = self.configs.get(base)
+                    if cfg is None:
+                        raise ConfigError(
+                            f"{path} is a PEFT adapter, and model `{base}` was given no Hugging Face config: load an "
+                            "rtrl adapter checkpoint instead"
+                        )
+                    lora.load_peft(model, cfg, name, folder)
+                else:
+                    lora.load_adapter(folder, model, name, restore_rng=False)
+            except Exception as e:  # noqa: BLE001 - a folder that does not load is the client's 400, as in vLLM
+                if name in lora.adapter_names(model):
+                    lora.remove_adapter(model, name)
+                why = (
+                    str(e)
+                    if isinstance(e, ConfigError | OSError | ValueError | KeyError)
+                    else f"{type(e).__name__}: {e}"
+                )
+                raise ApiError(
+                    HTTPStatus.BAD_REQUEST, f"Failed to load LoRA adapter '{name}' from {path}: {why}", "lora_path"
+                ) from None
+            self.loras[name] = (base, path)
+            while len(self.loras) > self.max_loras:  # least recently used leaves
+                old, (old_base, _) = self.loras.popitem(last=False)
+                lora.remove_adapter(self.models[old_base], old)
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    def unload_lora_adapter(self, body: Any) -> str:
+        """vLLM's ``/v1/unload_lora_adapter`` body -> its success text (404 for a name not loaded)."""
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        if not isinstance(name, str) or not name:
+            raise ApiError(HTTPStatus.BAD_REQUEST, "'lora_name' must be provided.", "lora_name")
+        with self.lock:
+            if name not in self.loras:
+                raise ApiError(HTTPStatus.NOT_FOUND, f"The lora adapter '{name}' cannot be found.", "lora_name")
+            base, _ = self.loras.pop(name)
+            lora.remove_adapter(self.models[base], name)
+        return f"Success: LoRA adapter '{name}' removed successfully."
 
     def update_weights_from_disk(self, body: Any) -> dict[str, Any]:
         """SGLang's ``/update_weights_from_disk`` body -> its answer; raises :class:`ApiError` (400) when nothing was
@@ -307,7 +400,7 @@ class CompletionServer:
         name = body.get("model")
         if name is None:
             name = next(iter(self.models))
-        if not isinstance(name, str) or name not in self.models:
+        if not isinstance(name, str) or (name not in self.models and name not in self.loras):
             raise ApiError(HTTPStatus.NOT_FOUND, f"The model `{name}` does not exist.", "model")
         for param, off in UNSUPPORTED.items():
             if param in body and body[param] not in off:
@@ -350,10 +443,9 @@ class CompletionServer:
                 f"{len(prompts)} prompts x n={n} is {len(prompts) * n} sequences, over this server's {self.max_n}",
                 "prompt",
             )
-        model = self.models[name]
         generator = torch.Generator().manual_seed(seed % 2**64) if seed is not None else self._generator
         rows = [p for p in prompts for _ in range(n)]  # prompt-major, as vLLM orders the choices
-        with self.lock:
+        with self.lock, self._use(name) as model:
             outs = _sample(
                 model, rows, max_tokens, float(temperature), generator, logprobs or 0, self.eos, bool(ignore_eos)
             )
@@ -387,6 +479,23 @@ class CompletionServer:
                 "total_tokens": prompt_tokens + completion_tokens,
             },
         }
+
+    @contextlib.contextmanager
+    def _use(self, name: str) -> Iterator[Any]:
+        """The model that serves ``name`` (hold :attr:`lock`): a served model with no adapter active, or a LoRA
+        adapter's base with that adapter active (and marked the most recently used)."""
+        if name in self.models:
+            model = self.models[name]
+            if lora.adapter_names(model):  # the base itself: no adapter active
+                with lora.activate(model, None):
+                    yield model
+            else:
+                yield model
+            return
+        base, _ = self.loras[name]
+        self.loras.move_to_end(name)
+        with lora.activate(self.models[base], name):
+            yield self.models[base]
 
     def _prompts(self, prompt: Any) -> list[list[int]]:
         """``prompt`` as a list of token-id lists (a string or a list of ids is one prompt)."""
@@ -548,6 +657,14 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _send_text(self, status: HTTPStatus, text: str) -> None:
+        data = text.encode()
+        self.send_response(status.value)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
     def _error(self, e: ApiError) -> None:
         self._send(e.status, e.body())
 
@@ -580,7 +697,12 @@ class _Handler(BaseHTTPRequestHandler):
                 )
             )
         raw = self.rfile.read(length)
-        routes = {"/v1/completions": self.api.complete, "/update_weights_from_disk": self.api.update_weights_from_disk}
+        routes = {
+            "/v1/completions": self.api.complete,
+            "/update_weights_from_disk": self.api.update_weights_from_disk,
+            "/v1/load_lora_adapter": self.api.load_lora_adapter,
+            "/v1/unload_lora_adapter": self.api.unload_lora_adapter,
+        }
         if path not in routes:
             return self._error(ApiError(HTTPStatus.NOT_FOUND, f"no route {self.path}"))
         reload = path == "/update_weights_from_disk"
@@ -589,7 +711,11 @@ class _Handler(BaseHTTPRequestHandler):
         except (ValueError, UnicodeDecodeError) as e:
             return self._error(ApiError(HTTPStatus.BAD_REQUEST, f"the request body is not valid JSON: {e}"))
         try:
-            self._send(HTTPStatus.OK, routes[path](body))
+            answer = routes[path](body)
+            if isinstance(answer, str):  # vLLM answers the LoRA endpoints in plain text
+                self._send_text(HTTPStatus.OK, answer)
+            else:
+                self._send(HTTPStatus.OK, answer)
         except ApiError as e:
             if reload:  # SGLang's failure shape: success false and the reason
                 self._send(e.status, {"success": False, "message": e.message, "num_paused_requests": 0})

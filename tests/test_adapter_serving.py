@@ -1,0 +1,131 @@
+"""Multi-adapter serving over real HTTP: vLLM's runtime LoRA API on the project's completions server.
+
+- ``/v1/load_lora_adapter`` loads an rtrl adapter checkpoint (any model) or a PEFT folder (a Hugging Face model)
+  onto the one copy of the base; a request naming the adapter samples from base + adapter, with the log-probs of
+  the trainer's own forward pass with that adapter active; a request naming the base still gets the base alone.
+- Several adapters are held at once (``/v1/models`` lists them with their folder and parent, as vLLM does); beyond
+  ``max_loras`` the least recently used leaves; ``/v1/unload_lora_adapter`` removes one; a name already loaded,
+  a folder that does not load, or an unknown name are vLLM's 400/404 errors and leave the served models as they
+  were.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+import urllib3
+
+from simulator.openai_server import CompletionServer
+from simulator.tasks import VOCAB, sample_task
+from trainer import lora
+from trainer.config import ModelConfig
+from trainer.model import build_model, causal_mask, init_parallel
+
+SEQ = 32
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = ModelConfig.tiny(vocab_size=VOCAB, seq_length=SEQ)
+    init_parallel(cfg)
+    return build_model(cfg)
+
+
+def _trained_adapter(model, name: str, seed: int, root) -> str:
+    """An adapter with non-zero B (so it changes the logits), saved as an rtrl adapter checkpoint."""
+    lora.add_adapter(model, name, lora.LoraConfig(rank=4, alpha=8.0), seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lora.adapter_parameters(model, name):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    path = lora.save_adapter(root / name, model, name, step=1, base="test-base")
+    lora.remove_adapter(model, name)
+    return str(path)
+
+
+def _logits(model, prompt: list[int], adapter: str | None) -> torch.Tensor:
+    tokens = torch.tensor([prompt])
+    pos = torch.arange(len(prompt)).unsqueeze(0)
+    with torch.no_grad(), lora.activate(model, adapter):
+        model.eval()
+        return model(tokens, pos, causal_mask(len(prompt), tokens.device))[0, -1].float()
+
+
+@pytest.fixture
+def http():
+    pool = urllib3.PoolManager(retries=False, timeout=urllib3.Timeout(connect=5, read=60))
+    yield pool
+    pool.clear()
+
+
+def _call(http, server, route: str, body) -> tuple[int, str]:
+    r = http.request("POST", f"http://{server.host}:{server.port}{route}", body=json.dumps(body).encode())
+    return r.status, r.data.decode()
+
+
+def _greedy_logprob(http, server, name: str, prompt: list[int]) -> tuple[int, float]:
+    status, text = _call(
+        http,
+        server,
+        "/v1/completions",
+        {"model": name, "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 0, "return_token_ids": True},
+    )
+    assert status == 200, text
+    choice = json.loads(text)["choices"][0]
+    return choice["token_ids"][0], choice["logprobs"]["token_logprobs"][0]
+
+
+def test_requests_name_their_adapter_and_get_base_plus_adapter(model, http, tmp_path):
+    paths = {org: _trained_adapter(model, org, seed, tmp_path) for seed, org in enumerate(("org-1", "org-2"), 1)}
+    with CompletionServer({"rtrl-policy": model}) as server:
+        for org, path in paths.items():
+            status, text = _call(http, server, "/v1/load_lora_adapter", {"lora_name": org, "lora_path": path})
+            assert (status, text) == (200, f"Success: LoRA adapter '{org}' added successfully.")
+        listed = json.loads(http.request("GET", f"{server.url}/models").data)["data"]
+        assert [(m["id"], m["parent"]) for m in listed] == [
+            ("rtrl-policy", None),
+            ("org-1", "rtrl-policy"),
+            ("org-2", "rtrl-policy"),
+        ]
+        assert listed[1]["root"] == paths["org-1"]
+        prompt = sample_task(random.Random(3), "o").prompt
+        seen = {}
+        for name, adapter in (("rtrl-policy", None), ("org-1", "org-1"), ("org-2", "org-2")):
+            tok, lp = _greedy_logprob(http, server, name, prompt)
+            want = torch.log_softmax(_logits(model, prompt, adapter), -1)
+            assert tok == int(want.argmax())
+            assert lp == pytest.approx(float(want[tok]), abs=1e-5)
+            seen[name] = want
+        assert not torch.allclose(seen["org-1"], seen["rtrl-policy"])  # the adapters do change the policy
+        assert not torch.allclose(seen["org-1"], seen["org-2"])
+        assert lora.active_adapter(model) is None  # nothing stays active after a request
+
+
+def test_least_recently_used_adapter_leaves_and_errors_change_nothing(model, http, tmp_path):
+    paths = {org: _trained_adapter(model, org, seed, tmp_path) for seed, org in enumerate(("a", "b", "c"), 11)}
+    with CompletionServer({"rtrl-policy": model}, max_loras=2) as server:
+        for org in ("a", "b"):
+            assert _call(http, server, "/v1/load_lora_adapter", {"lora_name": org, "lora_path": paths[org]})[0] == 200
+        prompt = sample_task(random.Random(4), "o").prompt
+        _greedy_logprob(http, server, "a", prompt)  # a is now the most recently used
+        assert _call(http, server, "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": paths["c"]})[0] == 200
+        assert list(server.loras) == ["a", "c"] and sorted(lora.adapter_names(model)) == ["a", "c"]
+        status, text = _call(http, server, "/v1/completions", {"model": "b", "prompt": prompt, "max_tokens": 1})
+        assert status == 404 and "does not exist" in text
+        # errors: a name already loaded, a folder that does not load, unloading an unknown name
+        status, text = _call(http, server, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": paths["a"]})
+        assert status == 400 and "already been loaded" in text
+        status, text = _call(
+            http, server, "/v1/load_lora_adapter", {"lora_name": "d", "lora_path": str(tmp_path / "nothing")}
+        )
+        assert status == 400 and "Failed to load LoRA adapter 'd'" in text
+        assert "d" not in lora.adapter_names(model) and list(server.loras) == ["a", "c"]
+        assert _call(http, server, "/v1/unload_lora_adapter", {"lora_name": "zzz"})[0] == 404
+        status, text = _call(http, server, "/v1/unload_lora_adapter", {"lora_name": "a"})
+        assert (status, text) == (200, "Success: LoRA adapter 'a' removed successfully.")
+        assert list(server.loras) == ["c"] and lora.adapter_names(model) == ["c"]
+        _call(http, server, "/v1/unload_lora_adapter", {"lora_name": "c"})
+    assert lora.adapter_names(model) == []
