@@ -206,7 +206,7 @@ class CompletionsClient:
 
     # ------------------------------------------------------------ HTTP
 
-    def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    def _request(self, method: str, path: str, body: dict[str, Any] | None = None, text: bool = False) -> Any:
         where = f"{self.url}{path}"
         resp = send_json(
             self._http,
@@ -218,16 +218,18 @@ class CompletionsClient:
             timeout_s=self.timeout_s,
             fix="; fix: start it, or set serving.url to a running server (empty = the project's own)",
         )
-        text = resp.data.decode("utf-8", "replace")
+        text_body = resp.data.decode("utf-8", "replace")
         if resp.status >= 400:
-            raise CompletionError(f"completions server at {where} answered {resp.status}: {_error_message(text)}")
+            raise CompletionError(f"completions server at {where} answered {resp.status}: {_error_message(text_body)}")
         if method == "GET" and path.endswith("/health"):
             return None
+        if text:  # vLLM answers its LoRA endpoints in plain text
+            return text_body
         try:
-            return json.loads(text)
+            return json.loads(text_body)
         except ValueError:
             raise CompletionError(
-                f"completions server at {where} sent a response that is not JSON: {text[:200]!r}"
+                f"completions server at {where} sent a response that is not JSON: {text_body[:200]!r}"
             ) from None
 
     def models(self) -> list[str]:
@@ -248,6 +250,24 @@ class CompletionsClient:
                 f"completions server at {self.url} does not serve model {self.model!r} (it serves "
                 f"{', '.join(map(repr, names)) or 'nothing'}); fix: set serving.model to one of them"
             )
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve the LoRA adapter in folder ``path`` (as the server sees it) as model ``name``: vLLM's runtime LoRA
+        API (``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), which the project's own server speaks
+        too. Loading a name the server already holds (a retried request that did land) is not an error."""
+        try:
+            self._request("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path}, text=True)
+        except CompletionError as e:
+            if "already been loaded" not in str(e):
+                raise
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving LoRA adapter ``name`` (a name the server does not hold: nothing to do)."""
+        try:
+            self._request("POST", "/unload_lora_adapter", {"lora_name": name}, text=True)
+        except CompletionError as e:
+            if " 404:" not in str(e):
+                raise
 
     def close(self) -> None:
         self._http.clear()

@@ -15,11 +15,17 @@ hash for the experiment (:func:`ab_bucket`) falls below ``candidate_share`` are 
 instead (the server's ``candidate_name`` model), with ``arm="candidate"`` on their events: a user sees one arm for
 the whole experiment. An :class:`~schemas.records.Experiment` announced on ``rtrl.experiments`` does the same outside
 the deployment protocol (the main job's final A/B of its final version against v0), with its own arm labels.
+
+Per-org adapters (issue 17): an announcement with an ``org`` is that org's adapter decision. The serving arm answers
+each org with its newest promoted adapter validated on the serving base (:meth:`PolicyServer.adapter_target`),
+loaded into the completions server under its own model name through vLLM's runtime LoRA API (the project's own
+server speaks it too), and the base alone for orgs without one; a burst is then one request per model name.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
 import time
 import uuid
@@ -35,6 +41,8 @@ from schemas.records import Checkpoint, Experiment, Rollout
 from simulator.openai_server import CompletionServer
 from simulator.tasks import COMPLETION_LEN, outcome, sample_task
 from simulator.world import Mailbox, react
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -125,6 +133,11 @@ class PolicyServer:
         self.mailbox = Mailbox()  # what the users send later: persistence checks
         self.announced: dict[str, Experiment] = {}  # the newest announcement of each experiment on rtrl.experiments
         self.experiment: Experiment | None = None  # the one being served
+        # per-org adapters (issue 17): each org's promotions in order, the newest status of each (org, version), and
+        # what serves each org now: (adapter version, the model name the server serves it under)
+        self.adapter_promotions: dict[str, list[Checkpoint]] = {}
+        self.adapter_status: dict[tuple[str, int], str] = {}
+        self.adapters: dict[str, tuple[int, str]] = {}
 
     def _follow_experiments(self, load) -> None:
         """What the candidate model holds and serves. An experiment is served while its newest announcement says
@@ -181,7 +194,10 @@ class PolicyServer:
                 ck = self.codec.decode(msg.value())
             except Invalid:
                 continue
-            if ck.org:  # an org's adapter decision: not the shared policy's
+            if ck.org:  # an org's adapter decision: followed apart from the shared policy's
+                self.adapter_status[(ck.org, ck.version)] = ck.status
+                if ck.status == "promoted":
+                    self.adapter_promotions.setdefault(ck.org, []).append(ck)
                 continue
             if ck.status == "promoted":
                 latest = ck
@@ -197,7 +213,46 @@ class PolicyServer:
         if decided:  # a new cycle: the serving version (new, or the same after a rejection) gets a new quota
             self.window_base = self.served_by(self.version)
         self._follow_experiments(load)
+        self._follow_adapters()
         return self.version
+
+    def adapter_target(self, org: str) -> Checkpoint | None:
+        """The adapter decision that should serve ``org``: its newest promotion not rolled back since, if it was
+        validated on the serving base version (after a base promotion the org is served the base alone until its
+        adapter is re-validated on the new base)."""
+        for ck in reversed(self.adapter_promotions.get(org, [])):
+            if self.adapter_status.get((org, ck.version)) == "promoted":
+                return ck if ck.base_version == self.version else None
+        return None
+
+    def _follow_adapters(self) -> None:
+        """Load each org's target adapter into the completions server under its own model name, then unload what it
+        replaces (vLLM's runtime LoRA API; the project's own server the same way). An external server loads the
+        PEFT export (``export_path``); the own server the adapter checkpoint."""
+        client = self.collector.client
+        for org in sorted(set(self.adapter_promotions) | set(self.adapters)):
+            ck = self.adapter_target(org)
+            have = self.adapters.get(org)
+            if ck is not None and (have is None or have[0] != ck.version):
+                path = ck.path if self.api is not None else ck.export_path
+                if not path:
+                    log.warning(
+                        "org %s adapter v%d has no PEFT export for %s: the base serves it", org, ck.version, self.url
+                    )
+                    continue
+                name = f"{self.model_name}-{org}-a{ck.version}"
+                client.load_lora_adapter(name, path)
+                self.adapters[org] = (ck.version, name)
+                if have is not None:
+                    client.unload_lora_adapter(have[1])
+            elif ck is None and have is not None:
+                client.unload_lora_adapter(have[1])
+                del self.adapters[org]
+
+    def model_for(self, org: str) -> str:
+        """The model name a request for ``org`` names: its adapter, else the shared policy."""
+        have = self.adapters.get(org)
+        return have[1] if have is not None else self.model_name
 
     def may_serve(self, quota: int | None) -> bool:
         """Backpressure: after each decision the serving version serves about ``quota`` samples, what the
@@ -245,7 +300,14 @@ class PolicyServer:
                 assert candidate is not None  # the candidate arm gets tasks only while there is one
                 version, name = candidate
             label = labels[arm]
-            served[label] = self._serve(batch, group_size, version, name, label)
+            by_model: dict[str, list] = {}
+            for task, user in batch:  # the serving arm answers each org with its adapter, if it has one
+                by_model.setdefault(self.model_for(task.org_id) if arm == "control" else name, []).append((task, user))
+            served[label] = Served()
+            for model_name, asks in by_model.items():
+                part = self._serve(asks, group_size, version, model_name, label)
+                for k in vars(part):
+                    setattr(served[label], k, getattr(served[label], k) + getattr(part, k))
             total = self.totals.setdefault((version, label), Served())
             for k in vars(total):
                 setattr(total, k, getattr(total, k) + getattr(served[label], k))

@@ -129,3 +129,117 @@ def test_least_recently_used_adapter_leaves_and_errors_change_nothing(model, htt
         assert list(server.loras) == ["c"] and lora.adapter_names(model) == ["c"]
         _call(http, server, "/v1/unload_lora_adapter", {"lora_name": "c"})
     assert lora.adapter_names(model) == []
+
+
+def _decision(version: int, status: str, org: str = "", base: int | None = None, path: str = ""):
+    from schemas.records import Checkpoint
+
+    return Checkpoint(
+        version=version,
+        parent=None,
+        created_at=0,
+        steps=0,
+        samples=0,
+        tokens=0,
+        eval_results={},
+        status=status,  # type: ignore[arg-type]
+        reason="test",
+        kafka_offsets={},
+        path=path or f"/ckpt/v{version}",
+        org=org,
+        base_version=base,
+    )
+
+
+@pytest.mark.slow  # a broker, a completions server and a policy server
+def test_policy_server_answers_each_org_with_its_promoted_adapter(broker, topic_prefix, model, tmp_path):
+    """Adapter decisions on rtrl.deployments: org-1's promoted adapter (validated on the serving base) serves
+    org-1's tasks, under its own model name, while org-0 gets the base; the rollouts carry the log-probs of what
+    served them. A per-org rollback, or a base promotion the adapter was not validated on, returns org-1 to the
+    base alone; org-0 is never touched."""
+    from confluent_kafka import Producer
+
+    from client.sdk import RtrlClient
+    from rtrl.kafka import producer_config, read_topic
+    from rtrl.settings import load_settings
+    from schemas.codec import JsonCodec
+    from schemas.records import Checkpoint, Rollout
+    from simulator.serve import PolicyServer
+
+    path = _trained_adapter(model, "org-1", 5, tmp_path)
+    settings = load_settings(env={"RTRL_KAFKA__TOPIC_PREFIX": topic_prefix})
+    codec: JsonCodec[Checkpoint] = JsonCodec(Checkpoint)
+    producer = Producer(producer_config(broker.bootstrap))
+
+    def announce(*cks: Checkpoint) -> None:
+        for ck in cks:
+            producer.produce(topic_prefix + "deployments", value=codec.encode(ck))
+        assert producer.flush(10) == 0
+
+    def rollouts() -> list[Rollout]:
+        return [JsonCodec(Rollout).decode(m.value()) for m in read_topic(broker.bootstrap, topic_prefix + "rollouts")]
+
+    def served_by_adapter(r: Rollout) -> bool:
+        seq = r.prompt_ids + r.completion_ids
+        with lora.activate(model, "org-1"):
+            with_adapter = _seq_logprobs(model, seq)
+        base = _seq_logprobs(model, seq)
+        got = torch.tensor(r.behaviour_logprobs)
+        if torch.allclose(got, with_adapter, atol=1e-5):
+            return True
+        assert torch.allclose(got, base, atol=1e-5), (got, base, with_adapter)
+        return False
+
+    lora.load_adapter(path, model, "org-1", restore_rng=False)  # to compute the expected log-probs
+    with RtrlClient.from_settings(settings, bootstrap=broker.bootstrap) as client:
+        server = PolicyServer(broker.bootstrap, topic_prefix, client, model, ["org-0", "org-1"], seed=5)
+        try:
+            announce(_decision(0, "promoted"), _decision(1, "promoted", org="org-1", base=0, path=path))
+            for _ in range(20):
+                server.refresh(lambda m, p: None, timeout_s=0.2)
+                if server.adapters:
+                    break
+            assert server.version == 0 and server.adapters == {"org-1": (1, "rtrl-policy-org-1-a1")}
+            assert server.model_for("org-1") == "rtrl-policy-org-1-a1" and server.model_for("org-0") == "rtrl-policy"
+            server.serve(12, group_size=2)
+            first = rollouts()
+            assert {r.org_id for r in first} == {"org-0", "org-1"}
+            assert all(served_by_adapter(r) == (r.org_id == "org-1") for r in first)
+            # a per-org rollback: org-1 goes back to the base alone
+            announce(_decision(1, "rolled_back", org="org-1", base=0, path=path))
+            for _ in range(20):
+                server.refresh(lambda m, p: None, timeout_s=0.2)
+                if not server.adapters:
+                    break
+            assert server.adapters == {} and "rtrl-policy-org-1-a1" not in (server.api.loras if server.api else {})
+            # promoted again, then the base moves on: an adapter validated on v0 does not serve over v1
+            announce(_decision(2, "promoted", org="org-1", base=0, path=path))
+            for _ in range(20):
+                server.refresh(lambda m, p: None, timeout_s=0.2)
+                if server.adapters:
+                    break
+            assert server.adapters == {"org-1": (2, "rtrl-policy-org-1-a2")}
+            announce(_decision(1, "promoted"))
+            for _ in range(20):
+                server.refresh(lambda m, p: None, timeout_s=0.2)
+                if server.version == 1:
+                    break
+            assert server.version == 1 and server.adapters == {}
+            before = len(first)
+            server.serve(6, group_size=2)
+            later = rollouts()[before:]
+            assert later and not any(served_by_adapter(r) for r in later)
+        finally:
+            server.close()
+            lora.remove_adapter(model, "org-1")
+
+
+def _seq_logprobs(model, seq: list[int]) -> torch.Tensor:
+    """log p of the last two tokens of ``seq`` (the completion) under the model as it is."""
+    tokens = torch.tensor([seq])
+    pos = torch.arange(len(seq)).unsqueeze(0)
+    with torch.no_grad():
+        model.eval()
+        logits = model(tokens, pos, causal_mask(len(seq), tokens.device))[0].float()
+    lp = torch.log_softmax(logits[:-1], -1)
+    return torch.stack([lp[i, seq[i + 1]] for i in range(len(seq) - 3, len(seq) - 1)])
