@@ -168,6 +168,7 @@ class LoraSlot(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """The active adapter's term for input ``x`` (this rank's share of the linear's output), or None."""
+        from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import (
             copy_to_tensor_model_parallel_region,
             reduce_from_tensor_model_parallel_region,
@@ -179,10 +180,11 @@ class LoraSlot(nn.Module):
         if pair.cfg.dropout:
             x = nn.functional.dropout(x, pair.cfg.dropout, self.training)
         h = nn.functional.linear(x, pair.lora_A)
+        group = ps.get_tensor_model_parallel_group() if ps.model_parallel_is_initialized() else None
         if self.kind == "column":
-            h = copy_to_tensor_model_parallel_region(h)  # forward: identity; backward: sum A's input grads
+            h = copy_to_tensor_model_parallel_region(h, group)  # forward: identity; backward: sum A's input grads
         else:
-            h = reduce_from_tensor_model_parallel_region(h)  # sum the partial products of the input shards
+            h = reduce_from_tensor_model_parallel_region(h, group)  # sum the partial products of the input shards
         return nn.functional.linear(h, pair.lora_B) * pair.cfg.scale
 
     # full (tp = 1 layout) <-> this rank's shard
@@ -430,11 +432,9 @@ def _full_tensors(model: nn.Module, name: str, of: Any) -> dict[str, torch.Tenso
     out: dict[str, torch.Tensor] = {}
     for slot, pair in _pairs(model, name):
         for which in ("lora_A", "lora_B"):
-            local = of(getattr(pair, which))
-            if slot.sharded_dim(which) is None:
-                out[slot.key(which)] = local.detach().clone()
-            else:
-                out[slot.key(which)] = slot.full(which, _gather(local))
+            local = of(getattr(pair, which)).detach()
+            shards = [local] if slot.sharded_dim(which) is None else _gather(local)
+            out[slot.key(which)] = slot.full(which, shards).clone()  # never a view of a live parameter
     return out
 
 
