@@ -12,8 +12,9 @@ Contracts checked here:
 - Training: after AdamW steps on a real loss (``forward_logprobs``) only the trained adapter changed; every
   base tensor and the other adapter on the same model are ``torch.equal`` to before.
 - Tensor parallelism (slow, torchrun, gloo): at tp = 2 the logits with a non-zero adapter, the loss, the full
-  adapter gradients and the adapter after one AdamW step equal tp = 1's within fp32 rounding (1e-6); the
-  adapter checkpoint written at tp = 2 loads at tp = 1 (full tensors: tp-independent).
+  adapter gradients, their global norm (``trainer.train.clip_grad_norm``: shards counted once), the adapter after
+  one AdamW step and its PEFT export equal tp = 1's within fp32 rounding (1e-6; logits 1e-5); the adapter
+  checkpoint written at tp = 2 loads at tp = 1 (full tensors: tp-independent).
 - Checkpoints: save/load restores adapter, AdamW moments, step, base and extra exactly; a complete checkpoint
   is not overwritten; an unmarked folder is skipped by ``latest_adapter`` and replaced by a later save; a
   checkpoint of another base is refused. Slow: a training subprocess killed with SIGKILL mid-run resumes from
@@ -369,6 +370,18 @@ def test_tp2_equals_tp1(tmp_path):
         for k in tp1[part]:
             torch.testing.assert_close(tp2[part][k], tp1[part][k], atol=1e-6, rtol=0, msg=f"{part} {k}")
     assert max(v.abs().max() for v in tp1["grads"].values()) > 1e-3  # the gradients are not trivially zero
+    want_norm = torch.cat([g.flatten() for g in tp1["grads"].values()]).norm().item()
+    assert tp2["norm"] == pytest.approx(want_norm, rel=1e-5) and tp1["norm"] == pytest.approx(want_norm, rel=1e-5)
+
+    from safetensors.torch import load_file
+
+    peft1, peft2 = (
+        load_file(str(out1 / "peft" / "adapter_model.safetensors")),
+        load_file(str(out2 / "peft" / "adapter_model.safetensors")),
+    )
+    assert sorted(peft1) == sorted(peft2) and len(peft1) == 2 * 7 * 2
+    for k in peft1:
+        torch.testing.assert_close(peft2[k], peft1[k], atol=1e-6, rtol=0, msg=k)
 
     # the tp = 2 checkpoint loads at tp = 1
     model = build_model(model_config(1))

@@ -295,6 +295,7 @@ def add_adapter(model: nn.Module, name: str, cfg: LoraConfig | None = None, seed
     Its tensors have the base weights' dtype and device. The same ``(seed, name)`` gives the same adapter at
     any tp. Raises ConfigError for an existing or malformed name, sequence parallelism or pp > 1."""
     from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 
     cfg = cfg or LoraConfig()
     _check_name(name)
@@ -326,6 +327,9 @@ def add_adapter(model: nn.Module, name: str, cfg: LoraConfig | None = None, seed
             b = torch.zeros(out_full // tp if kind == "column" else out_full, cfg.rank)
             pair = LoraPair(a.to(weight.device, weight.dtype).contiguous(), b.to(weight.device, weight.dtype), cfg)
             pair.train(linear.training)
+            for which in ("lora_A", "lora_B"):  # what trainer.train.clip_grad_norm reads to sum shard norms
+                dim = slot.sharded_dim(which)
+                set_tensor_model_parallel_attributes(getattr(pair, which), dim is not None, dim or 0, 1)
             slot.adapters[name] = pair
 
 

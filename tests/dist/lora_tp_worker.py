@@ -5,8 +5,8 @@
 :func:`scenario` is what the test also runs in-process at tp = 1: a tiny SwiGLU + RMSNorm + GQA model (with
 biases, so ``skip_bias_add`` is exercised), an adapter with a seeded non-zero ``B``, the logits of fixed tokens,
 one AdamW step on ``-mean(log-prob)``, and an adapter checkpoint of the result. Rank 0 writes OUT_DIR/result.pt
-(gathered logits, loss, full adapter gradients and parameters after the step); every rank takes part in the
-checkpoint OUT_DIR/ckpt/step_000000001.
+(gathered logits, loss, full adapter gradients, their global norm and the parameters after the step); every rank takes part in the
+checkpoint OUT_DIR/ckpt/step_000000001 and the PEFT export OUT_DIR/peft.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from trainer import lora  # noqa: E402
 from trainer.config import ModelConfig, ParallelConfig  # noqa: E402
 from trainer.model import build_model, causal_mask, forward_logprobs, init_parallel  # noqa: E402
+from trainer.train import clip_grad_norm  # noqa: E402
 
 B, S = 2, 32
 NAME = "org-a"
@@ -72,10 +73,12 @@ def scenario(tp: int, out: Path) -> dict[str, Any]:
     loss = -forward_logprobs(model, tok[:, :-1], pos, tok[:, 1:]).mean()
     loss.backward()
     grads = lora.adapter_state_dict(model, NAME, grads=True)
+    norm = clip_grad_norm(model, 1e9)  # counts the adapter's shards once (tensor_model_parallel marks)
     opt.step()
     after = lora.adapter_state_dict(model, NAME)
     lora.save_adapter(out / "ckpt", model, NAME, step=1, base=BASE, optimizer=opt, extra={"offsets": {"memory/0": 1}})
-    return {"logits": local, "loss": loss.detach(), "grads": grads, "after": after}
+    lora.export_peft(model, cfg, NAME, out / "peft")  # gathers the shards; rank 0 writes
+    return {"logits": local, "loss": loss.detach(), "grads": grads, "after": after, "norm": norm}
 
 
 def main(out: Path) -> None:
