@@ -25,7 +25,8 @@ Contracts checked here:
   tolerance 1e-4, as tests/test_hf_convert.py); ``peft.LoraConfig.from_pretrained`` parses the config; the
   tensor names are what vLLM's LoRA loader reads (``base_model.model.`` prefix, ``.lora_A.weight`` /
   ``.lora_B.weight``, no biases, no embedding or lm_head); ``load_peft`` of the export is bit-exact, and
-  unfusable folders (q/k/v with different A, q without k/v) are refused.
+  unfusable folders (q/k/v with different A, q without k/v, DoRA) are refused. ``trainer.hf.export_hf`` of the
+  base model with an adapter attached is still bit-exact to the source checkpoint.
 """
 
 from __future__ import annotations
@@ -275,8 +276,8 @@ def test_checkpoint_save_load_latest(tmp_path):
     fresh = build_model(cfg)
     lora.add_adapter(fresh, "other", seed=5)  # another org's adapter on the same base stays as it is
     other = lora.adapter_state_dict(fresh, "other")
-    opt2 = None
     ck = lora.load_adapter(p2, fresh, "org", base="base@v1")  # adds the adapter with the checkpoint's config
+    assert "org" in lora.adapter_names(fresh) and ck.step == 2
     opt2 = torch.optim.AdamW(lora.adapter_parameters(fresh, "org"), lr=0.5)
     ck = lora.load_adapter(p2, fresh, "org", opt2, base="base@v1")
     assert (ck.step, ck.base, ck.extra, ck.config) == (2, "base@v1", extra, lora.adapter_config(model, "org"))
@@ -292,7 +293,10 @@ def test_checkpoint_save_load_latest(tmp_path):
     with pytest.raises(ConfigError, match="base@v1"):
         lora.load_adapter(p2, build_model(cfg), "org", base="base@v2")
 
-    # an interrupted save (renamed but not marked) of a later step is skipped, then replaced
+    # an interrupted save (renamed but not marked) of a later step is skipped, then replaced; a half-written
+    # hidden folder is ignored, then cleaned up
+    (root / ".tmp-step_000000010-dead").mkdir()
+    (root / ".tmp-step_000000010-dead" / "state.json").write_text("{")
     p9 = root / "step_000000009"
     (root / "scratch").mkdir()
     os.rename(lora.save_adapter(root / "scratch", model, "org", step=9, base="base@v1"), p9)
@@ -302,6 +306,7 @@ def test_checkpoint_save_load_latest(tmp_path):
         lora.load_adapter(p9, fresh, "org")
     assert lora.save_adapter(root, model, "org", step=9, base="base@v1") == p9
     assert lora.latest_adapter(root) == p9 and lora.read_adapter_checkpoint(p9)["step"] == 9
+    assert not list(root.glob(".tmp-*"))
 
 
 @pytest.mark.slow  # three training subprocesses (megatron import each)
@@ -439,7 +444,7 @@ def test_peft_export_matches_hf_peft_logits_and_round_trips(hf_folders, family, 
     peft = pytest.importorskip("peft")
     from safetensors.torch import load_file
 
-    from trainer.hf import config_from_hf
+    from trainer.hf import config_from_hf, export_hf
 
     folder = hf_folders[family]
     cfg = config_from_hf(folder, seq_length=S)
@@ -478,6 +483,11 @@ def test_peft_export_matches_hf_peft_logits_and_round_trips(hf_folders, family, 
         theirs = peft_model(input_ids=tok).logits
     assert (theirs - base).abs().max() > 1e-2  # the adapter matters
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+    # the base model's own export is unaffected by the adapters on it: bit-exact to the source checkpoint
+    base_out = export_hf(model, cfg, tmp_path / "base")
+    src, exported = load_file(str(folder / "model.safetensors")), load_file(str(base_out / "model.safetensors"))
+    assert sorted(src) == sorted(exported) and all(torch.equal(src[k], exported[k]) for k in src)
 
     assert lora.load_peft(model, cfg, "again", out) == lcfg
     want, got = lora.adapter_state_dict(model, "org"), lora.adapter_state_dict(model, "again")

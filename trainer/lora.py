@@ -291,7 +291,9 @@ def _seed(seed: int, name: str, layer: int, target: str) -> int:
 def add_adapter(model: nn.Module, name: str, cfg: LoraConfig | None = None, seed: int = 0) -> None:
     """Add adapter ``name`` (``A`` seeded from ``seed``, ``B`` zeros) to every targeted linear of ``model``.
 
-    The adapter starts inactive and trainable (``requires_grad``); see :func:`activate` and :func:`train_only`.
+    The adapter starts inactive and trainable (``requires_grad``); see :func:`activate` and :func:`train_only`
+    (call that before wrapping the model in megatron's DistributedDataParallel, which sizes its gradient buffers
+    by ``requires_grad`` at wrap time).
     Its tensors have the base weights' dtype and device. The same ``(seed, name)`` gives the same adapter at
     any tp. Raises ConfigError for an existing or malformed name, sequence parallelism or pp > 1."""
     from megatron.core import parallel_state as ps
@@ -535,7 +537,8 @@ def save_adapter(
     Collective (every rank of the model calls it; rank 0 writes the tensors, every rank its RNG state).
     ``base`` names the base model the adapter is trained on; ``extra`` must be JSON (Kafka offsets ...).
     Written under a hidden name, renamed into place, then marked complete; an incomplete folder of the same
-    step (an interrupted save) is replaced, a complete one is refused (FileExistsError)."""
+    step (an interrupted save) is replaced, a complete one is refused (FileExistsError). Hidden folders that
+    interrupted saves left under ``root`` are removed: one training process saves under a ``root``."""
     import torch.distributed as dist
     from safetensors.torch import save_file
 
@@ -577,6 +580,8 @@ def save_adapter(
             err = f"adapter checkpoint {final} already exists and is complete; save another step"
         else:
             root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob(".tmp-step_*"):  # left by a save that was killed
+                shutil.rmtree(stale, ignore_errors=True)
             tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
             (tmp / checkpoint.RNG_DIR).mkdir(parents=True)
     shared = [err, str(tmp) if tmp else None]
