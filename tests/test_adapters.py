@@ -17,9 +17,10 @@ Contracts checked here:
   checkpoint written at tp = 2 loads at tp = 1 (full tensors: tp-independent).
 - Checkpoints: save/load restores adapter, AdamW moments, step, base and extra exactly; a complete checkpoint
   is not overwritten; an unmarked folder is skipped by ``latest_adapter`` and replaced by a later save; a
-  checkpoint of another base is refused. Slow: a training subprocess killed with SIGKILL mid-run resumes from
-  the newest complete checkpoint and ends with an adapter bit-exactly (``torch.equal``) equal to an
-  uninterrupted run's (same data order, same process settings).
+  checkpoint of another base is refused. Slow: a training subprocess killed with SIGKILL inside a save (after
+  the rename, before the marker) and again mid-run resumes each time from the newest complete checkpoint and
+  ends with an adapter bit-exactly (``torch.equal``) equal to an uninterrupted run's (same data order, same
+  process settings).
 - PEFT: ``export_peft`` of a Llama and of a Qwen2 (QKV biases, 2 KV heads < 4 query heads) imported with
   ``trainer.hf.load_hf`` loads with ``peft.PeftModel.from_pretrained`` and gives the megatron+LoRA logits (fp32
   tolerance 1e-4, as tests/test_hf_convert.py); ``peft.LoraConfig.from_pretrained`` parses the config; the
@@ -309,8 +310,34 @@ def test_checkpoint_save_load_latest(tmp_path):
     assert not list(root.glob(".tmp-*"))
 
 
-@pytest.mark.slow  # three training subprocesses (megatron import each)
+def _run_until(args: list[str], env: dict, line_wanted: str) -> str:
+    """Start ``lora_train.py args``, SIGKILL it as soon as it prints ``line_wanted``; return its output."""
+    proc = subprocess.Popen(
+        [sys.executable, str(TRAIN), *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        text=True,
+    )  # fmt: skip
+    seen = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            seen.append(line)
+            if line.strip() == line_wanted:
+                os.kill(proc.pid, signal.SIGKILL)
+                break
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "".join(seen)
+    return "".join(seen)
+
+
+@pytest.mark.slow  # four training subprocesses (a megatron import each)
 def test_kill_9_resumes_from_newest_complete_checkpoint(tmp_path):
+    """Killed once inside a save (its folder renamed into place, no COMPLETE yet) and once mid-run (right after
+    a checkpoint, in the next step's training or save), the run ends with the uninterrupted run's adapter, bit
+    for bit (same data order; same process settings, so the same float operations)."""
+    from safetensors.torch import load_file
+
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     steps = "8"
     full = subprocess.run(
@@ -318,38 +345,31 @@ def test_kill_9_resumes_from_newest_complete_checkpoint(tmp_path):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert full.returncode == 0, full.stderr[-4000:]
+    root, out = tmp_path / "b", tmp_path / "b.safetensors"
+    args = [str(root), str(out), steps]
 
-    proc = subprocess.Popen(
-        [sys.executable, str(TRAIN), str(tmp_path / "b"), str(tmp_path / "b.safetensors"), steps],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.strip() == "saved 3":
-                os.kill(proc.pid, signal.SIGKILL)  # while it trains step 4 or saves it
-                break
-    finally:
-        proc.kill()
-        proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
-    assert not (tmp_path / "b.safetensors").exists()
-    killed_at = lora.latest_adapter(tmp_path / "b")
-    assert killed_at is not None and 3 <= lora.read_adapter_checkpoint(killed_at)["step"] < 8
+    _run_until([*args, "0", "4"], env, "renamed 4")  # hangs in the save of step 4, before its marker
+    assert (root / "step_000000004" / "adapter.safetensors").is_file()
+    assert not (root / "step_000000004" / "COMPLETE").exists()
+    assert lora.latest_adapter(root) == root / "step_000000003"
+
+    second = _run_until(args, env, "saved 6")  # resumes from 3 (replacing the unmarked 4), killed after 6
+    assert "resumed 3" in second and "saved 4" in second
+    killed_at = lora.latest_adapter(root)
+    assert killed_at is not None and 6 <= lora.read_adapter_checkpoint(killed_at)["step"] <= 7
+    assert not out.exists()
 
     again = subprocess.run(
-        [sys.executable, str(TRAIN), str(tmp_path / "b"), str(tmp_path / "b.safetensors"), steps],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [sys.executable, str(TRAIN), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert again.returncode == 0, again.stderr[-4000:]
     resumed = int(re.search(r"resumed (\d+)", again.stdout).group(1))  # type: ignore[union-attr]
-    assert 3 <= resumed < 8 and "saved 8" in again.stdout
+    assert 6 <= resumed <= 7 and "saved 8" in again.stdout
 
-    from safetensors.torch import load_file
-
-    want, got = load_file(str(tmp_path / "a.safetensors")), load_file(str(tmp_path / "b.safetensors"))
+    want, got = load_file(str(tmp_path / "a.safetensors")), load_file(str(out))
     assert sorted(want) == sorted(got)
     assert all(torch.equal(want[k], got[k]) for k in want)  # bit-exact
+    assert any(not torch.equal(v, torch.zeros_like(v)) for k, v in want.items() if k.endswith("lora_B"))  # trained
 
 
 # --------------------------------------------------------------------------- tensor parallel

@@ -1,11 +1,13 @@
 """A LoRA training run for tests/test_adapters.py's kill -9 test: one process, an adapter checkpoint every step.
 
-    python tests/dist/lora_train.py CKPT_ROOT OUT_FILE STEPS [SLEEP_S]
+    python tests/dist/lora_train.py CKPT_ROOT OUT_FILE STEPS [SLEEP_S] [HANG_AT]
 
 Resumes from the newest complete adapter checkpoint under CKPT_ROOT (if any) and trains adapter ``org-a`` up to
 STEPS steps; step ``s`` always trains on the batch drawn from seed ``s`` (same data order however often it is
 interrupted). After each checkpoint it prints ``saved <step>`` and sleeps SLEEP_S (so a test can kill it between
 steps, or during the next step's save). At the end it writes the full adapter to OUT_FILE (safetensors).
+With HANG_AT = n, the save of step n stops after its folder was renamed into place and before its ``COMPLETE``
+marker is written, prints ``renamed n`` and hangs there: a test kills it at exactly that point.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from safetensors.torch import save_file  # noqa: E402
 
-from trainer import lora  # noqa: E402
+from trainer import checkpoint, lora  # noqa: E402
 from trainer.config import ModelConfig  # noqa: E402
 from trainer.model import build_model, forward_logprobs, init_parallel  # noqa: E402
 
@@ -29,7 +31,22 @@ BASE = "tiny@kill-test"
 B, S = 2, 24
 
 
-def main(root: Path, out: Path, steps: int, sleep_s: float) -> None:
+def hang_before_marker(step: int) -> None:
+    """Make the save of ``step`` hang just before it writes its completeness marker (test harness only)."""
+    real = checkpoint._write_atomic
+
+    def write(path: Path, text: str) -> None:
+        if path.name == checkpoint.MARKER and path.parent.name == checkpoint.step_dir("", step).name:
+            print(f"renamed {step}", flush=True)
+            time.sleep(600)
+        real(path, text)
+
+    checkpoint._write_atomic = write  # type: ignore[assignment]
+
+
+def main(root: Path, out: Path, steps: int, sleep_s: float, hang_at: int) -> None:
+    if hang_at:
+        hang_before_marker(hang_at)
     cfg = ModelConfig.tiny(normalization="RMSNorm", activation="swiglu", num_query_groups=2)
     init_parallel(cfg)
     model = build_model(cfg)
@@ -59,4 +76,5 @@ def main(root: Path, out: Path, steps: int, sleep_s: float) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]) if len(sys.argv) > 4 else 0.0)
+    args = sys.argv[1:] + ["0", "0"][len(sys.argv[4:]) :]
+    main(Path(args[0]), Path(args[1]), int(args[2]), float(args[3]), int(args[4]))
