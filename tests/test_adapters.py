@@ -13,8 +13,9 @@ Contracts checked here:
   base tensor and the other adapter on the same model are ``torch.equal`` to before.
 - Tensor parallelism (slow, torchrun, gloo): at tp = 2 the logits with a non-zero adapter, the loss, the full
   adapter gradients, their global norm (``trainer.train.clip_grad_norm``: shards counted once), the adapter after
-  one AdamW step and its PEFT export equal tp = 1's within fp32 rounding (1e-6; logits 1e-5); the adapter
-  checkpoint written at tp = 2 loads at tp = 1 (full tensors: tp-independent).
+  one AdamW step and its PEFT export equal tp = 1's within fp32 rounding (1e-6; logits 1e-5); ``load_peft`` of
+  the tp = 2 export at tp = 2 is bit-exact; the adapter checkpoint written at tp = 2 loads at tp = 1 (full
+  tensors: tp-independent) bit-exactly.
 - Checkpoints: save/load restores adapter, AdamW moments, step, base and extra exactly; a complete checkpoint
   is not overwritten; an unmarked folder is skipped by ``latest_adapter`` and replaced by a later save; a
   checkpoint of another base is refused. Slow: a training subprocess killed with SIGKILL inside a save (after
@@ -405,6 +406,7 @@ def test_tp2_equals_tp1(tmp_path):
         load_file(str(out2 / "peft" / "adapter_model.safetensors")),
     )
     assert sorted(peft1) == sorted(peft2) and len(peft1) == 2 * 7 * 2
+    assert tp2["roundtrip"] is True and tp1["roundtrip"] is True  # load_peft at tp = 2 is bit-exact too
     for k in peft1:
         torch.testing.assert_close(peft2[k], peft1[k], atol=1e-6, rtol=0, msg=k)
 

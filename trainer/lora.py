@@ -118,7 +118,9 @@ class LoraConfig:
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank <= 0:
             raise ConfigError(f"adapters.rank = {self.rank!r} must be a positive integer (e.g. 8); fix: set it so")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
-            raise ConfigError(f"adapters.alpha = {self.alpha!r} must be a number > 0 (e.g. 2 * adapters.rank)")
+            raise ConfigError(
+                f"adapters.alpha = {self.alpha!r} must be a number > 0; fix: set it, e.g. to 2 * adapters.rank"
+            )
         targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
         unknown = [t for t in targets if t not in TARGETS]
         if unknown or not targets or len(set(targets)) != len(targets):
@@ -771,7 +773,7 @@ def export_peft(
             "task_type": "CAUSAL_LM",
             "base_model_name_or_path": base_model_name_or_path or None,
             "r": cfg.rank,
-            "lora_alpha": cfg.alpha,
+            "lora_alpha": int(cfg.alpha) if cfg.alpha.is_integer() else cfg.alpha,  # PEFT and vLLM type it int
             "lora_dropout": cfg.dropout,
             "target_modules": sorted({m.rsplit(".", 1)[1] for t in cfg.targets for m in HF_MODULES[t]}),
             "bias": "none",

@@ -6,7 +6,7 @@
 biases, so ``skip_bias_add`` is exercised), an adapter with a seeded non-zero ``B``, the logits of fixed tokens,
 one AdamW step on ``-mean(log-prob)``, and an adapter checkpoint of the result. Rank 0 writes OUT_DIR/result.pt
 (gathered logits, loss, full adapter gradients, their global norm and the parameters after the step); every rank takes part in the
-checkpoint OUT_DIR/ckpt/step_000000001 and the PEFT export OUT_DIR/peft.
+checkpoint OUT_DIR/ckpt/step_000000001 and the PEFT export OUT_DIR/peft, which it loads back (``roundtrip``).
 """
 
 from __future__ import annotations
@@ -78,7 +78,10 @@ def scenario(tp: int, out: Path) -> dict[str, Any]:
     after = lora.adapter_state_dict(model, NAME)
     lora.save_adapter(out / "ckpt", model, NAME, step=1, base=BASE, optimizer=opt, extra={"offsets": {"memory/0": 1}})
     lora.export_peft(model, cfg, NAME, out / "peft")  # gathers the shards; rank 0 writes
-    return {"logits": local, "loss": loss.detach(), "grads": grads, "after": after, "norm": norm}
+    lora.load_peft(model, cfg, "back", out / "peft")  # every rank takes its slices of the export
+    back = lora.adapter_state_dict(model, "back")
+    roundtrip = sorted(back) == sorted(after) and all(torch.equal(back[k], after[k]) for k in after)
+    return {"logits": local, "loss": loss.detach(), "grads": grads, "after": after, "norm": norm, "roundtrip": roundtrip}
 
 
 def main(out: Path) -> None:
