@@ -118,7 +118,9 @@ class LoraConfig:
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank <= 0:
             raise ConfigError(f"adapters.rank = {self.rank!r} must be a positive integer (e.g. 8); fix: set it so")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
-            raise ConfigError(f"adapters.alpha = {self.alpha!r} must be a number > 0 (e.g. 2 * adapters.rank)")
+            raise ConfigError(
+                f"adapters.alpha = {self.alpha!r} must be a number > 0; fix: set it, e.g. to 2 * adapters.rank"
+            )
         targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
         unknown = [t for t in targets if t not in TARGETS]
         if unknown or not targets or len(set(targets)) != len(targets):
@@ -168,6 +170,7 @@ class LoraSlot(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """The active adapter's term for input ``x`` (this rank's share of the linear's output), or None."""
+        from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import (
             copy_to_tensor_model_parallel_region,
             reduce_from_tensor_model_parallel_region,
@@ -179,10 +182,11 @@ class LoraSlot(nn.Module):
         if pair.cfg.dropout:
             x = nn.functional.dropout(x, pair.cfg.dropout, self.training)
         h = nn.functional.linear(x, pair.lora_A)
+        group = ps.get_tensor_model_parallel_group() if ps.model_parallel_is_initialized() else None
         if self.kind == "column":
-            h = copy_to_tensor_model_parallel_region(h)  # forward: identity; backward: sum A's input grads
+            h = copy_to_tensor_model_parallel_region(h, group)  # forward: identity; backward: sum A's input grads
         else:
-            h = reduce_from_tensor_model_parallel_region(h)  # sum the partial products of the input shards
+            h = reduce_from_tensor_model_parallel_region(h, group)  # sum the partial products of the input shards
         return nn.functional.linear(h, pair.lora_B) * pair.cfg.scale
 
     # full (tp = 1 layout) <-> this rank's shard
@@ -289,10 +293,13 @@ def _seed(seed: int, name: str, layer: int, target: str) -> int:
 def add_adapter(model: nn.Module, name: str, cfg: LoraConfig | None = None, seed: int = 0) -> None:
     """Add adapter ``name`` (``A`` seeded from ``seed``, ``B`` zeros) to every targeted linear of ``model``.
 
-    The adapter starts inactive and trainable (``requires_grad``); see :func:`activate` and :func:`train_only`.
+    The adapter starts inactive and trainable (``requires_grad``); see :func:`activate` and :func:`train_only`
+    (call that before wrapping the model in megatron's DistributedDataParallel, which sizes its gradient buffers
+    by ``requires_grad`` at wrap time).
     Its tensors have the base weights' dtype and device. The same ``(seed, name)`` gives the same adapter at
     any tp. Raises ConfigError for an existing or malformed name, sequence parallelism or pp > 1."""
     from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 
     cfg = cfg or LoraConfig()
     _check_name(name)
@@ -324,6 +331,9 @@ def add_adapter(model: nn.Module, name: str, cfg: LoraConfig | None = None, seed
             b = torch.zeros(out_full // tp if kind == "column" else out_full, cfg.rank)
             pair = LoraPair(a.to(weight.device, weight.dtype).contiguous(), b.to(weight.device, weight.dtype), cfg)
             pair.train(linear.training)
+            for which in ("lora_A", "lora_B"):  # what trainer.train.clip_grad_norm reads to sum shard norms
+                dim = slot.sharded_dim(which)
+                set_tensor_model_parallel_attributes(getattr(pair, which), dim is not None, dim or 0, 1)
             slot.adapters[name] = pair
 
 
@@ -430,11 +440,9 @@ def _full_tensors(model: nn.Module, name: str, of: Any) -> dict[str, torch.Tenso
     out: dict[str, torch.Tensor] = {}
     for slot, pair in _pairs(model, name):
         for which in ("lora_A", "lora_B"):
-            local = of(getattr(pair, which))
-            if slot.sharded_dim(which) is None:
-                out[slot.key(which)] = local.detach().clone()
-            else:
-                out[slot.key(which)] = slot.full(which, _gather(local))
+            local = of(getattr(pair, which)).detach()
+            shards = [local] if slot.sharded_dim(which) is None else _gather(local)
+            out[slot.key(which)] = slot.full(which, shards).clone()  # never a view of a live parameter
     return out
 
 
@@ -531,7 +539,8 @@ def save_adapter(
     Collective (every rank of the model calls it; rank 0 writes the tensors, every rank its RNG state).
     ``base`` names the base model the adapter is trained on; ``extra`` must be JSON (Kafka offsets ...).
     Written under a hidden name, renamed into place, then marked complete; an incomplete folder of the same
-    step (an interrupted save) is replaced, a complete one is refused (FileExistsError)."""
+    step (an interrupted save) is replaced, a complete one is refused (FileExistsError). Hidden folders that
+    interrupted saves left under ``root`` are removed: one training process saves under a ``root``."""
     import torch.distributed as dist
     from safetensors.torch import save_file
 
@@ -573,6 +582,8 @@ def save_adapter(
             err = f"adapter checkpoint {final} already exists and is complete; save another step"
         else:
             root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob(".tmp-step_*"):  # left by a save that was killed
+                shutil.rmtree(stale, ignore_errors=True)
             tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
             (tmp / checkpoint.RNG_DIR).mkdir(parents=True)
     shared = [err, str(tmp) if tmp else None]
@@ -762,7 +773,7 @@ def export_peft(
             "task_type": "CAUSAL_LM",
             "base_model_name_or_path": base_model_name_or_path or None,
             "r": cfg.rank,
-            "lora_alpha": cfg.alpha,
+            "lora_alpha": int(cfg.alpha) if cfg.alpha.is_integer() else cfg.alpha,  # PEFT and vLLM type it int
             "lora_dropout": cfg.dropout,
             "target_modules": sorted({m.rsplit(".", 1)[1] for t in cfg.targets for m in HF_MODULES[t]}),
             "bias": "none",
