@@ -65,7 +65,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -697,7 +697,7 @@ class _Handler(BaseHTTPRequestHandler):
                 )
             )
         raw = self.rfile.read(length)
-        routes = {
+        routes: dict[str, Callable[[Any], dict[str, Any] | str]] = {
             "/v1/completions": self.api.complete,
             "/update_weights_from_disk": self.api.update_weights_from_disk,
             "/v1/load_lora_adapter": self.api.load_lora_adapter,
