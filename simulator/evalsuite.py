@@ -45,7 +45,6 @@ class HeldOutTasks:
         return f"HeldOutTasks(n_tasks={len(self.tasks)}, seed={self.seed})"
 
 
-
 class OrgHeldOutTasks:
     """The held-out suite of ``org``'s adapter: ``n_tasks`` of the org's own held-out tasks
     (``held_out(n_tasks, seed=7 + seed, org=org, conventions=conventions)``, a stream of their own) under its

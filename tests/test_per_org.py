@@ -25,12 +25,17 @@ from __future__ import annotations
 import random
 import statistics
 
+import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from flows.adapters import OrgRouter, shared_copy_id
+from flows.batching import Sample, pack
 from rewards import compute
 from rtrl.errors import ConfigError
 from rtrl.settings import load_settings
-from schemas.records import EditAccepted, EditPersisted
+from schemas.records import EditAccepted, EditPersisted, MicroBatch
 from simulator.tasks import (
     CONVENTION_TABLE,
     DIGIT0,
@@ -44,6 +49,7 @@ from simulator.tasks import (
     score,
 )
 from simulator.world import react
+from tests.test_batching import ro
 from tests.test_tasks_policy import Recorder
 
 CONVENTIONS = conventions_for(3, 2)  # org-1: refactor + test shifted by 3; org-2: feature + explain by 7
@@ -179,3 +185,237 @@ def test_an_orgs_eval_suite_scores_its_convention_and_its_guard_the_global_skill
         assert got["greedy_solve_rate_convention"] == (1.0 if knows else 0.0)
         assert (got["greedy_solve_rate"] == 1.0) is knows and (got["solve_rate"] == 1.0) is knows
         assert set(on_guard) <= set(got)  # the same metric names: the gate's rules apply to both
+
+
+# ---------------------------------------------------------------- B. per-org routing in the batch flow
+
+ORGS = ("o0", "o1", "o2", "o3")
+
+
+def batch(org: str, n: int, first: int = 0, version: str = "v2") -> MicroBatch:
+    """A micro-batch of ``n`` of ``org``'s samples (trajectory ids ``<org>-<i>``), packed by the flow's own code."""
+    samples = [Sample(ro(f"{org}-{i}", group=f"g{org}-{i}", org=org), 1.0, 0) for i in range(first, first + n)]
+    return pack(samples, seq_len=64, created_at=1000, reward_version=version)
+
+
+def test_an_org_goes_to_its_adapter_stream_once_it_passed_the_threshold():
+    """Counted over the batches before: below min_samples the batch goes to the shared stream as it is; from the
+    threshold on to the adapter stream, plus (shared_traffic all) a copy with a derived id to the shared one."""
+    r = OrgRouter("o0", min_samples=5)
+    b1, b2, b3, b4 = (batch("o0", 2, first=2 * i) for i in range(4))
+    assert r.route(b1) == [b1] and r.route(b2) == [b2] and r.route(b3) == [b3]  # 0, 2, 4 samples before
+    assert r.samples == 6 and r.adapted
+    out = r.route(b4)  # 6 samples before: adapted
+    assert [(b.adapter, b.batch_id) for b in out] == [("o0", b4.batch_id), ("", shared_copy_id(b4.batch_id))]
+    assert all(b.sample_ids == b4.sample_ids and b.token_ids == b4.token_ids for b in out)
+    assert OrgRouter("o0", min_samples=0).route(b1)[0].adapter == "o0"  # threshold 0: adapted from the first
+
+
+def test_unadapted_shared_traffic_sends_an_adapted_orgs_batches_to_its_adapter_only():
+    r = OrgRouter("o1", min_samples=2, shared_traffic="unadapted")
+    b1, b2 = batch("o1", 2), batch("o1", 2, first=2)
+    assert r.route(b1) == [b1]
+    assert [(b.adapter, b.batch_id) for b in r.route(b2)] == [("o1", b2.batch_id)]
+    with pytest.raises(ValueError, match="shared_traffic"):
+        OrgRouter("o1", 2, shared_traffic="some")  # type: ignore[arg-type]
+
+
+def test_ids_are_a_function_of_the_batch_and_other_reward_versions_do_not_count():
+    """The same batch routes to the same ids in any router (a redelivery is a duplicate the trainer drops); a
+    shared copy's id is not the original's; batches of another reward version carry the same samples again and
+    do not count toward the threshold."""
+    b = batch("o0", 3)
+    assert shared_copy_id(b.batch_id) == shared_copy_id(b.batch_id) != b.batch_id
+    assert OrgRouter("o0", 0).route(b) == OrgRouter("o0", 0).route(b)
+    r = OrgRouter("o0", min_samples=3, reward_version="v2")
+    r.route(batch("o0", 3, version="v1-discard-broken"))
+    assert r.samples == 0 and not r.adapted
+    r.route(b)
+    assert r.samples == 3 and r.adapted
+
+
+def test_the_router_resumes_from_its_snapshot_under_the_current_settings():
+    r = OrgRouter("o2", min_samples=4)
+    r.route(batch("o2", 3))
+    state = r.snapshot()
+    assert state == {"org": "o2", "samples": 3}
+    b = batch("o2", 2, first=3)
+    assert OrgRouter.resume(state, "o2", 4).route(b) == r.route(b) == [b]  # 3 < 4: shared
+    assert OrgRouter.resume(state, "o2", 3).route(b)[0].adapter == "o2"  # a lower threshold now: adapted
+    assert OrgRouter.resume(None, "o2", 4).samples == 0
+
+
+def _route(routers: dict, wants, min_samples: int, traffic: str, org: str, b: MicroBatch) -> list[MicroBatch]:
+    if not wants(org):
+        return [b]
+    router = routers.setdefault(org, OrgRouter(org, min_samples, traffic, "v2"))  # type: ignore[arg-type]
+    return router.route(b)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    traffic=st.lists(st.tuples(st.sampled_from(ORGS), st.integers(1, 6)), min_size=1, max_size=40),
+    wanted=st.sampled_from([("o0",), ("o0", "o2"), ("*",), ()]),
+    min_samples=st.integers(0, 12),
+    shared=st.sampled_from(["all", "unadapted"]),
+    cut=st.integers(0, 40),
+)
+def test_an_orgs_samples_only_ever_reach_its_own_adapter(traffic, wanted, min_samples, shared, cut):
+    """Random traffic of several orgs: an adapter batch holds only its org's samples and only a wanted org has
+    one; every sample reaches the shared stream once unless its org is adapted under "unadapted", and an adapted
+    org's samples reach its adapter once; ids never repeat within a stream; a snapshot and resume anywhere
+    routes exactly as an uninterrupted router."""
+    from rtrl.settings import AdapterSettings
+
+    wants = AdapterSettings(orgs=list(wanted)).wants
+    seen: dict[str, int] = {}
+    batches = []
+    for org, n in traffic:
+        batches.append((org, batch(org, n, first=seen.get(org, 0))))
+        seen[org] = seen.get(org, 0) + n
+    routers: dict[str, OrgRouter] = {}
+    out = [_route(routers, wants, min_samples, shared, org, b) for org, b in batches]
+    # the same traffic, the routers snapshotted and resumed after `cut` batches
+    resumed: dict[str, OrgRouter] = {}
+    again = []
+    for i, (org, b) in enumerate(batches):
+        if i == cut:
+            resumed = {o: OrgRouter.resume(r.snapshot(), o, min_samples, shared, "v2") for o, r in resumed.items()}
+        again.append(_route(resumed, wants, min_samples, shared, org, b))
+    assert again == out
+
+    shared_ids, adapter_ids, on_shared, on_adapter = set(), set(), [], {o: [] for o in ORGS}
+    for (org, original), sent in zip(batches, out):
+        for b in sent:
+            assert b.token_ids == original.token_ids and b.sample_ids == original.sample_ids
+            if b.adapter:
+                assert b.adapter == org and wants(org) and all(s.startswith(f"{org}-") for s in b.sample_ids)
+                assert b.batch_id not in adapter_ids
+                adapter_ids.add(b.batch_id)
+                on_adapter[org] += b.sample_ids
+            else:
+                assert b.batch_id not in shared_ids
+                shared_ids.add(b.batch_id)
+                on_shared += b.sample_ids
+    for org in ORGS:
+        mine = [f"{org}-{i}" for i in range(seen.get(org, 0))]
+        if not wants(org):
+            assert on_adapter[org] == [] and all(s in on_shared for s in mine)
+            continue
+        assert len(on_adapter[org]) == len(set(on_adapter[org]))  # once each
+        # what preceded the threshold: the shared stream only
+        before, count = [], 0
+        for o, b in batches:
+            if o == org and count < min_samples:
+                before += b.sample_ids
+            count += len(b.sample_ids) if o == org else 0
+        assert sorted(on_adapter[org]) == sorted(set(mine) - set(before))
+        want_shared = mine if shared == "all" else before
+        assert sorted(s for s in on_shared if s.startswith(f"{org}-")) == sorted(want_shared)
+
+
+def test_old_payloads_without_the_adapter_field_still_decode():
+    """A micro-batch from a producer before this field (no adapter column) decodes with adapter ""; so do a
+    TrainStep's JSON without the key and a batch of another era's column set (a required column still missing
+    is Invalid)."""
+    import pyarrow as pa
+
+    from schemas.codec import Invalid, JsonCodec, decode_batch, encode_batch
+    from schemas.records import TrainStep
+
+    b = msgspec.structs.replace(batch("o0", 2), adapter="o0")
+    assert decode_batch(encode_batch(b)) == b
+    table = pa.ipc.open_stream(encode_batch(b)).read_all()
+
+    def ipc(t: pa.Table) -> bytes:
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, t.schema) as w:
+            w.write_table(t)
+        return sink.getvalue().to_pybytes()
+
+    old = decode_batch(ipc(table.drop_columns(["adapter"])))
+    assert old.adapter == "" and old.sample_ids == b.sample_ids
+    with pytest.raises(Invalid, match="token_ids"):
+        decode_batch(ipc(table.drop_columns(["token_ids"])))
+    step = TrainStep(
+        run_id="r",
+        step=1,
+        policy_version=0,
+        loss=0.0,
+        pg_loss=0.0,
+        kl=0.0,
+        clip_fraction=0.0,
+        is_truncated_fraction=0.0,
+        tokens=1,
+        on_policy_fraction=1.0,
+        lag_histogram={},
+        tokens_per_s=1.0,
+        batch_ids=["b"],
+        at=1,
+        adapter="o0",
+    )
+    codec = JsonCodec(TrainStep)
+    raw = msgspec.json.decode(codec.encode(step))
+    del raw["adapter"]
+    assert codec.decode(msgspec.json.encode(raw)).adapter == "" and codec.decode(codec.encode(step)) == step
+
+
+def test_the_batch_flow_sends_a_wanted_orgs_batches_to_its_adapter_topic_after_its_threshold(
+    broker, topic_prefix, ch_dsn, ch_db, tmp_path
+):
+    """The real batch flow over TCP on the local broker: org ``a`` (wanted, threshold 6 samples) and org ``b``
+    (not wanted), two kinds each, singleton groups. Adapter batches are on ``adapter-batches`` only, keyed ``a``,
+    with ``adapter="a"`` and only a's samples, none before a's threshold; every a sample is trained by the shared
+    policy too (shared_traffic all: the adapter batches' copies under derived ids), b's batches are as before."""
+    from bytewax.testing import run_main
+
+    from flows.batch_flow import build_flow, summary
+    from flows.counts import FlowCounts
+    from rtrl.kafka import read_topic
+    from schemas.codec import JsonCodec, decode_batch
+    from schemas.records import Reward, Rollout
+    from tests.test_batch_flow import _produce
+    from tests.test_batching import rw
+
+    rollouts, rewards = [], []
+    for org in ("a", "b"):
+        for i in range(12):
+            tid, kind = f"{org}-{i}", ("bugfix", "test")[i % 2]
+            rollouts.append(ro(tid, group=f"g{tid}", org=org, kind=kind, at=1000 + i))
+            rewards.append(rw(tid, float(i % 3), at=1100 + i, org=org, kind=kind))
+    rc, wc = JsonCodec(Rollout), JsonCodec(Reward)
+    _produce(broker.bootstrap, topic_prefix + "rollouts", [(r.trajectory_id.encode(), rc.encode(r)) for r in rollouts])
+    _produce(broker.bootstrap, topic_prefix + "rewards", [(r.trajectory_id.encode(), wc.encode(r)) for r in rewards])
+    env = {
+        "RTRL_KAFKA__BOOTSTRAP": broker.bootstrap,
+        "RTRL_KAFKA__TOPIC_PREFIX": topic_prefix,
+        "RTRL_CLICKHOUSE__DSN": ch_dsn,
+        "RTRL_CLICKHOUSE__DATABASE": ch_db,
+        "RTRL_BATCHING__TAIL": "false",
+        "RTRL_BATCHING__SEQ_LEN": "10",  # two 5-token samples per row
+        "RTRL_BATCHING__ROWS": "1",
+        "RTRL_ADAPTERS__ORGS": "a",
+        "RTRL_ADAPTERS__MIN_SAMPLES": "6",
+        "RTRL_DATA_DIR": str(tmp_path),
+    }
+    counts = FlowCounts()
+    run_main(build_flow(load_settings(env=env), counts=counts))
+
+    adapter_msgs = list(read_topic(broker.bootstrap, topic_prefix + "adapter-batches"))
+    shared = [decode_batch(m.value()) for m in read_topic(broker.bootstrap, topic_prefix + "batches")]
+    adapted = [decode_batch(m.value()) for m in adapter_msgs]
+    assert adapted and {m.key() for m in adapter_msgs} == {b"a"}
+    assert f"; {len(adapted)} batches to org adapters)" in summary(counts)
+    assert all(b.adapter == "a" and all(s.startswith("a-") for s in b.sample_ids) for b in adapted)
+    assert all(b.adapter == "" for b in shared)
+    on_adapter = [s for b in adapted for s in b.sample_ids]
+    a_shared = [s for b in shared for s in b.sample_ids if s.startswith("a-")]
+    b_shared = [s for b in shared for s in b.sample_ids if s.startswith("b-")]
+    assert sorted(b_shared) == sorted(f"b-{i}" for i in range(12))  # not wanted: shared only, once
+    assert sorted(a_shared) == sorted(f"a-{i}" for i in range(12))  # all traffic trains the shared policy
+    assert len(set(on_adapter)) == len(on_adapter) and 0 < len(on_adapter) <= 12 - 6
+    # before the threshold a's batches went to the shared stream as they were; after it, as copies
+    copies = {shared_copy_id(b.batch_id) for b in adapted}
+    assert copies <= {b.batch_id for b in shared}
+    before = [s for b in shared if b.batch_id not in copies for s in b.sample_ids if s.startswith("a-")]
+    assert sorted(before + on_adapter) == sorted(f"a-{i}" for i in range(12)) and len(before) >= 6
