@@ -9,7 +9,8 @@ Contracts checked here:
   none every task has shift 0 (the existing golden streams hold). The users' reactions and the rewards follow
   the org's answer: its users reject or revert the global answer on convention kinds and reward it elsewhere.
   Each org's held-out tasks come from a stream of their own; its eval suite scores the org's tasks plus the
-  global regression guard. ``loop.specialised_orgs`` may not exceed ``loop.orgs``.
+  global regression guard. ``loop.specialised_orgs`` may not exceed ``loop.orgs``, and the loop's policy server
+  asks each org's tasks under its convention.
 * **Routing** (flows.adapters.OrgRouter). An org not in ``adapters.orgs`` keeps today's path: its batches go to
   the shared stream unchanged. A wanted org's batches go to the shared stream only until it has sent
   ``adapters.min_samples`` samples; from then on each goes to the org's adapter stream (``adapter=org``, its
@@ -419,3 +420,35 @@ def test_the_batch_flow_sends_a_wanted_orgs_batches_to_its_adapter_topic_after_i
     assert copies <= {b.batch_id for b in shared}
     before = [s for b in shared if b.batch_id not in copies for s in b.sample_ids if s.startswith("a-")]
     assert sorted(before + on_adapter) == sorted(f"a-{i}" for i in range(12)) and len(before) >= 6
+
+
+@pytest.mark.slow  # ~10 s on 2 cores: a policy model and its completions server
+def test_the_loops_policy_server_asks_specialised_orgs_tasks_under_their_convention(broker, topic_prefix, monkeypatch):
+    """loop.specialised_orgs reaches the policy server (app.loop.policy_server): the tasks it serves carry their
+    org's shift on the org's convention kinds and none elsewhere; the prompts do not show it."""
+    import simulator.serve as serve
+    from app.loop import loop_model_config, policy_server
+    from client.sdk import RtrlClient
+    from tests.test_policy_server import _announce, _refresh
+    from trainer.model import init_parallel
+
+    settings = load_settings(
+        env={"RTRL_KAFKA__TOPIC_PREFIX": topic_prefix, "RTRL_LOOP__SPECIALISED_ORGS": "2", "RTRL_LOOP__RATE": "1"}
+    )
+    init_parallel(loop_model_config(settings)[0])
+    asked: list[Task] = []
+    real_outcome = serve.outcome
+    monkeypatch.setattr(serve, "outcome", lambda task, completion: asked.append(task) or real_outcome(task, completion))
+    with RtrlClient.from_settings(settings, bootstrap=broker.bootstrap) as client:
+        server = policy_server(settings, broker.bootstrap, client, seed=2)
+        try:
+            assert server.conventions == CONVENTIONS
+            _announce(broker.bootstrap, topic_prefix + "deployments", 0, "promoted")
+            assert _refresh(server, lambda model, path: None) == 0
+            server.serve(60, group_size=1)
+        finally:
+            server.close()
+    assert len(asked) == 60 and {t.org_id for t in asked} == {"org-0", "org-1", "org-2"}
+    for t in asked:
+        assert t.shift == (CONVENTIONS[t.org_id].shift_for(t.kind) if t.org_id in CONVENTIONS else 0)
+    assert any(t.shift for t in asked)
