@@ -17,7 +17,7 @@ Contracts checked here:
   own batch id) and, with ``shared_traffic = "all"``, a copy to the shared stream (``adapter=""``, an id derived
   from the original one, the same on every redelivery); with ``"unadapted"`` to the adapter stream only. An
   org's samples only ever appear in that org's adapter batches. The router's state survives a snapshot and
-  resume. The real batch flow puts adapter batches on ``<prefix>adapter-batches``, keyed by org, and only for
+  resume, and a restart of the real flow from its Bytewax recovery state. The real batch flow puts adapter batches on ``<prefix>adapter-batches``, keyed by org, and only for
   the wanted org after its threshold.
 """
 
@@ -452,3 +452,56 @@ def test_the_loops_policy_server_asks_specialised_orgs_tasks_under_their_convent
     for t in asked:
         assert t.shift == (CONVENTIONS[t.org_id].shift_for(t.kind) if t.org_id in CONVENTIONS else 0)
     assert any(t.shift for t in asked)
+
+
+def test_the_routers_count_survives_a_restart_of_the_flow_from_its_recovery_state(tmp_path):
+    """The batch flow in-process with Bytewax recovery, stopped (end of input) after org a's first 6 samples and
+    resumed for its next 6: with a threshold of 6 the first run sends a's batches to the shared stream only and
+    the resumed run all of them to a's adapter, because the route_adapters step resumed the count."""
+    from bytewax.recovery import RecoveryConfig, init_db_dir
+    from bytewax.testing import TestingSink, TestingSource, run_main
+
+    from flows.batch_flow import build_flow
+    from flows.processor import Message
+    from schemas.codec import JsonCodec, decode_batch
+    from schemas.records import Reward, Rollout
+    from tests.test_batching import rw
+
+    rc, wc = JsonCodec(Rollout), JsonCodec(Reward)
+    rollouts, rewards = [], []
+    for i in range(12):
+        if i == 6:  # the first run ends here; the second resumes after it
+            rollouts.append(TestingSource.EOF())
+            rewards.append(TestingSource.EOF())
+        tid = f"a-{i}"
+        rollouts.append(Message(tid.encode(), rc.encode(ro(tid, group=f"g{tid}", org="a", at=1000 + i)), 0, i))
+        rewards.append(Message(tid.encode(), wc.encode(rw(tid, float(i % 3), at=1100 + i, org="a")), 0, i))
+    env = {
+        "RTRL_BATCHING__SEQ_LEN": "10",
+        "RTRL_BATCHING__ROWS": "1",
+        "RTRL_ADAPTERS__ORGS": "a",
+        "RTRL_ADAPTERS__MIN_SAMPLES": "6",
+        "RTRL_DATA_DIR": str(tmp_path),
+    }
+    settings = load_settings(env=env)
+    (tmp_path / "recovery").mkdir()
+    init_db_dir(tmp_path / "recovery", 1)
+    runs = []
+    for _ in range(2):
+        kafka: list = []
+        flow = build_flow(
+            settings,
+            sources={"rollouts": TestingSource(rollouts), "rewards": TestingSource(rewards)},
+            sinks={"kafka": TestingSink(kafka), "clickhouse": TestingSink([])},
+        )
+        run_main(flow, recovery_config=RecoveryConfig(str(tmp_path / "recovery")))
+        runs.append([(topic, decode_batch(value)) for _, batch in kafka for topic, _, value in batch])
+    first, second = runs
+    assert sorted(s for _, b in first for s in b.sample_ids) == [f"a-{i}" for i in range(6)]
+    assert all(topic == settings.topic("batches") and not b.adapter for topic, b in first)
+    assert {s for _, b in second for s in b.sample_ids} == {f"a-{i}" for i in range(6, 12)}  # resumed, not replayed
+    adapted = [b for topic, b in second if topic == settings.topic("adapter-batches")]
+    assert all(b.adapter == "a" for b in adapted)
+    copies = sorted(b.batch_id for topic, b in second if topic == settings.topic("batches"))
+    assert copies == sorted(shared_copy_id(b.batch_id) for b in adapted)  # shared_traffic all: copies only
+    assert sorted(s for b in adapted for s in b.sample_ids) == sorted(f"a-{i}" for i in range(6, 12))
