@@ -17,8 +17,8 @@ Contracts checked here:
   own batch id) and, with ``shared_traffic = "all"``, a copy to the shared stream (``adapter=""``, an id derived
   from the original one, the same on every redelivery); with ``"unadapted"`` to the adapter stream only. An
   org's samples only ever appear in that org's adapter batches. The router's state survives a snapshot and
-  resume, and a restart of the real flow from its Bytewax recovery state. The real batch flow puts adapter batches on ``<prefix>adapter-batches``, keyed by org, and only for
-  the wanted org after its threshold.
+  resume, and a restart of the real flow from its Bytewax recovery state. The real batch flow puts adapter
+  batches on ``<prefix>adapter-batches``, keyed by org, and only for the wanted org after its threshold.
 """
 
 from __future__ import annotations
