@@ -138,7 +138,8 @@ CONVENTION_TABLE: tuple[tuple[tuple[str, ...], int], ...] = (
     (("explain", "bugfix"), 9),
 )
 """(kinds, shift) of the 1st, 2nd, ... specialised org (:func:`conventions_for`), cycling after the fifth:
-two of the five short kinds each, and shifts far apart so no two conventions agree on a kind."""
+two of the five short kinds each, with shifts that differ wherever two rows share a kind (no two specialised
+orgs accept the same answer there)."""
 
 
 def conventions_for(n_orgs: int, specialised: int) -> dict[str, Convention]:
