@@ -74,7 +74,7 @@ from schemas.records import Checkpoint, CheckpointStatus, Experiment, TrainStep
 from simulator.evalsuite import HeldOutTasks
 from simulator.policy import warm_start
 from simulator.serve import PolicyServer
-from simulator.tasks import COMPLETION_LEN, PROMPT_LEN, VOCAB, sample_task
+from simulator.tasks import COMPLETION_LEN, PROMPT_LEN, VOCAB, conventions_for, sample_task
 from trainer import checkpoint
 from trainer.batch import BatchLimits
 from trainer.config import ModelConfig, PrecisionConfig, model_config
@@ -235,6 +235,7 @@ def policy_server(settings: Settings, bootstrap: str, client: RtrlClient, seed: 
         [f"org-{i}" for i in range(ls.orgs)],
         seed=seed,
         users_per_org=ls.users_per_org,
+        conventions=conventions_for(ls.orgs, ls.specialised_orgs),  # orgs whose users accept answers of their own
         hard_share=ls.hard_share,
         compression=settings.kafka.compression,
         # A/B mode's candidates, and the final A/B's v0

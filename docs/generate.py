@@ -541,7 +541,9 @@ def records_page(records: Sequence[type] | None = None, event_types: Sequence[ty
 
     records = list(records if records is not None else sr.RECORDS)
     event_types = list(event_types if event_types is not None else sr.EVENT_TYPES)
-    topic_of = {t.record: t for t in TOPICS}
+    topics_of: dict[str, list] = {}  # a record may travel on several topics (MicroBatch: shared and adapter batches)
+    for t in TOPICS:
+        topics_of.setdefault(t.record, []).append(t)
     table_of = {cls: name for name, cls in TABLES.items()}
     lines = _header("Records", "schemas/records.py, schemas/topics.py and rtrl.clickhouse.TABLES")
     lines += [
@@ -559,8 +561,7 @@ def records_page(records: Sequence[type] | None = None, event_types: Sequence[ty
     where: dict[str, str] = {}
     for cls in records:
         bits = []
-        if cls.__name__ in topic_of or (cls is sr.EventBase and "Event" in topic_of):
-            t = topic_of.get(cls.__name__) or topic_of["Event"]
+        for t in topics_of.get("Event" if cls is sr.EventBase else cls.__name__, []):
             bits.append(f"Kafka topic `rtrl.{t.name}` (key `{t.key}`, {_encoding(t.encoding)})")
         if cls in table_of:
             bits.append(f"ClickHouse table `rtrl.{table_of[cls]}`")

@@ -11,7 +11,12 @@ Steps (stable step ids key the recovery state):
                 (:mod:`flows.batching`), once per trainable reward version (``rewards.trainable()``: each
                 micro-batch names its version, and a trainer trains only its cycle's); the cohort's state
                 is snapshotted with the input offsets
-``kafka``       micro-batches (Arrow IPC, key ``batch_id``) and dead letters
+``route_adapters``  per org ``adapters.wants``: its batches to the shared stream until it passed
+                ``adapters.min_samples`` samples, then to its adapter stream (and, with
+                ``adapters.shared_traffic = all``, a copy to the shared one): :mod:`flows.adapters`; its state
+                is one sample counter per org
+``kafka``       micro-batches (Arrow IPC): the shared policy's on ``rtrl.batches`` (key ``batch_id``), the org
+                adapters' on ``rtrl.adapter-batches`` (key the org); and dead letters
 ``clickhouse``  the cohort's running counters (``batch_stats``: unmatched, stale per lag, ...)
                 and the dead letters
 
@@ -41,6 +46,7 @@ from bytewax.inputs import Source
 from bytewax.operators import StatefulBatchLogic
 from bytewax.outputs import Sink
 
+from flows.adapters import OrgRouter
 from flows.batching import BatchBuilder, BatchConfig
 from flows.counts import FlowCounts, by_kind, dead_letters
 from flows.kafka_io import kafka_source, paused
@@ -130,7 +136,8 @@ def summary(counts: FlowCounts, seconds: float | None = None) -> str:
     """The line the batch flow prints when it ends, e.g. ``batch flow: 300 rollouts, 600 rewards; 300 samples
     joined, 12 micro-batches sent (290 samples); dropped 10 stale, 0 unmatched; 0 dead letters in 4.2s``.
     Rewards of another reward version and later revisions of a reward are skipped, not counted as dropped:
-    they never make samples. Joined, sent and dropped are the trained version's (``rewards.train_version``)."""
+    they never make samples. Joined, sent and dropped are the trained version's (``rewards.train_version``); with
+    org adapters (``adapters.orgs``) the line says how many of the micro-batches went to an org's adapter."""
     c = counts.snapshot()
     dropped = by_kind(c, "dropped:")
     unmatched = dropped.get("unmatched_rollout", 0) + dropped.get("unmatched_reward", 0)
@@ -138,7 +145,9 @@ def summary(counts: FlowCounts, seconds: float | None = None) -> str:
     more = "".join(f", {dropped[k]:,} {label}" for k, label in extra if dropped.get(k))
     return (
         f"batch flow: {c['read:rollout']:,} rollouts, {c['read:reward']:,} rewards; {c['joined']:,} samples joined, "
-        f"{c['batches']:,} micro-batches sent ({c['sent']:,} samples); dropped {c['stale']:,} stale, "
+        f"{c['batches']:,} micro-batches sent ({c['sent']:,} samples"
+        + (f"; {c['adapter_batches']:,} batches to org adapters" if c["adapter_batches"] else "")
+        + f"); dropped {c['stale']:,} stale, "
         f"{unmatched:,} unmatched{more}; {dead_letters(c)}" + ("" if seconds is None else f" in {seconds:.1f}s")
     )
 
@@ -183,13 +192,20 @@ class _CohortLogic(StatefulBatchLogic):
             tally["batches"], tally["sent"] = len(mine), sent
             self.counts.add(tally)
             self.counted = totals
-        return [(batches, stats_row(self.state["cohort"], self.bb, self.state["samples"], self.state["batches"]))]
+        stats = stats_row(self.state["cohort"], self.bb, self.state["samples"], self.state["batches"])
+        return [(batches, stats, self.org)]
+
+    @property
+    def org(self) -> str:
+        """The cohort's org (a state snapshotted before the org was kept: read from the cohort key)."""
+        return self.state.get("org") or self.state["cohort"].rsplit("/", 1)[0]
 
     def on_batch(self, values: list) -> tuple[list, bool]:
         out: list[MicroBatch] = []
         if self.counts is not None:
             self.counts.add(Counter(f"read:{kind}" for kind, _ in values))
         self.state["cohort"] = self.state["cohort"] or cohort_of(values[0][1].org_id, values[0][1].task_kind)
+        self.state["org"] = self.state.get("org") or values[0][1].org_id
         for kind, rec in values:
             if kind == "rollout":
                 for bb in self.builders.values():
@@ -315,12 +331,41 @@ def build_flow(
 
     out = op.stateful_batch("batches", keyed, build)
     batches_topic, dl_topic = settings.topic("batches"), settings.topic("dead_letters")
+    adapter_topic = settings.topic("adapter-batches")
     rollouts_topic = settings.topic("rollouts")
     dl_codec: JsonCodec[DeadLetter] = JsonCodec(DeadLetter)
+    ad, trained = settings.adapters, settings.rewards.train_version
 
-    def to_kafka(kv: tuple[str, tuple[list[MicroBatch], BatchStats]]) -> list:
-        batches, _ = kv[1]
-        return [("kafka", [(batches_topic, b.batch_id.encode(), encode_batch(b)) for b in batches])] if batches else []
+    def message(b: MicroBatch, org: str) -> tuple[str, bytes, bytes]:
+        if b.adapter:  # an org's adapter batch: keyed by org, so the org's batches stay in order
+            return (adapter_topic, org.encode(), encode_batch(b))
+        return (batches_topic, b.batch_id.encode(), encode_batch(b))
+
+    def to_kafka(kv: tuple[str, tuple[list[MicroBatch], BatchStats, str]]) -> list:
+        batches, _, org = kv[1]
+        if ad.wants(org):  # routed per org (route_adapters)
+            return []
+        return [("kafka", [message(b, org) for b in batches])] if batches else []
+
+    def adapter_orgs(kv: tuple[str, tuple[list[MicroBatch], BatchStats, str]]) -> list:
+        batches, _, org = kv[1]
+        return [(org, (org, b)) for b in batches] if ad.wants(org) else []
+
+    def route(state: dict | None, item: tuple[str, MicroBatch]) -> tuple[dict, list[MicroBatch]]:
+        """One org's router under the current settings, from its snapshotted count (flows.adapters)."""
+        org, batch = item
+        router = OrgRouter.resume(state, org, ad.min_samples, ad.shared_traffic, trained)
+        sent = router.route(batch)  # before the snapshot: it counts this batch
+        return router.snapshot(), sent
+
+    def routed_to_kafka(kv: tuple[str, list[MicroBatch]]) -> list:
+        org, batches = kv
+        if counts is not None:
+            counts.add({"adapter_batches": sum(1 for b in batches if b.adapter and b.reward_version == trained)})
+        return [("kafka", [message(b, org) for b in batches])] if batches else []
+
+    wanted = op.flat_map("adapter_orgs", out, adapter_orgs)
+    routed = op.stateful_map("route_adapters", wanted, route)
 
     def dead_to_kafka(kv: tuple[str, DeadLetter]) -> list:
         d = kv[1]
@@ -333,6 +378,7 @@ def build_flow(
         op.merge(
             "to_kafka",
             op.flat_map("batches_to_kafka", out, to_kafka),
+            op.flat_map("adapter_batches_to_kafka", routed, routed_to_kafka),
             op.flat_map("dead_to_kafka", split.falses, dead_to_kafka),
         ),
         sinks["kafka"],

@@ -550,6 +550,14 @@ class LoopSettings(Section):
     samples_per_cycle: int = _s(2048, "samples the trainer uses per cycle (the samples trigger)", gt=0)
     group_size: int = _s(4, "completions sampled per task (group-relative advantages need >= 2)", gt=0)
     orgs: int = _s(3, "simulated organisations (cohorts are org x task kind)", gt=0)
+    specialised_orgs: int = _s(
+        0,
+        "of the simulated orgs, how many follow a convention of their own on two task kinds (their users accept "
+        "another answer there, which the prompt does not show: simulator.tasks.conventions_for): the last ones "
+        "(with 3 orgs and 2 specialised, org-1 and org-2; org-0 keeps the global convention); 0 = none; at most "
+        "loop.orgs",
+        ge=0,
+    )
     users_per_org: int = _s(200, "simulated users per organisation (an A/B randomises and analyses by user)", gt=0)
     hard_share: float = _s(0.5, "share of hard tasks", ge=0, le=1)
     cycle_max_s: float = _s(
@@ -664,6 +672,15 @@ class LoopSettings(Section):
         if v != -1 and not 0 <= v <= 1:
             raise ValueError("must be -1 (off) or within 0..1")
         return v
+
+    @model_validator(mode="after")
+    def _specialised_within_orgs(self) -> LoopSettings:
+        if self.specialised_orgs > self.orgs:
+            raise ValueError(
+                f"loop.specialised_orgs = {self.specialised_orgs} exceeds loop.orgs = {self.orgs}: only simulated "
+                "orgs can have a convention of their own; fix: lower loop.specialised_orgs or raise loop.orgs"
+            )
+        return self
 
 
 class SimulatorSettings(Section):

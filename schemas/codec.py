@@ -206,6 +206,12 @@ def _has_dictionary(t: pa.DataType) -> bool:
     return pa.types.is_dictionary(t) or any(_has_dictionary(t.field(i).type) for i in range(t.num_fields))
 
 
+#: micro-batch fields with a default (added after the first release): a batch without their column decodes
+_OPTIONAL_BATCH_FIELDS = frozenset(
+    MicroBatch.__struct_fields__[len(MicroBatch.__struct_fields__) - len(MicroBatch.__struct_defaults__) :]
+)
+
+
 def _read_micro_batch_ipc(data: bytes | bytearray | memoryview) -> pa.Table:
     reader = pa.ipc.MessageReader.open_stream(pa.py_buffer(data))
     try:
@@ -219,6 +225,8 @@ def _read_micro_batch_ipc(data: bytes | bytearray | memoryview) -> pa.Table:
     for f in arrow_schema(MicroBatch):
         idx = schema.get_field_index(f.name)
         if idx < 0:
+            if f.name in _OPTIONAL_BATCH_FIELDS:  # a field added later: an older producer's batch takes its default
+                continue
             raise Invalid(f"$.{f.name}", "missing column")
         got = schema.field(idx).type
         if _has_dictionary(got) or normalized(got) != normalized(f.type):

@@ -263,6 +263,13 @@ class MicroBatch(msgspec.Struct, **_STRICT):
             "corrects it with a truncated importance weight). Empty = no sample is delayed."
         ),
     ] = []
+    adapter: Annotated[
+        MaybeLabel,
+        doc(
+            "Organisation whose LoRA adapter this batch trains (on the adapter-batches topic; every sample is that "
+            "org's); empty = the shared policy (the batches topic)."
+        ),
+    ] = ""
 
     def __post_init__(self) -> None:
         rows = len(self.token_ids)
@@ -485,6 +492,9 @@ class TrainStep(msgspec.Struct, **_STRICT):
             "(always 0 with loss.delayed_correction = none)."
         ),
     ] = 0.0
+    adapter: Annotated[
+        MaybeLabel, doc("Organisation whose LoRA adapter the step trained; empty = the shared policy.")
+    ] = ""
 
 
 # ---------------------------------------------------------------- batch flow counters (table batch_stats)

@@ -28,6 +28,9 @@ TOPICS: tuple[TopicSpec, ...] = (
     TopicSpec("rollouts", "Rollout", "trajectory_id", 7 * DAY_MS),
     TopicSpec("rewards", "Reward", "trajectory_id", 30 * DAY_MS),
     TopicSpec("batches", "MicroBatch", "batch_id", 1 * DAY_MS, encoding="arrow-ipc"),
+    # Per-org adapters (issue 17): the micro-batches of orgs past adapters.min_samples, each for the adapter of its
+    # org (MicroBatch.adapter); keyed by org, so one org's batches stay in order on one partition.
+    TopicSpec("adapter-batches", "MicroBatch", "adapter", 1 * DAY_MS, encoding="arrow-ipc"),
     # One partition: promotions and rollbacks must be read in order.
     TopicSpec("deployments", "Checkpoint", "version", -1, partitions=1),
     # Live A/Bs outside the deployment protocol (the main job's final A/B); one partition, in order.

@@ -208,6 +208,8 @@ def from_arrow(table: pa.Table, cls: type) -> list:
     cols = columns(cls)
     data: dict[str, list] = {}
     for c in cols:
+        if c.name not in table.column_names:  # a field added later: msgspec fills its default (or names it missing)
+            continue
         col = table.column(c.name)
         if c.is_millis:
             col = col.cast(pa.int64())

@@ -10,7 +10,9 @@ the promoted version itself (nothing is loaded here then). Each burst of tasks i
 as a list, ``n = group_size``); it publishes one :class:`Rollout` per completion on ``rtrl.rollouts``
 (keyed by trajectory), and lets the simulated user react through the client SDK
 (:func:`simulator.world.react`; an accepted edit's persistence check is delivered later, as in production). Each
-task is asked by a user of its org (``users_per_org``, from a stream of their own). In A/B mode the users whose
+task is asked by a user of its org (``users_per_org``, from a stream of their own), under the org's convention
+when ``conventions`` gives it one (:class:`simulator.tasks.Convention`: the answer its users accept on some kinds
+differs from the global one; not in the prompt). In A/B mode the users whose
 hash for the experiment (:func:`ab_bucket`) falls below ``candidate_share`` are served by a candidate version
 instead (the server's ``candidate_name`` model), with ``arm="candidate"`` on their events: a user sees one arm for
 the whole experiment. An :class:`~schemas.records.Experiment` announced on ``rtrl.experiments`` does the same outside
@@ -39,7 +41,7 @@ from rtrl.kafka import base_config, produce, producer_config
 from schemas.codec import Invalid, JsonCodec
 from schemas.records import Checkpoint, Experiment, Rollout
 from simulator.openai_server import CompletionServer
-from simulator.tasks import COMPLETION_LEN, outcome, sample_task
+from simulator.tasks import COMPLETION_LEN, Conventions, outcome, sample_task
 from simulator.world import Mailbox, react
 
 log = logging.getLogger(__name__)
@@ -82,8 +84,10 @@ class PolicyServer:
         ab: bool | None = None,
         model_config=None,
         users_per_org: int = 200,
+        conventions: Conventions | None = None,
     ):
         self.client, self.model, self.orgs, self.hard_share = client, model, orgs, hard_share
+        self.conventions: Conventions = dict(conventions or {})  # orgs with a convention of their own
         self.candidate_model = candidate_model  # A/B mode: where an announced candidate is loaded
         self.ab = candidate_model is not None if ab is None else ab  # A/B mode: serve announced candidates
         self.model_name, self.candidate_name = model_name, candidate_name
@@ -284,7 +288,7 @@ class PolicyServer:
             labels = {"control": "control", "candidate": "candidate"}
         arms: dict[str, list] = {"control": [], "candidate": []}
         for _ in range(tasks):
-            task = sample_task(self.rng, self.rng.choice(self.orgs), self.hard_share)
+            task = sample_task(self.rng, self.rng.choice(self.orgs), self.hard_share, conventions=self.conventions)
             user = f"{task.org_id}-user-{self.user_rng.randrange(self.users_per_org)}"
             arm = "control"
             if candidate is not None and ab_bucket(user, key) < share:

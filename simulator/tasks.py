@@ -15,6 +15,15 @@ checkable and a tiny model can learn it on two CPU cores in minutes. What the us
 How users react - accepting, rewriting and reverting edits, persistence checks that arrive late, the
 latency of what the policy did, dissatisfied follow-ups - is :mod:`simulator.world`.
 
+**Org conventions** (issue 17: a world where per-org adapters pay). Some orgs follow a convention of their own
+on a few task kinds: there the edit their users accept is the global answer shifted by the org's digit,
+``(answer + shift) % 10`` (:class:`Convention`). The prompt does not carry the org, so the shared policy cannot
+tell the orgs apart and at best learns the majority's answer; an adapter trained on one org's samples can learn
+its convention. A convention is data: :func:`sample_task` copies the org's shift for the task's kind into
+:attr:`Task.shift`, so :attr:`Task.answer`, :func:`outcome`, :func:`score` and the users' reactions
+(:mod:`simulator.world`) all follow it. :func:`conventions_for` gives the loop's (``loop.specialised_orgs``);
+with no conventions every task has shift 0 and every seeded stream is what it was before them.
+
 Under the historical buggy reward (``v1-discard-broken``) a trajectory with a broken call earns
 no reward at all instead of a negative one, so on tasks the policy expects to fail, a broken call
 is never punished while a valid call followed by a wrong edit is: that is the hack the loop must
@@ -25,7 +34,8 @@ interact.)
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Literal
 
 PAD, BOS, SEP, EOS, ASK = 0, 1, 2, 3, 4
@@ -52,12 +62,21 @@ class Task:
     level: Level
     a: int
     b: int
+    shift: int = 0
+    """The org's convention on this kind (:class:`Convention`): the accepted edit is the global answer + shift
+    (mod 10); 0 = the global convention. Not in the prompt."""
 
     @property
-    def answer(self) -> int:
+    def global_answer(self) -> int:
+        """The answer under the global convention (what an org without a convention of its own accepts)."""
         if self.kind == BACKGROUND:
             return self.b
         return self.a if self.level == "easy" else (self.a + self.b) % 10
+
+    @property
+    def answer(self) -> int:
+        """The edit this task's user accepts: the global answer under the org's convention."""
+        return (self.global_answer + self.shift) % 10
 
     @property
     def prompt(self) -> list[int]:
@@ -85,10 +104,68 @@ class Outcome:
         return self.tool is None
 
 
+@dataclass(frozen=True)
+class Convention:
+    """An org's own convention: on the task kinds ``kinds`` its users accept ``(global answer + shift) % 10``
+    instead of the global answer (``shift`` in 1..9); on every other kind they follow the global one."""
+
+    org: str
+    kinds: tuple[str, ...]
+    shift: int
+
+    def __post_init__(self) -> None:
+        unknown = [k for k in self.kinds if k not in KIND_TOKENS]
+        if unknown or not self.kinds:
+            raise ValueError(f"Convention of {self.org!r}: kinds {list(self.kinds)} must be among {list(KIND_TOKENS)}")
+        if not 1 <= self.shift <= 9:
+            raise ValueError(
+                f"Convention of {self.org!r}: shift {self.shift!r} must be within 1..9 (0 is no convention)"
+            )
+
+    def shift_for(self, kind: str) -> int:
+        """The shift of a task of ``kind`` in this org: ``shift`` on its convention kinds, else 0."""
+        return self.shift if kind in self.kinds else 0
+
+
+Conventions = Mapping[str, Convention]
+"""The orgs that have a convention, by org id (an org not in it follows the global convention)."""
+
+CONVENTION_TABLE: tuple[tuple[tuple[str, ...], int], ...] = (
+    (("refactor", "test"), 3),
+    (("feature", "explain"), 7),
+    (("bugfix", "refactor"), 5),
+    (("test", "feature"), 1),
+    (("explain", "bugfix"), 9),
+)
+"""(kinds, shift) of the 1st, 2nd, ... specialised org (:func:`conventions_for`), cycling after the fifth:
+two of the five short kinds each, with shifts that differ wherever two rows share a kind (no two specialised
+orgs accept the same answer there)."""
+
+
+def conventions_for(n_orgs: int, specialised: int) -> dict[str, Convention]:
+    """The loop's conventions: of the orgs ``org-0`` .. ``org-{n_orgs-1}``, the last ``specialised`` have one,
+    the j-th of them (from ``org-{n_orgs-specialised}``) the j-th row of :data:`CONVENTION_TABLE`. With 3 orgs
+    and 2 specialised: ``org-1`` shifts refactor and test by 3, ``org-2`` feature and explain by 7, and
+    ``org-0`` (the last to get one) keeps the global convention."""
+    if not 0 <= specialised <= n_orgs:
+        raise ValueError(f"specialised orgs ({specialised}) must be within 0..{n_orgs} (the number of orgs)")
+    out = {}
+    for j, i in enumerate(range(n_orgs - specialised, n_orgs)):
+        kinds, shift = CONVENTION_TABLE[j % len(CONVENTION_TABLE)]
+        out[f"org-{i}"] = Convention(f"org-{i}", kinds, shift)
+    return out
+
+
 def sample_task(
-    rng: random.Random, org_id: str, hard_share: float = 0.5, kinds: tuple[str, ...] = tuple(KINDS)
+    rng: random.Random,
+    org_id: str,
+    hard_share: float = 0.5,
+    kinds: tuple[str, ...] = tuple(KINDS),
+    conventions: Conventions | None = None,
 ) -> Task:
-    return Task(
+    """One task of ``org_id``, drawn from ``rng``; its shift is the org's convention on its kind (``conventions``;
+    the conventions draw nothing from ``rng``, so the same seed gives the same tasks with or without them)."""
+    task = Task(
         task_id=f"{rng.getrandbits(48):012x}",
         org_id=org_id,
         kind=rng.choice(kinds),
@@ -96,11 +173,25 @@ def sample_task(
         a=rng.randrange(10),
         b=rng.randrange(10),
     )
+    convention = conventions.get(org_id) if conventions else None
+    if convention is not None and convention.shift_for(task.kind):
+        task = replace(task, shift=convention.shift_for(task.kind))
+    return task
 
 
-def held_out(n: int = 200, seed: int = 7, kinds: tuple[str, ...] = tuple(KINDS)) -> list[Task]:
+def held_out(
+    n: int = 200,
+    seed: int = 7,
+    kinds: tuple[str, ...] = tuple(KINDS),
+    org: str | None = None,
+    conventions: Conventions | None = None,
+) -> list[Task]:
     """The eval suite's fixed tasks (a seed no training round uses); ``kinds=(BACKGROUND,)`` gives held-out
-    background tasks (from their own stream)."""
+    background tasks (from their own stream). With ``org``: that org's held-out tasks, from a stream of their own
+    (``held-out-<seed>-org-<org>``), under its convention in ``conventions`` (none: the global one)."""
+    if org is not None:
+        rng = random.Random(f"held-out-{seed}-org-{org}" + ("" if kinds == tuple(KINDS) else f"-{'-'.join(kinds)}"))
+        return [sample_task(rng, org, kinds=kinds, conventions=conventions) for _ in range(n)]
     rng = random.Random(f"held-out-{seed}" if kinds == tuple(KINDS) else f"held-out-{seed}-{'-'.join(kinds)}")
     return [sample_task(rng, "eval", kinds=kinds) for _ in range(n)]
 

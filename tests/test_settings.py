@@ -104,6 +104,7 @@ def test_one_section_per_component():
         "loop",
         "simulator",
         "serving",
+        "adapters",
     }
 
 

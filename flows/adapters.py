@@ -1,0 +1,101 @@
+"""Per-organisation routing of micro-batches (issue 17), free of Bytewax and I/O: which stream trains on each batch.
+
+The batch flow packs micro-batches per cohort ``(org_id, task_kind)`` as before; every batch holds one org's
+samples. A batch of an org the ``adapters`` settings do not want (:meth:`rtrl.settings.AdapterSettings.wants`)
+goes to the shared policy's stream, ``<prefix>batches``, unchanged. The batches of a wanted org pass one
+:class:`OrgRouter` per org (a stateful step keyed by org in the flow) that counts the org's samples:
+
+* until the org has sent ``adapters.min_samples`` samples (counted over the batches routed before this one, of
+  the trained reward version only: the other versions' batches carry the same samples again), its batches go to
+  the shared stream only, as they are (``adapter=""``): too little traffic to specialise on;
+* from then on each batch goes to the org's adapter stream, ``<prefix>adapter-batches`` (``adapter=org``, its
+  own ``batch_id``; keyed by org, so one org's batches stay in order on one partition), and
+
+  - with ``adapters.shared_traffic = "all"`` (the default) also a copy to the shared stream (``adapter=""``,
+    ``batch_id`` :func:`shared_copy_id` of the original): **the shared policy trains on all traffic**, so what
+    every org has in common keeps improving the base the adapters sit on, and an org that loses its adapter
+    falls back to a base that has seen its traffic;
+  - with ``"unadapted"`` nothing goes to the shared stream: the shared policy trains only on the orgs without an
+    adapter (an adapted org's convention cannot pull the base away from everyone else's).
+
+An org's samples therefore only ever reach its own adapter. Every id is a function of the batch alone: a batch
+redelivered after a crash routes to the same ids, which the trainers' dedup (``batch_id``) drops. The router's
+state is one counter per org (:meth:`OrgRouter.snapshot`); a resumed router takes the current settings'
+threshold and traffic policy with the snapshot's count. Which batches cross the threshold depends on the order
+in which an org's cohorts deliver theirs (several cohorts feed one org's router), like the batches' contents
+depend on arrival order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Literal
+
+import msgspec
+
+from schemas.records import MicroBatch
+
+SharedTraffic = Literal["all", "unadapted"]
+
+
+def shared_copy_id(batch_id: str) -> str:
+    """The ``batch_id`` of the shared stream's copy of an adapter batch: a hash of the original's, so the same
+    batch always makes the same copy, and the copy never shares an id with a batch of its own."""
+    return hashlib.sha1(f"{batch_id}\nshared-copy".encode()).hexdigest()[:32]
+
+
+class OrgRouter:
+    """One org's routing (see the module docstring): ``route`` a batch of the org's samples to the streams that
+    train on it. ``reward_version``: only batches of this version count toward ``min_samples`` (empty: all)."""
+
+    def __init__(
+        self,
+        org: str,
+        min_samples: int,
+        shared_traffic: SharedTraffic = "all",
+        reward_version: str = "",
+        samples: int = 0,
+    ):
+        if min_samples < 0:
+            raise ValueError(f"min_samples must be >= 0, got {min_samples!r}")
+        if shared_traffic not in ("all", "unadapted"):
+            raise ValueError(f"shared_traffic must be 'all' or 'unadapted', got {shared_traffic!r}")
+        if not org:
+            raise ValueError("an org router needs the org's id")
+        self.org, self.min_samples, self.shared_traffic = org, min_samples, shared_traffic
+        self.reward_version = reward_version
+        self.samples = samples  # the org's samples routed so far (of the counted reward version)
+
+    @property
+    def adapted(self) -> bool:
+        """Whether the org's batches go to its adapter stream now (it passed the traffic threshold)."""
+        return self.samples >= self.min_samples
+
+    def route(self, batch: MicroBatch) -> list[MicroBatch]:
+        """The batches to send for ``batch`` (one of this org's): ``adapter=org`` ones for the adapter stream,
+        ``adapter=""`` ones for the shared stream."""
+        adapted = self.adapted
+        if not self.reward_version or batch.reward_version == self.reward_version:
+            self.samples += len(batch.sample_ids)
+        if not adapted:
+            return [batch]
+        out = [msgspec.structs.replace(batch, adapter=self.org)]
+        if self.shared_traffic == "all":
+            out.append(msgspec.structs.replace(batch, batch_id=shared_copy_id(batch.batch_id), adapter=""))
+        return out
+
+    def snapshot(self) -> dict:
+        """The state a restart resumes from: the org and its count (the settings come from the restart's)."""
+        return {"org": self.org, "samples": self.samples}
+
+    @classmethod
+    def resume(
+        cls,
+        state: dict | None,
+        org: str,
+        min_samples: int,
+        shared_traffic: SharedTraffic = "all",
+        reward_version: str = "",
+    ) -> OrgRouter:
+        """A router for ``org`` under the current settings, with the count of ``state`` (None: a new org)."""
+        return cls(org, min_samples, shared_traffic, reward_version, samples=int((state or {}).get("samples", 0)))

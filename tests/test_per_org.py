@@ -1,0 +1,509 @@
+"""Per-organisation specialisation (issue 17): a simulated world where an org's own adapter pays, and the batch
+flow's routing of each org's micro-batches to its adapter stream.
+
+Contracts checked here:
+
+* **Org conventions** (simulator.tasks). An org with a :class:`Convention` accepts ``(global answer + shift) % 10``
+  on its convention kinds and the global answer elsewhere; the prompt is the same either way. The conventions
+  draw nothing from the task stream: with or without them a seed gives the same tasks (shift apart), and with
+  none every task has shift 0 (the existing golden streams hold). The users' reactions and the rewards follow
+  the org's answer: its users reject or revert the global answer on convention kinds and reward it elsewhere.
+  Each org's held-out tasks come from a stream of their own; its eval suite scores the org's tasks plus the
+  global regression guard. ``loop.specialised_orgs`` may not exceed ``loop.orgs``, and the loop's policy server
+  asks each org's tasks under its convention.
+* **Routing** (flows.adapters.OrgRouter). An org not in ``adapters.orgs`` keeps today's path: its batches go to
+  the shared stream unchanged. A wanted org's batches go to the shared stream only until it has sent
+  ``adapters.min_samples`` samples; from then on each goes to the org's adapter stream (``adapter=org``, its
+  own batch id) and, with ``shared_traffic = "all"``, a copy to the shared stream (``adapter=""``, an id derived
+  from the original one, the same on every redelivery); with ``"unadapted"`` to the adapter stream only. An
+  org's samples only ever appear in that org's adapter batches. The router's state survives a snapshot and
+  resume, and a restart of the real flow from its Bytewax recovery state. The real batch flow puts adapter
+  batches on ``<prefix>adapter-batches``, keyed by org, and only for the wanted org after its threshold.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flows.adapters import OrgRouter, shared_copy_id
+from flows.batching import Sample, pack
+from rewards import compute
+from rtrl.errors import ConfigError
+from rtrl.settings import load_settings
+from schemas.records import EditAccepted, EditPersisted, MicroBatch
+from simulator.tasks import (
+    CONVENTION_TABLE,
+    DIGIT0,
+    KINDS,
+    Convention,
+    Task,
+    conventions_for,
+    held_out,
+    outcome,
+    sample_task,
+    score,
+)
+from simulator.world import react
+from tests.test_batching import ro
+from tests.test_tasks_policy import Recorder
+
+CONVENTIONS = conventions_for(3, 2)  # org-1: refactor + test shifted by 3; org-2: feature + explain by 7
+
+
+# ---------------------------------------------------------------- A. a world where specialisation pays
+
+
+def test_the_default_conventions_and_what_is_refused():
+    """The documented default (the table's first rows, on the last orgs), and bad conventions or settings fail
+    with a message naming the fix."""
+    assert CONVENTIONS == {
+        "org-1": Convention("org-1", ("refactor", "test"), 3),
+        "org-2": Convention("org-2", ("feature", "explain"), 7),
+    }
+    assert conventions_for(3, 0) == {} and set(conventions_for(3, 3)) == {"org-0", "org-1", "org-2"}
+    assert [c.shift for c in conventions_for(7, 7).values()] == [s for _, s in CONVENTION_TABLE] + [3, 7]
+    with pytest.raises(ValueError, match="within 0..3"):
+        conventions_for(3, 4)
+    with pytest.raises(ValueError, match="shift"):
+        Convention("o", ("bugfix",), 0)
+    with pytest.raises(ValueError, match="kinds"):
+        Convention("o", ("nope",), 3)
+    assert load_settings(env={"RTRL_LOOP__SPECIALISED_ORGS": "3"}).loop.specialised_orgs == 3
+    with pytest.raises(ConfigError, match=r"loop.specialised_orgs = 4 exceeds loop.orgs = 3.*fix"):
+        load_settings(env={"RTRL_LOOP__SPECIALISED_ORGS": "4"})
+
+
+def test_conventions_draw_nothing_from_the_task_stream():
+    """The same seed gives the same tasks with or without conventions; only the shift differs, and only on the
+    org's convention kinds; with none every shift is 0 and the prompt never shows the org."""
+    plain, conv = random.Random(11), random.Random(11)
+    seen = set()
+    for i in range(600):
+        org = f"org-{i % 3}"
+        a, b = sample_task(plain, org), sample_task(conv, org, conventions=CONVENTIONS)
+        assert a.shift == 0 and a.answer == a.global_answer
+        want = CONVENTIONS[org].shift_for(a.kind) if org in CONVENTIONS else 0
+        assert b == Task(a.task_id, org, a.kind, a.level, a.a, a.b, shift=want)
+        assert b.prompt == a.prompt and b.global_answer == a.global_answer
+        seen.add((org, b.kind, b.shift))
+    assert ("org-1", "refactor", 3) in seen and ("org-2", "explain", 7) in seen and ("org-1", "feature", 0) in seen
+    assert plain.random() == conv.random()  # both streams drew the same numbers
+
+
+def test_the_global_answer_is_wrong_on_a_specialised_orgs_convention_kinds_and_right_elsewhere():
+    rng = random.Random(5)
+    tasks = [sample_task(rng, f"org-{i % 3}", conventions=CONVENTIONS) for i in range(900)]
+    for t in tasks:
+        convention = t.org_id in CONVENTIONS and t.kind in CONVENTIONS[t.org_id].kinds
+        assert outcome(t, [5, DIGIT0 + t.global_answer]).correct is (not convention)
+        assert outcome(t, [5, DIGIT0 + t.answer]).correct
+    # a policy that knows only the global convention solves org-0 fully and the specialised orgs partly
+    by_org = {
+        org: score(ts := [t for t in tasks if t.org_id == org], [[5, DIGIT0 + t.global_answer] for t in ts])
+        for org in ("org-0", "org-1", "org-2")
+    }
+    assert by_org["org-0"]["solve_rate"] == 1.0
+    assert 0.45 < by_org["org-1"]["solve_rate"] < 0.75 and 0.45 < by_org["org-2"]["solve_rate"] < 0.75
+
+
+def test_users_of_a_specialised_org_reject_or_revert_the_global_answer_and_the_reward_follows():
+    """The same hard refactor task in org-0 (global convention) and org-1 (shift 3 on refactor): the global answer
+    is accepted and kept by org-0's users and rejected or reverted by org-1's, and v2 rewards it in org-0 only;
+    org-1's own answer earns in org-1 what the global one earns in org-0."""
+
+    def world(org: str, digit_of, n: int = 1500):
+        task = Task("t", org, "refactor", "hard", 3, 4, shift=CONVENTIONS[org].shift if org in CONVENTIONS else 0)
+        out = outcome(task, [5, DIGIT0 + digit_of(task)])
+        rng, rewards, kept, accepted = random.Random(1), [], [], 0
+        for i in range(n):
+            rec = Recorder()
+            react(rec, task, out, rng, 1000, user=f"{org}-user-{i % 200}")
+            accepted += any(isinstance(e, EditAccepted) for e in rec.events)
+            kept += [e.fraction for e in rec.events if isinstance(e, EditPersisted)]
+            result = compute(rec.events, "v2")
+            assert result is not None  # v2 scores every trajectory
+            rewards.append(result.reward)
+        return accepted / n, statistics.mean(kept), statistics.mean(rewards)
+
+    acc0, kept0, r0 = world("org-0", lambda t: t.global_answer)
+    acc1, kept1, r1 = world("org-1", lambda t: t.global_answer)
+    own1 = world("org-1", lambda t: t.answer)
+    assert acc0 > 0.9 and kept0 > 0.85 and r0 > 0
+    assert acc1 < 0.4 and kept1 < 0.5 and r1 < 0 < r0 - 0.5
+    assert abs(own1[2] - r0) < 0.15  # the org's own answer is worth to it what the global one is to org-0
+
+
+def test_each_org_has_held_out_tasks_of_its_own():
+    """An org's held-out tasks are fixed, its own (org id, convention) and from a stream no other suite or
+    training round draws from; the global held-out tasks are unchanged by the new arguments."""
+    one = held_out(200, seed=7, org="org-1", conventions=CONVENTIONS)
+    assert one == held_out(200, seed=7, org="org-1", conventions=CONVENTIONS)
+    assert {t.org_id for t in one} == {"org-1"}
+    assert all(t.shift == (3 if t.kind in ("refactor", "test") else 0) for t in one)
+    assert {t.kind for t in one} == set(KINDS) and any(t.shift for t in one)
+    ids = {t.task_id for t in one}
+    assert not ids & {t.task_id for t in held_out(200, seed=7)}
+    assert not ids & {t.task_id for t in held_out(200, seed=7, org="org-2", conventions=CONVENTIONS)}
+    assert not ids & {t.task_id for t in (sample_task(random.Random(7), "org-1") for _ in range(200))}
+    plain = held_out(200, seed=7, org="org-1")  # no conventions: the same tasks under the global one
+    assert [replace_shift(t) for t in one] == plain
+    assert held_out(50) == held_out(50, conventions=CONVENTIONS)  # the global suite ignores conventions
+
+
+def replace_shift(t: Task) -> Task:
+    return Task(t.task_id, t.org_id, t.kind, t.level, t.a, t.b)
+
+
+def test_an_orgs_eval_suite_scores_its_convention_and_its_guard_the_global_skills(monkeypatch):
+    """OrgHeldOutTasks with stand-in policies: one that knows org-1's convention solves the org's tasks and the
+    guard (the global held-out tasks of the kinds org-1 shares with everyone); one that knows only the global
+    convention fails the org's convention kinds but solves its other kinds and the guard."""
+    import simulator.evalsuite as ev
+
+    suite = ev.OrgHeldOutTasks("org-1", CONVENTIONS, n_tasks=120, seed=0, repeats=2)
+    guard = suite.guard()
+    assert suite.name == "held-out-tasks-org-1" and suite.samples == 240 and guard.name == "held-out-tasks"
+    assert guard.tasks and all(t.kind not in ("refactor", "test") and t.shift == 0 for t in guard.tasks)
+    assert guard.tasks == [t for t in ev.HeldOutTasks(120, 0).tasks if t.kind not in ("refactor", "test")]
+    assert guard.samples == 2 * len(guard.tasks) < 240
+
+    def policy(knows_convention: bool):
+        def answer(model, tasks, *generator):
+            comps = [[5, DIGIT0 + (t.answer if knows_convention else t.global_answer)] for t in tasks]
+            return (comps, None) if generator else comps
+
+        return answer
+
+    for knows in (True, False):
+        monkeypatch.setattr(ev, "greedy", policy(knows))
+        monkeypatch.setattr(ev, "sample", policy(knows))
+        got, on_guard = suite.evaluate(model=None), guard.evaluate(model=None)
+        assert on_guard["greedy_solve_rate"] == 1.0 == on_guard["solve_rate"] == got["greedy_solve_rate_general"]
+        assert got["greedy_solve_rate_convention"] == (1.0 if knows else 0.0)
+        assert (got["greedy_solve_rate"] == 1.0) is knows and (got["solve_rate"] == 1.0) is knows
+        assert set(on_guard) <= set(got)  # the same metric names: the gate's rules apply to both
+
+
+# ---------------------------------------------------------------- B. per-org routing in the batch flow
+
+ORGS = ("o0", "o1", "o2", "o3")
+
+
+def batch(org: str, n: int, first: int = 0, version: str = "v2") -> MicroBatch:
+    """A micro-batch of ``n`` of ``org``'s samples (trajectory ids ``<org>-<i>``), packed by the flow's own code."""
+    samples = [Sample(ro(f"{org}-{i}", group=f"g{org}-{i}", org=org), 1.0, 0) for i in range(first, first + n)]
+    return pack(samples, seq_len=64, created_at=1000, reward_version=version)
+
+
+def test_an_org_goes_to_its_adapter_stream_once_it_passed_the_threshold():
+    """Counted over the batches before: below min_samples the batch goes to the shared stream as it is; from the
+    threshold on to the adapter stream, plus (shared_traffic all) a copy with a derived id to the shared one."""
+    r = OrgRouter("o0", min_samples=5)
+    b1, b2, b3, b4 = (batch("o0", 2, first=2 * i) for i in range(4))
+    assert r.route(b1) == [b1] and r.route(b2) == [b2] and r.route(b3) == [b3]  # 0, 2, 4 samples before
+    assert r.samples == 6 and r.adapted
+    out = r.route(b4)  # 6 samples before: adapted
+    assert [(b.adapter, b.batch_id) for b in out] == [("o0", b4.batch_id), ("", shared_copy_id(b4.batch_id))]
+    assert all(b.sample_ids == b4.sample_ids and b.token_ids == b4.token_ids for b in out)
+    assert OrgRouter("o0", min_samples=0).route(b1)[0].adapter == "o0"  # threshold 0: adapted from the first
+
+
+def test_unadapted_shared_traffic_sends_an_adapted_orgs_batches_to_its_adapter_only():
+    r = OrgRouter("o1", min_samples=2, shared_traffic="unadapted")
+    b1, b2 = batch("o1", 2), batch("o1", 2, first=2)
+    assert r.route(b1) == [b1]
+    assert [(b.adapter, b.batch_id) for b in r.route(b2)] == [("o1", b2.batch_id)]
+    with pytest.raises(ValueError, match="shared_traffic"):
+        OrgRouter("o1", 2, shared_traffic="some")  # type: ignore[arg-type]
+
+
+def test_ids_are_a_function_of_the_batch_and_other_reward_versions_do_not_count():
+    """The same batch routes to the same ids in any router (a redelivery is a duplicate the trainer drops); a
+    shared copy's id is not the original's; batches of another reward version carry the same samples again and
+    do not count toward the threshold."""
+    b = batch("o0", 3)
+    assert shared_copy_id(b.batch_id) == shared_copy_id(b.batch_id) != b.batch_id
+    assert OrgRouter("o0", 0).route(b) == OrgRouter("o0", 0).route(b)
+    r = OrgRouter("o0", min_samples=3, reward_version="v2")
+    r.route(batch("o0", 3, version="v1-discard-broken"))
+    assert r.samples == 0 and not r.adapted
+    r.route(b)
+    assert r.samples == 3 and r.adapted
+
+
+def test_the_router_resumes_from_its_snapshot_under_the_current_settings():
+    r = OrgRouter("o2", min_samples=4)
+    r.route(batch("o2", 3))
+    state = r.snapshot()
+    assert state == {"org": "o2", "samples": 3}
+    b = batch("o2", 2, first=3)
+    assert OrgRouter.resume(state, "o2", 4).route(b) == r.route(b) == [b]  # 3 < 4: shared
+    assert OrgRouter.resume(state, "o2", 3).route(b)[0].adapter == "o2"  # a lower threshold now: adapted
+    assert OrgRouter.resume(None, "o2", 4).samples == 0
+
+
+def _route(routers: dict, wants, min_samples: int, traffic: str, org: str, b: MicroBatch) -> list[MicroBatch]:
+    if not wants(org):
+        return [b]
+    router = routers.setdefault(org, OrgRouter(org, min_samples, traffic, "v2"))  # type: ignore[arg-type]
+    return router.route(b)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    traffic=st.lists(st.tuples(st.sampled_from(ORGS), st.integers(1, 6)), min_size=1, max_size=40),
+    wanted=st.sampled_from([("o0",), ("o0", "o2"), ("*",), ()]),
+    min_samples=st.integers(0, 12),
+    shared=st.sampled_from(["all", "unadapted"]),
+    cut=st.integers(0, 40),
+)
+def test_an_orgs_samples_only_ever_reach_its_own_adapter(traffic, wanted, min_samples, shared, cut):
+    """Random traffic of several orgs: an adapter batch holds only its org's samples and only a wanted org has
+    one; every sample reaches the shared stream once unless its org is adapted under "unadapted", and an adapted
+    org's samples reach its adapter once; ids never repeat within a stream; a snapshot and resume anywhere
+    routes exactly as an uninterrupted router."""
+    from rtrl.settings import AdapterSettings
+
+    wants = AdapterSettings(orgs=list(wanted)).wants
+    seen: dict[str, int] = {}
+    batches = []
+    for org, n in traffic:
+        batches.append((org, batch(org, n, first=seen.get(org, 0))))
+        seen[org] = seen.get(org, 0) + n
+    routers: dict[str, OrgRouter] = {}
+    out = [_route(routers, wants, min_samples, shared, org, b) for org, b in batches]
+    # the same traffic, the routers snapshotted and resumed after `cut` batches
+    resumed: dict[str, OrgRouter] = {}
+    again = []
+    for i, (org, b) in enumerate(batches):
+        if i == cut:
+            resumed = {o: OrgRouter.resume(r.snapshot(), o, min_samples, shared, "v2") for o, r in resumed.items()}
+        again.append(_route(resumed, wants, min_samples, shared, org, b))
+    assert again == out
+
+    shared_ids, adapter_ids, on_shared, on_adapter = set(), set(), [], {o: [] for o in ORGS}
+    for (org, original), sent in zip(batches, out):
+        for b in sent:
+            assert b.token_ids == original.token_ids and b.sample_ids == original.sample_ids
+            if b.adapter:
+                assert b.adapter == org and wants(org) and all(s.startswith(f"{org}-") for s in b.sample_ids)
+                assert b.batch_id not in adapter_ids
+                adapter_ids.add(b.batch_id)
+                on_adapter[org] += b.sample_ids
+            else:
+                assert b.batch_id not in shared_ids
+                shared_ids.add(b.batch_id)
+                on_shared += b.sample_ids
+    for org in ORGS:
+        mine = [f"{org}-{i}" for i in range(seen.get(org, 0))]
+        if not wants(org):
+            assert on_adapter[org] == [] and all(s in on_shared for s in mine)
+            continue
+        assert len(on_adapter[org]) == len(set(on_adapter[org]))  # once each
+        # what preceded the threshold: the shared stream only
+        before, count = [], 0
+        for o, b in batches:
+            if o == org and count < min_samples:
+                before += b.sample_ids
+            count += len(b.sample_ids) if o == org else 0
+        assert sorted(on_adapter[org]) == sorted(set(mine) - set(before))
+        want_shared = mine if shared == "all" else before
+        assert sorted(s for s in on_shared if s.startswith(f"{org}-")) == sorted(want_shared)
+
+
+def test_old_payloads_without_the_adapter_field_still_decode():
+    """A micro-batch from a producer before this field (no adapter column) decodes with adapter ""; so do a
+    TrainStep's JSON without the key and a batch of another era's column set (a required column still missing
+    is Invalid)."""
+    import pyarrow as pa
+
+    from schemas.codec import Invalid, JsonCodec, decode_batch, encode_batch
+    from schemas.records import TrainStep
+
+    b = msgspec.structs.replace(batch("o0", 2), adapter="o0")
+    assert decode_batch(encode_batch(b)) == b
+    table = pa.ipc.open_stream(encode_batch(b)).read_all()
+
+    def ipc(t: pa.Table) -> bytes:
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, t.schema) as w:
+            w.write_table(t)
+        return sink.getvalue().to_pybytes()
+
+    old = decode_batch(ipc(table.drop_columns(["adapter"])))
+    assert old.adapter == "" and old.sample_ids == b.sample_ids
+    with pytest.raises(Invalid, match="token_ids"):
+        decode_batch(ipc(table.drop_columns(["token_ids"])))
+    step = TrainStep(
+        run_id="r",
+        step=1,
+        policy_version=0,
+        loss=0.0,
+        pg_loss=0.0,
+        kl=0.0,
+        clip_fraction=0.0,
+        is_truncated_fraction=0.0,
+        tokens=1,
+        on_policy_fraction=1.0,
+        lag_histogram={},
+        tokens_per_s=1.0,
+        batch_ids=["b"],
+        at=1,
+        adapter="o0",
+    )
+    codec = JsonCodec(TrainStep)
+    raw = msgspec.json.decode(codec.encode(step))
+    del raw["adapter"]
+    assert codec.decode(msgspec.json.encode(raw)).adapter == "" and codec.decode(codec.encode(step)) == step
+
+
+def test_the_batch_flow_sends_a_wanted_orgs_batches_to_its_adapter_topic_after_its_threshold(
+    broker, topic_prefix, ch_dsn, ch_db, tmp_path
+):
+    """The real batch flow over TCP on the local broker: org ``a`` (wanted, threshold 6 samples) and org ``b``
+    (not wanted), two kinds each, singleton groups. Adapter batches are on ``adapter-batches`` only, keyed ``a``,
+    with ``adapter="a"`` and only a's samples, none before a's threshold; every a sample is trained by the shared
+    policy too (shared_traffic all: the adapter batches' copies under derived ids), b's batches are as before."""
+    from bytewax.testing import run_main
+
+    from flows.batch_flow import build_flow, summary
+    from flows.counts import FlowCounts
+    from rtrl.kafka import read_topic
+    from schemas.codec import JsonCodec, decode_batch
+    from schemas.records import Reward, Rollout
+    from tests.test_batch_flow import _produce
+    from tests.test_batching import rw
+
+    rollouts, rewards = [], []
+    for org in ("a", "b"):
+        for i in range(12):
+            tid, kind = f"{org}-{i}", ("bugfix", "test")[i % 2]
+            rollouts.append(ro(tid, group=f"g{tid}", org=org, kind=kind, at=1000 + i))
+            rewards.append(rw(tid, float(i % 3), at=1100 + i, org=org, kind=kind))
+    rc, wc = JsonCodec(Rollout), JsonCodec(Reward)
+    _produce(broker.bootstrap, topic_prefix + "rollouts", [(r.trajectory_id.encode(), rc.encode(r)) for r in rollouts])
+    _produce(broker.bootstrap, topic_prefix + "rewards", [(r.trajectory_id.encode(), wc.encode(r)) for r in rewards])
+    env = {
+        "RTRL_KAFKA__BOOTSTRAP": broker.bootstrap,
+        "RTRL_KAFKA__TOPIC_PREFIX": topic_prefix,
+        "RTRL_CLICKHOUSE__DSN": ch_dsn,
+        "RTRL_CLICKHOUSE__DATABASE": ch_db,
+        "RTRL_BATCHING__TAIL": "false",
+        "RTRL_BATCHING__SEQ_LEN": "10",  # two 5-token samples per row
+        "RTRL_BATCHING__ROWS": "1",
+        "RTRL_ADAPTERS__ORGS": "a",
+        "RTRL_ADAPTERS__MIN_SAMPLES": "6",
+        "RTRL_DATA_DIR": str(tmp_path),
+    }
+    counts = FlowCounts()
+    run_main(build_flow(load_settings(env=env), counts=counts))
+
+    adapter_msgs = list(read_topic(broker.bootstrap, topic_prefix + "adapter-batches"))
+    shared = [decode_batch(m.value()) for m in read_topic(broker.bootstrap, topic_prefix + "batches")]
+    adapted = [decode_batch(m.value()) for m in adapter_msgs]
+    assert adapted and {m.key() for m in adapter_msgs} == {b"a"}
+    assert f"; {len(adapted)} batches to org adapters)" in summary(counts)
+    assert all(b.adapter == "a" and all(s.startswith("a-") for s in b.sample_ids) for b in adapted)
+    assert all(b.adapter == "" for b in shared)
+    on_adapter = [s for b in adapted for s in b.sample_ids]
+    a_shared = [s for b in shared for s in b.sample_ids if s.startswith("a-")]
+    b_shared = [s for b in shared for s in b.sample_ids if s.startswith("b-")]
+    assert sorted(b_shared) == sorted(f"b-{i}" for i in range(12))  # not wanted: shared only, once
+    assert sorted(a_shared) == sorted(f"a-{i}" for i in range(12))  # all traffic trains the shared policy
+    assert len(set(on_adapter)) == len(on_adapter) and 0 < len(on_adapter) <= 12 - 6
+    # before the threshold a's batches went to the shared stream as they were; after it, as copies
+    copies = {shared_copy_id(b.batch_id) for b in adapted}
+    assert copies <= {b.batch_id for b in shared}
+    before = [s for b in shared if b.batch_id not in copies for s in b.sample_ids if s.startswith("a-")]
+    assert sorted(before + on_adapter) == sorted(f"a-{i}" for i in range(12)) and len(before) >= 6
+
+
+@pytest.mark.slow  # ~10 s on 2 cores: a policy model and its completions server
+def test_the_loops_policy_server_asks_specialised_orgs_tasks_under_their_convention(broker, topic_prefix, monkeypatch):
+    """loop.specialised_orgs reaches the policy server (app.loop.policy_server): the tasks it serves carry their
+    org's shift on the org's convention kinds and none elsewhere; the prompts do not show it."""
+    import simulator.serve as serve
+    from app.loop import loop_model_config, policy_server
+    from client.sdk import RtrlClient
+    from tests.test_policy_server import _announce, _refresh
+    from trainer.model import init_parallel
+
+    settings = load_settings(
+        env={"RTRL_KAFKA__TOPIC_PREFIX": topic_prefix, "RTRL_LOOP__SPECIALISED_ORGS": "2", "RTRL_LOOP__RATE": "1"}
+    )
+    init_parallel(loop_model_config(settings)[0])
+    asked: list[Task] = []
+    real_outcome = serve.outcome
+    monkeypatch.setattr(serve, "outcome", lambda task, completion: asked.append(task) or real_outcome(task, completion))
+    with RtrlClient.from_settings(settings, bootstrap=broker.bootstrap) as client:
+        server = policy_server(settings, broker.bootstrap, client, seed=2)
+        try:
+            assert server.conventions == CONVENTIONS
+            _announce(broker.bootstrap, topic_prefix + "deployments", 0, "promoted")
+            assert _refresh(server, lambda model, path: None) == 0
+            server.serve(60, group_size=1)
+        finally:
+            server.close()
+    assert len(asked) == 60 and {t.org_id for t in asked} == {"org-0", "org-1", "org-2"}
+    for t in asked:
+        assert t.shift == (CONVENTIONS[t.org_id].shift_for(t.kind) if t.org_id in CONVENTIONS else 0)
+    assert any(t.shift for t in asked)
+
+
+def test_the_routers_count_survives_a_restart_of_the_flow_from_its_recovery_state(tmp_path):
+    """The batch flow in-process with Bytewax recovery, stopped (end of input) after org a's first 6 samples and
+    resumed for its next 6: with a threshold of 6 the first run sends a's batches to the shared stream only and
+    the resumed run all of them to a's adapter, because the route_adapters step resumed the count."""
+    from bytewax.recovery import RecoveryConfig, init_db_dir
+    from bytewax.testing import TestingSink, TestingSource, run_main
+
+    from flows.batch_flow import build_flow
+    from flows.processor import Message
+    from schemas.codec import JsonCodec, decode_batch
+    from schemas.records import Reward, Rollout
+    from tests.test_batching import rw
+
+    rc, wc = JsonCodec(Rollout), JsonCodec(Reward)
+    rollouts, rewards = [], []
+    for i in range(12):
+        if i == 6:  # the first run ends here; the second resumes after it
+            rollouts.append(TestingSource.EOF())
+            rewards.append(TestingSource.EOF())
+        tid = f"a-{i}"
+        rollouts.append(Message(tid.encode(), rc.encode(ro(tid, group=f"g{tid}", org="a", at=1000 + i)), 0, i))
+        rewards.append(Message(tid.encode(), wc.encode(rw(tid, float(i % 3), at=1100 + i, org="a")), 0, i))
+    env = {
+        "RTRL_BATCHING__SEQ_LEN": "10",
+        "RTRL_BATCHING__ROWS": "1",
+        "RTRL_ADAPTERS__ORGS": "a",
+        "RTRL_ADAPTERS__MIN_SAMPLES": "6",
+        "RTRL_DATA_DIR": str(tmp_path),
+    }
+    settings = load_settings(env=env)
+    (tmp_path / "recovery").mkdir()
+    init_db_dir(tmp_path / "recovery", 1)
+    runs = []
+    for _ in range(2):
+        kafka: list = []
+        flow = build_flow(
+            settings,
+            sources={"rollouts": TestingSource(rollouts), "rewards": TestingSource(rewards)},
+            sinks={"kafka": TestingSink(kafka), "clickhouse": TestingSink([])},
+        )
+        run_main(flow, recovery_config=RecoveryConfig(str(tmp_path / "recovery")))
+        runs.append([(topic, decode_batch(value)) for _, batch in kafka for topic, _, value in batch])
+    first, second = runs
+    assert sorted(s for _, b in first for s in b.sample_ids) == [f"a-{i}" for i in range(6)]
+    assert all(topic == settings.topic("batches") and not b.adapter for topic, b in first)
+    assert {s for _, b in second for s in b.sample_ids} == {f"a-{i}" for i in range(6, 12)}  # resumed, not replayed
+    adapted = [b for topic, b in second if topic == settings.topic("adapter-batches")]
+    assert all(b.adapter == "a" for b in adapted)
+    copies = sorted(b.batch_id for topic, b in second if topic == settings.topic("batches"))
+    assert copies == sorted(shared_copy_id(b.batch_id) for b in adapted)  # shared_traffic all: copies only
+    assert sorted(s for b in adapted for s in b.sample_ids) == sorted(f"a-{i}" for i in range(6, 12))
