@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from dataclasses import replace
 
 import msgspec
 import pytest
@@ -196,8 +197,12 @@ ORGS = ("o0", "o1", "o2", "o3")
 
 
 def batch(org: str, n: int, first: int = 0, version: str = "v2") -> MicroBatch:
-    """A micro-batch of ``n`` of ``org``'s samples (trajectory ids ``<org>-<i>``), packed by the flow's own code."""
-    samples = [Sample(ro(f"{org}-{i}", group=f"g{org}-{i}", org=org), 1.0, 0) for i in range(first, first + n)]
+    """A micro-batch of ``n`` of ``org``'s samples (trajectory ids ``<org>-<i>``), packed by the flow's own code;
+    advantages alternate +1 / -1 (so a trainer has something to learn)."""
+    samples = [
+        Sample(ro(f"{org}-{i}", group=f"g{org}-{i}", org=org), 1.0, 0, advantage=1.0 if i % 2 else -1.0)
+        for i in range(first, first + n)
+    ]
     return pack(samples, seq_len=64, created_at=1000, reward_version=version)
 
 
@@ -507,3 +512,63 @@ def test_the_routers_count_survives_a_restart_of_the_flow_from_its_recovery_stat
     copies = sorted(b.batch_id for topic, b in second if topic == settings.topic("batches"))
     assert copies == sorted(shared_copy_id(b.batch_id) for b in adapted)  # shared_traffic all: copies only
     assert sorted(s for b in adapted for s in b.sample_ids) == sorted(f"a-{i}" for i in range(6, 12))
+
+
+def test_an_adapter_trains_on_its_orgs_batches_only_and_the_base_stays_frozen(tmp_path):
+    """The trainer's adapter mode (``TrainConfig.adapter``) reads the adapter stream, which holds several orgs'
+    batches, and trains one org's adapter on that org's batches only: the sample ids in its train_metrics rows are
+    exactly that org's, the base and the other org's adapter are unchanged bit for bit, and its checkpoints are
+    adapter checkpoints a second run resumes from. The shared run trains the shared batches only."""
+    import torch
+
+    from schemas.codec import encode_batch
+    from simulator.tasks import VOCAB
+    from trainer import lora
+    from trainer.batch import to_batch
+    from trainer.config import ModelConfig
+    from trainer.model import build_model, init_parallel
+    from trainer.train import MemorySource, TrainConfig, train
+
+    routers = {o: OrgRouter(o, 0) for o in ("o1", "o2")}
+    routed: list[MicroBatch] = []
+    for k in range(3):
+        for org in ("o0", "o1", "o2"):
+            b = batch(org, 4, first=4 * k)
+            routed += routers[org].route(b) if org in routers else [b]
+    wire = [to_batch(encode_batch(mb), 0, i) for i, mb in enumerate(routed)]
+    assert {b.adapter for b in wire} == {"", "o1", "o2"}
+    cfg = ModelConfig.tiny(vocab_size=VOCAB, seq_length=64)
+    init_parallel(cfg)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    for org in ("o1", "o2"):
+        lora.add_adapter(model, org, lora.LoraConfig(rank=4))
+    base = {k: v.clone() for k, v in model.state_dict().items() if v is not None}  # (megatron keeps None extra states)
+    o2 = lora.adapter_state_dict(model, "o2")
+    o1 = lora.adapter_state_dict(model, "o1")
+    tc = TrainConfig(
+        adapter="o1",
+        adapter_base="v1",
+        micro_batches_per_step=1,
+        max_steps=2,
+        idle_timeout_s=0.01,
+        checkpoint_dir=str(tmp_path / "o1"),
+        checkpoint_every=1,
+        lr=1e-2,
+    )
+    steps = train(model, None, lambda _: MemorySource(wire), tc, policy_version=1, resume=True)
+    steps += train(model, None, lambda off: MemorySource(wire, off), replace(tc, max_steps=10), 1, resume=True)
+    assert [st.step for st in steps] == [1, 2, 3] and {st.adapter for st in steps} == {"o1"}
+    assert {s for st in steps for s in st.sample_ids} == {f"o1-{i}" for i in range(12)}
+    assert all(torch.equal(v, base[k]) for k, v in model.state_dict().items() if v is not None)
+    assert all(torch.equal(v, o2[k]) for k, v in lora.adapter_state_dict(model, "o2").items())
+    assert any(not torch.equal(v, o1[k]) for k, v in lora.adapter_state_dict(model, "o1").items())
+    assert lora.active_adapter(model) is None  # train() leaves no adapter active
+    assert lora.read_adapter_checkpoint(lora.latest_adapter(tmp_path / "o1"))["base"] == "v1"
+    # the shared policy: the shared stream only (every org's samples: shared_traffic "all"), adapter ""
+    shared, reference = build_model(cfg), build_model(cfg)
+    tc = TrainConfig(micro_batches_per_step=1, max_steps=100, idle_timeout_s=0.01)
+    steps = train(shared, reference, lambda _: MemorySource(wire), tc, policy_version=1, resume=False)
+    assert {st.adapter for st in steps} == {""} and len(steps) == 9
+    ids = [s for st in steps for s in st.sample_ids]
+    assert sorted(ids) == sorted(f"{o}-{i}" for o in ("o0", "o1", "o2") for i in range(12))

@@ -36,6 +36,7 @@ class Batch:
     offset: int
     reward_version: str = ""  # the reward version whose rewards made the advantages ("" = not recorded)
     delayed: np.ndarray | None = None  # bool, per sample: a delayed sample (MicroBatch.delayed); None = none
+    adapter: str = ""  # the org whose adapter trains on it (MicroBatch.adapter); "" = the shared policy
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ def to_batch(data: bytes, partition: int, offset: int, limits: BatchLimits | Non
         offset=offset,
         reward_version=mb.reward_version,
         delayed=np.asarray(mb.delayed, dtype=bool) if any(mb.delayed) else None,
+        adapter=mb.adapter,
     )
     if not np.isin(b.loss_mask, (0.0, 1.0)).all():
         raise Invalid("$.loss_mask", "loss-mask values must be 0 or 1")

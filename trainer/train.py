@@ -31,7 +31,7 @@ import torch
 
 from rtrl.settings import Settings
 from schemas.records import TrainStep
-from trainer import checkpoint
+from trainer import checkpoint, lora
 from trainer.batch import Batch
 from trainer.dedup import TrainedSet
 from trainer.loss import GUARDED, LossConfig, LossOutput, policy_loss
@@ -94,20 +94,35 @@ class TrainConfig:
     reward_version: str = ""
     """Train only micro-batches of this reward version (others are skipped: the batch flow may make batches for
     several, :meth:`rtrl.settings.RewardSettings.trainable`); empty = any. Recorded in each ``TrainStep``."""
+    adapter: str = ""
+    """Train this org's LoRA adapter (:mod:`trainer.lora`; already on the model) on that org's micro-batches only
+    (``MicroBatch.adapter``), the base frozen and the KL reference the base alone; empty = the shared policy, on
+    the micro-batches of no adapter. Recorded in each ``TrainStep``; checkpoints are adapter checkpoints."""
+    adapter_base: str = ""
+    """The base the adapter trains on (e.g. ``v3``), recorded in its checkpoints: a resume on another base is
+    refused."""
 
     @classmethod
     def from_settings(cls, settings: Settings, **run: Any) -> TrainConfig:
         """The ``train`` and ``loss`` sections as a TrainConfig: the one mapping from settings to the training
         loop (the trainer job and the closed loop both use it). ``run`` sets what a caller owns: run_id,
         max_steps, checkpoint_dir, idle_timeout_s ... - never the optimizer or the loss."""
-        owned = {"run_id", "max_steps", "checkpoint_dir", "checkpoint_every", "idle_timeout_s", "reward_version"}
+        owned = {
+            "run_id",
+            "max_steps",
+            "checkpoint_dir",
+            "checkpoint_every",
+            "idle_timeout_s",
+            "reward_version",
+            "adapter",
+            "adapter_base",
+        }
         if set(run) - owned:
             raise TypeError(f"TrainConfig.from_settings: {sorted(set(run) - owned)} come from settings only")
         ts, ls = settings.train, settings.loss
         params: dict[str, Any] = {
             "micro_batches_per_step": ts.micro_batches_per_step,
             "max_steps": ts.steps,
-            "lr": ts.lr,
             "betas": (ts.beta1, ts.beta2),
             "weight_decay": ts.weight_decay,
             "warmup_steps": ts.warmup_steps,
@@ -118,6 +133,7 @@ class TrainConfig:
             "checkpoint_every": ts.checkpoint_every,
             "idle_timeout_s": ts.idle_timeout_s,
             "reward_version": settings.rewards.train_version,
+            "lr": (settings.adapters.lr or ts.lr) if run.get("adapter") else ts.lr,
             "loss": LossConfig(
                 eps_low=ls.eps_low,
                 eps_high=ls.eps_high,
@@ -223,16 +239,59 @@ def train(
     ``start``; None = from the beginning). ``reference`` is the frozen KL reference (the run's initial
     weights). ``trained`` (kept in every checkpoint) skips micro-batches and samples already trained:
     the batch flow may send some again after a crash (:mod:`trainer.dedup`).
+
+    With ``cfg.adapter`` only that adapter's parameters train (the base is frozen), the adapter is active in the
+    forward pass, ``reference`` may be None (then the KL reference is the same model with no adapter active: the
+    base alone), and checkpoints are adapter checkpoints (:func:`trainer.lora.save_adapter`).
     """
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    if cfg.adapter:
+        params = lora.train_only(model, cfg.adapter)
+        restore = lora.activate(model, cfg.adapter)  # undone on return
+    else:
+        params, restore = list(model.parameters()), None
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     step, offsets = 0, start
     trained = trained if trained is not None else TrainedSet()
     if resume and cfg.checkpoint_dir and (last := checkpoint.latest(cfg.checkpoint_dir)) is not None:
-        extra = checkpoint.load(last, model, opt)
+        if cfg.adapter:
+            extra = lora.load_adapter(last, model, cfg.adapter, opt, base=cfg.adapter_base or None).extra
+        else:
+            extra = checkpoint.load(last, model, opt)
         step, policy_version, offsets = extra["step"], extra["policy_version"], extra["offsets"]
         trained.restore(extra.get("trained", {}))
     source = make_source(offsets)
-    reference.eval()
+    if reference is None and not cfg.adapter:
+        raise ValueError("train() needs a reference model (only an adapter run may use the base as its own)")
+    if reference is not None:
+        reference.eval()
+    try:
+        return _train(model, reference, source, opt, cfg, step, policy_version, on_step, should_stop, trained)
+    finally:
+        if restore is not None:
+            restore.__exit__(None, None, None)
+
+
+def _ref_logprobs(model: Any, reference: Any, p: Prepared, adapter: str) -> torch.Tensor:
+    """The KL reference's log-probs: ``reference``'s, or (an adapter run without one) the base alone's."""
+    with torch.no_grad():
+        if reference is not None:
+            return forward_logprobs(reference, p.tokens, p.positions, p.targets, p.attention_mask)
+        with lora.activate(model, None):
+            return forward_logprobs(model, p.tokens, p.positions, p.targets, p.attention_mask)
+
+
+def _train(
+    model: Any,
+    reference: Any,
+    source: Source,
+    opt: torch.optim.Optimizer,
+    cfg: TrainConfig,
+    step: int,
+    policy_version: int,
+    on_step: Callable[[TrainStep], None] | None,
+    should_stop: Callable[[], bool] | None,
+    trained: TrainedSet,
+) -> list[TrainStep]:
     dp, pipe = DataParallel(), Pipeline()
     steps: list[TrainStep] = []
     while step < cfg.max_steps and not (should_stop is not None and pipe.all_ranks_true(dp, should_stop())):
@@ -243,7 +302,9 @@ def train(
             b = source.get(cfg.idle_timeout_s)
             if b is None:
                 break
-            if cfg.reward_version and b.reward_version and b.reward_version != cfg.reward_version:
+            other_version = bool(cfg.reward_version and b.reward_version and b.reward_version != cfg.reward_version)
+            # another org's adapter batch, or (training an adapter) the shared policy's
+            if other_version or b.adapter != cfg.adapter:
                 # another reward version's batch: read past, never trained (its samples stay trainable); a
                 # stream of nothing else counts as idle, or the cycle's wall-time trigger would never be checked
                 if time.monotonic() - useful > cfg.idle_timeout_s:
@@ -285,8 +346,7 @@ def train(
             for b in batches:
                 p = prepare(b, policy_version, cfg.max_policy_lag, cfg.max_delayed_lag)
                 lp = forward_logprobs(model, p.tokens, p.positions, p.targets, p.attention_mask)
-                with torch.no_grad():
-                    ref = forward_logprobs(reference, p.tokens, p.positions, p.targets, p.attention_mask)
+                ref = _ref_logprobs(model, reference, p, cfg.adapter)
                 out = policy_loss(
                     lp,
                     p.behaviour,
@@ -357,6 +417,7 @@ def train(
             sample_ids=sample_ids,
             at=time.time_ns() // 1_000_000,
             reward_version=cfg.reward_version,
+            adapter=cfg.adapter,
         )
         steps.append(record)
         if on_step:
@@ -678,17 +739,15 @@ def save(
     policy_version: int,
     trained: TrainedSet,
 ):
-    """Checkpoint the weights with the offsets that produced them (resume continues right after) and
-    the micro-batches/samples they have seen."""
-    return checkpoint.save(
-        checkpoint.step_dir(cfg.checkpoint_dir, step),
-        model,
-        opt,
-        extra={
-            "step": step,
-            "policy_version": policy_version,
-            "offsets": source.position(),
-            "run_id": cfg.run_id,
-            "trained": trained.state(),
-        },
-    )
+    """Checkpoint the weights (an adapter run: the adapter's) with the offsets that produced them (resume continues
+    right after) and the micro-batches/samples they have seen."""
+    extra = {
+        "step": step,
+        "policy_version": policy_version,
+        "offsets": source.position(),
+        "run_id": cfg.run_id,
+        "trained": trained.state(),
+    }
+    if cfg.adapter:
+        return lora.save_adapter(cfg.checkpoint_dir, model, cfg.adapter, step, cfg.adapter_base, opt, extra)
+    return checkpoint.save(checkpoint.step_dir(cfg.checkpoint_dir, step), model, opt, extra=extra)
