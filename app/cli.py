@@ -3,7 +3,8 @@
     rtrl --version           print the installed version
     rtrl run [--resume]      the main job: the closed loop (see app.loop); --resume (alias --keep-data) continues
                              the run in data_dir without deleting anything
-    rtrl rollback V          mark version V rolled back and re-promote its parent (deployments + ClickHouse)
+    rtrl rollback V          mark version V rolled back and re-promote its parent (deployments + ClickHouse);
+                             --org ORG: ORG's adapter version V instead
     rtrl ab                  two simulated policy profiles through the reward flow, compared (app.ab)
     rtrl broker up|down|status   the local Kafka-protocol broker under data_dir/broker
     rtrl topics              create the Kafka topics (idempotent)
@@ -71,10 +72,22 @@ def cmd_rollback(settings: Settings, args: argparse.Namespace, console: Console)
 
     services = Services(settings)
     try:
-        back = rollback(settings, services.bootstrap, services.ch, args.version, args.reason)
+        if args.org:
+            from app.adapters import rollback_adapter
+
+            rollback_adapter(settings, services.bootstrap, services.ch, args.org, args.version, args.reason)
+        else:
+            back = rollback(settings, services.bootstrap, services.ch, args.version, args.reason)
     finally:
         services.close()
-    console.print(f"v{args.version} rolled back; v{back.parent} re-promoted on {settings.topic('deployments')}")
+    if args.org:
+        console.print(
+            f"{args.org}'s adapter a{args.version} rolled back on {settings.topic('deployments')}: the org is served "
+            "its previous promoted adapter on the serving base, or the base alone",
+            highlight=False,
+        )
+    else:
+        console.print(f"v{args.version} rolled back; v{back.parent} re-promoted on {settings.topic('deployments')}")
     return 0
 
 
@@ -491,6 +504,12 @@ def parser() -> argparse.ArgumentParser:
     )
     rb.add_argument("version", type=_version, help="the version to roll back, e.g. 3 or v3")
     rb.add_argument("--reason", default="manual rollback", help="why, recorded with the decision (%(default)r)")
+    rb.add_argument(
+        "--org",
+        default="",
+        help="roll back this org's adapter version N instead (ClickHouse adapter_checkpoints); the other orgs and "
+        "the shared policy are untouched",
+    )
     rb.set_defaults(fn=cmd_rollback)
     command("ab", "two simulated policy profiles side by side through the reward flow, compared").set_defaults(
         fn=cmd_ab

@@ -52,6 +52,7 @@ from bytewax.testing import run_main
 from confluent_kafka import Producer
 from rich.console import Console
 
+from app.adapters import AdapterDecision, OrgAdapters
 from client.sdk import RtrlClient
 from evalgate import EvalSuite, GateRules, run_gate
 from flows.batch_flow import build_flow as batch_flow
@@ -314,6 +315,7 @@ class CycleResult:
     eval: dict[str, float]
     steps: list[TrainStep] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
+    adapters: list[AdapterDecision] = field(default_factory=list)  # the cycle's per-org adapter decisions
 
 
 #: what the A/B mode guards live, per user, with the direction that is bad (the monitors' default rules' metrics
@@ -406,6 +408,21 @@ class Loop:
         self.cycle_reward_checksum = ""  # its checksum then (what the checkpoint records)
         self.cycle_on_policy = 0  # samples of the serving version this cycle has trained on
         self.evals: dict[int, dict[str, float]] = {}
+        self.adapters: OrgAdapters | None = None  # per-org adapters (adapters.orgs), trained after each cycle
+        if s.adapters.orgs:
+            self.adapters = OrgAdapters(
+                s,
+                bootstrap,
+                ch,
+                cfg,
+                precision,
+                self.ckpt_root / "adapters",
+                conventions_for(ls.orgs, ls.specialised_orgs),
+                self.rules,
+                self.announce,
+                self._save_state,
+                lambda st: clickhouse.insert(self.ch, self.db, "train_metrics", [st]),
+            )
 
     # ------------------------------------------------------------ parts
 
@@ -531,6 +548,7 @@ class Loop:
             "cycle_reward": self.cycle_reward,
             "cycle_reward_checksum": self.cycle_reward_checksum,
             "pending": [json.loads(codec.encode(c)) for c in pending],
+            "adapters": self.adapters.state() if self.adapters is not None else {},
         }
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state))
@@ -557,6 +575,8 @@ class Loop:
         self.trained = TrainedSet(st["trained"])
         self.cycle_reward = st.get("cycle_reward")
         self.cycle_reward_checksum = st.get("cycle_reward_checksum", "")
+        if self.adapters is not None:
+            self.adapters.restore(st.get("adapters", {}))
         pending = [msgspec.convert(c, Checkpoint) for c in st["pending"]]
         for ck in pending:
             self.announce(ck)
@@ -689,7 +709,12 @@ class Loop:
         self._decide([candidate, decision])
         shutil.rmtree(cycle_dir, ignore_errors=True)  # decided: the cycle's step checkpoints are not needed
         times["eval"] = time.monotonic() - t
-        return CycleResult(version, serving, status, reason, ev, steps, times)
+        adapters: list[AdapterDecision] = []
+        if self.adapters is not None:  # each org's adapter, on the base that serves now (app.adapters)
+            t = time.monotonic()
+            adapters = self.adapters.cycle(self.serving, self.ckpt_root / f"v{self.serving}")
+            times["adapters"] = time.monotonic() - t
+        return CycleResult(version, serving, status, reason, ev, steps, times, adapters)
 
     def ab_test(self, candidate: int, serving: int, offline: str) -> tuple[bool, str]:
         """A/B mode: the announced candidate serves ``loop.ab_share`` of the users (randomised by user) while an
@@ -973,6 +998,14 @@ def _run_in_process(settings: Settings, services: Services, console: Console, re
                     f"v{r.version} <- v{r.parent}: [{colour}]{r.status}[/] after {len(r.steps)} steps "
                     f"({r.seconds['train']:.0f}s): {r.reason}"
                 )
+                for a in r.adapters:
+                    colour = "green" if a.status == "promoted" else "red"
+                    what = "re-validated" if a.revalidation else f"trained {a.steps} steps"
+                    bar.console.print(
+                        f"  {a.org} adapter a{a.version} on v{a.base_version} ({what}): [{colour}]{a.status}[/]"
+                        + ("" if a.status == "promoted" else f": {a.reason}"),
+                        highlight=False,
+                    )
                 bar.update(
                     task,
                     advance=1,
@@ -1030,5 +1063,10 @@ def final_report(settings: Settings, ch, console: Console, t0: float, ab: FinalA
     )
     png = report.checkpoint_plot(rows, settings.data_path / "reports" / "loop.png", f"The closed loop (reward {rv})")
     console.print(f"plots: {png}")
+    adapters = report.adapter_rows(ch, settings.clickhouse.database)
+    if adapters:  # per-org adapters (adapters.orgs): what serves each org, against the base alone
+        console.print(report.adapter_table(adapters))
+        png = report.adapter_plot(adapters, settings.data_path / "reports" / "adapters.png")
+        console.print(f"per-org plot: {png}")
     console.print(f"done in {time.monotonic() - t0:.0f}s")
     return rows

@@ -266,3 +266,44 @@ def load_export(model, cfg: ModelConfig, path: str | os.PathLike) -> None:
             for k, v in backup.items():
                 params[k].copy_(v)
         raise
+
+
+def adapters_dir(settings) -> Path:
+    """Where promoted adapters are exported: ``<registry>/adapters/<org>/a<N>``."""
+    return registry_dir(settings) / "adapters"
+
+
+def export_adapter(settings, model, cfg: ModelConfig, name: str, ck: Checkpoint) -> Checkpoint:
+    """What an adapter's promotion does: export adapter ``name`` of ``model`` in PEFT format
+    (:func:`trainer.lora.export_peft`: what vLLM's multi-LoRA serving loads) to ``<registry>/adapters/<org>/a<N>``,
+    written to a hidden folder and renamed into place, and return ``ck`` naming it with its content hash (the same
+    definition as a model export's). An adapter of a model that is not a Hugging Face family is not exported (one
+    log line; ``ck`` with empty ``export_path`` and ``export_sha256``): its adapter checkpoint ``path`` is what the
+    project's own completions server loads."""
+    from trainer.lora import export_peft
+
+    if not exportable(cfg):
+        log.info("registry: adapter %s a%s not exported: the model is not a Hugging Face family", ck.org, ck.version)
+        return msgspec.structs.replace(ck, export_path="", export_sha256="")
+    root = adapters_dir(settings) / ck.org
+    if not root.exists():
+        private_dir(root)
+    final = root / f"a{ck.version}"
+    for stale in root.glob(f".tmp-a{ck.version}-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = root / f".tmp-a{ck.version}-{uuid.uuid4().hex[:12]}"
+    try:
+        export_peft(model, cfg, name, tmp, base_model_name_or_path=cfg.hf_path or "")
+        sha = manifest_sha256(file_digests(tmp))
+        if final.exists() and content_sha256(final) == sha:
+            return msgspec.structs.replace(ck, export_path=str(final), export_sha256=sha)  # a replay
+        for f in tmp.iterdir():
+            fsync_path(f)
+        fsync_path(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        fsync_path(root)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return msgspec.structs.replace(ck, export_path=str(final), export_sha256=sha)

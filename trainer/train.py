@@ -227,7 +227,7 @@ def train(
     cfg: TrainConfig,
     policy_version: int = 0,
     resume: bool = True,
-    on_step: Callable[[TrainStep], None] | None = None,
+    on_step: Callable[[TrainStep], object] | None = None,
     should_stop: Callable[[], bool] | None = None,
     trained: TrainedSet | None = None,
     start: dict[str, int] | None = None,
@@ -288,7 +288,7 @@ def _train(
     cfg: TrainConfig,
     step: int,
     policy_version: int,
-    on_step: Callable[[TrainStep], None] | None,
+    on_step: Callable[[TrainStep], object] | None,
     should_stop: Callable[[], bool] | None,
     trained: TrainedSet,
 ) -> list[TrainStep]:
