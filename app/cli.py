@@ -297,7 +297,7 @@ def cmd_fleet(settings: Settings, args: argparse.Namespace, console: Console) ->
         url, args.api or sv.reload_api, timeout_s=sv.reload_timeout_s, retries=sv.retries, api_key=api_key
     )
     bootstrap, topic = _bootstrap(settings), settings.topic("deployments")
-    follower = FleetFollower(bootstrap, topic, engine)
+    follower = FleetFollower(bootstrap, topic, engine, model_name=sv.model)
     console.print(
         f"following {topic} on {bootstrap}: each promotion's export, hash-checked, loaded through {engine.endpoint}",
         highlight=False,

@@ -37,6 +37,15 @@ status is not ``rolled_back`` (a rollback arrives as ``rolled_back`` for the bad
 its parent, so the fleet re-points to the parent's export). Before each reload it checks the export's content
 hash against the announcement; a mismatch (a tampered, half-copied or replaced folder) is refused, nothing is
 loaded, and the server keeps serving what it served.
+
+**Per-org adapters** (issue 17): an announcement with an ``org`` is that org's LoRA adapter decision, its
+``export_path`` a PEFT folder (:func:`trainer.registry.export_adapter`). The follower keeps each org on its newest
+promoted adapter that was not rolled back and was validated on the base the server serves (``base_version``),
+hash-checked like a model export, loaded under :func:`adapter_model_name` through the runtime LoRA API
+(:meth:`ReloadClient.load_adapter`: vLLM's ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}``, needs
+``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``; SGLang's ``POST /load_lora_adapter``); the version
+it replaces is unloaded after. An org whose adapter is rolled back, or not validated on the new base, is served
+the base alone: its adapter is unloaded. Requests for an org name its adapter's model name.
 """
 
 from __future__ import annotations
@@ -231,6 +240,40 @@ class ReloadClient:
             return str(answer.get("message", ""))
         return text[:200]
 
+    def _lora(self, action: str, body: dict[str, Any]) -> tuple[int, str]:
+        where = f"{self.root}/v1/{action}" if self.api == "vllm" else f"{self.root}/{action}"
+        resp = send_json(
+            self._http,
+            "POST",
+            where,
+            body,
+            what=f"inference server at {where}",
+            tries=self.retries + 1,
+            timeout_s=self.timeout_s,
+            action=f" {action} {body.get('lora_name')}",
+        )
+        return resp.status, resp.data.decode("utf-8", "replace")
+
+    def load_adapter(self, name: str, path: str | Path) -> None:
+        """Serve the PEFT LoRA folder ``path`` as model ``name`` (runtime LoRA API, module docstring). Loading a
+        name the server already holds (a retried request that did land) is not an error."""
+        status, text = self._lora("load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        if status == 404 and "already" not in text:
+            raise ReloadError(
+                f"inference server at {self.root} has no runtime LoRA endpoint (404); fix: vLLM needs --enable-lora "
+                "and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
+            )
+        if status >= 400 and "already" not in text:
+            raise ReloadError(f"inference server at {self.root} refused adapter {name} ({status}): {_detail(text)}")
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name`` (a name the server does not hold: nothing to do)."""
+        status, text = self._lora("unload_lora_adapter", {"lora_name": name})
+        if status >= 400 and status != 404:
+            raise ReloadError(
+                f"inference server at {self.root} did not unload adapter {name} ({status}): {_detail(text)}"
+            )
+
     def close(self) -> None:
         self._http.clear()
 
@@ -249,6 +292,12 @@ def _detail(text: str) -> str:
 
 
 # --------------------------------------------------------------------------- following rtrl.deployments
+
+
+def adapter_model_name(model: str, org: str, version: int) -> str:
+    """The model name under which a server serves ``org``'s adapter version ``version`` over base model ``model``
+    (a request for the org names it): versioned, so the new version loads before the old one leaves."""
+    return f"{model}-{org}-a{version}"
 
 
 @dataclass(frozen=True)
@@ -280,6 +329,7 @@ class FleetFollower:
         served: Served | None = None,
         path_map: Callable[[str], str] | None = None,
         retry_s: float = 30.0,
+        model_name: str = "rtrl-policy",
     ):
         self.engine, self.topic, self.served = engine, topic, served
         self.path_map = path_map or (lambda p: p)
@@ -289,6 +339,10 @@ class FleetFollower:
         self.promotions: list[Checkpoint] = []  # promoted announcements, in order
         self.refused: dict[tuple[int, str, str], str] = {}  # target -> why it was not loaded
         self._failed_at: dict[tuple[int, str, str], float] = {}
+        self.model_name = model_name  # the base model's served name: adapters are named after it
+        self.adapter_status: dict[tuple[str, int], str] = {}  # (org, adapter version) -> its latest status
+        self.adapter_promotions: dict[str, list[Checkpoint]] = {}  # per org, its promoted announcements in order
+        self.adapters: dict[str, tuple[int, str]] = {}  # per org: (adapter version, model name) loaded
         self.consumer = Consumer(
             base_config(bootstrap) | {"group.id": f"rtrl-fleet-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False}
         )
@@ -317,7 +371,10 @@ class FleetFollower:
                 log.warning("fleet: skipped an undecodable announcement at offset %s: %s", msg.offset(), e)
                 continue
             n += 1
-            if ck.org:  # an org's adapter decision: the shared policy's versions are what this follower loads
+            if ck.org:  # an org's adapter decision: followed apart (_follow_adapters)
+                self.adapter_status[(ck.org, ck.version)] = ck.status
+                if ck.status == "promoted":
+                    self.adapter_promotions.setdefault(ck.org, []).append(ck)
                 continue
             self.latest[ck.version] = ck.status
             if ck.status == "promoted":
@@ -325,9 +382,17 @@ class FleetFollower:
         return n
 
     def poll(self, timeout_s: float = 1.0) -> Served | None:
-        """Read new announcements (up to ``timeout_s``) and load the target if it is not what is served.
-        Returns what is served."""
+        """Read new announcements (up to ``timeout_s``), load the target if it is not what is served, then each
+        org's adapter (:meth:`follow_adapters`). Returns what is served."""
         self._read(timeout_s)
+        self._follow_base()
+        try:
+            self.follow_adapters()
+        except (ReloadError, ServiceUnavailable) as e:  # an unload that failed: tried again at the next poll
+            log.error("fleet: %s", e)
+        return self.served
+
+    def _follow_base(self) -> Served | None:
         ck = self.target()
         if ck is None:
             return self.served
@@ -360,6 +425,48 @@ class FleetFollower:
         self.served = Served(ck.version, ck.export_path, ck.export_sha256)
         log.info("fleet: serving v%s from %s (sha256 %s)", ck.version, path, ck.export_sha256[:12])
         return self.served
+
+    def adapter_target(self, org: str) -> Checkpoint | None:
+        """``org``'s adapter to serve: its newest promotion not rolled back since, if validated on the served base."""
+        for ck in reversed(self.adapter_promotions.get(org, [])):
+            if self.adapter_status.get((org, ck.version)) == "promoted":
+                ok = self.served is not None and ck.base_version == self.served.version
+                return ck if ok else None
+        return None
+
+    def follow_adapters(self) -> dict[str, tuple[int, str]]:
+        """Load each org's target adapter (hash-checked), unload what it replaces or what no longer serves; returns
+        the adapters served per org."""
+        for org in sorted(set(self.adapter_promotions) | set(self.adapters)):
+            ck, have = self.adapter_target(org), self.adapters.get(org)
+            if ck is None:
+                if have is not None:
+                    self.engine.unload_adapter(have[1])
+                    del self.adapters[org]
+                continue
+            if have is not None and have[0] == ck.version:
+                continue
+            key = (ck.version, f"{org}:{ck.export_path}", ck.export_sha256)
+            if key in self.refused and time.monotonic() - self._failed_at.get(key, float("inf")) < self.retry_s:
+                continue
+            if not ck.export_path or not ck.export_sha256:
+                self._refuse(key, f"fleet: {org} adapter a{ck.version} has no PEFT export: the base serves {org}")
+                continue
+            path = self.path_map(ck.export_path)
+            name = adapter_model_name(self.model_name, org, ck.version)
+            try:
+                verify_export(path, ck.export_sha256)
+                self.engine.load_adapter(name, path)
+            except (ExportMismatch, ReloadError, ServiceUnavailable) as e:
+                self._refuse(key, f"fleet: {org} adapter a{ck.version} not loaded: {e}")
+                self._failed_at[key] = time.monotonic()
+                continue
+            self.refused.pop(key, None)
+            self.adapters[org] = (ck.version, name)
+            if have is not None:
+                self.engine.unload_adapter(have[1])
+            log.info("fleet: %s served by adapter a%s (%s) from %s", org, ck.version, name, path)
+        return dict(self.adapters)
 
     def _refuse(self, key: tuple[int, str, str], line: str) -> None:
         if key not in self.refused:

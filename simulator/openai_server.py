@@ -34,7 +34,8 @@ loopback by default, a free port by default) and serves one or more named models
                           recently used one is unloaded. 200 with vLLM's text ``Success: LoRA adapter '...' added
                           successfully.``; 400 for a name already loaded or a folder that does not load.
 ``POST /v1/unload_lora_adapter``  ``lora_name``: 200 ``Success: LoRA adapter '...' removed successfully.``, 404
-                          for a name not loaded.
+                          for a name not loaded. Both also answer at SGLang's paths (``/load_lora_adapter``,
+                          ``/unload_lora_adapter``).
 ``GET /get_model_info``   SGLang's: ``model_path`` (the last export loaded, else the model's source) and
                           ``weight_version`` of the first model, ``is_generation``.
 
@@ -702,6 +703,8 @@ class _Handler(BaseHTTPRequestHandler):
             "/update_weights_from_disk": self.api.update_weights_from_disk,
             "/v1/load_lora_adapter": self.api.load_lora_adapter,
             "/v1/unload_lora_adapter": self.api.unload_lora_adapter,
+            "/load_lora_adapter": self.api.load_lora_adapter,  # SGLang's paths of the same API
+            "/unload_lora_adapter": self.api.unload_lora_adapter,
         }
         if path not in routes:
             return self._error(ApiError(HTTPStatus.NOT_FOUND, f"no route {self.path}"))

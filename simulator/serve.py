@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from confluent_kafka import Consumer, Producer, TopicPartition
 
+from client.fleet import adapter_model_name
 from client.rollouts import CompletionsClient, RolloutCollector
 from client.sdk import RtrlClient
 from rtrl.kafka import base_config, produce, producer_config
@@ -244,7 +245,7 @@ class PolicyServer:
                         "org %s adapter v%d has no PEFT export for %s: the base serves it", org, ck.version, self.url
                     )
                     continue
-                name = f"{self.model_name}-{org}-a{ck.version}"
+                name = adapter_model_name(self.model_name, org, ck.version)
                 client.load_lora_adapter(name, path)
                 self.adapters[org] = (ck.version, name)
                 if have is not None:

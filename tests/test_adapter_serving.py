@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -225,9 +226,8 @@ def test_policy_server_answers_each_org_with_its_promoted_adapter(broker, topic_
                 if server.version == 1:
                     break
             assert server.version == 1 and server.adapters == {}
-            before = len(first)
             server.serve(6, group_size=2)
-            later = rollouts()[before:]
+            later = [r for r in rollouts() if r.policy_version == 1]  # (a topic of several partitions: no order)
             assert later and not any(served_by_adapter(r) for r in later)
         finally:
             server.close()
@@ -243,3 +243,108 @@ def _seq_logprobs(model, seq: list[int]) -> torch.Tensor:
         logits = model(tokens, pos, causal_mask(len(seq), tokens.device))[0].float()
     lp = torch.log_softmax(logits[:-1], -1)
     return torch.stack([lp[i, seq[i + 1]] for i in range(len(seq) - 3, len(seq) - 1)])
+
+
+@pytest.mark.slow  # a broker, ClickHouse, transformers + peft, a completions server
+def test_a_promoted_adapter_is_exported_in_peft_format_and_the_fleet_serves_it(
+    tmp_path, broker, topic_prefix, ch_client, ch_db
+):
+    """An adapter promotion of a Hugging Face model goes through the registry (``export_adapter``: a PEFT folder with
+    a content hash this test recomputes, which ``peft`` loads onto the transformers model to give the Megatron
+    model's logits with that adapter), is announced with org and base version, and ``FleetFollower`` loads it into
+    the project's completions server through the runtime LoRA API (hash-checked): a request naming the adapter's
+    model gets the adapter's log-probs. A per-org rollback unloads it; a base promotion it was not validated on
+    unloads it too; a tampered export is refused."""
+    import peft
+    import transformers
+    from confluent_kafka import Producer
+
+    from app.loop import announce
+    from client.fleet import FleetFollower, ReloadClient, adapter_model_name, content_sha256
+    from rtrl.kafka import producer_config
+    from tests.test_registry import TOKENS, _ck, _hf_folder, _settings
+    from trainer.hf import config_from_hf, load_hf
+    from trainer.registry import export_adapter, export_checkpoint
+
+    source = _hf_folder(tmp_path / "qwen2")
+    cfg = config_from_hf(source)
+    init_parallel(cfg)
+    settings = _settings(
+        tmp_path,
+        RTRL_KAFKA__BOOTSTRAP=broker.bootstrap,
+        RTRL_KAFKA__TOPIC_PREFIX=topic_prefix,
+        RTRL_CLICKHOUSE__DATABASE=ch_db,
+    )
+    producer = Producer(producer_config(broker.bootstrap))
+    trainer_model = build_model(cfg)
+    load_hf(trainer_model, cfg, source)
+    v0 = export_checkpoint(settings, trainer_model, cfg, _ck(0, None))
+    announce(settings, ch_client, producer, v0)
+    lora.add_adapter(trainer_model, "org-1", lora.LoraConfig(rank=4, alpha=8.0), seed=3)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in lora.adapter_parameters(trainer_model, "org-1"):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    ad = export_adapter(
+        settings, trainer_model, cfg, "org-1", msgspec_replace(_ck(1, None), org="org-1", base_version=0)
+    )
+    assert ad.export_path.endswith("adapters/org-1/a1") and ad.export_sha256 == content_sha256(ad.export_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        want = peft.PeftModel.from_pretrained(hf, ad.export_path)(input_ids=torch.tensor([TOKENS])).logits[0]
+    with torch.no_grad(), lora.activate(trainer_model, "org-1"):
+        trainer_model.eval()
+        got = trainer_model(torch.tensor([TOKENS]), torch.arange(len(TOKENS))[None], causal_mask(len(TOKENS)))[0]
+    torch.testing.assert_close(got[:, : want.shape[-1]].float(), want, atol=1e-4, rtol=1e-4)
+    announce(settings, ch_client, producer, ad)
+
+    server_model = build_model(cfg)
+    load_hf(server_model, cfg, source)
+    with CompletionServer({"policy": server_model}, configs={"policy": cfg}) as server:
+        follower = FleetFollower(
+            broker.bootstrap, settings.topic("deployments"), ReloadClient(server.url), model_name="policy", retry_s=0
+        )
+        name = adapter_model_name("policy", "org-1", 1)
+        for _ in range(20):
+            follower.poll(timeout_s=0.3)
+            if follower.adapters:
+                break
+        assert follower.served is not None and follower.served.version == 0
+        assert follower.adapters == {"org-1": (1, name)} and list(server.loras) == [name]
+        http = urllib3.PoolManager()
+        body = {"model": name, "prompt": TOKENS, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
+        resp = http.request("POST", f"{server.url}/completions", body=json.dumps(body).encode(), timeout=30)
+        assert resp.status == 200, resp.data
+        plp = json.loads(resp.data)["choices"][0]["prompt_logprobs"]
+        served = torch.tensor([plp[i][str(TOKENS[i])]["logprob"] for i in range(1, len(TOKENS))])
+        lp = torch.log_softmax(want[:-1], -1).gather(-1, torch.tensor(TOKENS[1:])[:, None])[:, 0]
+        torch.testing.assert_close(served, lp, atol=1e-4, rtol=1e-4)
+        # a per-org rollback: the org goes back to the base alone
+        announce(settings, ch_client, producer, msgspec_replace(ad, status="rolled_back", created_at=ad.created_at + 1))
+        for _ in range(20):
+            follower.poll(timeout_s=0.3)
+            if not follower.adapters:
+                break
+        assert follower.adapters == {} and list(server.loras) == []
+        # the base moves on to v1: an adapter validated on v0 (a2) is not loaded over it
+        announce(settings, ch_client, producer, export_checkpoint(settings, trainer_model, cfg, _ck(1, 0)))
+        announce(settings, ch_client, producer, msgspec_replace(ad, version=2, created_at=ad.created_at + 2))
+        for _ in range(20):
+            follower.poll(timeout_s=0.3)
+            if follower.served.version == 1:
+                break
+        assert follower.served.version == 1 and follower.adapters == {} and list(server.loras) == []
+        # validated on v1 (a3) but its export tampered with: refused by hash, nothing loaded
+        a3 = msgspec_replace(ad, version=3, base_version=1, created_at=ad.created_at + 3)
+        (Path(a3.export_path) / "adapter_config.json").write_text("{}")
+        announce(settings, ch_client, producer, a3)
+        for _ in range(5):
+            follower.poll(timeout_s=0.3)
+        assert follower.adapters == {} and any("org-1 adapter a3 not loaded" in v for v in follower.refused.values())
+        follower.close()
+
+
+def msgspec_replace(ck, **changes):
+    import msgspec
+
+    return msgspec.structs.replace(ck, **changes)
