@@ -63,7 +63,8 @@ def _free_port() -> str:
 @pytest.fixture(scope="module")
 def run_root(tmp_path_factory) -> Path:
     """A folder holding a finished small main job in ``.rtrl`` (the default data folder when run from it):
-    A/B mode, rewards v2 and v1-discard-broken, and the JUNK events produced once the job had started."""
+    A/B mode, rewards v2 and v1-discard-broken, per-org adapters, and the JUNK events produced once the job had
+    started."""
     from confluent_kafka import Producer
 
     from rtrl.kafka import producer_config
@@ -75,6 +76,9 @@ def run_root(tmp_path_factory) -> Path:
         RTRL_LOOP__AB_TRAJECTORIES="60",
         RTRL_LOOP__SOLVE_TOLERANCE="1.0",
         RTRL_REWARDS__VERSIONS="v2,v1-discard-broken",
+        RTRL_LOOP__SPECIALISED_ORGS="2",  # with per-org adapters for two orgs (issue 17)
+        RTRL_ADAPTERS__ORGS="org-1,org-2",
+        RTRL_ADAPTERS__MIN_SAMPLES="16",
     )
     proc = subprocess.Popen(
         [sys.executable, "-m", "app.cli", "run"],

@@ -576,6 +576,30 @@ def test_analyst_queries_run_and_say_what_they_answer(ch_client, ch_db):
     insert(ch_client, ch_db, "trajectories", v1 + v2 + final_ab)
     insert(ch_client, ch_db, "reward_versions", [v.record(T0) for v in BUILTIN.values()])
     insert(ch_client, ch_db, "train_metrics", [train_step("loop-0-v2", s, 0.01, 0.5) for s in (1, 2)])
+    adapter_step = msgspec.structs.replace(train_step("loop-0-org-1-a1", 1, 0.01, 0.5), adapter="org-1")
+    insert(ch_client, ch_db, "train_metrics", [adapter_step])
+    insert(
+        ch_client,
+        ch_db,
+        "adapter_checkpoints",
+        [
+            Checkpoint(
+                version=1,
+                parent=None,
+                created_at=T0,
+                steps=1,
+                samples=8,
+                tokens=64,
+                eval_results={"solve_rate": 0.6, "base_solve_rate": 0.4, "guard_solve_rate": 0.5},
+                status="promoted",
+                reason="test",
+                kafka_offsets={},
+                path="/a/org-1/1",
+                org="org-1",
+                base_version=2,
+            )
+        ],
+    )
     insert(
         ch_client,
         ch_db,
