@@ -2,8 +2,9 @@
 process-mode loop and the embedded ClickHouse front, one part twice within 2 s. The supervisor restarts
 each (the front on the same port and token files); the loop finishes its cycles and keeps every data
 invariant: rewards equal an offline recomputation, no micro-batch or sample trained twice, every trained
-sample has its reward, the deployments topic agrees with the checkpoints table, and no process of the
-run is left alive afterwards - not even the helpers a killed part had forked."""
+sample has its reward, the deployments topic agrees with the checkpoints table (and with adapter_checkpoints for
+the per-org adapters the loop trains too, each on its own org's samples only), and no process of the run is left
+alive afterwards - not even the helpers a killed part had forked."""
 
 from __future__ import annotations
 
@@ -69,6 +70,10 @@ def test_seeded_kill_schedule_keeps_every_invariant(tmp_path):
             "RTRL_LOOP__CHECKPOINT_EVERY": "2",
             "RTRL_LOOP__MAX_RESTARTS": "6",
             "RTRL_LOOP__RESTART_WINDOW_S": "60",
+            # per-org adapters (issue 17): their stream, training, gate and state go through the kills too
+            "RTRL_LOOP__SPECIALISED_ORGS": "2",
+            "RTRL_ADAPTERS__ORGS": "org-1,org-2",
+            "RTRL_ADAPTERS__MIN_SAMPLES": "64",
         }
     )
     rng = random.Random(SEED)
@@ -134,12 +139,30 @@ def test_seeded_kill_schedule_keeps_every_invariant(tmp_path):
             ).result_rows
         )
         assert sorted(decided) == list(range(CYCLES + 1)), decided
-        announced: dict[int, tuple[int, str]] = {}
+        announced: dict[tuple[str, int], tuple[int, str]] = {}
         for m in read_topic(sup.bootstrap, settings.topic("deployments"), timeout_s=60):
             ck = json.loads(m.value())
-            if ck["created_at"] >= announced.get(ck["version"], (-1, ""))[0]:
-                announced[ck["version"]] = (ck["created_at"], ck["status"])
-        assert {v: s for v, (_, s) in announced.items()} == decided
+            key = (ck.get("org", ""), ck["version"])
+            if ck["created_at"] >= announced.get(key, (-1, ""))[0]:
+                announced[key] = (ck["created_at"], ck["status"])
+        assert {v: s for (org, v), (_, s) in announced.items() if not org} == decided
+        # each org's adapter decisions: announced as the adapter_checkpoints table holds them
+        adapters = {
+            (org, v): status
+            for org, v, status in ch.query(
+                f"SELECT org, version, argMax(status, created_at) FROM {db}.adapter_checkpoints FINAL "
+                "GROUP BY org, version"
+            ).result_rows
+        }
+        assert adapters and {k: s for k, (_, s) in announced.items() if k[0]} == adapters
+        assert {org for org, _ in adapters} == {"org-1", "org-2"}
+        # an org's adapter trained on that org's samples only
+        wrong = ch.query(
+            f"SELECT count() FROM (SELECT adapter, s FROM {db}.train_metrics FINAL ARRAY JOIN sample_ids AS s "
+            f"WHERE adapter != '') AS t JOIN {db}.trajectories FINAL AS j ON t.s = j.trajectory_id "
+            "WHERE j.org_id != t.adapter"
+        ).result_rows[0][0]
+        assert wrong == 0
 
         # rewards: exactly what the reward logic computes over every event in Kafka (newest revision kept)
         expected = _reference_rewards(loop_settings(settings), sup.bootstrap)

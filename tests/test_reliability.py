@@ -41,12 +41,13 @@ def _reference_rewards(settings, bootstrap: str) -> dict[tuple, tuple]:
 
 
 def trained_counts(ch, db: str) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(rows, distinct) of the trained micro-batch ids and of the trained sample ids in train_metrics:
-    equal counts mean nothing was trained twice."""
+    """(rows, distinct) of the trained micro-batch ids and of the trained sample ids in train_metrics, per
+    trained stream (the shared policy, each org's adapter: a sample may train one of each): equal counts mean
+    nothing was trained twice."""
     out = []
     for column in ("batch_ids", "sample_ids"):
         n, distinct = ch.query(
-            f"SELECT count(), uniqExact(x) FROM {db}.train_metrics FINAL ARRAY JOIN {column} AS x"
+            f"SELECT count(), uniqExact(adapter, x) FROM {db}.train_metrics FINAL ARRAY JOIN {column} AS x"
         ).result_rows[0]
         out.append((n, distinct))
     return out[0], out[1]
