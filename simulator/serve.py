@@ -86,6 +86,7 @@ class PolicyServer:
         model_config=None,
         users_per_org: int = 200,
         conventions: Conventions | None = None,
+        max_adapters: int = 64,
     ):
         self.client, self.model, self.orgs, self.hard_share = client, model, orgs, hard_share
         self.conventions: Conventions = dict(conventions or {})  # orgs with a convention of their own
@@ -99,7 +100,7 @@ class PolicyServer:
             models = {model_name: model} | ({candidate_name: candidate_model} if candidate_model is not None else {})
             # with the ModelConfig of a Hugging Face model, its server reloads exports (/update_weights_from_disk)
             configs = {name: model_config for name in models} if model_config is not None else None
-            self.api = CompletionServer(models, seed=seed, configs=configs).start()
+            self.api = CompletionServer(models, seed=seed, configs=configs, max_loras=max_adapters).start()
             url = self.api.url
         self.url = url
         self.collector = RolloutCollector(
