@@ -526,28 +526,35 @@ def plot(s: Serving | None, tr: Training | None, args: argparse.Namespace, path:
     if s:
         conditions = [0] + args.loaded
         ax = next(ax_iter)
-        stats = [median_interval([r.tokens_per_s for r in s.rounds if r.loaded == k]) for k in conditions]
         xs = list(range(len(conditions)))
-        ax.errorbar(
-            xs,
-            [x[0] for x in stats],
-            yerr=[[x[0] - x[1] for x in stats], [x[2] - x[0] for x in stats]],
-            marker="o",
-            capsize=4,
-        )
-        for r in range(args.rounds):
-            ax.scatter(
-                xs,
-                [next(x.tokens_per_s for x in s.rounds if x.loaded == k and x.round == r) for k in conditions],
-                s=8,
-                color="grey",
-                alpha=0.5,
+        for attr, label, shift in (
+            ("tokens_per_s", "per wall second", -0.06),
+            ("tokens_per_cpu_s", "per CPU second", 0.06),
+        ):
+            stats = [median_interval([getattr(r, attr) for r in s.rounds if r.loaded == k]) for k in conditions]
+            at = [x + shift for x in xs]
+            line = ax.errorbar(
+                at,
+                [x[0] for x in stats],
+                yerr=[[x[0] - x[1] for x in stats], [x[2] - x[0] for x in stats]],
+                marker="o",
+                capsize=4,
+                label=label,
             )
+            for r in range(args.rounds):
+                ax.scatter(
+                    at,
+                    [next(getattr(x, attr) for x in s.rounds if x.loaded == k and x.round == r) for k in conditions],
+                    s=8,
+                    color=line.lines[0].get_color(),
+                    alpha=0.35,
+                )
         ax.set_xticks(xs, ["base\nalone"] + [str(k) for k in args.loaded])
         ax.set_xlabel("adapters loaded (requests: one of them, uniformly)")
-        ax.set_ylabel("completion tokens/s")
+        ax.set_ylabel("completion tokens")
         ax.set_ylim(bottom=0)
         ax.set_title("Serving throughput (median, interval; dots: rounds)", fontsize=10)
+        ax.legend(fontsize=8, loc="lower left")
         ax.grid(alpha=0.3)
         ax = next(ax_iter)
         base_mb = [s.memory[k].base_bytes / MB for k in conditions]
@@ -565,17 +572,22 @@ def plot(s: Serving | None, tr: Training | None, args: argparse.Namespace, path:
     if tr:
         ax = next(ax_iter)
         modes = ("full", "adapter")
-        stats = [median_interval([r.processed_per_s for r in tr.rounds if r.mode == m]) for m in modes]
-        ax.bar(
-            [0, 1],
-            [x[0] for x in stats],
-            yerr=[[x[0] - x[1] for x in stats], [x[2] - x[0] for x in stats]],
-            capsize=6,
-            color=["tab:blue", "tab:orange"],
-        )
+        width = 0.38
+        for shift, attr, label in ((-width / 2, "processed_per_s", "per wall second"),
+                                   (width / 2, "processed_per_cpu_s", "per CPU second")):  # fmt: skip
+            stats = [median_interval([getattr(r, attr) for r in tr.rounds if r.mode == m]) for m in modes]
+            ax.bar(
+                [0 + shift, 1 + shift],
+                [x[0] for x in stats],
+                width,
+                yerr=[[x[0] - x[1] for x in stats], [x[2] - x[0] for x in stats]],
+                capsize=5,
+                label=label,
+            )
         ax.set_xticks([0, 1], ["full training", f"one adapter\n(rank {args.rank}, base frozen)"])
-        ax.set_ylabel("processed tokens/s")
+        ax.set_ylabel("processed tokens")
         ax.set_title("Training throughput (median, interval over rounds)", fontsize=10)
+        ax.legend(fontsize=8, loc="lower left")
         ax.grid(alpha=0.3, axis="y")
     fig.suptitle(
         f"Per-org LoRA adapters on a {args.hidden}-hidden, {args.layers}-layer Llama-like model, CPU "
