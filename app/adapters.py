@@ -72,6 +72,17 @@ class AdapterDecision:
     steps: int = 0
 
 
+def describe(a: AdapterDecision, markup: bool = False) -> str:
+    """One line for a decision (the reason only when it was not promoted), with rich colour markup or without."""
+    what = "re-validated" if a.revalidation else f"trained {a.steps} steps"
+    status = a.status
+    if markup:
+        status = f"[{'green' if a.status == 'promoted' else 'red'}]{a.status}[/]"
+    return f"  {a.org} adapter a{a.version} on v{a.base_version} ({what}): {status}" + (
+        "" if a.status == "promoted" else f": {a.reason}"
+    )
+
+
 @dataclass
 class _OrgState:
     trained: TrainedSet = field(default_factory=TrainedSet)

@@ -52,7 +52,7 @@ from bytewax.testing import run_main
 from confluent_kafka import Producer
 from rich.console import Console
 
-from app.adapters import AdapterDecision, OrgAdapters
+from app.adapters import AdapterDecision, OrgAdapters, describe
 from client.sdk import RtrlClient
 from evalgate import EvalSuite, GateRules, run_gate
 from flows.batch_flow import build_flow as batch_flow
@@ -1000,13 +1000,7 @@ def _run_in_process(settings: Settings, services: Services, console: Console, re
                     f"({r.seconds['train']:.0f}s): {r.reason}"
                 )
                 for a in r.adapters:
-                    colour = "green" if a.status == "promoted" else "red"
-                    what = "re-validated" if a.revalidation else f"trained {a.steps} steps"
-                    bar.console.print(
-                        f"  {a.org} adapter a{a.version} on v{a.base_version} ({what}): [{colour}]{a.status}[/]"
-                        + ("" if a.status == "promoted" else f": {a.reason}"),
-                        highlight=False,
-                    )
+                    bar.console.print(describe(a, markup=True), highlight=False)
                 bar.update(
                     task,
                     advance=1,

@@ -188,6 +188,7 @@ def train(settings: Settings, bootstrap: str) -> None:
     stop = _stop_on_term()  # before the slow imports and the warm start: a signal then is a clean stop too
     import torch
 
+    from app.adapters import describe
     from app.loop import Loop, Stopped
 
     torch.set_num_threads(1)
@@ -206,6 +207,8 @@ def train(settings: Settings, bootstrap: str) -> None:
                 f"({r.seconds['train']:.0f}s): {r.reason}",
                 flush=True,
             )
+            for a in r.adapters:
+                print(describe(a), flush=True)
     except Stopped as e:
         print(f"{e}: the step checkpoint holds what was trained; a restart resumes there", flush=True)
     finally:
