@@ -159,8 +159,8 @@ def test_seeded_kill_schedule_keeps_every_invariant(tmp_path):
         # an org's adapter trained on that org's samples only
         wrong = ch.query(
             f"SELECT count() FROM (SELECT adapter, s FROM {db}.train_metrics FINAL ARRAY JOIN sample_ids AS s "
-            f"WHERE adapter != '') AS t JOIN {db}.trajectories FINAL AS j ON t.s = j.trajectory_id "
-            "WHERE j.org_id != t.adapter"
+            f"WHERE adapter != '') AS t JOIN (SELECT trajectory_id, org_id FROM {db}.trajectories FINAL) AS j "
+            "ON t.s = j.trajectory_id WHERE j.org_id != t.adapter"
         ).result_rows[0][0]
         assert wrong == 0
 
