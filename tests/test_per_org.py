@@ -606,8 +606,8 @@ def test_the_main_job_trains_gates_and_serves_each_orgs_adapter_and_rolls_one_ba
     env = {
         "RTRL_DATA_DIR": str(tmp_path),
         "RTRL_LOOP__CYCLES": "2",
-        "RTRL_LOOP__SAMPLES_PER_CYCLE": "512",
-        "RTRL_LOOP__EVAL_TASKS": "50",
+        "RTRL_LOOP__SAMPLES_PER_CYCLE": "256",
+        "RTRL_LOOP__EVAL_TASKS": "30",
         "RTRL_LOOP__WARM_START_STEPS": "100",
         "RTRL_LOOP__RATE": "40",
         "RTRL_LOOP__FINAL_AB_TRAJECTORIES": "0",
