@@ -3,14 +3,15 @@
 An experiment (:mod:`app.long_loop`, :mod:`app.per_org`) runs cycles of the loop without Kafka, ClickHouse or
 Bytewax, so that its arms see identical, seeded input. Each cycle uses the same pieces, here:
 
-* :meth:`EventTimeFlows.serve`: the served completions become rollouts, and the simulated users' events are
+* :meth:`InProcessLoop.serve`: the served completions become rollouts, and the simulated users' events are
   recorded through the SDK's trajectory handle (:class:`client.sdk.Trajectory` over a :class:`Recorder`), each
   user's reaction by the experiment's own ``react`` (short tasks, background tasks ...);
-* :meth:`EventTimeFlows.deliver`: the rollouts and every event due by the cycle's end, in event-time order,
+* :meth:`InProcessLoop.deliver`: the rollouts and every event due by the cycle's end, in event-time order,
   through the reward flow's processor (:class:`flows.processor.RewardProcessor`) and the batch flow's builders
   (:class:`flows.batching.BatchBuilder`, one per cohort, configured by :func:`flows.batch_flow.batch_config`);
   events due later (a verdict hours on) wait for their cycle;
-* :func:`train_steps`: the cycle's micro-batches through the Arrow wire format (:func:`schemas.codec.encode_batch`,
+* :meth:`InProcessLoop.train` (the shared policy's stream) and :func:`train_steps` (any stream, an adapter's):
+  the cycle's micro-batches through the Arrow wire format (:func:`schemas.codec.encode_batch`,
   :func:`trainer.batch.to_batch`) to the trainer (:func:`trainer.train.train`, configured by
   :meth:`trainer.train.TrainConfig.from_settings`), in whole steps; a remainder waits for the next cycle.
 
@@ -21,8 +22,11 @@ The flows' handling of the same records against the real broker and engine is te
 from __future__ import annotations
 
 import heapq
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from client.hashing import hash_user
 from client.sdk import Trajectory
@@ -58,16 +62,23 @@ class Recorder:
         return True
 
 
-class EventTimeFlows:
-    """The reward flow's processor and the batch flow's per-cohort builders, fed in event-time order.
+class InProcessLoop:
+    """One arm's loop state: the reward flow's processor and the batch flow's per-cohort builders, fed in
+    event-time order, the seeded streams of the traffic (``serve_rng``: tasks, ``world_rng``: users,
+    ``gen``: sampling), and the shared policy's training state (its trained set, its remainder, the version).
 
-    ``serve`` adds a cycle's rollouts and records their users' events; ``deliver`` hands them, and every event
-    due by the cycle's end, to the processor and the builders, and returns the micro-batches made;
-    ``set_serving_version`` tells the builders which version serves now (what a sample's policy lag counts
-    from)."""
+    ``window`` is a cycle's event time; ``serve`` adds a cycle's rollouts and records their users' events;
+    ``deliver`` hands them, and every event due by the cycle's end, to the processor and the builders, and
+    returns the micro-batches made; ``train`` trains the shared policy on whole steps of them; ``promote`` makes
+    the next version the serving one (what the builders count a sample's policy lag from)."""
 
-    def __init__(self, settings: Settings, name: str):
-        self.settings = settings
+    def __init__(self, settings: Settings, name: str, seed: int, group_size: int, rate: float, cycle_minutes: int):
+        self.settings, self.name = settings, name
+        self.group_size, self.rate, self.cycle_minutes = group_size, rate, cycle_minutes
+        self.serve_rng, self.world_rng = random.Random(f"serve-{seed}"), random.Random(f"world-{seed}")
+        self.gen = torch.Generator().manual_seed(seed)
+        self.trained = TrainedSet()
+        self.leftover: list[MicroBatch] = []
         self.processor = RewardProcessor(
             name, window_config(settings), [settings.rewards.train_version], verdict_kinds=verdict_kinds(settings)
         )
@@ -89,21 +100,25 @@ class EventTimeFlows:
             self.cohort_org[key] = org
         return self.builders[key]
 
+    def window(self, cycle: int) -> tuple[int, int]:
+        """Cycle ``cycle``'s event time: (start, end) in ms."""
+        start = T0 + (cycle - 1) * self.cycle_minutes * MINUTE
+        return start, start + self.cycle_minutes * MINUTE
+
     def serve(
         self,
         cycle: int,
         tasks: Sequence[Task],
         completions: Sequence[list[int]],
         logps: Sequence[list[float]],
-        group_size: int,
-        start: int,
-        gap: int,
-        user_of: Callable[[Task], str],
         react: React,
     ) -> None:
         """Rollouts of ``tasks`` (``group_size`` consecutive samples of one prompt each) served by the current
-        version, one every ``gap`` ms from ``start``; each sample's user (``user_of(task)``, drawn in sample
-        order) reacts through ``react``, its events waiting in event-time order for :meth:`deliver`."""
+        version in a burst at the cycle's start, at ``rate`` prompts a second; each sample's user (one of 50 of
+        its org, drawn from ``world_rng`` in sample order) reacts through ``react``, its events waiting in
+        event-time order for :meth:`deliver`."""
+        group_size, (start, _) = self.group_size, self.window(cycle)
+        gap = max(1, round(1000 / (self.rate * group_size)))
         rec = Recorder()
         for i, (task, comp, lp) in enumerate(zip(tasks, completions, logps)):
             t = start + i * gap
@@ -123,7 +138,7 @@ class EventTimeFlows:
             )
             self.timeline.append((t, self.order, ro))
             self.order += 1
-            user = user_of(task)
+            user = f"{task.org_id}-u{self.world_rng.randrange(50)}"
             user_hash = hash_user(user, self.settings.sdk.salt)
             rec.record(
                 TrajectoryStarted(
@@ -172,11 +187,21 @@ class EventTimeFlows:
             batches += [(org, b) for b in builder.flush_ready()]
         return batches, verdicts
 
-    def set_serving_version(self, version: int) -> None:
-        """A new version serves (promoted): the builders count policy lags from it."""
-        self.version = version
+    def train(self, model: object, reference: object, batches: list[MicroBatch], run_id: str) -> list[TrainStep]:
+        """The shared policy's whole steps on this cycle's ``batches`` (and the last remainder), at the serving
+        version (:func:`train_steps`)."""
+        steps, self.leftover = train_steps(
+            model, reference, self.settings, batches, self.leftover, run_id, self.version, self.trained
+        )
+        return steps
+
+    def promote(self) -> int:
+        """The trained policy is the next version and serves (no gate): the builders count policy lags from it.
+        Returns the new version."""
+        self.version += 1
         for b in self.builders.values():
-            b.set_serving_version(version)
+            b.set_serving_version(self.version)
+        return self.version
 
     @property
     def dropped(self) -> int:

@@ -40,15 +40,13 @@ from dataclasses import dataclass
 
 import torch
 
-from app.inprocess import MINUTE, T0, EventTimeFlows, train_steps
+from app.inprocess import MINUTE, InProcessLoop
 from app.loop import loop_model_config, loop_settings
 from client.sdk import Trajectory
 from rtrl.settings import Settings, as_env, load_settings
-from schemas.records import MicroBatch
 from simulator.policy import greedy, sample, solve_probability, warm_start
 from simulator.tasks import BACKGROUND, KINDS, Outcome, Task, held_out, outcome, sample_task, score
 from simulator.world import LONG_WORLD, LongWorld, react, react_background
-from trainer.dedup import TrainedSet
 from trainer.model import build_model, init_parallel
 
 #: the arms: name -> (train.max_delayed_lag, loss.delayed_correction)
@@ -146,56 +144,35 @@ def run_arm(
     short_eval = held_out(exp.eval_tasks, seed=7 + exp.seed)
     long_eval = held_out(exp.eval_tasks, seed=7 + exp.seed, kinds=(BACKGROUND,))
 
-    flows = EventTimeFlows(s, "long-loop")
-    trained, version = TrainedSet(), 0
-    serve_rng, world_rng = random.Random(f"serve-{exp.seed}"), random.Random(f"world-{exp.seed}")
-    gen = torch.Generator().manual_seed(exp.seed)
-    leftover: list[MicroBatch] = []
+    loop = InProcessLoop(s, "long-loop", exp.seed, exp.group_size, exp.rate, exp.cycle_minutes)
     rows: list[CycleRow] = []
     orgs = [f"org-{i}" for i in range(exp.orgs)]
 
     def react_one(traj: Trajectory, task: Task, out: Outcome, t: int, user: str) -> None:
         if task.kind == BACKGROUND:
             delay = exp.verdict_cycles * exp.cycle_minutes * MINUTE
-            react_background(traj, task, out, world_rng, t, delay, world=exp.world)
+            react_background(traj, task, out, loop.world_rng, t, delay, world=exp.world)
         else:
-            react(traj, task, out, world_rng, t, user)
+            react(traj, task, out, loop.world_rng, t, user)
 
     for cycle in range(1, exp.cycles + 1):
-        start = T0 + (cycle - 1) * exp.cycle_minutes * MINUTE
-        end = start + exp.cycle_minutes * MINUTE
         # serve: the prompts of this cycle, group_size samples each, by the serving version
         tasks = [
             sample_task(
-                serve_rng,
-                serve_rng.choice(orgs),
+                loop.serve_rng,
+                loop.serve_rng.choice(orgs),
                 0.5,
-                kinds=(BACKGROUND,) if serve_rng.random() < exp.long_share else tuple(KINDS),
+                kinds=(BACKGROUND,) if loop.serve_rng.random() < exp.long_share else tuple(KINDS),
             )
             for _ in range(exp.tasks_per_cycle)
         ]
         flat = [t for t in tasks for _ in range(exp.group_size)]
-        completions, logps = sample(model, flat, gen)
-        gap = max(1, round(1000 / (exp.rate * exp.group_size)))  # a burst at the cycle's start, at the loop's rate
-        flows.serve(
-            cycle,
-            flat,
-            completions,
-            logps,
-            exp.group_size,
-            start,
-            gap,
-            lambda task: f"{task.org_id}-u{world_rng.randrange(50)}",
-            react_one,
-        )
-        made, verdicts = flows.deliver(end)
-        batches = [b for _, b in made]
+        completions, logps = sample(model, flat, loop.gen)
+        loop.serve(cycle, flat, completions, logps, react_one)
+        made, verdicts = loop.deliver(loop.window(cycle)[1])
         # train on whole steps of micro-batches; a remainder waits for the next cycle
-        steps, leftover = train_steps(
-            model, reference, s, batches, leftover, f"long-loop-{arm}-{cycle}", version, trained
-        )
-        version += 1  # promoted: the arms must stay comparable, so no gate
-        flows.set_serving_version(version)
+        steps = loop.train(model, reference, [b for _, b in made], f"long-loop-{arm}-{cycle}")
+        loop.promote()  # the arms must stay comparable, so no gate
         long_solved = tuple(outcome(t, c).correct for t, c in zip(long_eval, greedy(model, long_eval)))
         short_solved = tuple(outcome(t, c).correct for t, c in zip(short_eval, greedy(model, short_eval)))
         long_greedy, short_greedy = sum(long_solved) / len(long_solved), sum(short_solved) / len(short_solved)
@@ -209,7 +186,7 @@ def run_arm(
         )  # the delayed samples the trainer trained, by lag (its own count, train_metrics')
         for st in steps:
             delayed.update({int(lag): n for lag, n in st.delayed_lag_histogram.items()})
-        dropped = flows.dropped
+        dropped = loop.dropped
         row = CycleRow(
             arm=arm,
             cycle=cycle,

@@ -11,7 +11,8 @@ majority's answer there. Two arms see the same seeded traffic from the same warm
   (:mod:`trainer.lora`). The batch flow's router (:class:`flows.adapters.OrgRouter`) sends an org's micro-batches
   to its adapter stream once it has sent ``min_samples`` samples; each cycle the org's adapter trains on them
   (:class:`trainer.train.TrainConfig` ``adapter=org``: the base frozen, the KL reference the base alone) on the
-  base that served them, continuing from its current weights; the candidate is gated
+  base that served them, continuing from the weights of its last promoted version (a refused candidate is
+  dropped: its noise would otherwise accumulate); the candidate is gated
   (:func:`evalgate.adapters.decide_adapter`) on the org's held-out suite (:class:`simulator.evalsuite.OrgHeldOutTasks`)
   against what serves the org and the base alone, and on the suite's global guard against the base alone;
   promoted or refused in the org's :class:`evalgate.adapters.AdapterLedger`. A promoted adapter serves its org:
@@ -21,6 +22,8 @@ In both arms the shared policy is promoted every cycle without a gate (as in :mo
 stay comparable). A base promotion makes every serving adapter stale: it is judged again on the new base against
 the new base alone (``AdapterLedger.revalidate``) and keeps serving, or is retired until a later version passes.
 Until the first adapter serves, the two arms are the same computation (the shared policy's weights are equal).
+The initial agent (``warm_conventions``) has seen every org's convention: it answers each org's way about as
+often as the global way, and training (one policy, or a policy per org) decides which it keeps.
 
 Each cycle runs the production pieces in-process on simulated event time (:mod:`app.inprocess`: rollouts and the
 SDK's recorded events, the reward flow's processor, the batch flow's builders, the Arrow wire format, the
@@ -42,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from app.inprocess import MINUTE, T0, EventTimeFlows, train_steps
+from app.inprocess import InProcessLoop, train_steps
 from app.loop import loop_model_config, loop_settings
 from client.sdk import Trajectory
 from evalgate.adapters import AdapterLedger, decide_adapter
@@ -77,21 +80,27 @@ the gate's suite (seed ``7 + seed``) and the traffic never draw from."""
 class Experiment:
     """The experiment's world and size (defaults: bench/per_org.py's)."""
 
-    cycles: int = 10
-    tasks_per_cycle: int = 384  # prompts served per cycle, each sampled group_size times
-    group_size: int = 4
-    orgs: int = 4
-    specialised: int = 2  # the last ones: org-2 shifts refactor + test by 3, org-3 feature + explain by 7
+    cycles: int = 12
+    tasks_per_cycle: int = 256  # prompts served per cycle, each sampled group_size times (the loop's 2,048 samples)
+    group_size: int = 8  # 8, not the loop's 4: a convention answer the base rarely samples needs hits in a group
+    orgs: int = 3
+    specialised: int = 2  # the last ones: org-1 shifts refactor + test by 3, org-2 feature + explain by 7
     min_samples: int = 256  # adapters.min_samples: an org's samples before its adapter stream starts
     rank: int = 8  # adapters.rank
     alpha: float = 16.0  # adapters.alpha
-    adapter_lr: float = 0.0  # adapters.lr (0 = train.lr)
+    adapter_lr: float = 0.006  # adapters.lr (0 = train.lr, 1e-3)
     cycle_minutes: int = 60  # simulated event time per cycle
     rate: float = 100.0  # tasks served per second of event time, each group_size times
     eval_tasks: int = 200  # held-out tasks per org: the gate's suite, and the report's own
     repeats: int = 8  # the gate suite's sampled completions per task
     seed: int = 0
     warm_start_steps: int = 300
+    warm_conventions: bool = True
+    """The initial agent imitates every org's users under that org's convention (a pretrained model has seen
+    all of them, as a real one knows several code styles); False: the global convention only (the loop's)."""
+    warm_right_easy: float = 0.8
+    """How often the initial agent gives the accepted answer on easy tasks (``loop.warm_right_easy``; hard tasks:
+    :func:`simulator.tasks.warm_start_completion`'s 0.35); negative: as often as on hard ones."""
 
     @property
     def conventions(self) -> dict[str, Convention]:
@@ -190,6 +199,7 @@ class _Adapters:
         self.trained = {org: TrainedSet() for org in self.orgs}
         self.ledger = AdapterLedger()
         self.weights = dict.fromkeys(self.orgs, 0)  # which promoted weights the serving slot holds (0: none yet)
+        self.initial = {org: lora.adapter_state_dict(model, org) for org in self.orgs}
         self._cache: dict[tuple[str, str, int, int], dict[str, float]] = {}
 
     def serving(self, org: str) -> str | None:
@@ -260,6 +270,10 @@ class _Adapters:
             lora.load_adapter_state_dict(self.model, _serving_slot(org), lora.adapter_state_dict(self.model, org))
             self.weights[org] += 1
             return steps, f"v{cand.version} promoted"
+        # a refused candidate is dropped: the next version trains on from the last promoted weights (those the
+        # serving slot holds, even if retired since; none yet: a new adapter)
+        last = lora.adapter_state_dict(self.model, _serving_slot(org)) if self.weights[org] else self.initial[org]
+        lora.load_adapter_state_dict(self.model, org, last)
         return steps, f"v{cand.version} refused ({d.reason})"
 
     def revalidate(self, version: int) -> dict[str, str]:
@@ -295,31 +309,29 @@ def run_arm(
     torch.manual_seed(exp.seed)
     model, reference = build_model(cfg, precision), build_model(cfg, precision)
     rng = random.Random(exp.seed)
-    warm = [sample_task(rng, "warm", 0.5, kinds=tuple(KINDS)) for _ in range(600)]
-    warm_start(model, warm, steps=exp.warm_start_steps, seed=exp.seed)
-    reference.load_state_dict(model.state_dict())
     orgs = [f"org-{i}" for i in range(exp.orgs)]
+    if exp.warm_conventions:
+        warm = [sample_task(rng, rng.choice(orgs), 0.5, conventions=conventions) for _ in range(600)]
+    else:
+        warm = [sample_task(rng, "warm", 0.5, kinds=tuple(KINDS)) for _ in range(600)]
+    right_easy = exp.warm_right_easy if exp.warm_right_easy >= 0 else None
+    warm_start(model, warm, steps=exp.warm_start_steps, seed=exp.seed, right_easy=right_easy)
+    reference.load_state_dict(model.state_dict())
     report = {
         org: held_out(exp.eval_tasks, seed=REPORT_SEED + exp.seed, org=org, conventions=conventions) for org in orgs
     }
     adapters = _Adapters(model, s, exp, conventions) if arm == "adapters" else None
 
-    flows = EventTimeFlows(s, "per-org")
-    trained, version = TrainedSet(), 0
-    serve_rng, world_rng = random.Random(f"serve-{exp.seed}"), random.Random(f"world-{exp.seed}")
-    gen = torch.Generator().manual_seed(exp.seed)
-    leftover: list[MicroBatch] = []
+    loop = InProcessLoop(s, "per-org", exp.seed, exp.group_size, exp.rate, exp.cycle_minutes)
     rows: list[OrgRow] = []
     org_of: dict[str, str] = {}  # each trajectory's org (what the adapters' train_metrics are checked against)
 
     def react_one(traj: Trajectory, task: Task, out: Outcome, t: int, user: str) -> None:
-        react(traj, task, out, world_rng, t, user)
+        react(traj, task, out, loop.world_rng, t, user)
 
     for cycle in range(1, exp.cycles + 1):
-        start = T0 + (cycle - 1) * exp.cycle_minutes * MINUTE
-        end = start + exp.cycle_minutes * MINUTE
         tasks = [
-            sample_task(serve_rng, serve_rng.choice(orgs), 0.5, conventions=conventions)
+            sample_task(loop.serve_rng, loop.serve_rng.choice(orgs), 0.5, conventions=conventions)
             for _ in range(exp.tasks_per_cycle)
         ]
         flat = [t for t in tasks for _ in range(exp.group_size)]
@@ -331,37 +343,25 @@ def run_arm(
             if not idx:
                 continue
             with lora.activate(model, adapters.serving(org) if adapters else None):
-                comps, lps = sample(model, [flat[i] for i in idx], gen)
+                comps, lps = sample(model, [flat[i] for i in idx], loop.gen)
             for i, c, lp in zip(idx, comps, lps):
                 completions[i], logps[i] = c, lp
-        gap = max(1, round(1000 / (exp.rate * exp.group_size)))
-        flows.serve(
-            cycle,
-            flat,
-            completions,
-            logps,
-            exp.group_size,
-            start,
-            gap,
-            lambda task: f"{task.org_id}-u{world_rng.randrange(50)}",
-            react_one,
-        )
-        made, _ = flows.deliver(end)
+        loop.serve(cycle, flat, completions, logps, react_one)
+        made, _ = loop.deliver(loop.window(cycle)[1])
         org_of.update({f"c{cycle}-{i}": t.org_id for i, t in enumerate(flat)})  # leftover batches: earlier ids
         decisions: dict[str, list[str]] = {org: [] for org in orgs}
         adapter_steps: dict[str, list[TrainStep]] = {org: [] for org in orgs}
         if adapters is not None:
             shared, streams = adapters.route(made)
             for org, batches in streams.items():  # on the base that served the batches
-                adapter_steps[org], decision = adapters.train_and_gate(org, batches, cycle, version)
+                adapter_steps[org], decision = adapters.train_and_gate(org, batches, cycle, loop.version)
                 if decision is not None:
                     decisions[org].append(decision)
             _train_base_only(model)
         else:
             shared = [b for _, b in made]
-        steps, leftover = train_steps(model, reference, s, shared, leftover, f"per-org-{arm}-{cycle}", version, trained)
-        version += 1  # promoted: the arms must stay comparable, so no gate
-        flows.set_serving_version(version)
+        steps = loop.train(model, reference, shared, f"per-org-{arm}-{cycle}")
+        version = loop.promote()  # the arms must stay comparable, so no gate
         if adapters is not None:
             for org, decision in adapters.revalidate(version).items():
                 decisions[org].append(decision)

@@ -1,7 +1,7 @@
 """Per-org adapters, measured: the shared policy alone (a) against the shared policy plus an adapter per specialised org (b).
 
-    .venv/bin/python bench/per_org.py [--cycles 10] [--tasks 384] [--seeds 1] [--orgs 4] [--specialised 2]
-        [--min-samples 256] [--rank 8] [--alpha 16] [--adapter-lr 0.003]
+    .venv/bin/python bench/per_org.py [--cycles 12] [--tasks 256] [--group-size 8] [--seeds 1] [--orgs 3]
+        [--specialised 2] [--min-samples 256] [--rank 8] [--alpha 16] [--adapter-lr 0.006]
 
 The experiment of :mod:`app.per_org`: the last ``--specialised`` of ``--orgs`` orgs follow a convention of their
 own on two task kinds (:func:`simulator.tasks.conventions_for`); both arms see the same seeded traffic from the
@@ -78,7 +78,8 @@ def main() -> None:
     d = Experiment()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cycles", type=int, default=d.cycles)
-    ap.add_argument("--tasks", type=int, default=d.tasks_per_cycle, help="prompts per cycle (x4 samples)")
+    ap.add_argument("--tasks", type=int, default=d.tasks_per_cycle, help="prompts per cycle")
+    ap.add_argument("--group-size", type=int, default=d.group_size, help="samples per prompt")
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--orgs", type=int, default=d.orgs)
     ap.add_argument("--specialised", type=int, default=d.specialised, help="the last orgs have a convention")
@@ -88,13 +89,14 @@ def main() -> None:
     ap.add_argument("--adapter-lr", type=float, default=d.adapter_lr, help="adapters.lr (0 = train.lr)")
     ap.add_argument("--tolerance", type=float, default=0.03, help="largest P(solve) loss an other org may show")
     args = ap.parse_args()
-    console = Console(width=200)  # wide tables stay readable when the output goes to a file
+    console = Console(width=220)  # wide tables stay readable when the output goes to a file
     results: dict[str, list[list[OrgRow]]] = {a: [] for a in ARMS}
     started = time.monotonic()
     for seed in range(args.seeds):
         exp = Experiment(
             cycles=args.cycles,
             tasks_per_cycle=args.tasks,
+            group_size=args.group_size,
             orgs=args.orgs,
             specialised=args.specialised,
             min_samples=args.min_samples,
@@ -132,18 +134,20 @@ def report(
 ) -> None:
     conventions = conventions_for(orgs, specialised)
     seeds = len(results["shared"])
+    how = "Student t over seeds" if seeds > 1 else "paired over the org's tasks"
     table = Table(
-        title=f"Per-org adapters: held-out success of each org after {cycles} cycles, {seeds} seed(s); "
-        "(a) the shared policy alone, (b) the shared policy plus the specialised orgs' adapters"
+        title=f"Per-org adapters after {cycles} cycles, {seeds} seed(s): (a) the shared policy alone, (b) the shared "
+        f"policy plus the specialised orgs' adapters; interval: {how}"
     )
-    for col in ("org", "convention", "(a) P(solve)", "(b) served P(solve)", "(b) - (a) [95% CI]", "interval",
-                "(a) greedy", "(b) greedy", "(b) greedy: convention / general", "(b) shared alone P(solve)",
-                "served by (b)", "gate (b): promoted / refused / revalidated / retired"):  # fmt: skip
-        table.add_column(col, justify="left" if col in ("org", "convention", "interval", "served by (b)") else "right")
+    for col in ("org", "convention", "(a) P(solve)", "(b) served P(solve)", "(b) - (a) [95% CI]", "greedy (a) -> (b)",
+                "(b) greedy conv / general", "(b) base alone", "(b) served by", "gate: prom / ref / reval / retired"):  # fmt: skip
+        table.add_column(
+            col, justify="left" if col in ("org", "convention", "(b) served by") else "right", no_wrap=True
+        )
     verdicts = []
     for org in [f"org-{i}" for i in range(orgs)]:
         a, b = _final(results["shared"], org), _final(results["adapters"], org)
-        diff, lo, hi, how = difference(a, b)
+        diff, lo, hi, _ = difference(a, b)
         conv = conventions.get(org)
         counts = {k: 0 for k in ("promoted", "refused", "revalidated", "retired")}
         for rows in results["adapters"]:
@@ -157,9 +161,8 @@ def report(
             _fmt(statistics.fmean(r.shared_expected for r in a)),
             _fmt(statistics.fmean(r.served_expected for r in b)),
             f"{diff:+.3f} [{lo:+.3f}, {hi:+.3f}]",
-            how,
-            _fmt(statistics.fmean(r.shared_success for r in a)),
-            _fmt(statistics.fmean(r.served_success for r in b)),
+            f"{_fmt(statistics.fmean(r.shared_success for r in a))} -> "
+            f"{_fmt(statistics.fmean(r.served_success for r in b))}",
             f"{_fmt(statistics.fmean(r.served_convention for r in b))} / "
             f"{_fmt(statistics.fmean(r.served_general for r in b))}",
             _fmt(statistics.fmean(r.shared_expected for r in b)),
