@@ -80,7 +80,7 @@ the gate's suite (seed ``7 + seed``) and the traffic never draw from."""
 class Experiment:
     """The experiment's world and size (defaults: bench/per_org.py's)."""
 
-    cycles: int = 12
+    cycles: int = 8
     tasks_per_cycle: int = 256  # prompts served per cycle, each sampled group_size times (the loop's 2,048 samples)
     group_size: int = 8  # 8, not the loop's 4: a convention answer the base rarely samples needs hits in a group
     orgs: int = 3

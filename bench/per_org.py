@@ -1,6 +1,6 @@
 """Per-org adapters, measured: the shared policy alone (a) against the shared policy plus an adapter per specialised org (b).
 
-    .venv/bin/python bench/per_org.py [--cycles 12] [--tasks 256] [--group-size 8] [--seeds 1] [--orgs 3]
+    .venv/bin/python bench/per_org.py [--cycles 8] [--tasks 256] [--group-size 8] [--seeds 1] [--orgs 3]
         [--specialised 2] [--min-samples 256] [--rank 8] [--alpha 16] [--adapter-lr 0.006]
 
 The experiment of :mod:`app.per_org`: the last ``--specialised`` of ``--orgs`` orgs follow a convention of their
@@ -29,6 +29,7 @@ import argparse
 import math
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -39,18 +40,8 @@ from app.per_org import ARMS, Experiment, OrgRow, run_arm
 from rtrl.quiet import quiet_known_warnings
 from simulator.tasks import conventions_for
 
-Z = 1.96
-
-
-def seed_interval(diffs: list[float]) -> tuple[float, float, float]:
-    """Mean of per-seed differences with a 95% Student-t interval over seeds."""
-    from scipy import stats
-
-    mean = statistics.fmean(diffs)
-    if len(diffs) < 2:
-        return mean, float("nan"), float("nan")
-    half = stats.t.ppf(0.975, len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
-    return mean, mean - half, mean + half
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, for bench.long_loop
+from bench.long_loop import Z, seed_interval  # noqa: E402  # the long-loop bench's interval over seeds
 
 
 def paired_interval(a: list[float], b: list[float]) -> tuple[float, float, float]:
