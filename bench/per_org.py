@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import platform
 import statistics
 import sys
 import time
@@ -41,7 +40,13 @@ from rtrl.quiet import quiet_known_warnings
 from simulator.tasks import conventions_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, for bench.long_loop
-from bench.long_loop import Z, seed_interval  # noqa: E402  # the long-loop bench's interval over seeds
+from bench.long_loop import (  # noqa: E402  # the long-loop bench's helpers
+    Z,
+    every_arm_and_seed,
+    machine_and_time,
+    save_figure,
+    seed_interval,
+)
 
 
 def paired_interval(a: list[float], b: list[float]) -> tuple[float, float, float]:
@@ -81,9 +86,9 @@ def main() -> None:
     ap.add_argument("--tolerance", type=float, default=0.03, help="largest P(solve) loss an other org may show")
     args = ap.parse_args()
     console = Console(width=220)  # wide tables stay readable when the output goes to a file
-    results: dict[str, list[list[OrgRow]]] = {a: [] for a in ARMS}
     started = time.monotonic()
-    for seed in range(args.seeds):
+
+    def one(arm: str, seed: int) -> list[OrgRow]:
         exp = Experiment(
             cycles=args.cycles,
             tasks_per_cycle=args.tasks,
@@ -96,22 +101,19 @@ def main() -> None:
             adapter_lr=args.adapter_lr,
             seed=seed,
         )
-        for arm in ARMS:
-            t = time.monotonic()
 
-            def show(rows: list[OrgRow], arm: str = arm, seed: int = seed) -> None:
-                cells = " | ".join(
-                    f"{r.org} {r.served_expected:.3f}" + (f" ({r.served_by})" if r.served_by != "shared" else "")
-                    for r in rows
-                )
-                console.print(f"  seed {seed} {arm:<8} cycle {rows[0].cycle:>2}/{args.cycles}: P(solve) {cells}")
+        def show(rows: list[OrgRow]) -> None:
+            cells = " | ".join(
+                f"{r.org} {r.served_expected:.3f}" + (f" ({r.served_by})" if r.served_by != "shared" else "")
+                for r in rows
+            )
+            console.print(f"  seed {seed} {arm:<8} cycle {rows[0].cycle:>2}/{args.cycles}: P(solve) {cells}")
 
-            results[arm].append(run_arm(arm, exp, progress=show))
-            console.print(f"seed {seed} arm {arm}: {time.monotonic() - t:.0f} s")
+        return run_arm(arm, exp, progress=show)
+
+    results = every_arm_and_seed(console, list(ARMS), args.seeds, one)
     report(console, results, args.orgs, args.specialised, args.cycles, args.tolerance)
-    console.print(
-        f"{platform.node()} {platform.processor() or platform.machine()}: {time.monotonic() - started:.0f} s in all"
-    )
+    machine_and_time(console, started)
     plot(results, args.cycles, Path(__file__).with_name("per_org.png"))
 
 
@@ -207,10 +209,7 @@ def plot(results: dict[str, list[list[OrgRow]]], cycles: int, path: Path) -> Non
         ax.set_visible(False)
     axes.flat[0].set_ylabel("held-out P(solve)")
     axes.flat[0].legend(fontsize=7)
-    fig.suptitle("Per-org adapters: each org's held-out P(solve) per cycle (mean over seeds)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    save_figure(fig, "Per-org adapters: each org's held-out P(solve) per cycle (mean over seeds)", path)
 
 
 if __name__ == "__main__":
