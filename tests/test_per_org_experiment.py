@@ -31,7 +31,7 @@ two of five: 0.03 over all its tasks is about 0.08 on them)."""
 TOLERANCE = 0.03
 """The most P(solve) an org without a convention may lose in (b) against (a) (the eval gate's solve tolerance)."""
 
-EXP = Experiment(cycles=3, eval_tasks=100, seed=0)
+EXP = Experiment(cycles=3, tasks_per_cycle=128, eval_tasks=100, seed=0)
 
 
 def _last(rows: list[OrgRow], org: str) -> OrgRow:
