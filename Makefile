@@ -61,6 +61,7 @@ bench: setup
 	$(PY) bench/spill_state.py
 	$(PY) bench/long_loop.py
 	$(PY) bench/adapters.py
+	$(PY) bench/per_org.py
 
 clean:
 	rm -rf $(VENV) .rtrl .pytest_cache .hypothesis

@@ -31,33 +31,23 @@ direction on a short seeded run.
 
 from __future__ import annotations
 
-import heapq
 import json
 import random
 import statistics
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from app.inprocess import MINUTE, InProcessLoop
 from app.loop import loop_model_config, loop_settings
-from client.hashing import hash_user
 from client.sdk import Trajectory
-from flows.batch_flow import batch_config, cohort_of
-from flows.batching import BatchBuilder
-from flows.processor import Message, RewardProcessor
-from flows.reward_flow import verdict_kinds, window_config
 from rtrl.settings import Settings, as_env, load_settings
-from schemas.codec import encode_batch, event_codec
-from schemas.records import EventBase, MicroBatch, Rollout, TaskVerdict, TrajectoryStarted
 from simulator.policy import greedy, sample, solve_probability, warm_start
-from simulator.tasks import BACKGROUND, COMPLETION_LEN, KINDS, held_out, outcome, sample_task, score
+from simulator.tasks import BACKGROUND, KINDS, Outcome, Task, held_out, outcome, sample_task, score
 from simulator.world import LONG_WORLD, LongWorld, react, react_background
-from trainer.batch import to_batch
-from trainer.dedup import TrainedSet
 from trainer.model import build_model, init_parallel
-from trainer.train import MemorySource, TrainConfig, train
 
 #: the arms: name -> (train.max_delayed_lag, loss.delayed_correction)
 ARMS: dict[str, tuple[int, str]] = {
@@ -65,8 +55,6 @@ ARMS: dict[str, tuple[int, str]] = {
     "corrected": (-1, "truncated_is"),  # -1: the experiment's max_delayed_lag
     "uncorrected": (-1, "none"),
 }
-
-MINUTE = 60_000
 
 
 @dataclass(frozen=True)
@@ -114,17 +102,6 @@ class CycleRow:
     short_probs: tuple[float, ...] = ()
 
 
-@dataclass
-class _Recorder:
-    """Stands in for the SDK client under :class:`client.sdk.Trajectory`: keeps each recorded event."""
-
-    events: list[EventBase] = field(default_factory=list)
-
-    def record(self, event: EventBase) -> bool:
-        self.events.append(event)
-        return True
-
-
 def arm_settings(base: Settings, arm: str, exp: Experiment) -> Settings:
     """The base settings with the arm's delayed path, and windows for the experiment's event time: a background
     task's window stays open long enough for its verdict (``verdict_cycles`` cycles and two more)."""
@@ -167,137 +144,35 @@ def run_arm(
     short_eval = held_out(exp.eval_tasks, seed=7 + exp.seed)
     long_eval = held_out(exp.eval_tasks, seed=7 + exp.seed, kinds=(BACKGROUND,))
 
-    processor = RewardProcessor(
-        "long-loop", window_config(s), [s.rewards.train_version], verdict_kinds=verdict_kinds(s)
-    )
-    bcfg = batch_config(s)
-    builders: dict[str, BatchBuilder] = {}
-    codec = event_codec()
-    trained, version = TrainedSet(), 0
-    pending: list[tuple[int, int, EventBase]] = []  # events not yet delivered, by event time (verdicts)
-    order = 0
-    serve_rng, world_rng = random.Random(f"serve-{exp.seed}"), random.Random(f"world-{exp.seed}")
-    gen = torch.Generator().manual_seed(exp.seed)
-    leftover: list[MicroBatch] = []
+    loop = InProcessLoop(s, "long-loop", exp.seed, exp.group_size, exp.rate, exp.cycle_minutes)
     rows: list[CycleRow] = []
-    t0 = 1_767_225_600_000  # 2026-01-01, simulated
     orgs = [f"org-{i}" for i in range(exp.orgs)]
 
-    def builder(org: str, kind: str) -> BatchBuilder:
-        key = cohort_of(org, kind)
-        if key not in builders:
-            builders[key] = BatchBuilder(bcfg, serving_version=version)
-        return builders[key]
+    def react_one(traj: Trajectory, task: Task, out: Outcome, t: int, user: str) -> None:
+        if task.kind == BACKGROUND:
+            delay = exp.verdict_cycles * exp.cycle_minutes * MINUTE
+            react_background(traj, task, out, loop.world_rng, t, delay, world=exp.world)
+        else:
+            react(traj, task, out, loop.world_rng, t, user)
 
     for cycle in range(1, exp.cycles + 1):
-        start = t0 + (cycle - 1) * exp.cycle_minutes * MINUTE
-        end = start + exp.cycle_minutes * MINUTE
         # serve: the prompts of this cycle, group_size samples each, by the serving version
         tasks = [
             sample_task(
-                serve_rng,
-                serve_rng.choice(orgs),
+                loop.serve_rng,
+                loop.serve_rng.choice(orgs),
                 0.5,
-                kinds=(BACKGROUND,) if serve_rng.random() < exp.long_share else tuple(KINDS),
+                kinds=(BACKGROUND,) if loop.serve_rng.random() < exp.long_share else tuple(KINDS),
             )
             for _ in range(exp.tasks_per_cycle)
         ]
         flat = [t for t in tasks for _ in range(exp.group_size)]
-        completions, logps = sample(model, flat, gen)
-        timeline: list[tuple[int, int, object]] = []  # (time, order, rollout or event)
-        rec = _Recorder()
-        gap = max(1, round(1000 / (exp.rate * exp.group_size)))  # a burst at the cycle's start, at the loop's rate
-        for i, (task, comp, lp) in enumerate(zip(flat, completions, logps)):
-            t = start + i * gap
-            tid = f"c{cycle}-{i}"
-            ro = Rollout(
-                trajectory_id=tid,
-                policy_version=version,
-                group_id=f"c{cycle}-g{i // exp.group_size}",
-                group_size=exp.group_size,
-                org_id=task.org_id,
-                task_kind=task.kind,
-                prompt_ids=task.prompt,
-                completion_ids=comp,
-                behaviour_logprobs=lp,
-                loss_mask=[1] * COMPLETION_LEN,
-                created_at=t,
-            )
-            timeline.append((t, order, ro))
-            order += 1
-            user = f"{task.org_id}-u{world_rng.randrange(50)}"
-            user_hash = hash_user(user, s.sdk.salt)
-            rec.record(
-                TrajectoryStarted(
-                    event_id=f"{tid}-start",
-                    trajectory_id=tid,
-                    ts=t,
-                    org_id=task.org_id,
-                    user_hash=user_hash,
-                    policy_version=version,
-                    arm="control",
-                    task_kind=task.kind,
-                )
-            )
-            # the recorder stands in for the SDK client: the handle records the user's events through it
-            traj = Trajectory(rec, tid, task.org_id, user_hash, version, "control")  # type: ignore[arg-type]
-            out = outcome(task, comp)
-            if task.kind == BACKGROUND:
-                react_background(
-                    traj,
-                    task,
-                    out,
-                    world_rng,
-                    t,
-                    exp.verdict_cycles * exp.cycle_minutes * MINUTE,
-                    world=exp.world,
-                )
-            else:
-                react(traj, task, out, world_rng, t, user)
-        for ev in rec.events:
-            heapq.heappush(pending, (ev.ts, order, ev))
-            order += 1
-        verdicts = 0
-        while pending and pending[0][0] < end:
-            ts, o, ev = heapq.heappop(pending)
-            verdicts += type(ev) is TaskVerdict
-            timeline.append((ts, o, ev))
-        timeline.sort(key=lambda x: (x[0], x[1]))
-        batches: list[MicroBatch] = []
-        offset = 0
-        for ts, _, item in timeline:
-            if isinstance(item, Rollout):
-                batches += builder(item.org_id, item.task_kind).add_rollout(item)
-                continue
-            assert isinstance(item, EventBase)
-            out_ = processor.process([Message(item.trajectory_id.encode(), codec.encode(item), 0, offset)], now_ms=ts)
-            offset += 1
-            for r in out_.rewards:
-                batches += builder(r.org_id, r.task_kind).add_reward(r)
-        for b in builders.values():
-            batches += b.advance_to(end)
-            batches += b.flush_ready()
+        completions, logps = sample(model, flat, loop.gen)
+        loop.serve(cycle, flat, completions, logps, react_one)
+        made, verdicts = loop.deliver(loop.window(cycle)[1])
         # train on whole steps of micro-batches; a remainder waits for the next cycle
-        todo = leftover + batches
-        mbps = s.train.micro_batches_per_step
-        n = len(todo) // mbps * mbps
-        todo, leftover = todo[:n], todo[n:]
-        wire = [to_batch(encode_batch(mb), 0, k) for k, mb in enumerate(todo)]
-        tc = TrainConfig.from_settings(
-            s, run_id=f"long-loop-{arm}-{cycle}", max_steps=10**9, checkpoint_dir="", idle_timeout_s=0.01
-        )
-        steps = train(
-            model,
-            reference,
-            _opener(MemorySource(wire)),
-            tc,
-            policy_version=version,
-            resume=False,
-            trained=trained,
-        )
-        version += 1  # promoted: the arms must stay comparable, so no gate
-        for b in builders.values():
-            b.set_serving_version(version)
+        steps = loop.train(model, reference, [b for _, b in made], f"long-loop-{arm}-{cycle}")
+        loop.promote()  # the arms must stay comparable, so no gate
         long_solved = tuple(outcome(t, c).correct for t, c in zip(long_eval, greedy(model, long_eval)))
         short_solved = tuple(outcome(t, c).correct for t, c in zip(short_eval, greedy(model, short_eval)))
         long_greedy, short_greedy = sum(long_solved) / len(long_solved), sum(short_solved) / len(short_solved)
@@ -311,7 +186,7 @@ def run_arm(
         )  # the delayed samples the trainer trained, by lag (its own count, train_metrics')
         for st in steps:
             delayed.update({int(lag): n for lag, n in st.delayed_lag_histogram.items()})
-        dropped = sum(sum(b.dropped_lag.values()) for b in builders.values())
+        dropped = loop.dropped
         row = CycleRow(
             arm=arm,
             cycle=cycle,
@@ -338,11 +213,6 @@ def run_arm(
         if progress is not None:
             progress(row)
     return rows
-
-
-def _opener(source: MemorySource) -> Callable[[dict[str, int] | None], MemorySource]:
-    """What ``train`` calls to open its input: this cycle's micro-batches, from the start."""
-    return lambda _offsets: source
 
 
 def run(

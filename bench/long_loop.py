@@ -25,7 +25,9 @@ import math
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 from rich.console import Console
 from rich.table import Table
@@ -34,6 +36,7 @@ from app.long_loop import ARMS, CycleRow, Experiment, run_arm
 from rtrl.quiet import quiet_known_warnings
 
 Z = 1.96
+R = TypeVar("R")
 
 
 def wilson(hits: int, n: int) -> tuple[float, float]:
@@ -76,9 +79,9 @@ def main() -> None:
     args = ap.parse_args()
     console = Console(width=200)  # wide tables stay readable when the output goes to a file
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    results: dict[str, list[list[CycleRow]]] = {a: [] for a in arms}
     started = time.monotonic()
-    for seed in range(args.seeds):
+
+    def one(arm: str, seed: int) -> list[CycleRow]:
         exp = Experiment(
             cycles=args.cycles,
             tasks_per_cycle=args.tasks,
@@ -86,18 +89,17 @@ def main() -> None:
             verdict_cycles=args.verdict_cycles,
             seed=seed,
         )
-        for arm in arms:
-            t = time.monotonic()
 
-            def show(r: CycleRow, arm: str = arm, seed: int = seed) -> None:
-                console.print(
-                    f"  seed {seed} {arm:<11} cycle {r.cycle:>2}/{args.cycles}: long {r.long_success:.3f} short "
-                    f"{r.short_success:.3f} kl {r.kl:.4f} grad {r.grad_norm:.3f} delayed {r.delayed_samples} "
-                    f"(lag {r.delayed_lag:.1f}) dropped {r.dropped} verdicts {r.verdicts}"
-                )
+        def show(r: CycleRow) -> None:
+            console.print(
+                f"  seed {seed} {arm:<11} cycle {r.cycle:>2}/{args.cycles}: long {r.long_success:.3f} short "
+                f"{r.short_success:.3f} kl {r.kl:.4f} grad {r.grad_norm:.3f} delayed {r.delayed_samples} "
+                f"(lag {r.delayed_lag:.1f}) dropped {r.dropped} verdicts {r.verdicts}"
+            )
 
-            results[arm].append(run_arm(arm, exp, progress=show))
-            console.print(f"seed {seed} arm {arm}: {time.monotonic() - t:.0f} s")
+        return run_arm(arm, exp, progress=show)
+
+    results = every_arm_and_seed(console, arms, args.seeds, one)
 
     final = {a: [runs[-1] for runs in results[a]] for a in arms}
     table = Table(title=f"Long-loop experiment: the policy after {args.cycles} cycles, {args.seeds} seed(s)")
@@ -158,10 +160,36 @@ def main() -> None:
                     f"{pb / pa:.2f}",
                 )
         console.print(cmp)
+    machine_and_time(console, started)
+    plot(results, args.cycles, Path(__file__).with_name("long_loop.png"))
+
+
+def every_arm_and_seed(
+    console: Console, arms: list[str], seeds: int, one: Callable[[str, int], list[R]]
+) -> dict[str, list[list[R]]]:
+    """``one(arm, seed)`` (a whole run's rows) for every seed and arm, seed by seed, each run's time printed."""
+    results: dict[str, list[list[R]]] = {a: [] for a in arms}
+    for seed in range(seeds):
+        for arm in arms:
+            t = time.monotonic()
+            results[arm].append(one(arm, seed))
+            console.print(f"seed {seed} arm {arm}: {time.monotonic() - t:.0f} s")
+    return results
+
+
+def machine_and_time(console: Console, started: float) -> None:
+    """The machine and the wall time since ``started`` (``time.monotonic()``), under a bench's tables."""
     console.print(
         f"{platform.node()} {platform.processor() or platform.machine()}: {time.monotonic() - started:.0f} s in all"
     )
-    plot(results, args.cycles, Path(__file__).with_name("long_loop.png"))
+
+
+def save_figure(fig: Any, title: str, path: Path) -> None:
+    """Title, lay out and write a bench's figure (110 dpi), and say where."""
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 def plot(results: dict[str, list[list[CycleRow]]], cycles: int, path: Path) -> None:
@@ -191,10 +219,9 @@ def plot(results: dict[str, list[list[CycleRow]]], cycles: int, path: Path) -> N
         ax.set_xlabel("cycle (policy version)")
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8)
-    fig.suptitle("Delayed verdicts (about 3 cycles late, 20% of tasks): drop vs train with and without correction")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    save_figure(
+        fig, "Delayed verdicts (about 3 cycles late, 20% of tasks): drop vs train with and without correction", path
+    )
 
 
 if __name__ == "__main__":

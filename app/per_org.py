@@ -1,0 +1,475 @@
+"""The per-org specialisation experiment (issue 17): does an org's own LoRA adapter pay where its users differ?
+
+The world: the loop's orgs ``org-0`` .. ``org-{n-1}``; the last ``specialised`` of them follow a convention of
+their own (:func:`simulator.tasks.conventions_for`): on two task kinds their users accept the global answer
+shifted by the org's digit. The prompt does not carry the org, so one policy for everyone at best learns the
+majority's answer there. Two arms see the same seeded traffic from the same warm start:
+
+* ``shared``: the shared policy alone, trained on all traffic (no adapters);
+* ``adapters``: the same shared policy, trained on the same traffic (``adapters.shared_traffic = "all"``: every
+  adapted org's batches also train the base), plus one LoRA adapter per specialised org
+  (:mod:`trainer.lora`). The batch flow's router (:class:`flows.adapters.OrgRouter`) sends an org's micro-batches
+  to its adapter stream once it has sent ``min_samples`` samples; each cycle the org's adapter trains on them
+  (:class:`trainer.train.TrainConfig` ``adapter=org``: the base frozen, the KL reference the base alone) on the
+  base that served them, continuing from the weights of its last promoted version (a refused candidate is
+  dropped: its noise would otherwise accumulate); the candidate is gated
+  (:func:`evalgate.adapters.decide_adapter`) on the org's held-out suite (:class:`simulator.evalsuite.OrgHeldOutTasks`)
+  against what serves the org and the base alone, and on the suite's global guard against the base alone;
+  promoted or refused in the org's :class:`evalgate.adapters.AdapterLedger`. A promoted adapter serves its org:
+  the org's tasks are sampled from the base with that adapter active.
+
+In both arms the shared policy is promoted every cycle without a gate (as in :mod:`app.long_loop`: the arms must
+stay comparable). A base promotion makes every serving adapter stale: it is judged again on the new base against
+the new base alone (``AdapterLedger.revalidate``) and keeps serving, or is retired until a later version passes.
+Until the first adapter serves, the two arms are the same computation (the shared policy's weights are equal).
+The initial agent (``warm_conventions``) has seen every org's convention: it answers each org's way about as
+often as the global way, and training (one policy, or a policy per org) decides which it keeps.
+
+Each cycle runs the production pieces in-process on simulated event time (:mod:`app.inprocess`: rollouts and the
+SDK's recorded events, the reward flow's processor, the batch flow's builders, the Arrow wire format, the
+trainer). Per cycle and org it records, on held-out tasks of that org the gate never sees (a stream of their
+own, so choosing a version on the gate's suite does not bias the figure): the greedy solve rate and the exact
+P(solve) (:func:`simulator.policy.solve_probability`) of the shared policy alone and of what serves the org (its
+adapter when one is promoted, else the shared policy), apart on the org's convention kinds and its general ones;
+the gate's decisions; KL and steps of the shared run and of the adapter's. ``bench/per_org.py`` runs both arms
+and writes a per-org table and a PNG; tests/test_per_org_experiment.py asserts the direction on a short seeded
+run.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from app.inprocess import InProcessLoop, train_steps
+from app.loop import loop_model_config, loop_settings
+from client.sdk import Trajectory
+from evalgate.adapters import AdapterLedger, decide_adapter
+from flows.adapters import OrgRouter
+from rtrl.settings import Settings, as_env, load_settings
+from schemas.records import MicroBatch, TrainStep
+from simulator.evalsuite import OrgHeldOutTasks
+from simulator.policy import greedy, sample, solve_probability, warm_start
+from simulator.tasks import (
+    KINDS,
+    Convention,
+    Conventions,
+    Outcome,
+    Task,
+    conventions_for,
+    held_out,
+    outcome,
+    sample_task,
+)
+from simulator.world import react
+from trainer import lora
+from trainer.dedup import TrainedSet
+from trainer.model import build_model, init_parallel
+
+ARMS = ("shared", "adapters")
+REPORT_SEED = 1000
+"""The report's held-out tasks of an org: ``held_out(eval_tasks, seed=REPORT_SEED + seed, org=...)``, a stream
+the gate's suite (seed ``7 + seed``) and the traffic never draw from."""
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """The experiment's world and size (defaults: bench/per_org.py's)."""
+
+    cycles: int = 8
+    tasks_per_cycle: int = 256  # prompts served per cycle, each sampled group_size times (the loop's 2,048 samples)
+    group_size: int = 8  # 8, not the loop's 4: a convention answer the base rarely samples needs hits in a group
+    orgs: int = 3
+    specialised: int = 2  # the last ones: org-1 shifts refactor + test by 3, org-2 feature + explain by 7
+    min_samples: int = 256  # adapters.min_samples: an org's samples before its adapter stream starts
+    rank: int = 8  # adapters.rank
+    alpha: float = 16.0  # adapters.alpha
+    adapter_lr: float = 0.006  # adapters.lr (0 = train.lr, 1e-3)
+    cycle_minutes: int = 60  # simulated event time per cycle
+    rate: float = 100.0  # tasks served per second of event time, each group_size times
+    eval_tasks: int = 200  # held-out tasks per org: the gate's suite, and the report's own
+    repeats: int = 8  # the gate suite's sampled completions per task
+    seed: int = 0
+    warm_start_steps: int = 300
+    warm_conventions: bool = True
+    """The initial agent imitates every org's users under that org's convention (a pretrained model has seen
+    all of them, as a real one knows several code styles); False: the global convention only (the loop's)."""
+    warm_right_easy: float = 0.8
+    """How often the initial agent gives the accepted answer on easy tasks (``loop.warm_right_easy``; hard tasks:
+    :func:`simulator.tasks.warm_start_completion`'s 0.35); negative: as often as on hard ones."""
+
+    @property
+    def conventions(self) -> dict[str, Convention]:
+        """The specialised orgs' conventions (:func:`simulator.tasks.conventions_for`)."""
+        return conventions_for(self.orgs, self.specialised)
+
+
+@dataclass
+class OrgRow:
+    """One org after one cycle of one arm (the base version it serves on is ``cycle``)."""
+
+    arm: str
+    cycle: int
+    org: str
+    specialised: bool
+    served_by: str  # "shared" or "adapter v<n>" (the org's ledger version)
+    shared_success: float  # greedy solve rate of the shared policy alone on the org's report tasks
+    served_success: float  # the same of what serves the org
+    shared_expected: float  # mean P(solve) of the shared policy alone
+    served_expected: float
+    shared_convention: float  # greedy solve rate on the org's convention kinds (nan: the org has none)
+    served_convention: float
+    shared_general: float  # greedy solve rate on the org's other kinds
+    served_general: float
+    decisions: tuple[str, ...]  # the gate's decisions on this org's adapter this cycle
+    adapter_steps: int  # steps the org's adapter trained this cycle
+    adapter_kl: float  # their mean KL to the base alone
+    adapter_samples: int
+    adapter_sample_orgs: tuple[str, ...]  # the orgs of the samples the adapter trained (only its own)
+    kl: float  # mean KL of the shared policy's steps this cycle (to the warm start)
+    steps: int  # the shared policy's steps this cycle
+    convention_task: tuple[bool, ...] = ()  # per report task: of a convention kind
+    shared_solved: tuple[bool, ...] = ()  # per report task: solved greedily by the shared policy alone
+    served_solved: tuple[bool, ...] = ()
+    shared_probs: tuple[float, ...] = ()  # per report task: P(solve) of the shared policy alone
+    served_probs: tuple[float, ...] = ()
+
+
+def arm_settings(base: Settings, exp: Experiment) -> Settings:
+    """The base settings with the experiment's adapters: one per specialised org, its threshold and shape, and the
+    shared policy trained on all traffic."""
+    env = as_env(base) | {
+        "RTRL_ADAPTERS__ORGS": ",".join(exp.conventions),
+        "RTRL_ADAPTERS__MIN_SAMPLES": str(exp.min_samples),
+        "RTRL_ADAPTERS__SHARED_TRAFFIC": "all",
+        "RTRL_ADAPTERS__RANK": str(exp.rank),
+        "RTRL_ADAPTERS__ALPHA": str(exp.alpha),
+        "RTRL_ADAPTERS__LR": str(exp.adapter_lr),
+    }
+    return load_settings(env=env)
+
+
+def _settings(base: Settings | None) -> Settings:
+    s = base if base is not None else load_settings(env={"RTRL_SDK__SALT": "per-org-experiment"})
+    return loop_settings(s)
+
+
+def _serving_slot(org: str) -> str:
+    """The adapter that holds the promoted weights of ``org``'s adapter (the one named ``org`` trains)."""
+    return f"{org}-serving"
+
+
+def _train_base_only(model: torch.nn.Module) -> None:
+    """Make the base trainable again and every adapter frozen (an adapter's run froze the base)."""
+    frozen = {id(p) for name in lora.adapter_names(model) for p in lora.adapter_parameters(model, name)}
+    for p in model.parameters():
+        p.requires_grad_(id(p) not in frozen)
+
+
+def _mean(xs: Iterable[float]) -> float:
+    xs = list(xs)
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+class _Adapters:
+    """The adapters arm's per-org state: routers, adapter streams, the ledger, and the gate's cached scores."""
+
+    def __init__(self, model: torch.nn.Module, s: Settings, exp: Experiment, conventions: Conventions):
+        self.model, self.s, self.exp = model, s, exp
+        self.orgs = [org for org in conventions if s.adapters.wants(org)]
+        cfg = lora.LoraConfig(
+            rank=s.adapters.rank, alpha=s.adapters.alpha, targets=tuple(s.adapters.targets), dropout=s.adapters.dropout
+        )
+        for org in self.orgs:
+            lora.add_adapter(model, org, cfg, seed=exp.seed)
+            lora.add_adapter(model, _serving_slot(org), cfg, seed=exp.seed)
+        ad = s.adapters
+        self.routers = {
+            org: OrgRouter(org, ad.min_samples, ad.shared_traffic, s.rewards.train_version) for org in self.orgs
+        }
+        self.suites = {
+            org: OrgHeldOutTasks(org, conventions, exp.eval_tasks, exp.seed, exp.repeats) for org in self.orgs
+        }
+        self.guards = {org: suite.guard() for org, suite in self.suites.items()}
+        self.leftover: dict[str, list[MicroBatch]] = {org: [] for org in self.orgs}
+        self.trained = {org: TrainedSet() for org in self.orgs}
+        self.ledger = AdapterLedger()
+        self.weights = dict.fromkeys(self.orgs, 0)  # which promoted weights the serving slot holds (0: none yet)
+        self.initial = {org: lora.adapter_state_dict(model, org) for org in self.orgs}
+        self._cache: dict[tuple[str, str, int, int], dict[str, float]] = {}
+
+    def serving(self, org: str) -> str | None:
+        """The adapter that serves ``org`` now (None: the shared policy alone)."""
+        return _serving_slot(org) if org in self.orgs and self.ledger.serving(org) is not None else None
+
+    def route(self, made: list[tuple[str, MicroBatch]]) -> tuple[list[MicroBatch], dict[str, list[MicroBatch]]]:
+        """The cycle's micro-batches by stream: (the shared policy's, each adapted org's)."""
+        shared: list[MicroBatch] = []
+        adapter: dict[str, list[MicroBatch]] = {org: [] for org in self.orgs}
+        for org, mb in made:
+            for out in self.routers[org].route(mb) if org in self.routers else [mb]:
+                (adapter[out.adapter] if out.adapter else shared).append(out)
+        return shared, adapter
+
+    def scores(self, org: str, which: str, version: int, guard: bool = False) -> dict[str, float]:
+        """The org suite's (or its guard's) scores of ``which`` (``base``: the base alone; ``serving``: the
+        promoted weights; ``candidate``: the adapter just trained) on base ``version``; cached but the candidate's."""
+        tag = self.weights[org] if which == "serving" else 0
+        key = (org, f"{which}{'-guard' if guard else ''}", tag, version)
+        if which == "candidate" or key not in self._cache:
+            name = {"base": None, "serving": _serving_slot(org), "candidate": org}[which]
+            with lora.activate(self.model, name):
+                out = (self.guards[org] if guard else self.suites[org]).evaluate(self.model)
+            if which == "candidate":
+                return out
+            self._cache[key] = out
+        return self._cache[key]
+
+    def decide(self, org: str, candidate: str, serving: str, version: int, training: list[TrainStep]):
+        """decide_adapter for ``org``'s ``candidate`` (``candidate`` or ``serving``) against ``serving``."""
+        suite, guard = self.suites[org], self.guards[org]
+        return decide_adapter(
+            self.scores(org, candidate, version),
+            self.scores(org, serving, version),
+            self.scores(org, "base", version),
+            suite.samples,
+            self.scores(org, candidate, version, guard=True),
+            self.scores(org, "base", version, guard=True),
+            guard.samples,
+            training=training,
+        )
+
+    def train_and_gate(
+        self, org: str, batches: list[MicroBatch], cycle: int, version: int
+    ) -> tuple[list[TrainStep], str | None]:
+        """Train ``org``'s adapter on its stream's whole steps on base ``version`` (the one that served them),
+        then gate and promote or refuse the candidate. Returns (the steps, the decision; None: nothing trained)."""
+        steps, self.leftover[org] = train_steps(
+            self.model,
+            None,
+            self.s,
+            batches,
+            self.leftover[org],
+            f"per-org-{org}-{cycle}",
+            version,
+            self.trained[org],
+            adapter=org,
+            adapter_base=f"v{version}",
+        )
+        if not steps:
+            return steps, None
+        current = self.ledger.serving(org)
+        cand = self.ledger.add(org, version, f"memory:{org}/{cycle}", parent=current.version if current else None)
+        d = self.decide(org, "candidate", "serving" if current is not None else "base", version, steps)
+        self.ledger.decide(org, cand.version, d.promote, self.scores(org, "candidate", version))
+        if d.promote:
+            lora.load_adapter_state_dict(self.model, _serving_slot(org), lora.adapter_state_dict(self.model, org))
+            self.weights[org] += 1
+            return steps, f"v{cand.version} promoted"
+        # a refused candidate is dropped: the next version trains on from the last promoted weights (those the
+        # serving slot holds, even if retired since; none yet: a new adapter)
+        last = lora.adapter_state_dict(self.model, _serving_slot(org)) if self.weights[org] else self.initial[org]
+        lora.load_adapter_state_dict(self.model, org, last)
+        return steps, f"v{cand.version} refused ({d.reason})"
+
+    def revalidate(self, version: int) -> dict[str, str]:
+        """Judge every serving adapter again on the new base ``version`` against the new base alone: it keeps
+        serving (a new ledger version) or is retired. Returns each org's decision."""
+        out = {}
+        for old in self.ledger.stale(version):
+            new = self.ledger.revalidate(old, version)
+            d = self.decide(old.org, "serving", "base", version, [])
+            self.ledger.decide(old.org, new.version, d.promote, self.scores(old.org, "serving", version))
+            if d.promote:
+                out[old.org] = f"v{old.version} -> v{new.version} revalidated on base v{version}"
+            else:
+                self.ledger.retire(old.org)
+                out[old.org] = f"v{old.version} retired on base v{version} ({d.reason})"
+        return out
+
+
+def run_arm(
+    arm: str,
+    exp: Experiment,
+    base: Settings | None = None,
+    progress: Callable[[list[OrgRow]], None] | None = None,
+) -> list[OrgRow]:
+    """One arm of the experiment: ``exp.cycles`` cycles from the same warm start and the same traffic. Returns
+    one row per cycle and org."""
+    if arm not in ARMS:
+        raise ValueError(f"unknown arm {arm!r}: one of {', '.join(ARMS)}")
+    s = arm_settings(_settings(base), exp)
+    conventions = exp.conventions
+    cfg, precision = loop_model_config(s)
+    init_parallel(cfg)
+    torch.manual_seed(exp.seed)
+    model, reference = build_model(cfg, precision), build_model(cfg, precision)
+    rng = random.Random(exp.seed)
+    orgs = [f"org-{i}" for i in range(exp.orgs)]
+    if exp.warm_conventions:
+        warm = [sample_task(rng, rng.choice(orgs), 0.5, conventions=conventions) for _ in range(600)]
+    else:
+        warm = [sample_task(rng, "warm", 0.5, kinds=tuple(KINDS)) for _ in range(600)]
+    right_easy = exp.warm_right_easy if exp.warm_right_easy >= 0 else None
+    warm_start(model, warm, steps=exp.warm_start_steps, seed=exp.seed, right_easy=right_easy)
+    reference.load_state_dict(model.state_dict())
+    report = {
+        org: held_out(exp.eval_tasks, seed=REPORT_SEED + exp.seed, org=org, conventions=conventions) for org in orgs
+    }
+    adapters = _Adapters(model, s, exp, conventions) if arm == "adapters" else None
+
+    loop = InProcessLoop(s, "per-org", exp.seed, exp.group_size, exp.rate, exp.cycle_minutes)
+    rows: list[OrgRow] = []
+    org_of: dict[str, str] = {}  # each trajectory's org (what the adapters' train_metrics are checked against)
+
+    def react_one(traj: Trajectory, task: Task, out: Outcome, t: int, user: str) -> None:
+        react(traj, task, out, loop.world_rng, t, user)
+
+    for cycle in range(1, exp.cycles + 1):
+        tasks = [
+            sample_task(loop.serve_rng, loop.serve_rng.choice(orgs), 0.5, conventions=conventions)
+            for _ in range(exp.tasks_per_cycle)
+        ]
+        flat = [t for t in tasks for _ in range(exp.group_size)]
+        # serve each org's tasks with what serves it (org by org in both arms, so both draw the same numbers)
+        completions: list[list[int]] = [[] for _ in flat]
+        logps: list[list[float]] = [[] for _ in flat]
+        for org in orgs:
+            idx = [i for i, t in enumerate(flat) if t.org_id == org]
+            if not idx:
+                continue
+            with lora.activate(model, adapters.serving(org) if adapters else None):
+                comps, lps = sample(model, [flat[i] for i in idx], loop.gen)
+            for i, c, lp in zip(idx, comps, lps):
+                completions[i], logps[i] = c, lp
+        loop.serve(cycle, flat, completions, logps, react_one)
+        made, _ = loop.deliver(loop.window(cycle)[1])
+        org_of.update({f"c{cycle}-{i}": t.org_id for i, t in enumerate(flat)})  # leftover batches: earlier ids
+        decisions: dict[str, list[str]] = {org: [] for org in orgs}
+        adapter_steps: dict[str, list[TrainStep]] = {org: [] for org in orgs}
+        if adapters is not None:
+            shared, streams = adapters.route(made)
+            for org, batches in streams.items():  # on the base that served the batches
+                adapter_steps[org], decision = adapters.train_and_gate(org, batches, cycle, loop.version)
+                if decision is not None:
+                    decisions[org].append(decision)
+            _train_base_only(model)
+        else:
+            shared = [b for _, b in made]
+        steps = loop.train(model, reference, shared, f"per-org-{arm}-{cycle}")
+        version = loop.promote()  # the arms must stay comparable, so no gate
+        if adapters is not None:
+            for org, decision in adapters.revalidate(version).items():
+                decisions[org].append(decision)
+        for org in orgs:
+            rows.append(
+                _measure(
+                    model,
+                    report[org],
+                    conventions,
+                    arm,
+                    cycle,
+                    org,
+                    adapters.serving(org) if adapters else None,
+                    adapters.ledger if adapters else None,
+                    decisions[org],
+                    adapter_steps[org],
+                    steps,
+                    org_of,
+                )
+            )
+        if progress is not None:
+            progress(rows[-len(orgs) :])
+    return rows
+
+
+def _measure(
+    model: torch.nn.Module,
+    tasks: list[Task],
+    conventions: Conventions,
+    arm: str,
+    cycle: int,
+    org: str,
+    serving: str | None,
+    ledger: AdapterLedger | None,
+    decisions: list[str],
+    adapter_steps: list[TrainStep],
+    steps: list[TrainStep],
+    org_of: dict[str, str],
+) -> OrgRow:
+    """One org's row: the shared policy alone and what serves the org, on the org's report tasks."""
+    convention = conventions.get(org)
+    kinds = convention.kinds if convention is not None else ()
+    on_convention = tuple(t.kind in kinds for t in tasks)
+
+    def solved_and_probs(name: str | None) -> tuple[tuple[bool, ...], tuple[float, ...]]:
+        with lora.activate(model, name):
+            solved = tuple(outcome(t, c).correct for t, c in zip(tasks, greedy(model, tasks)))
+            return solved, tuple(solve_probability(model, tasks))
+
+    shared_solved, shared_probs = solved_and_probs(None)
+    served_solved, served_probs = solved_and_probs(serving) if serving else (shared_solved, shared_probs)
+
+    def part(solved: tuple[bool, ...], keep: bool) -> float:
+        return _mean(float(x) for x, c in zip(solved, on_convention) if c == keep)
+
+    served_version = ledger.serving(org) if ledger is not None and serving else None
+    return OrgRow(
+        arm=arm,
+        cycle=cycle,
+        org=org,
+        specialised=convention is not None,
+        served_by=f"adapter v{served_version.version}" if served_version is not None else "shared",
+        shared_success=_mean(map(float, shared_solved)),
+        served_success=_mean(map(float, served_solved)),
+        shared_expected=_mean(shared_probs),
+        served_expected=_mean(served_probs),
+        shared_convention=part(shared_solved, True),
+        served_convention=part(served_solved, True),
+        shared_general=part(shared_solved, False),
+        served_general=part(served_solved, False),
+        decisions=tuple(decisions),
+        adapter_steps=len(adapter_steps),
+        adapter_kl=_mean(st.kl for st in adapter_steps) if adapter_steps else 0.0,
+        adapter_samples=sum(len(st.sample_ids) for st in adapter_steps),
+        adapter_sample_orgs=tuple(sorted({org_of.get(i, "?") for st in adapter_steps for i in st.sample_ids})),
+        kl=_mean(st.kl for st in steps) if steps else 0.0,
+        steps=len(steps),
+        convention_task=on_convention,
+        shared_solved=shared_solved,
+        served_solved=served_solved,
+        shared_probs=shared_probs,
+        served_probs=served_probs,
+    )
+
+
+def run(
+    exp: Experiment,
+    arms: Iterable[str] = ARMS,
+    base: Settings | None = None,
+    progress: Callable[[list[OrgRow]], None] | None = None,
+) -> dict[str, list[OrgRow]]:
+    """Both arms of the experiment, one after the other, from the same warm start and traffic."""
+    return {arm: run_arm(arm, exp, base, progress) for arm in arms}
+
+
+def summary(results: dict[str, list[OrgRow]], last: int = 3) -> dict[str, dict[str, dict[str, float]]]:
+    """Per arm and org, the means over the last ``last`` cycles of the figures the experiment compares."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for arm, rows in results.items():
+        cycles = sorted({r.cycle for r in rows})[-last:]
+        for org in sorted({r.org for r in rows}):
+            tail = [r for r in rows if r.org == org and r.cycle in cycles]
+            out.setdefault(arm, {})[org] = {
+                "shared_success": _mean(r.shared_success for r in tail),
+                "served_success": _mean(r.served_success for r in tail),
+                "shared_expected": _mean(r.shared_expected for r in tail),
+                "served_expected": _mean(r.served_expected for r in tail),
+                "served_convention": _mean(r.served_convention for r in tail),
+                "served_general": _mean(r.served_general for r in tail),
+            }
+    return out

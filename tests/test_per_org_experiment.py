@@ -1,0 +1,86 @@
+"""The per-org specialisation experiment (issue 17, app/per_org.py): specialisation pays where an org differs.
+
+Contract, on a short seeded run of both arms from the same warm start and traffic ((a) the shared policy alone,
+(b) the same shared policy plus one gated, served LoRA adapter per specialised org):
+
+* each specialised org's held-out P(solve) with what serves it in (b) (its adapter) beats (a)'s shared policy
+  alone by a clear margin (:data:`MARGIN`), on the org's report tasks (a held-out stream the gate never sees);
+* every other org's held-out P(solve) in (b) is not below (a)'s by more than :data:`TOLERANCE`;
+* each specialised org had at least one adapter version promoted, and an org without a convention never gets an
+  adapter;
+* an adapter's train_metrics name only its own org's samples (the router sends an org's batches to its adapter
+  stream only);
+* until the first adapter serves, the arms are one computation: after cycle 1 (whose traffic no adapter served)
+  the shared policies of (a) and (b) score the same on every org's tasks.
+
+The first two points are the experiment's claim and do not hold yet on the defaults (bench/RESULTS.md, "Per-org
+adapters"): that test is a strict expected failure, so the day it passes it must be turned into a plain one.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from app.per_org import Experiment, OrgRow, run
+
+MARGIN = 0.03
+"""The least P(solve) a specialised org's adapter must add over the shared policy alone (its convention kinds are
+two of five: 0.03 over all its tasks is about 0.08 on them)."""
+TOLERANCE = 0.03
+"""The most P(solve) an org without a convention may lose in (b) against (a) (the eval gate's solve tolerance)."""
+
+EXP = Experiment(cycles=3, tasks_per_cycle=128, eval_tasks=100, seed=0)
+
+
+def _last(rows: list[OrgRow], org: str) -> OrgRow:
+    return [r for r in rows if r.org == org][-1]
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, list[OrgRow]]:
+    return run(EXP)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="not yet: on this world and budget an adapter learns its org's convention about as slowly as the shared "
+    "policy learns the global one, and the base moving under it each cycle takes most of it back; bench/RESULTS.md "
+    "(Per-org adapters) has the figures and what was tried. Strict: a change that makes it pass must say so here",
+)
+def test_specialised_orgs_gain_with_their_adapters_and_the_others_do_not_regress(results):
+    shared, adapters = results["shared"], results["adapters"]
+    conventions = EXP.conventions
+    for org in (f"org-{i}" for i in range(EXP.orgs)):
+        a, b = _last(shared, org), _last(adapters, org)
+        if org in conventions:
+            assert b.served_by.startswith("adapter"), (org, b.served_by, b.decisions)
+            assert b.served_expected > a.shared_expected + MARGIN, (org, a.shared_expected, b.served_expected)
+            # the gain is on the org's convention kinds, where the shared policy cannot follow it
+            assert b.served_convention > a.shared_convention, (org, a.shared_convention, b.served_convention)
+        else:
+            assert b.served_by == "shared"
+            assert b.served_expected >= a.shared_expected - TOLERANCE, (org, a.shared_expected, b.served_expected)
+
+
+@pytest.mark.slow
+def test_adapters_are_promoted_and_train_only_on_their_own_org(results):
+    adapters = results["adapters"]
+    for org in EXP.conventions:
+        rows = [r for r in adapters if r.org == org]
+        assert any("promoted" in d for r in rows for d in r.decisions), [r.decisions for r in rows]
+        assert sum(r.adapter_steps for r in rows) > 0
+        assert all(set(r.adapter_sample_orgs) <= {org} for r in rows), [r.adapter_sample_orgs for r in rows]
+    others = [r for r in adapters if r.org not in EXP.conventions]
+    assert all(r.adapter_steps == 0 and not r.decisions and not r.adapter_sample_orgs for r in others)
+
+
+@pytest.mark.slow
+def test_the_arms_are_one_computation_until_an_adapter_serves(results):
+    first = {arm: [r for r in rows if r.cycle == 1] for arm, rows in results.items()}
+    for a, b in zip(first["shared"], first["adapters"], strict=True):
+        assert a.org == b.org and a.shared_probs == b.shared_probs and a.shared_solved == b.shared_solved
+        assert a.kl == b.kl and a.steps == b.steps
+    assert statistics.fmean(r.steps for r in results["shared"]) > 0
