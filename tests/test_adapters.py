@@ -45,6 +45,7 @@ import pytest
 import torch
 
 from rtrl.errors import ConfigError
+from tests.test_hf_convert import BASE, VOCAB  # noqa: E402
 from trainer import lora
 from trainer.config import ModelConfig
 from trainer.model import build_model, causal_mask, forward_logprobs, init_parallel
@@ -426,17 +427,7 @@ def test_tp2_equals_tp1(tmp_path):
 
 # --------------------------------------------------------------------------- PEFT
 
-VOCAB = 100
-HF_SHAPE = dict(
-    num_hidden_layers=2,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=96,
-    vocab_size=VOCAB,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-)
+HF_SHAPE = BASE | {"max_position_embeddings": 256}  # the conversion tests' tiny model, as tests/test_registry.py
 VLLM_KEY = re.compile(
     r"^base_model\.model\.model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.lora_[AB]\.weight$"
 )
