@@ -236,7 +236,7 @@ def policy_server(settings: Settings, bootstrap: str, client: RtrlClient, seed: 
         [f"org-{i}" for i in range(ls.orgs)],
         seed=seed,
         users_per_org=ls.users_per_org,
-        conventions=conventions_for(ls.orgs, ls.specialised_orgs),  # orgs whose users accept answers of their own
+        conventions=conventions_for(ls.orgs, ls.specialised_orgs),  # orgs whose reviewers have habits of their own
         max_adapters=settings.adapters.max_loaded,
         hard_share=ls.hard_share,
         compression=settings.kafka.compression,

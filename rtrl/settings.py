@@ -552,8 +552,9 @@ class LoopSettings(Section):
     orgs: int = _s(3, "simulated organisations (cohorts are org x task kind)", gt=0)
     specialised_orgs: int = _s(
         0,
-        "of the simulated orgs, how many follow a convention of their own on two task kinds (their users accept "
-        "another answer there, which the prompt does not show: simulator.tasks.conventions_for): the last ones "
+        "of the simulated orgs, how many follow a convention of their own on two task kinds (their reviewers "
+        "accept an edit there only after a given tool ran, which the prompt does not show: "
+        "simulator.tasks.conventions_for): the last ones "
         "(with 3 orgs and 2 specialised, org-1 and org-2; org-0 keeps the global convention); 0 = none; at most "
         "loop.orgs",
         ge=0,

@@ -11,8 +11,8 @@ as a list, ``n = group_size``); it publishes one :class:`Rollout` per completion
 (keyed by trajectory), and lets the simulated user react through the client SDK
 (:func:`simulator.world.react`; an accepted edit's persistence check is delivered later, as in production). Each
 task is asked by a user of its org (``users_per_org``, from a stream of their own), under the org's convention
-when ``conventions`` gives it one (:class:`simulator.tasks.Convention`: the answer its users accept on some kinds
-differs from the global one; not in the prompt). In A/B mode the users whose
+when ``conventions`` gives it one (:class:`simulator.tasks.Convention`: on some kinds its users accept an edit only
+after a given tool ran, or another answer; not in the prompt). In A/B mode the users whose
 hash for the experiment (:func:`ab_bucket`) falls below ``candidate_share`` are served by a candidate version
 instead (the server's ``candidate_name`` model), with ``arm="candidate"`` on their events: a user sees one arm for
 the whole experiment. An :class:`~schemas.records.Experiment` announced on ``rtrl.experiments`` does the same outside

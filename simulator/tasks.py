@@ -16,13 +16,17 @@ How users react - accepting, rewriting and reverting edits, persistence checks t
 latency of what the policy did, dissatisfied follow-ups - is :mod:`simulator.world`.
 
 **Org conventions** (issue 17: a world where per-org adapters pay). Some orgs follow a convention of their own
-on a few task kinds: there the edit their users accept is the global answer shifted by the org's digit,
-``(answer + shift) % 10`` (:class:`Convention`). The prompt does not carry the org, so the shared policy cannot
-tell the orgs apart and at best learns the majority's answer; an adapter trained on one org's samples can learn
-its convention. A convention is data: :func:`sample_task` copies the org's shift for the task's kind into
-:attr:`Task.shift`, so :attr:`Task.answer`, :func:`outcome`, :func:`score` and the users' reactions
-(:mod:`simulator.world`) all follow it. :func:`conventions_for` gives the loop's (``loop.specialised_orgs``);
-with no conventions every task has shift 0 and every seeded stream is what it was before them.
+on a few task kinds (:class:`Convention`): their reviewers accept an edit there only after a given tool ran
+first (``tool``: e.g. "run the tests before any refactor", or "search for the callers first"), and/or the edit
+they accept is the global answer shifted by the org's digit, ``(answer + shift) % 10``. The prompt does not
+carry the org, so the shared policy cannot tell the orgs apart and at best learns the majority's habit; an
+adapter trained on one org's samples can learn its convention. The loop's conventions
+(:func:`conventions_for`) are tool habits that conflict between orgs on the same kinds (one org wants the tests
+run, another a search, and everyone pays the tests' latency), so no single policy serves them all. A convention
+is data: :func:`sample_task` copies the org's shift and tool for the task's kind into :attr:`Task.shift` and
+:attr:`Task.tool`, so :attr:`Task.answer`, :func:`outcome`, :func:`score` and the users' reactions
+(:mod:`simulator.world`) all follow it. With no conventions every task has shift 0 and no required tool, and
+every seeded stream is what it was before them.
 
 Under the historical buggy reward (``v1-discard-broken``) a trajectory with a broken call earns
 no reward at all instead of a negative one, so on tasks the policy expects to fail, a broken call
@@ -65,6 +69,9 @@ class Task:
     shift: int = 0
     """The org's convention on this kind (:class:`Convention`): the accepted edit is the global answer + shift
     (mod 10); 0 = the global convention. Not in the prompt."""
+    tool: str | None = None
+    """The org's convention on this kind: the tool that must run before its users accept an edit (a name in
+    :data:`TOOLS`); None = any valid tool (the global convention). Not in the prompt."""
 
     @property
     def global_answer(self) -> int:
@@ -106,53 +113,72 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Convention:
-    """An org's own convention: on the task kinds ``kinds`` its users accept ``(global answer + shift) % 10``
-    instead of the global answer (``shift`` in 1..9); on every other kind they follow the global one."""
+    """An org's own convention on the task kinds ``kinds``: its users accept ``(global answer + shift) % 10``
+    instead of the global answer (``shift`` in 0..9), and only after the tool ``tool`` ran (None: any valid
+    tool); at least one of the two differs from the global convention. On every other kind they follow the
+    global one."""
 
     org: str
     kinds: tuple[str, ...]
-    shift: int
+    shift: int = 0
+    tool: str | None = None
 
     def __post_init__(self) -> None:
         unknown = [k for k in self.kinds if k not in KIND_TOKENS]
         if unknown or not self.kinds:
             raise ValueError(f"Convention of {self.org!r}: kinds {list(self.kinds)} must be among {list(KIND_TOKENS)}")
-        if not 1 <= self.shift <= 9:
+        if not 0 <= self.shift <= 9:
+            raise ValueError(f"Convention of {self.org!r}: shift {self.shift!r} must be within 0..9 (0: no shift)")
+        if self.tool is not None and self.tool not in TOOLS.values():
             raise ValueError(
-                f"Convention of {self.org!r}: shift {self.shift!r} must be within 1..9 (0 is no convention)"
+                f"Convention of {self.org!r}: tool {self.tool!r} must be one of {sorted(TOOLS.values())} or None"
             )
+        if self.shift == 0 and self.tool is None:
+            raise ValueError(f"Convention of {self.org!r}: neither a shift nor a tool (that is the global convention)")
 
     def shift_for(self, kind: str) -> int:
         """The shift of a task of ``kind`` in this org: ``shift`` on its convention kinds, else 0."""
         return self.shift if kind in self.kinds else 0
 
+    def tool_for(self, kind: str) -> str | None:
+        """The tool a task of ``kind`` in this org needs before an edit is accepted: ``tool`` on its convention
+        kinds, else None (any valid tool)."""
+        return self.tool if kind in self.kinds else None
+
+    def describe(self) -> str:
+        """One line for tables: ``refactor+test: run_tests first`` (and ``answer +3`` for a shift)."""
+        parts = ([f"{self.tool} first"] if self.tool else []) + ([f"answer +{self.shift}"] if self.shift else [])
+        return f"{'+'.join(self.kinds)}: {', '.join(parts)}"
+
 
 Conventions = Mapping[str, Convention]
 """The orgs that have a convention, by org id (an org not in it follows the global convention)."""
 
-CONVENTION_TABLE: tuple[tuple[tuple[str, ...], int], ...] = (
-    (("refactor", "test"), 3),
-    (("feature", "explain"), 7),
-    (("bugfix", "refactor"), 5),
-    (("test", "feature"), 1),
-    (("explain", "bugfix"), 9),
+CONVENTION_TABLE: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("refactor", "test"), "run_tests"),
+    (("refactor", "test"), "search"),
+    (("bugfix", "feature"), "run_tests"),
+    (("bugfix", "feature"), "read_file"),
+    (("explain",), "search"),
 )
-"""(kinds, shift) of the 1st, 2nd, ... specialised org (:func:`conventions_for`), cycling after the fifth:
-two of the five short kinds each, with shifts that differ wherever two rows share a kind (no two specialised
-orgs accept the same answer there)."""
+"""(kinds, tool) of the 1st, 2nd, ... specialised org (:func:`conventions_for`), cycling after the fifth: the
+tool the org's reviewers want run before they accept an edit on those kinds. Rows come in conflicting pairs on
+the same kinds (the tests run against a search for callers), so with two or more specialised orgs no single
+policy satisfies them all; the tests' latency (:data:`simulator.world.TOOL_MS`) also pulls every other org's
+users away from ``run_tests``."""
 
 
 def conventions_for(n_orgs: int, specialised: int) -> dict[str, Convention]:
     """The loop's conventions: of the orgs ``org-0`` .. ``org-{n_orgs-1}``, the last ``specialised`` have one,
     the j-th of them (from ``org-{n_orgs-specialised}``) the j-th row of :data:`CONVENTION_TABLE`. With 3 orgs
-    and 2 specialised: ``org-1`` shifts refactor and test by 3, ``org-2`` feature and explain by 7, and
-    ``org-0`` (the last to get one) keeps the global convention."""
+    and 2 specialised: ``org-1`` wants the tests run before a refactor or test edit, ``org-2`` a search before
+    the same kinds, and ``org-0`` (the last to get one) keeps the global convention."""
     if not 0 <= specialised <= n_orgs:
         raise ValueError(f"specialised orgs ({specialised}) must be within 0..{n_orgs} (the number of orgs)")
     out = {}
     for j, i in enumerate(range(n_orgs - specialised, n_orgs)):
-        kinds, shift = CONVENTION_TABLE[j % len(CONVENTION_TABLE)]
-        out[f"org-{i}"] = Convention(f"org-{i}", kinds, shift)
+        kinds, tool = CONVENTION_TABLE[j % len(CONVENTION_TABLE)]
+        out[f"org-{i}"] = Convention(f"org-{i}", kinds, tool=tool)
     return out
 
 
@@ -163,8 +189,9 @@ def sample_task(
     kinds: tuple[str, ...] = tuple(KINDS),
     conventions: Conventions | None = None,
 ) -> Task:
-    """One task of ``org_id``, drawn from ``rng``; its shift is the org's convention on its kind (``conventions``;
-    the conventions draw nothing from ``rng``, so the same seed gives the same tasks with or without them)."""
+    """One task of ``org_id``, drawn from ``rng``; its shift and required tool are the org's convention on its
+    kind (``conventions``; they draw nothing from ``rng``, so the same seed gives the same tasks with or without
+    them)."""
     task = Task(
         task_id=f"{rng.getrandbits(48):012x}",
         org_id=org_id,
@@ -174,8 +201,8 @@ def sample_task(
         b=rng.randrange(10),
     )
     convention = conventions.get(org_id) if conventions else None
-    if convention is not None and convention.shift_for(task.kind):
-        task = replace(task, shift=convention.shift_for(task.kind))
+    if convention is not None and task.kind in convention.kinds:
+        task = replace(task, shift=convention.shift_for(task.kind), tool=convention.tool_for(task.kind))
     return task
 
 
@@ -201,8 +228,10 @@ def outcome(task: Task, completion: list[int]) -> Outcome:
         raise ValueError(f"a completion has {COMPLETION_LEN} tokens, got {len(completion)}")
     tool_tok, edit_tok = completion
     edit = edit_tok - DIGIT0 if DIGIT0 <= edit_tok < DIGIT0 + 10 else None
+    tool = TOOLS.get(tool_tok)
+    habit = task.tool is None or tool == task.tool  # the org's reviewers want this tool run first
     return Outcome(
-        tool=TOOLS.get(tool_tok), edit=edit, asked=edit_tok == ASK, correct=edit is not None and edit == task.answer
+        tool=tool, edit=edit, asked=edit_tok == ASK, correct=edit is not None and edit == task.answer and habit
     )
 
 

@@ -3,11 +3,13 @@ flow's routing of each org's micro-batches to its adapter stream.
 
 Contracts checked here:
 
-* **Org conventions** (simulator.tasks). An org with a :class:`Convention` accepts ``(global answer + shift) % 10``
-  on its convention kinds and the global answer elsewhere; the prompt is the same either way. The conventions
-  draw nothing from the task stream: with or without them a seed gives the same tasks (shift apart), and with
-  none every task has shift 0 (the existing golden streams hold). The users' reactions and the rewards follow
-  the org's answer: its users reject or revert the global answer on convention kinds and reward it elsewhere.
+* **Org conventions** (simulator.tasks). An org with a :class:`Convention` accepts an edit on its convention
+  kinds only after its tool ran (the default conventions: org-1 wants the tests run, org-2 a search, on the
+  same kinds) and/or only ``(global answer + shift) % 10``, and the global habit elsewhere; the prompt is the
+  same either way, and P(solve) counts the org's tool only. The conventions draw nothing from the task stream:
+  with or without them a seed gives the same tasks (shift and tool apart), and with none every task has shift
+  0 and no required tool (the existing golden streams hold). The users' reactions and the rewards follow the
+  org's habit: its users reject or revert the global one on convention kinds and reward it elsewhere.
   Each org's held-out tasks come from a stream of their own; its eval suite scores the org's tasks plus the
   global regression guard. ``loop.specialised_orgs`` may not exceed ``loop.orgs``, and the loop's policy server
   asks each org's tasks under its convention.
@@ -42,6 +44,7 @@ from simulator.tasks import (
     CONVENTION_TABLE,
     DIGIT0,
     KINDS,
+    TOOLS,
     Convention,
     Task,
     conventions_for,
@@ -54,25 +57,40 @@ from simulator.world import react
 from tests.test_batching import ro
 from tests.test_tasks_policy import Recorder
 
-CONVENTIONS = conventions_for(3, 2)  # org-1: refactor + test shifted by 3; org-2: feature + explain by 7
+CONVENTIONS = conventions_for(3, 2)  # org-1: the tests run before refactor + test edits; org-2: a search first
+SHIFTED = {"org-1": Convention("org-1", ("refactor", "test"), shift=3)}  # an answer convention (not the default)
+TOKEN = {name: tok for tok, name in TOOLS.items()}
+READ_FILE = TOKEN["read_file"]
+
+
+def habit(t: Task) -> int:
+    """The tool token a task's org wants run before an edit on its kind (read_file where any tool will do)."""
+    return TOKEN[t.tool] if t.tool else READ_FILE
 
 
 # ---------------------------------------------------------------- A. a world where specialisation pays
 
 
 def test_the_default_conventions_and_what_is_refused():
-    """The documented default (the table's first rows, on the last orgs), and bad conventions or settings fail
-    with a message naming the fix."""
+    """The documented default (the table's first rows, on the last orgs): tool habits that conflict on the same
+    kinds; bad conventions or settings fail with a message naming the fix."""
     assert CONVENTIONS == {
-        "org-1": Convention("org-1", ("refactor", "test"), 3),
-        "org-2": Convention("org-2", ("feature", "explain"), 7),
+        "org-1": Convention("org-1", ("refactor", "test"), tool="run_tests"),
+        "org-2": Convention("org-2", ("refactor", "test"), tool="search"),
     }
     assert conventions_for(3, 0) == {} and set(conventions_for(3, 3)) == {"org-0", "org-1", "org-2"}
-    assert [c.shift for c in conventions_for(7, 7).values()] == [s for _, s in CONVENTION_TABLE] + [3, 7]
+    assert [c.tool for c in conventions_for(7, 7).values()] == [t for _, t in CONVENTION_TABLE] + [
+        "run_tests",
+        "search",
+    ]
     with pytest.raises(ValueError, match="within 0..3"):
         conventions_for(3, 4)
-    with pytest.raises(ValueError, match="shift"):
-        Convention("o", ("bugfix",), 0)
+    with pytest.raises(ValueError, match="neither a shift nor a tool"):
+        Convention("o", ("bugfix",))
+    with pytest.raises(ValueError, match="shift 10 must be within 0..9"):
+        Convention("o", ("bugfix",), 10)
+    with pytest.raises(ValueError, match="tool 'grep' must be one of"):
+        Convention("o", ("bugfix",), tool="grep")
     with pytest.raises(ValueError, match="kinds"):
         Convention("o", ("nope",), 3)
     assert load_settings(env={"RTRL_LOOP__SPECIALISED_ORGS": "3"}).loop.specialised_orgs == 3
@@ -80,47 +98,99 @@ def test_the_default_conventions_and_what_is_refused():
         load_settings(env={"RTRL_LOOP__SPECIALISED_ORGS": "4"})
 
 
-def test_conventions_draw_nothing_from_the_task_stream():
-    """The same seed gives the same tasks with or without conventions; only the shift differs, and only on the
-    org's convention kinds; with none every shift is 0 and the prompt never shows the org."""
+@pytest.mark.parametrize("conventions", [CONVENTIONS, SHIFTED], ids=["tools", "shift"])
+def test_conventions_draw_nothing_from_the_task_stream(conventions):
+    """The same seed gives the same tasks with or without conventions; only the shift and the required tool
+    differ, and only on the org's convention kinds; with none every task has shift 0 and no required tool, and
+    the prompt never shows the org."""
     plain, conv = random.Random(11), random.Random(11)
     seen = set()
     for i in range(600):
         org = f"org-{i % 3}"
-        a, b = sample_task(plain, org), sample_task(conv, org, conventions=CONVENTIONS)
-        assert a.shift == 0 and a.answer == a.global_answer
-        want = CONVENTIONS[org].shift_for(a.kind) if org in CONVENTIONS else 0
-        assert b == Task(a.task_id, org, a.kind, a.level, a.a, a.b, shift=want)
+        a, b = sample_task(plain, org), sample_task(conv, org, conventions=conventions)
+        assert a.shift == 0 and a.tool is None and a.answer == a.global_answer
+        c = conventions.get(org)
+        want = (c.shift_for(a.kind), c.tool_for(a.kind)) if c else (0, None)
+        assert b == Task(a.task_id, org, a.kind, a.level, a.a, a.b, shift=want[0], tool=want[1])
         assert b.prompt == a.prompt and b.global_answer == a.global_answer
-        seen.add((org, b.kind, b.shift))
-    assert ("org-1", "refactor", 3) in seen and ("org-2", "explain", 7) in seen and ("org-1", "feature", 0) in seen
+        seen.add((org, b.kind, b.shift, b.tool))
+    assert ("org-1", "feature", 0, None) in seen
+    if conventions is CONVENTIONS:
+        assert ("org-1", "refactor", 0, "run_tests") in seen and ("org-2", "test", 0, "search") in seen
+    else:
+        assert ("org-1", "refactor", 3, None) in seen and ("org-2", "test", 0, None) in seen
     assert plain.random() == conv.random()  # both streams drew the same numbers
 
 
-def test_the_global_answer_is_wrong_on_a_specialised_orgs_convention_kinds_and_right_elsewhere():
+def test_the_global_habit_fails_a_specialised_orgs_convention_kinds_and_passes_elsewhere():
+    """The right answer after read_file (a habit any org-0 user accepts) fails on a specialised org's convention
+    kinds (the org wants another tool run first) and passes elsewhere; the org's own tool with the right answer
+    passes everywhere, and so does nothing else on its convention kinds (neither a wrong answer after it, nor
+    the other specialised org's tool)."""
     rng = random.Random(5)
     tasks = [sample_task(rng, f"org-{i % 3}", conventions=CONVENTIONS) for i in range(900)]
     for t in tasks:
         convention = t.org_id in CONVENTIONS and t.kind in CONVENTIONS[t.org_id].kinds
-        assert outcome(t, [5, DIGIT0 + t.global_answer]).correct is (not convention)
-        assert outcome(t, [5, DIGIT0 + t.answer]).correct
-    # a policy that knows only the global convention solves org-0 fully and the specialised orgs partly
+        assert outcome(t, [READ_FILE, DIGIT0 + t.answer]).correct is (not convention)
+        assert outcome(t, [habit(t), DIGIT0 + t.answer]).correct
+        assert not outcome(t, [habit(t), DIGIT0 + (t.answer + 1) % 10]).correct
+        if convention:
+            other = next(c.tool for o, c in CONVENTIONS.items() if o != t.org_id)
+            assert not outcome(t, [TOKEN[str(other)], DIGIT0 + t.answer]).correct
+    # a policy that knows only the global habit solves org-0 fully and the specialised orgs partly
     by_org = {
-        org: score(ts := [t for t in tasks if t.org_id == org], [[5, DIGIT0 + t.global_answer] for t in ts])
+        org: score(ts := [t for t in tasks if t.org_id == org], [[READ_FILE, DIGIT0 + t.answer] for t in ts])
         for org in ("org-0", "org-1", "org-2")
     }
     assert by_org["org-0"]["solve_rate"] == 1.0
     assert 0.45 < by_org["org-1"]["solve_rate"] < 0.75 and 0.45 < by_org["org-2"]["solve_rate"] < 0.75
+    # the same with a shifted answer: the global answer fails on the convention kinds
+    for t in (sample_task(rng, "org-1", conventions=SHIFTED) for _ in range(200)):
+        assert outcome(t, [READ_FILE, DIGIT0 + t.global_answer]).correct is (t.kind not in ("refactor", "test"))
 
 
-def test_users_of_a_specialised_org_reject_or_revert_the_global_answer_and_the_reward_follows():
-    """The same hard refactor task in org-0 (global convention) and org-1 (shift 3 on refactor): the global answer
-    is accepted and kept by org-0's users and rejected or reverted by org-1's, and v2 rewards it in org-0 only;
-    org-1's own answer earns in org-1 what the global one earns in org-0."""
+def test_solve_probability_counts_only_the_tool_the_org_wants():
+    """P(solve) sums over the first tokens after which a right edit is accepted: every one for a task with no
+    required tool, the org's tool alone for one with (the greedy and sampled scores agree)."""
+    import torch
 
-    def world(org: str, digit_of, n: int = 1500):
-        task = Task("t", org, "refactor", "hard", 3, 4, shift=CONVENTIONS[org].shift if org in CONVENTIONS else 0)
-        out = outcome(task, [5, DIGIT0 + digit_of(task)])
+    from app.loop import loop_model_config
+    from simulator.policy import _logits, solve_probability
+    from trainer.model import build_model, init_parallel
+
+    s = load_settings(env={})
+    cfg = loop_model_config(s)[0]
+    init_parallel(cfg)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    task = Task("t", "org-1", "refactor", "easy", 4, 2)
+    free, bound = solve_probability(model, [task, replace(task, tool="run_tests")])
+
+    with torch.no_grad():
+        p_first = torch.softmax(_logits(model, torch.tensor([task.prompt]))[:, -1], dim=-1)[0]
+        after = torch.softmax(_logits(model, torch.tensor([task.prompt + [TOKEN["run_tests"]]]))[:, -1], dim=-1)[0]
+    assert bound == pytest.approx(float(p_first[TOKEN["run_tests"]] * after[DIGIT0 + 4]), rel=1e-4)
+    assert 0 < bound < free
+
+
+@pytest.mark.parametrize(
+    "own,convention",
+    [(lambda t: (habit(t), t.answer), CONVENTIONS), (lambda t: (READ_FILE, t.answer), SHIFTED)],
+    ids=["tools", "shift"],
+)
+def test_users_of_a_specialised_org_reject_or_revert_the_global_habit_and_the_reward_follows(own, convention):
+    """The same hard refactor task in org-0 (global convention) and org-1 (its convention on refactor): the
+    global habit (the global answer after read_file) is accepted and kept by org-0's users and rejected or
+    reverted by org-1's, and v2 rewards it in org-0 only; org-1's own habit earns in org-1 about what the global
+    one earns in org-0."""
+
+    def world(org: str, act, n: int = 1500):
+        task = sample_task(random.Random(0), org, conventions=convention)
+        task = replace(task, kind="refactor", level="hard", a=3, b=4)
+        c = convention.get(org)
+        task = replace(task, shift=c.shift_for("refactor") if c else 0, tool=c.tool_for("refactor") if c else None)
+        tool, digit = act(task)
+        out = outcome(task, [tool, DIGIT0 + digit])
         rng, rewards, kept, accepted = random.Random(1), [], [], 0
         for i in range(n):
             rec = Recorder()
@@ -132,12 +202,12 @@ def test_users_of_a_specialised_org_reject_or_revert_the_global_answer_and_the_r
             rewards.append(result.reward)
         return accepted / n, statistics.mean(kept), statistics.mean(rewards)
 
-    acc0, kept0, r0 = world("org-0", lambda t: t.global_answer)
-    acc1, kept1, r1 = world("org-1", lambda t: t.global_answer)
-    own1 = world("org-1", lambda t: t.answer)
+    acc0, kept0, r0 = world("org-0", lambda t: (READ_FILE, t.global_answer))
+    acc1, kept1, r1 = world("org-1", lambda t: (READ_FILE, t.global_answer))
+    own1 = world("org-1", own)
     assert acc0 > 0.9 and kept0 > 0.85 and r0 > 0
     assert acc1 < 0.4 and kept1 < 0.5 and r1 < 0 < r0 - 0.5
-    assert abs(own1[2] - r0) < 0.15  # the org's own answer is worth to it what the global one is to org-0
+    assert abs(own1[2] - r0) < 0.15  # the org's own habit is worth to it about what the global one is to org-0
 
 
 def test_each_org_has_held_out_tasks_of_its_own():
@@ -146,18 +216,18 @@ def test_each_org_has_held_out_tasks_of_its_own():
     one = held_out(200, seed=7, org="org-1", conventions=CONVENTIONS)
     assert one == held_out(200, seed=7, org="org-1", conventions=CONVENTIONS)
     assert {t.org_id for t in one} == {"org-1"}
-    assert all(t.shift == (3 if t.kind in ("refactor", "test") else 0) for t in one)
-    assert {t.kind for t in one} == set(KINDS) and any(t.shift for t in one)
+    assert all(t.tool == ("run_tests" if t.kind in ("refactor", "test") else None) and t.shift == 0 for t in one)
+    assert {t.kind for t in one} == set(KINDS) and any(t.tool for t in one)
     ids = {t.task_id for t in one}
     assert not ids & {t.task_id for t in held_out(200, seed=7)}
     assert not ids & {t.task_id for t in held_out(200, seed=7, org="org-2", conventions=CONVENTIONS)}
     assert not ids & {t.task_id for t in (sample_task(random.Random(7), "org-1") for _ in range(200))}
     plain = held_out(200, seed=7, org="org-1")  # no conventions: the same tasks under the global one
-    assert [replace_shift(t) for t in one] == plain
+    assert [global_form(t) for t in one] == plain
     assert held_out(50) == held_out(50, conventions=CONVENTIONS)  # the global suite ignores conventions
 
 
-def replace_shift(t: Task) -> Task:
+def global_form(t: Task) -> Task:
     return Task(t.task_id, t.org_id, t.kind, t.level, t.a, t.b)
 
 
@@ -170,13 +240,13 @@ def test_an_orgs_eval_suite_scores_its_convention_and_its_guard_the_global_skill
     suite = ev.OrgHeldOutTasks("org-1", CONVENTIONS, n_tasks=120, seed=0, repeats=2)
     guard = suite.guard()
     assert suite.name == "held-out-tasks-org-1" and suite.samples == 240 and guard.name == "held-out-tasks"
-    assert guard.tasks and all(t.kind not in ("refactor", "test") and t.shift == 0 for t in guard.tasks)
+    assert guard.tasks and all(t.kind not in ("refactor", "test") and t.tool is None for t in guard.tasks)
     assert guard.tasks == [t for t in ev.HeldOutTasks(120, 0).tasks if t.kind not in ("refactor", "test")]
     assert guard.samples == 2 * len(guard.tasks) < 240
 
     def policy(knows_convention: bool):
         def answer(model, tasks, *generator):
-            comps = [[5, DIGIT0 + (t.answer if knows_convention else t.global_answer)] for t in tasks]
+            comps = [[habit(t) if knows_convention else READ_FILE, DIGIT0 + t.answer] for t in tasks]
             return (comps, None) if generator else comps
 
         return answer
@@ -432,7 +502,7 @@ def test_the_batch_flow_sends_a_wanted_orgs_batches_to_its_adapter_topic_after_i
 @pytest.mark.slow  # ~10 s on 2 cores: a policy model and its completions server
 def test_the_loops_policy_server_asks_specialised_orgs_tasks_under_their_convention(broker, topic_prefix, monkeypatch):
     """loop.specialised_orgs reaches the policy server (app.loop.policy_server): the tasks it serves carry their
-    org's shift on the org's convention kinds and none elsewhere; the prompts do not show it."""
+    org's required tool on the org's convention kinds and none elsewhere; the prompts do not show it."""
     import simulator.serve as serve
     from app.loop import loop_model_config, policy_server
     from client.sdk import RtrlClient
@@ -457,8 +527,8 @@ def test_the_loops_policy_server_asks_specialised_orgs_tasks_under_their_convent
             server.close()
     assert len(asked) == 60 and {t.org_id for t in asked} == {"org-0", "org-1", "org-2"}
     for t in asked:
-        assert t.shift == (CONVENTIONS[t.org_id].shift_for(t.kind) if t.org_id in CONVENTIONS else 0)
-    assert any(t.shift for t in asked)
+        assert t.tool == (CONVENTIONS[t.org_id].tool_for(t.kind) if t.org_id in CONVENTIONS else None)
+    assert any(t.tool for t in asked)
 
 
 def test_the_routers_count_survives_a_restart_of_the_flow_from_its_recovery_state(tmp_path):
