@@ -1,29 +1,32 @@
 """The per-org specialisation experiment (issue 17): does an org's own LoRA adapter pay where its users differ?
 
 The world: the loop's orgs ``org-0`` .. ``org-{n-1}``; the last ``specialised`` of them follow a convention of
-their own (:func:`simulator.tasks.conventions_for`): on two task kinds their users accept the global answer
-shifted by the org's digit. The prompt does not carry the org, so one policy for everyone at best learns the
-majority's answer there. Two arms see the same seeded traffic from the same warm start:
+their own (:func:`simulator.tasks.conventions_for`): on two task kinds their reviewers accept an edit only after a
+given tool ran (org-1 wants the tests run, org-2 a search for callers, on the same kinds). The prompt does not carry
+the org, so one policy for everyone can at best follow one of them there. Two arms see the same seeded traffic
+from the same warm start:
 
 * ``shared``: the shared policy alone, trained on all traffic (no adapters);
-* ``adapters``: the same shared policy, trained on the same traffic (``adapters.shared_traffic = "all"``: every
-  adapted org's batches also train the base), plus one LoRA adapter per specialised org
-  (:mod:`trainer.lora`). The batch flow's router (:class:`flows.adapters.OrgRouter`) sends an org's micro-batches
-  to its adapter stream once it has sent ``min_samples`` samples; each cycle the org's adapter trains on them
-  (:class:`trainer.train.TrainConfig` ``adapter=org``: the base frozen, the KL reference the base alone) on the
-  base that served them, continuing from the weights of its last promoted version (a refused candidate is
-  dropped: its noise would otherwise accumulate); the candidate is gated
-  (:func:`evalgate.adapters.decide_adapter`) on the org's held-out suite (:class:`simulator.evalsuite.OrgHeldOutTasks`)
-  against what serves the org and the base alone, and on the suite's global guard against the base alone;
-  promoted or refused in the org's :class:`evalgate.adapters.AdapterLedger`. A promoted adapter serves its org:
-  the org's tasks are sampled from the base with that adapter active.
+* ``adapters``: the same shared policy, trained on the same traffic (``adapters.shared_traffic``, "all" by
+  default: every adapted org's batches also train the base; "unadapted": only the other orgs'), plus one LoRA
+  adapter per specialised org (:mod:`trainer.lora`). The batch flow's router (:class:`flows.adapters.OrgRouter`)
+  sends an org's micro-batches to its adapter stream once it has sent ``min_samples`` samples. Each cycle, as
+  the main job does (:mod:`app.adapters`), the shared policy trains and is promoted first; every serving adapter
+  is judged again on the new base against the new base alone (``AdapterLedger.revalidate``: it keeps serving or
+  is retired); then the org's adapter trains on the cycle's adapter stream (:class:`trainer.train.TrainConfig`
+  ``adapter=org``: the base frozen, the KL reference the base alone) on that new base, continuing from the
+  weights of its last promoted version (a refused candidate is dropped: its noise would otherwise accumulate);
+  the candidate is gated (:func:`evalgate.adapters.decide_adapter`) on the org's held-out suite
+  (:class:`simulator.evalsuite.OrgHeldOutTasks`) against what serves the org and the base alone, and on the
+  suite's global guard against the base alone; promoted or refused in the org's
+  :class:`evalgate.adapters.AdapterLedger`. A promoted adapter serves its org: the org's tasks are sampled from
+  the base with that adapter active.
 
 In both arms the shared policy is promoted every cycle without a gate (as in :mod:`app.long_loop`: the arms must
-stay comparable). A base promotion makes every serving adapter stale: it is judged again on the new base against
-the new base alone (``AdapterLedger.revalidate``) and keeps serving, or is retired until a later version passes.
-Until the first adapter serves, the two arms are the same computation (the shared policy's weights are equal).
-The initial agent (``warm_conventions``) has seen every org's convention: it answers each org's way about as
-often as the global way, and training (one policy, or a policy per org) decides which it keeps.
+stay comparable). Until the first adapter serves, the two arms are the same computation (the shared policy's
+weights are equal). The initial agent (``warm_conventions``) has seen every org's convention; with the tool
+conventions it picks its tool the same way for every org, and training (one policy, or a policy per org)
+decides which habit it keeps.
 
 Each cycle runs the production pieces in-process on simulated event time (:mod:`app.inprocess`: rollouts and the
 SDK's recorded events, the reward flow's processor, the batch flow's builders, the Arrow wire format, the
@@ -81,14 +84,15 @@ class Experiment:
     """The experiment's world and size (defaults: bench/per_org.py's)."""
 
     cycles: int = 8
-    tasks_per_cycle: int = 256  # prompts served per cycle, each sampled group_size times (the loop's 2,048 samples)
-    group_size: int = 8  # 8, not the loop's 4: a convention answer the base rarely samples needs hits in a group
+    tasks_per_cycle: int = 128  # prompts served per cycle, each sampled group_size times (the loop's 2,048 samples)
+    group_size: int = 16  # 16, not the loop's 4: a habit the base rarely follows needs hits in a group
     orgs: int = 3
-    specialised: int = 2  # the last ones: org-1 shifts refactor + test by 3, org-2 feature + explain by 7
+    specialised: int = 2  # the last ones: org-1 wants the tests run before refactor + test edits, org-2 a search
     min_samples: int = 256  # adapters.min_samples: an org's samples before its adapter stream starts
     rank: int = 8  # adapters.rank
     alpha: float = 16.0  # adapters.alpha
-    adapter_lr: float = 0.006  # adapters.lr (0 = train.lr, 1e-3)
+    adapter_lr: float = 0.002  # adapters.lr (0 = train.lr, 1e-3); 6e-3 and up raised broken calls (RESULTS.md)
+    shared_traffic: str = "all"  # adapters.shared_traffic: "all" or "unadapted" (the shared policy skips adapted orgs)
     cycle_minutes: int = 60  # simulated event time per cycle
     rate: float = 100.0  # tasks served per second of event time, each group_size times
     eval_tasks: int = 200  # held-out tasks per org: the gate's suite, and the report's own
@@ -145,7 +149,7 @@ def arm_settings(base: Settings, exp: Experiment) -> Settings:
     env = as_env(base) | {
         "RTRL_ADAPTERS__ORGS": ",".join(exp.conventions),
         "RTRL_ADAPTERS__MIN_SAMPLES": str(exp.min_samples),
-        "RTRL_ADAPTERS__SHARED_TRAFFIC": "all",
+        "RTRL_ADAPTERS__SHARED_TRAFFIC": exp.shared_traffic,
         "RTRL_ADAPTERS__RANK": str(exp.rank),
         "RTRL_ADAPTERS__ALPHA": str(exp.alpha),
         "RTRL_ADAPTERS__LR": str(exp.adapter_lr),
@@ -351,20 +355,21 @@ def run_arm(
         org_of.update({f"c{cycle}-{i}": t.org_id for i, t in enumerate(flat)})  # leftover batches: earlier ids
         decisions: dict[str, list[str]] = {org: [] for org in orgs}
         adapter_steps: dict[str, list[TrainStep]] = {org: [] for org in orgs}
+        streams: dict[str, list[MicroBatch]] = {}
         if adapters is not None:
             shared, streams = adapters.route(made)
-            for org, batches in streams.items():  # on the base that served the batches
-                adapter_steps[org], decision = adapters.train_and_gate(org, batches, cycle, loop.version)
-                if decision is not None:
-                    decisions[org].append(decision)
             _train_base_only(model)
         else:
             shared = [b for _, b in made]
         steps = loop.train(model, reference, shared, f"per-org-{arm}-{cycle}")
         version = loop.promote()  # the arms must stay comparable, so no gate
-        if adapters is not None:
-            for org, decision in adapters.revalidate(version).items():
-                decisions[org].append(decision)
+        if adapters is not None:  # as the main job does (app.adapters): re-validate, then train on the new base
+            for org, judged in adapters.revalidate(version).items():
+                decisions[org].append(judged)
+            for org, batches in streams.items():
+                adapter_steps[org], decision = adapters.train_and_gate(org, batches, cycle, version)
+                if decision is not None:
+                    decisions[org].append(decision)
         for org in orgs:
             rows.append(
                 _measure(

@@ -1,10 +1,11 @@
 """Per-org adapters, measured: the shared policy alone (a) against the shared policy plus an adapter per specialised org (b).
 
-    .venv/bin/python bench/per_org.py [--cycles 8] [--tasks 256] [--group-size 8] [--seeds 1] [--orgs 3]
-        [--specialised 2] [--min-samples 256] [--rank 8] [--alpha 16] [--adapter-lr 0.006]
+    .venv/bin/python bench/per_org.py [--cycles 8] [--tasks 128] [--group-size 16] [--seeds 1] [--orgs 3]
+        [--specialised 2] [--min-samples 256] [--rank 8] [--alpha 16] [--adapter-lr 0.002] [--shared-traffic all]
 
 The experiment of :mod:`app.per_org`: the last ``--specialised`` of ``--orgs`` orgs follow a convention of their
-own on two task kinds (:func:`simulator.tasks.conventions_for`); both arms see the same seeded traffic from the
+own on two task kinds (:func:`simulator.tasks.conventions_for`: org-1's reviewers want the tests run first, org-2's
+a search, on the same kinds); both arms see the same seeded traffic from the
 same warm start; in (b) each specialised org's adapter trains on its adapter stream, is gated and, once
 promoted, serves its org. Printed, for every org, on 200 held-out tasks of that org the gate never sees, after
 the last cycle:
@@ -83,6 +84,9 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=d.rank, help="adapters.rank")
     ap.add_argument("--alpha", type=float, default=d.alpha, help="adapters.alpha")
     ap.add_argument("--adapter-lr", type=float, default=d.adapter_lr, help="adapters.lr (0 = train.lr)")
+    ap.add_argument(
+        "--shared-traffic", default=d.shared_traffic, choices=("all", "unadapted"), help="adapters.shared_traffic"
+    )
     ap.add_argument("--tolerance", type=float, default=0.03, help="largest P(solve) loss an other org may show")
     args = ap.parse_args()
     console = Console(width=220)  # wide tables stay readable when the output goes to a file
@@ -99,6 +103,7 @@ def main() -> None:
             rank=args.rank,
             alpha=args.alpha,
             adapter_lr=args.adapter_lr,
+            shared_traffic=args.shared_traffic,
             seed=seed,
         )
 
@@ -150,7 +155,7 @@ def report(
                         counts[next(k for k in counts if k in dec)] += 1
         table.add_row(
             org,
-            f"{'+'.join(conv.kinds)} +{conv.shift}" if conv else "global",
+            conv.describe() if conv else "global",
             _fmt(statistics.fmean(r.shared_expected for r in a)),
             _fmt(statistics.fmean(r.served_expected for r in b)),
             f"{diff:+.3f} [{lo:+.3f}, {hi:+.3f}]",
