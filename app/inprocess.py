@@ -187,11 +187,26 @@ class InProcessLoop:
             batches += [(org, b) for b in builder.flush_ready()]
         return batches, verdicts
 
-    def train(self, model: object, reference: object, batches: list[MicroBatch], run_id: str) -> list[TrainStep]:
+    def train(
+        self,
+        model: object,
+        reference: object,
+        batches: list[MicroBatch],
+        run_id: str,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> list[TrainStep]:
         """The shared policy's whole steps on this cycle's ``batches`` (and the last remainder), at the serving
-        version (:func:`train_steps`)."""
+        version (:func:`train_steps`; ``optimizer``: one kept across cycles, None = a new one each cycle)."""
         steps, self.leftover = train_steps(
-            model, reference, self.settings, batches, self.leftover, run_id, self.version, self.trained
+            model,
+            reference,
+            self.settings,
+            batches,
+            self.leftover,
+            run_id,
+            self.version,
+            self.trained,
+            optimizer=optimizer,
         )
         return steps
 
@@ -220,10 +235,12 @@ def train_steps(
     trained: TrainedSet,
     adapter: str = "",
     adapter_base: str = "",
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> tuple[list[TrainStep], list[MicroBatch]]:
     """Train ``leftover + batches`` in whole steps (``train.micro_batches_per_step``) through the wire format;
     returns (the steps' train_metrics, the remainder that waits for the next cycle). ``adapter``: train that
-    org's adapter (its batches only, the base frozen; ``reference`` None = the base alone)."""
+    org's adapter (its batches only, the base frozen; ``reference`` None = the base alone). ``optimizer``: one kept
+    across calls (:func:`trainer.train.train`); None = a new one each call."""
     todo = leftover + batches
     mbps = settings.train.micro_batches_per_step
     n = len(todo) // mbps * mbps
@@ -235,6 +252,13 @@ def train_steps(
     )
     source = MemorySource(wire)
     steps = train(
-        model, reference, lambda _offsets: source, tc, policy_version=policy_version, resume=False, trained=trained
+        model,
+        reference,
+        lambda _offsets: source,
+        tc,
+        policy_version=policy_version,
+        resume=False,
+        trained=trained,
+        optimizer=optimizer,
     )
     return steps, rest

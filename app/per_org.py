@@ -2,8 +2,9 @@
 
 The world: the loop's orgs ``org-0`` .. ``org-{n-1}``; the last ``specialised`` of them follow a convention of
 their own (:func:`simulator.tasks.conventions_for`): on two task kinds their reviewers accept an edit only after a
-given tool ran (org-1 wants the tests run, org-2 a search for callers, on the same kinds). The prompt does not carry
-the org, so one policy for everyone can at best follow one of them there. Two arms see the same seeded traffic
+given tool ran (with the defaults, 4 orgs: org-2 wants the tests run, org-3 a search for callers), where every
+other org's reviewers want the file read first (:data:`simulator.tasks.GLOBAL_HABIT`). The prompt does not carry
+the org, so one policy for everyone follows the majority's habit there. Two arms see the same seeded traffic
 from the same warm start:
 
 * ``shared``: the shared policy alone, trained on all traffic (no adapters);
@@ -24,7 +25,8 @@ from the same warm start:
 
 In both arms the shared policy is promoted every cycle without a gate (as in :mod:`app.long_loop`: the arms must
 stay comparable). Until the first adapter serves, the two arms are the same computation (the shared policy's
-weights are equal). The initial agent (``warm_conventions``) has seen every org's convention; with the tool
+weights are equal). The shared policy's and each adapter's optimizer moments carry over from cycle to cycle
+(``keep_optimizer``), as the main job's trainer keeps them in its checkpoints. The initial agent (``warm_conventions``) has seen every org's convention; with the tool
 conventions it picks its tool the same way for every org, and training (one policy, or a policy per org)
 decides which habit it keeps.
 
@@ -41,6 +43,7 @@ run.
 
 from __future__ import annotations
 
+import copy
 import random
 import statistics
 from collections.abc import Callable, Iterable
@@ -83,11 +86,11 @@ the gate's suite (seed ``7 + seed``) and the traffic never draw from."""
 class Experiment:
     """The experiment's world and size (defaults: bench/per_org.py's)."""
 
-    cycles: int = 8
+    cycles: int = 16  # an adapter moves its org's habit a little each cycle (RESULTS.md: 8 were not enough)
     tasks_per_cycle: int = 128  # prompts served per cycle, each sampled group_size times (the loop's 2,048 samples)
     group_size: int = 16  # 16, not the loop's 4: a habit the base rarely follows needs hits in a group
-    orgs: int = 3
-    specialised: int = 2  # the last ones: org-1 wants the tests run before refactor + test edits, org-2 a search
+    orgs: int = 4  # org-0 and org-1 (half the traffic) keep the majority's habit, so the shared policy follows it
+    specialised: int = 2  # the last ones: org-2 wants the tests run before refactor + test edits, org-3 a search
     min_samples: int = 256  # adapters.min_samples: an org's samples before its adapter stream starts
     rank: int = 8  # adapters.rank
     alpha: float = 16.0  # adapters.alpha
@@ -102,6 +105,10 @@ class Experiment:
     warm_conventions: bool = True
     """The initial agent imitates every org's users under that org's convention (a pretrained model has seen
     all of them, as a real one knows several code styles); False: the global convention only (the loop's)."""
+    keep_optimizer: bool = True
+    """The shared policy's and each adapter's AdamW moments carry over from cycle to cycle, as the main job's
+    trainer keeps them in its checkpoints (False: a new optimizer every cycle, whose first steps are sign steps
+    on every parameter: noise an adapter's small updates drown in)."""
     warm_right_easy: float = 0.8
     """How often the initial agent gives the accepted answer on easy tasks (``loop.warm_right_easy``; hard tasks:
     :func:`simulator.tasks.warm_start_completion`'s 0.35); negative: as often as on hard ones."""
@@ -174,6 +181,12 @@ def _train_base_only(model: torch.nn.Module) -> None:
         p.requires_grad_(id(p) not in frozen)
 
 
+def _adamw(params: Iterable[torch.nn.Parameter], s: Settings) -> torch.optim.AdamW:
+    """An AdamW as the trainer builds one (its learning rate is set again on every step from the run's config)."""
+    ts = s.train
+    return torch.optim.AdamW(list(params), lr=ts.lr, betas=(ts.beta1, ts.beta2), weight_decay=ts.weight_decay)
+
+
 def _mean(xs: Iterable[float]) -> float:
     xs = list(xs)
     return statistics.fmean(xs) if xs else float("nan")
@@ -204,6 +217,9 @@ class _Adapters:
         self.ledger = AdapterLedger()
         self.weights = dict.fromkeys(self.orgs, 0)  # which promoted weights the serving slot holds (0: none yet)
         self.initial = {org: lora.adapter_state_dict(model, org) for org in self.orgs}
+        # each adapter's optimizer (exp.keep_optimizer), and its state when the serving weights were promoted
+        self.opts = {org: _adamw(lora.adapter_parameters(model, org), s) for org in self.orgs if exp.keep_optimizer}
+        self.opt_promoted = {org: opt.state_dict() for org, opt in self.opts.items()}
         self._cache: dict[tuple[str, str, int, int], dict[str, float]] = {}
 
     def serving(self, org: str) -> str | None:
@@ -263,6 +279,7 @@ class _Adapters:
             self.trained[org],
             adapter=org,
             adapter_base=f"v{version}",
+            optimizer=self.opts.get(org),
         )
         if not steps:
             return steps, None
@@ -273,11 +290,15 @@ class _Adapters:
         if d.promote:
             lora.load_adapter_state_dict(self.model, _serving_slot(org), lora.adapter_state_dict(self.model, org))
             self.weights[org] += 1
+            if org in self.opts:
+                self.opt_promoted[org] = copy.deepcopy(self.opts[org].state_dict())
             return steps, f"v{cand.version} promoted"
         # a refused candidate is dropped: the next version trains on from the last promoted weights (those the
         # serving slot holds, even if retired since; none yet: a new adapter)
         last = lora.adapter_state_dict(self.model, _serving_slot(org)) if self.weights[org] else self.initial[org]
         lora.load_adapter_state_dict(self.model, org, last)
+        if org in self.opts:  # and so do the optimizer's moments
+            self.opts[org].load_state_dict(self.opt_promoted[org])
         return steps, f"v{cand.version} refused ({d.reason})"
 
     def revalidate(self, version: int) -> dict[str, str]:
@@ -326,6 +347,7 @@ def run_arm(
     }
     adapters = _Adapters(model, s, exp, conventions) if arm == "adapters" else None
 
+    base_opt = _adamw(model.parameters(), s) if exp.keep_optimizer else None  # after the adapters: all params
     loop = InProcessLoop(s, "per-org", exp.seed, exp.group_size, exp.rate, exp.cycle_minutes)
     rows: list[OrgRow] = []
     org_of: dict[str, str] = {}  # each trajectory's org (what the adapters' train_metrics are checked against)
@@ -361,7 +383,7 @@ def run_arm(
             _train_base_only(model)
         else:
             shared = [b for _, b in made]
-        steps = loop.train(model, reference, shared, f"per-org-{arm}-{cycle}")
+        steps = loop.train(model, reference, shared, f"per-org-{arm}-{cycle}", base_opt)
         version = loop.promote()  # the arms must stay comparable, so no gate
         if adapters is not None:  # as the main job does (app.adapters): re-validate, then train on the new base
             for org, judged in adapters.revalidate(version).items():

@@ -1,11 +1,11 @@
 """Per-org adapters, measured: the shared policy alone (a) against the shared policy plus an adapter per specialised org (b).
 
-    .venv/bin/python bench/per_org.py [--cycles 8] [--tasks 128] [--group-size 16] [--seeds 1] [--orgs 3]
+    .venv/bin/python bench/per_org.py [--cycles 16] [--tasks 128] [--group-size 16] [--seeds 1] [--orgs 4]
         [--specialised 2] [--min-samples 256] [--rank 8] [--alpha 16] [--adapter-lr 0.002] [--shared-traffic all]
 
 The experiment of :mod:`app.per_org`: the last ``--specialised`` of ``--orgs`` orgs follow a convention of their
-own on two task kinds (:func:`simulator.tasks.conventions_for`: org-1's reviewers want the tests run first, org-2's
-a search, on the same kinds); both arms see the same seeded traffic from the
+own on two task kinds (:func:`simulator.tasks.conventions_for`: with the defaults org-2's reviewers want the tests
+run first and org-3's a search, where every other org's read the file first, :data:`simulator.tasks.GLOBAL_HABIT`); both arms see the same seeded traffic from the
 same warm start; in (b) each specialised org's adapter trains on its adapter stream, is gated and, once
 promoted, serves its org. Printed, for every org, on 200 held-out tasks of that org the gate never sees, after
 the last cycle:

@@ -21,8 +21,9 @@ first (``tool``: e.g. "run the tests before any refactor", or "search for the ca
 they accept is the global answer shifted by the org's digit, ``(answer + shift) % 10``. The prompt does not
 carry the org, so the shared policy cannot tell the orgs apart and at best learns the majority's habit; an
 adapter trained on one org's samples can learn its convention. The loop's conventions
-(:func:`conventions_for`) are tool habits that conflict between orgs on the same kinds (one org wants the tests
-run, another a search, and everyone pays the tests' latency), so no single policy serves them all. A convention
+(:func:`conventions_for`) are tool habits on the same kinds where, in a world with conventions, every other org's
+reviewers want the file read first (:data:`GLOBAL_HABIT`): one org wants the tests run, another a search, so no
+single policy serves them all, and the shared one follows the majority. A convention
 is data: :func:`sample_task` copies the org's shift and tool for the task's kind into :attr:`Task.shift` and
 :attr:`Task.tool`, so :attr:`Task.answer`, :func:`outcome`, :func:`score` and the users' reactions
 (:mod:`simulator.world`) all follow it. With no conventions every task has shift 0 and no required tool, and
@@ -162,10 +163,16 @@ CONVENTION_TABLE: tuple[tuple[tuple[str, ...], str], ...] = (
     (("explain",), "search"),
 )
 """(kinds, tool) of the 1st, 2nd, ... specialised org (:func:`conventions_for`), cycling after the fifth: the
-tool the org's reviewers want run before they accept an edit on those kinds. Rows come in conflicting pairs on
-the same kinds (the tests run against a search for callers), so with two or more specialised orgs no single
-policy satisfies them all; the tests' latency (:data:`simulator.world.TOOL_MS`) also pulls every other org's
-users away from ``run_tests``."""
+tool the org's reviewers want run before they accept an edit on those kinds. The first two rows conflict with each
+other and with :data:`GLOBAL_HABIT` (read the file first) on the same kinds, so no single policy satisfies them
+all."""
+
+
+GLOBAL_HABIT = Convention("*", ("refactor", "test"), tool="read_file")
+"""In a world with conventions (:func:`sample_task` given any): what the reviewers of every org without a
+convention of its own on those kinds want, read the file before a refactor or a test edit. The specialised orgs
+of :data:`CONVENTION_TABLE`'s first rows want another tool there, so the shared policy, pulled to the majority's
+habit, serves them worst. With no conventions there is no habit (every stream is what it was)."""
 
 
 def conventions_for(n_orgs: int, specialised: int) -> dict[str, Convention]:
@@ -200,10 +207,21 @@ def sample_task(
         a=rng.randrange(10),
         b=rng.randrange(10),
     )
-    convention = conventions.get(org_id) if conventions else None
-    if convention is not None and task.kind in convention.kinds:
+    convention = convention_of(org_id, task.kind, conventions)
+    if convention is not None:
         task = replace(task, shift=convention.shift_for(task.kind), tool=convention.tool_for(task.kind))
     return task
+
+
+def convention_of(org_id: str, kind: str, conventions: Conventions | None) -> Convention | None:
+    """The convention a task of ``kind`` in ``org_id`` follows: the org's own on its kinds, else (in a world with
+    conventions) :data:`GLOBAL_HABIT` on its kinds, else None (the global convention)."""
+    if not conventions:
+        return None
+    own = conventions.get(org_id)
+    if own is not None and kind in own.kinds:
+        return own
+    return GLOBAL_HABIT if kind in GLOBAL_HABIT.kinds else None
 
 
 def held_out(

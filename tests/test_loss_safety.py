@@ -421,3 +421,42 @@ def test_trainer_records_the_step_mismatch(tiny_trainer):
     assert tokens > 0 and step.mismatch_k3 > 0
     assert step.mismatch_k3 == pytest.approx(k3_sum / tokens, rel=1e-9)
     assert step.mismatch_max_abs_log_ratio == pytest.approx(worst, rel=1e-9)
+
+
+def test_a_kept_optimizer_carries_its_moments_across_train_calls(tiny_trainer):
+    """train(optimizer=...) (the in-process experiments keep one across cycles): two calls of one step each with
+    one kept AdamW end on the same weights as one call of two steps; a new optimizer per call does not (its
+    first step is a sign step again). An optimizer over other parameters is refused."""
+    from torch.optim import AdamW
+
+    from tests.dist.train_run import synthetic_batches
+    from trainer.dedup import TrainedSet
+    from trainer.train import MemorySource, TrainConfig, train
+
+    model, reference, init, _ = tiny_trainer
+    batches = synthetic_batches(4)
+    tc = TrainConfig(run_id="kept", max_steps=2, micro_batches_per_step=2, max_policy_lag=1)
+
+    def run(calls: int, keep: bool) -> dict[str, torch.Tensor]:
+        model.load_state_dict(init)
+        opt = AdamW(list(model.parameters()), lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay) if keep else None
+        per, trained = 2 // calls, TrainedSet()
+        for c in range(calls):
+            part = batches[c * 2 * per : (c + 1) * 2 * per]
+            tcc = TrainConfig(run_id="kept", max_steps=per, micro_batches_per_step=2, max_policy_lag=1)
+            train(model, reference, _source(part), tcc, 1, resume=False, trained=trained, optimizer=opt)
+        return {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+
+    once, kept, fresh = run(1, False), run(2, True), run(2, False)
+    assert all(torch.allclose(once[k], kept[k], atol=1e-6) for k in once)
+    assert any(not torch.allclose(once[k], fresh[k], atol=1e-6) for k in once)
+    with pytest.raises(ValueError, match="exactly the parameters"):
+        wrong = AdamW(list(model.parameters())[:1], lr=1e-3)
+        train(model, reference, lambda off: MemorySource(batches, off), tc, 1, resume=False, optimizer=wrong)
+
+
+def _source(batches):
+    """A trainer source over ``batches`` (bound now, not when called)."""
+    from trainer.train import MemorySource
+
+    return lambda off: MemorySource(batches, off)

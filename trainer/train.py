@@ -231,6 +231,7 @@ def train(
     should_stop: Callable[[], bool] | None = None,
     trained: TrainedSet | None = None,
     start: dict[str, int] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> list[TrainStep]:
     """Train until ``max_steps``, until no micro-batch arrives within ``idle_timeout_s``, or until
     ``should_stop()`` says so before a step (e.g. a wall-time trigger).
@@ -243,13 +244,23 @@ def train(
     With ``cfg.adapter`` only that adapter's parameters train (the base is frozen), the adapter is active in the
     forward pass, ``reference`` may be None (then the KL reference is the same model with no adapter active: the
     base alone), and checkpoints are adapter checkpoints (:func:`trainer.lora.save_adapter`).
+
+    ``optimizer``: an AdamW over exactly the parameters this run trains, kept by a caller that trains in several
+    calls without checkpoints (the in-process experiments), so its moments carry over as a resumed run's do;
+    None = a new one (or the checkpoint's, when resuming).
     """
     if cfg.adapter:
         params = lora.train_only(model, cfg.adapter)
         restore = lora.activate(model, cfg.adapter)  # undone on return
     else:
         params, restore = list(model.parameters()), None
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    if optimizer is not None:
+        given = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if given != {id(p) for p in params}:
+            raise ValueError("train(optimizer=...) must hold exactly the parameters this run trains")
+        opt = optimizer
+    else:
+        opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     step, offsets = 0, start
     trained = trained if trained is not None else TrainedSet()
     if resume and cfg.checkpoint_dir and (last := checkpoint.latest(cfg.checkpoint_dir)) is not None:
