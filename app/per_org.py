@@ -95,6 +95,7 @@ class Experiment:
     rank: int = 8  # adapters.rank
     alpha: float = 16.0  # adapters.alpha
     adapter_lr: float = 0.002  # adapters.lr (0 = train.lr, 1e-3); 6e-3 and up raised broken calls (RESULTS.md)
+    adapter_kl: float = 0.0  # adapters.kl_coef (0 = loss.kl_coef, 0.01)
     shared_traffic: str = "all"  # adapters.shared_traffic: "all" or "unadapted" (the shared policy skips adapted orgs)
     cycle_minutes: int = 60  # simulated event time per cycle
     rate: float = 100.0  # tasks served per second of event time, each group_size times
@@ -160,6 +161,7 @@ def arm_settings(base: Settings, exp: Experiment) -> Settings:
         "RTRL_ADAPTERS__RANK": str(exp.rank),
         "RTRL_ADAPTERS__ALPHA": str(exp.alpha),
         "RTRL_ADAPTERS__LR": str(exp.adapter_lr),
+        "RTRL_ADAPTERS__KL_COEF": str(exp.adapter_kl),
     }
     return load_settings(env=env)
 

@@ -84,6 +84,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=d.rank, help="adapters.rank")
     ap.add_argument("--alpha", type=float, default=d.alpha, help="adapters.alpha")
     ap.add_argument("--adapter-lr", type=float, default=d.adapter_lr, help="adapters.lr (0 = train.lr)")
+    ap.add_argument("--adapter-kl", type=float, default=d.adapter_kl, help="adapters.kl_coef (0 = loss.kl_coef)")
     ap.add_argument(
         "--shared-traffic", default=d.shared_traffic, choices=("all", "unadapted"), help="adapters.shared_traffic"
     )
@@ -103,6 +104,7 @@ def main() -> None:
             rank=args.rank,
             alpha=args.alpha,
             adapter_lr=args.adapter_lr,
+            adapter_kl=args.adapter_kl,
             shared_traffic=args.shared_traffic,
             seed=seed,
         )

@@ -749,6 +749,12 @@ class AdapterSettings(Section):
     )
     dropout: float = _s(0.0, "dropout on the adapter's input (RL compares log-probs: keep 0)", ge=0, lt=1)
     lr: float = _s(0.0, "AdamW learning rate of an adapter; 0 = train.lr", ge=0)
+    kl_coef: float = _s(
+        0.0,
+        "weight of an adapter run's k3 KL term to the base alone (it keeps what the org does not ask for, such as "
+        "the broken-call rate, at the base's); 0 = loss.kl_coef",
+        ge=0,
+    )
     max_loaded: int = _s(64, "adapters the policy server holds in memory at once (least recently used leave)", gt=0)
 
     @field_validator("orgs", "targets", mode="before")

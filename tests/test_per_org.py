@@ -590,6 +590,21 @@ def test_the_routers_count_survives_a_restart_of_the_flow_from_its_recovery_stat
     assert sorted(s for b in adapted for s in b.sample_ids) == sorted(f"a-{i}" for i in range(6, 12))
 
 
+def test_an_adapter_runs_learning_rate_and_kl_weight_come_from_the_adapters_section():
+    """adapters.lr and adapters.kl_coef set an adapter run's learning rate and KL weight (to the base alone); 0 =
+    train.lr and loss.kl_coef; the shared policy's run never takes them."""
+    from trainer.train import TrainConfig
+
+    s = load_settings(env={"RTRL_ADAPTERS__LR": "0.002", "RTRL_ADAPTERS__KL_COEF": "0.2", "RTRL_LOSS__KL_COEF": "0.03"})
+    adapter, shared = TrainConfig.from_settings(s, adapter="org-1"), TrainConfig.from_settings(s)
+    assert (adapter.lr, adapter.loss.kl_coef) == (0.002, 0.2)
+    assert (shared.lr, shared.loss.kl_coef) == (s.train.lr, 0.03)
+    plain = TrainConfig.from_settings(load_settings(env={}), adapter="org-1")
+    assert (plain.lr, plain.loss.kl_coef) == (load_settings(env={}).train.lr, load_settings(env={}).loss.kl_coef)
+    with pytest.raises(ConfigError, match="adapters.kl_coef"):
+        load_settings(env={"RTRL_ADAPTERS__KL_COEF": "-1"})
+
+
 def test_an_adapter_trains_on_its_orgs_batches_only_and_the_base_stays_frozen(tmp_path):
     """The trainer's adapter mode (``TrainConfig.adapter``) reads the adapter stream, which holds several orgs'
     batches, and trains one org's adapter on that org's batches only: the sample ids in its train_metrics rows are

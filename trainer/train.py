@@ -138,7 +138,7 @@ class TrainConfig:
                 eps_low=ls.eps_low,
                 eps_high=ls.eps_high,
                 is_cap=ls.is_cap,
-                kl_coef=ls.kl_coef,
+                kl_coef=(settings.adapters.kl_coef or ls.kl_coef) if run.get("adapter") else ls.kl_coef,
                 log_ratio_clamp=ls.log_ratio_clamp,
                 dual_clip=ls.dual_clip,
                 k3_clamp=ls.k3_clamp,
