@@ -299,8 +299,10 @@ class _Adapters:
         # serving slot holds, even if retired since; none yet: a new adapter)
         last = lora.adapter_state_dict(self.model, _serving_slot(org)) if self.weights[org] else self.initial[org]
         lora.load_adapter_state_dict(self.model, org, last)
-        if org in self.opts:  # and so do the optimizer's moments
-            self.opts[org].load_state_dict(self.opt_promoted[org])
+        if org in self.opts:
+            # and so do the optimizer's moments; a copy, as load_state_dict keeps the tensors it is given and the
+            # next steps update them in place (a second refusal would restore those, not the promoted ones)
+            self.opts[org].load_state_dict(copy.deepcopy(self.opt_promoted[org]))
         return steps, f"v{cand.version} refused ({d.reason})"
 
     def revalidate(self, version: int) -> dict[str, str]:
