@@ -75,6 +75,7 @@ from simulator.world import react
 from trainer import lora
 from trainer.dedup import TrainedSet
 from trainer.model import build_model, init_parallel
+from trainer.train import TrainConfig, adamw
 
 ARMS = ("shared", "adapters")
 REPORT_SEED = 1000
@@ -184,9 +185,8 @@ def _train_base_only(model: torch.nn.Module) -> None:
 
 
 def _adamw(params: Iterable[torch.nn.Parameter], s: Settings) -> torch.optim.AdamW:
-    """An AdamW as the trainer builds one (its learning rate is set again on every step from the run's config)."""
-    ts = s.train
-    return torch.optim.AdamW(list(params), lr=ts.lr, betas=(ts.beta1, ts.beta2), weight_decay=ts.weight_decay)
+    """An AdamW as the trainer builds one (:func:`trainer.train.adamw`)."""
+    return adamw(params, TrainConfig.from_settings(s))
 
 
 def _mean(xs: Iterable[float]) -> float:

@@ -427,11 +427,9 @@ def test_a_kept_optimizer_carries_its_moments_across_train_calls(tiny_trainer):
     """train(optimizer=...) (the in-process experiments keep one across cycles): two calls of one step each with
     one kept AdamW end on the same weights as one call of two steps; a new optimizer per call does not (its
     first step is a sign step again). An optimizer over other parameters is refused."""
-    from torch.optim import AdamW
-
     from tests.dist.train_run import synthetic_batches
     from trainer.dedup import TrainedSet
-    from trainer.train import MemorySource, TrainConfig, train
+    from trainer.train import MemorySource, TrainConfig, adamw, train
 
     model, reference, init, _ = tiny_trainer
     batches = synthetic_batches(4)
@@ -439,7 +437,7 @@ def test_a_kept_optimizer_carries_its_moments_across_train_calls(tiny_trainer):
 
     def run(calls: int, keep: bool) -> dict[str, torch.Tensor]:
         model.load_state_dict(init)
-        opt = AdamW(list(model.parameters()), lr=tc.lr, betas=tc.betas, weight_decay=tc.weight_decay) if keep else None
+        opt = adamw(model.parameters(), tc) if keep else None
         per, trained = 2 // calls, TrainedSet()
         for c in range(calls):
             part = batches[c * 2 * per : (c + 1) * 2 * per]
@@ -451,7 +449,7 @@ def test_a_kept_optimizer_carries_its_moments_across_train_calls(tiny_trainer):
     assert all(torch.allclose(once[k], kept[k], atol=1e-6) for k in once)
     assert any(not torch.allclose(once[k], fresh[k], atol=1e-6) for k in once)
     with pytest.raises(ValueError, match="exactly the parameters"):
-        wrong = AdamW(list(model.parameters())[:1], lr=1e-3)
+        wrong = adamw(list(model.parameters())[:1], tc)
         train(model, reference, lambda off: MemorySource(batches, off), tc, 1, resume=False, optimizer=wrong)
 
 

@@ -22,7 +22,7 @@ import functools
 import math
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -220,6 +220,11 @@ def prepare(batch: Batch, policy_version: int, max_policy_lag: int, max_delayed_
     )
 
 
+def adamw(params: Iterable[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:
+    """The run's optimizer over ``params`` (its learning rate is set again before every step from ``cfg``)."""
+    return torch.optim.AdamW(list(params), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+
 def train(
     model: Any,
     reference: Any,
@@ -260,7 +265,7 @@ def train(
             raise ValueError("train(optimizer=...) must hold exactly the parameters this run trains")
         opt = optimizer
     else:
-        opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        opt = adamw(params, cfg)
     step, offsets = 0, start
     trained = trained if trained is not None else TrainedSet()
     if resume and cfg.checkpoint_dir and (last := checkpoint.latest(cfg.checkpoint_dir)) is not None:
