@@ -26,9 +26,9 @@ from the same warm start:
 In both arms the shared policy is promoted every cycle without a gate (as in :mod:`app.long_loop`: the arms must
 stay comparable). Until the first adapter serves, the two arms are the same computation (the shared policy's
 weights are equal). The shared policy's and each adapter's optimizer moments carry over from cycle to cycle
-(``keep_optimizer``), as the main job's trainer keeps them in its checkpoints. The initial agent (``warm_conventions``) has seen every org's convention; with the tool
-conventions it picks its tool the same way for every org, and training (one policy, or a policy per org)
-decides which habit it keeps.
+(``keep_optimizer``), as the main job's trainer keeps them in its checkpoints. The initial agent
+(``warm_conventions``) has seen every org's convention; with the tool conventions it picks its tool the same way
+for every org, and training (one policy, or a policy per org) decides which habit it keeps.
 
 Each cycle runs the production pieces in-process on simulated event time (:mod:`app.inprocess`: rollouts and the
 SDK's recorded events, the reward flow's processor, the batch flow's builders, the Arrow wire format, the

@@ -5,8 +5,8 @@
 
 The experiment of :mod:`app.per_org`: the last ``--specialised`` of ``--orgs`` orgs follow a convention of their
 own on two task kinds (:func:`simulator.tasks.conventions_for`: with the defaults org-2's reviewers want the tests
-run first and org-3's a search, where every other org's read the file first, :data:`simulator.tasks.GLOBAL_HABIT`); both arms see the same seeded traffic from the
-same warm start; in (b) each specialised org's adapter trains on its adapter stream, is gated and, once
+run first and org-3's a search, where every other org's read the file first, :data:`simulator.tasks.GLOBAL_HABIT`);
+both arms see the same seeded traffic from the same warm start; in (b) each specialised org's adapter trains on its adapter stream, is gated and, once
 promoted, serves its org. Printed, for every org, on 200 held-out tasks of that org the gate never sees, after
 the last cycle:
 

@@ -58,7 +58,7 @@ def solve_probability(model, tasks: list[Task]) -> list[float]:
     :func:`simulator.tasks.score` counts), exactly: the sum over first tokens t of P(t) x P(right edit | t),
     over the one tool token its org's convention requires where it requires one (:attr:`Task.tool`).
     A smoother measure of a policy's success than a solve rate of draws."""
-    from simulator.tasks import DIGIT0, TOOLS
+    from simulator.tasks import DIGIT0, TOOL_TOKENS
 
     model.eval()
     prompts = torch.tensor([t.prompt for t in tasks], dtype=torch.long)
@@ -70,12 +70,11 @@ def solve_probability(model, tasks: list[Task]) -> list[float]:
     p_edit = torch.softmax(_logits(model, seqs)[:, -1], dim=-1).view(len(tasks), vocab, -1)
     right = torch.tensor([DIGIT0 + t.answer for t in tasks])
     p_right = p_edit.gather(2, right.view(-1, 1, 1).expand(-1, vocab, 1))[..., 0]  # [N, V]
-    token_of = {name: tok for tok, name in TOOLS.items()}
     allowed = torch.ones(len(tasks), vocab)  # first tokens after which a right edit is accepted
     for i, t in enumerate(tasks):
         if t.tool is not None:
             allowed[i] = 0.0
-            allowed[i, token_of[t.tool]] = 1.0
+            allowed[i, TOOL_TOKENS[t.tool]] = 1.0
     return (p_first * p_right * allowed).sum(1).tolist()
 
 

@@ -45,6 +45,7 @@ from typing import Literal
 
 PAD, BOS, SEP, EOS, ASK = 0, 1, 2, 3, 4
 TOOLS = {5: "read_file", 6: "run_tests", 7: "search"}
+TOOL_TOKENS = {name: tok for tok, name in TOOLS.items()}  # each tool's token
 MALFORMED = (8, 9, 10)  # tool tokens with broken arguments; any non-tool token counts as broken too
 DIGIT0 = 11  # digits 0..9 are tokens 11..20
 KINDS = {"bugfix": 21, "feature": 22, "refactor": 23, "explain": 24, "test": 25}

@@ -45,7 +45,7 @@ from simulator.tasks import (
     DIGIT0,
     GLOBAL_HABIT,
     KINDS,
-    TOOLS,
+    TOOL_TOKENS,
     Convention,
     Task,
     convention_of,
@@ -61,7 +61,7 @@ from tests.test_tasks_policy import Recorder
 
 CONVENTIONS = conventions_for(3, 2)  # org-1: the tests run before refactor + test edits; org-2: a search first
 SHIFTED = {"org-1": Convention("org-1", ("refactor", "test"), shift=3)}  # an answer convention (not the default)
-TOKEN = {name: tok for tok, name in TOOLS.items()}
+TOKEN = TOOL_TOKENS
 READ_FILE = TOKEN["read_file"]
 
 
