@@ -630,13 +630,31 @@ def test_the_loop_on_a_hugging_face_model(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_processes_mode_shortened(tmp_path):
-    """`RTRL_LOOP__PROCESSES=true make run` (one short cycle): the supervisor runs each part (`app.parts`,
-    what `rtrl part NAME` runs) as its own process and the cycle ends in a decision; nothing is left running."""
-    run = sh(doc_command(r"RTRL_LOOP__PROCESSES=true make run"), _short_loop(tmp_path, cycles=1), timeout=900)
+    """`RTRL_LOOP__PROCESSES=true make run` (two short cycles): the supervisor runs each part (`app.parts`,
+    what `rtrl part NAME` runs) as its own process; each cycle ends in a decision, and the run ends like the
+    in-process one: the final live A/B (announced on rtrl.experiments, served by the serve part, users split by
+    hash), the table per checkpoint from ClickHouse and the PNGs; nothing is left running."""
+    from tests.test_loop import _dump
+
+    run = sh(doc_command(r"RTRL_LOOP__PROCESSES=true make run"), _short_loop(tmp_path, cycles=2), timeout=900)
     assert run.returncode == 0, _out(run)
-    assert [d[:2] for d in _decisions(run.stdout)] == [(1, 0)], _out(run)
+    assert [d[:2] for d in _decisions(run.stdout)] == [(1, 0), (2, 1)], _out(run)
+    out = _flat(run.stdout)
+    assert "one process per part" in out and "Checkpoints (reward v2)" in out, _out(run)
     for part in ("rewards", "batches", "serve", "train"):
         assert (tmp_path / "logs" / f"{part}.log").is_file(), sorted(p.name for p in (tmp_path / "logs").iterdir())
+    d = _dump(tmp_path)
+    serving = max(c[0] for c in d["checkpoints"] if c[2] == "promoted")
+    if serving:
+        assert f"Live A/B, v{serving} against v0: users randomised by hashed user id" in out, _out(run)
+        assert (tmp_path / "reports" / "final_ab.png").read_bytes()[:4] == b"\x89PNG"
+        in_v0, in_final, in_both = d["final_ab_users"]
+        assert in_v0 > 10 and in_final > 10 and in_both == 0  # each user saw one arm
+        arms = {(v, a) for v, a, _ in d["arms"]}
+        assert (0, "ab-v0") in arms and (serving, "ab-final") in arms
+    else:
+        assert "no final A/B: no candidate was promoted" in out, _out(run)
+    assert (tmp_path / "reports" / "loop.png").stat().st_size > 10_000
     left = _processes_with_env("RTRL_DATA_DIR", str(tmp_path))  # the parts' command lines do not name the folder
     assert not left, f"processes of the run still alive: {left}"
 
