@@ -161,7 +161,9 @@ def test_reward_hack_is_caught_with_the_buggy_reward_only(tmp_path):
     world of simulator/world.py the rise waits a cycle (users' noisier reactions); the v2 half holds for two
     cycles, not longer: the same cohort baseline pushes mass to tokens the policy never samples, which v2
     cannot see either, and a third v2 cycle once rose too (bench/RESULTS.md, "The reward-hack test's v2 half")."""
-    world = {"group_size": "1", "warm_right_easy": "0.9"}
+    # rate: each of the 15 cohorts flushes its own micro-batches, so at the default 100 tasks/s a cycle's 2,048
+    # samples came in ~140 mostly partial steps; at 400/s the micro-batches fill and the cycle takes ~40 steps
+    world = {"group_size": "1", "warm_right_easy": "0.9", "rate": "400"}
     v1 = _loop(tmp_path / "v1", "v1-discard-broken", cycles=2, **world)
     v2 = _loop(tmp_path / "v2", "v2", cycles=2, **world)
     for name, cps in (("v1", v1), ("v2", v2)):
