@@ -3,9 +3,10 @@
 The world: the loop's orgs ``org-0`` .. ``org-{n-1}``; the last ``specialised`` of them follow a convention of
 their own (:func:`simulator.tasks.conventions_for`): on two task kinds their reviewers accept an edit only after a
 given tool ran (with the defaults, 4 orgs: org-2 wants the tests run, org-3 a search for callers), where every
-other org's reviewers want the file read first (:data:`simulator.tasks.GLOBAL_HABIT`). The prompt does not carry
-the org, so one policy for everyone follows the majority's habit there. Two arms see the same seeded traffic
-from the same warm start:
+other org's reviewers want the file read first (:data:`simulator.tasks.GLOBAL_HABIT`). Every org has the same
+share of the traffic (``specialised_share`` gives the specialised orgs another). The prompt does not carry the
+org, so one policy for everyone follows the majority's habit there. Two arms see the same seeded traffic from the
+same warm start:
 
 * ``shared``: the shared policy alone, trained on all traffic (no adapters);
 * ``adapters``: the same shared policy, trained on the same traffic (``adapters.shared_traffic``, "all" by
@@ -90,8 +91,14 @@ class Experiment:
     cycles: int = 16  # an adapter moves its org's habit a little each cycle (RESULTS.md: 8 were not enough)
     tasks_per_cycle: int = 128  # prompts served per cycle, each sampled group_size times (the loop's 2,048 samples)
     group_size: int = 16  # 16, not the loop's 4: a habit the base rarely follows needs hits in a group
-    orgs: int = 4  # org-0 and org-1 (half the traffic) keep the majority's habit, so the shared policy follows it
+    orgs: int = 4  # org-0 and org-1 keep the global habit (read the file first)
     specialised: int = 2  # the last ones: org-2 wants the tests run before refactor + test edits, org-3 a search
+    specialised_share: float = 0.5
+    """The specialised orgs' share of the traffic, split evenly among them; the other orgs share the rest evenly
+    (0.5 with 2 of 4 orgs: every org the same share). Adapters go to the orgs with the traffic
+    (``adapters.min_samples``), so large specialised orgs are the likely case; with 0.75 their adapters learned
+    their habits, but the shared policy then followed one big org's habit in some seeds, and over 3 seeds the
+    claim did not hold (bench/RESULTS.md, "Per-org adapters")."""
     min_samples: int = 256  # adapters.min_samples: an org's samples before its adapter stream starts
     rank: int = 8  # adapters.rank
     alpha: float = 16.0  # adapters.alpha
@@ -115,10 +122,25 @@ class Experiment:
     """How often the initial agent gives the accepted answer on easy tasks (``loop.warm_right_easy``; hard tasks:
     :func:`simulator.tasks.warm_start_completion`'s 0.35); negative: as often as on hard ones."""
 
+    def __post_init__(self) -> None:
+        if 0 < self.specialised < self.orgs and not 0 < self.specialised_share < 1:
+            raise ValueError(
+                f"Experiment.specialised_share = {self.specialised_share!r}: the specialised orgs' share of the "
+                "traffic must be between 0 and 1 (exclusive) when some orgs are specialised and some are not"
+            )
+
     @property
     def conventions(self) -> dict[str, Convention]:
         """The specialised orgs' conventions (:func:`simulator.tasks.conventions_for`)."""
         return conventions_for(self.orgs, self.specialised)
+
+    def traffic(self) -> list[float]:
+        """Each org's share of the traffic, ``org-0`` first (:attr:`specialised_share`)."""
+        spec = self.specialised
+        if spec in (0, self.orgs):
+            return [1.0 / self.orgs] * self.orgs
+        rest = self.orgs - spec
+        return [(1.0 - self.specialised_share) / rest] * rest + [self.specialised_share / spec] * spec
 
 
 @dataclass
@@ -359,10 +381,15 @@ def run_arm(
     def react_one(traj: Trajectory, task: Task, out: Outcome, t: int, user: str) -> None:
         react(traj, task, out, loop.world_rng, t, user)
 
+    weights = exp.traffic()
+
+    def draw_org() -> str:  # equal shares: the same draws as before the shares were a setting
+        rng = loop.serve_rng
+        return rng.choice(orgs) if len(set(weights)) == 1 else rng.choices(orgs, weights)[0]
+
     for cycle in range(1, exp.cycles + 1):
         tasks = [
-            sample_task(loop.serve_rng, loop.serve_rng.choice(orgs), 0.5, conventions=conventions)
-            for _ in range(exp.tasks_per_cycle)
+            sample_task(loop.serve_rng, draw_org(), 0.5, conventions=conventions) for _ in range(exp.tasks_per_cycle)
         ]
         flat = [t for t in tasks for _ in range(exp.group_size)]
         # serve each org's tasks with what serves it (org by org in both arms, so both draw the same numbers)

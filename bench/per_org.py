@@ -1,11 +1,12 @@
 """Per-org adapters, measured: the shared policy alone (a) against the shared policy plus an adapter per specialised org (b).
 
     .venv/bin/python bench/per_org.py [--cycles 16] [--tasks 128] [--group-size 16] [--seeds 1] [--orgs 4]
-        [--specialised 2] [--min-samples 256] [--rank 8] [--alpha 16] [--adapter-lr 0.002] [--shared-traffic all]
+        [--specialised 2] [--specialised-share 0.5] [--min-samples 256] [--rank 8] [--alpha 16] [--adapter-lr 0.002] [--shared-traffic all]
 
 The experiment of :mod:`app.per_org`: the last ``--specialised`` of ``--orgs`` orgs follow a convention of their
 own on two task kinds (:func:`simulator.tasks.conventions_for`: with the defaults org-2's reviewers want the tests
 run first and org-3's a search, where every other org's read the file first, :data:`simulator.tasks.GLOBAL_HABIT`);
+the specialised orgs carry ``--specialised-share`` of the traffic (0.5: every org the same share);
 both arms see the same seeded traffic from the same warm start; in (b) each specialised org's adapter trains on its adapter stream, is gated and, once
 promoted, serves its org. Printed, for every org, on 200 held-out tasks of that org the gate never sees, after
 the last cycle:
@@ -80,6 +81,9 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--orgs", type=int, default=d.orgs)
     ap.add_argument("--specialised", type=int, default=d.specialised, help="the last orgs have a convention")
+    ap.add_argument(
+        "--specialised-share", type=float, default=d.specialised_share, help="the specialised orgs' traffic share"
+    )
     ap.add_argument("--min-samples", type=int, default=d.min_samples, help="adapters.min_samples")
     ap.add_argument("--rank", type=int, default=d.rank, help="adapters.rank")
     ap.add_argument("--alpha", type=float, default=d.alpha, help="adapters.alpha")
@@ -100,6 +104,7 @@ def main() -> None:
             group_size=args.group_size,
             orgs=args.orgs,
             specialised=args.specialised,
+            specialised_share=args.specialised_share,
             min_samples=args.min_samples,
             rank=args.rank,
             alpha=args.alpha,

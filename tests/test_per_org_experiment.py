@@ -86,3 +86,15 @@ def test_the_arms_are_one_computation_until_an_adapter_serves(results):
         assert a.org == b.org and a.shared_probs == b.shared_probs and a.shared_solved == b.shared_solved
         assert a.kl == b.kl and a.steps == b.steps
     assert statistics.fmean(r.steps for r in results["shared"]) > 0
+
+
+def test_the_traffic_shares_and_their_check():
+    """``specialised_share`` splits the traffic: the specialised orgs (the last ones) share it evenly, the others
+    the rest; equal shares when every org or none is specialised; outside (0, 1) it is refused, naming it."""
+    assert Experiment(orgs=4, specialised=2, specialised_share=0.75).traffic() == [0.125, 0.125, 0.375, 0.375]
+    assert Experiment(orgs=4, specialised=2, specialised_share=0.5).traffic() == [0.25] * 4
+    assert Experiment(orgs=3, specialised=0).traffic() == pytest.approx([1 / 3] * 3)
+    assert Experiment(orgs=2, specialised=2, specialised_share=1.0).traffic() == [0.5, 0.5]
+    for bad in (0.0, 1.0, -0.1):
+        with pytest.raises(ValueError, match="specialised_share"):
+            Experiment(orgs=4, specialised=2, specialised_share=bad)
