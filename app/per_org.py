@@ -103,7 +103,11 @@ class Experiment:
     rank: int = 8  # adapters.rank
     alpha: float = 16.0  # adapters.alpha
     adapter_lr: float = 0.002  # adapters.lr (0 = train.lr, 1e-3); 6e-3 and up raised broken calls (RESULTS.md)
-    adapter_kl: float = 0.0  # adapters.kl_coef (0 = loss.kl_coef, 0.01)
+    adapter_kl: float = 0.3  # adapters.kl_coef (0 = loss.kl_coef, 0.01)
+    adapter_kl_estimator: str = "full"
+    """adapters.kl_estimator: "full" (the exact KL to the base over the vocabulary), "k3" (on the sampled token) or
+    "" (loss.kl_estimator). With k3 the candidates that raised P(solve) also raised broken tool calls, and the gate
+    refused them; the full KL holds the broken-call rate (bench/RESULTS.md, "Per-org adapters")."""
     shared_traffic: str = "all"  # adapters.shared_traffic: "all" or "unadapted" (the shared policy skips adapted orgs)
     cycle_minutes: int = 60  # simulated event time per cycle
     rate: float = 100.0  # tasks served per second of event time, each group_size times
@@ -185,6 +189,7 @@ def arm_settings(base: Settings, exp: Experiment) -> Settings:
         "RTRL_ADAPTERS__ALPHA": str(exp.alpha),
         "RTRL_ADAPTERS__LR": str(exp.adapter_lr),
         "RTRL_ADAPTERS__KL_COEF": str(exp.adapter_kl),
+        "RTRL_ADAPTERS__KL_ESTIMATOR": exp.adapter_kl_estimator,
     }
     return load_settings(env=env)
 

@@ -1,7 +1,8 @@
 """Per-org adapters, measured: the shared policy alone (a) against the shared policy plus an adapter per specialised org (b).
 
     .venv/bin/python bench/per_org.py [--cycles 16] [--tasks 128] [--group-size 16] [--seeds 1] [--orgs 4]
-        [--specialised 2] [--specialised-share 0.5] [--min-samples 256] [--rank 8] [--alpha 16] [--adapter-lr 0.002] [--shared-traffic all]
+        [--specialised 2] [--specialised-share 0.5] [--min-samples 256] [--rank 8] [--alpha 16] [--adapter-lr 0.002] [--adapter-kl 0.3]
+        [--adapter-kl-estimator full] [--shared-traffic all]
 
 The experiment of :mod:`app.per_org`: the last ``--specialised`` of ``--orgs`` orgs follow a convention of their
 own on two task kinds (:func:`simulator.tasks.conventions_for`: with the defaults org-2's reviewers want the tests
@@ -90,6 +91,12 @@ def main() -> None:
     ap.add_argument("--adapter-lr", type=float, default=d.adapter_lr, help="adapters.lr (0 = train.lr)")
     ap.add_argument("--adapter-kl", type=float, default=d.adapter_kl, help="adapters.kl_coef (0 = loss.kl_coef)")
     ap.add_argument(
+        "--adapter-kl-estimator",
+        default=d.adapter_kl_estimator,
+        choices=("full", "k3", ""),
+        help="adapters.kl_estimator ('' = loss.kl_estimator)",
+    )
+    ap.add_argument(
         "--shared-traffic", default=d.shared_traffic, choices=("all", "unadapted"), help="adapters.shared_traffic"
     )
     ap.add_argument("--tolerance", type=float, default=0.03, help="largest P(solve) loss an other org may show")
@@ -110,6 +117,7 @@ def main() -> None:
             alpha=args.alpha,
             adapter_lr=args.adapter_lr,
             adapter_kl=args.adapter_kl,
+            adapter_kl_estimator=args.adapter_kl_estimator,
             shared_traffic=args.shared_traffic,
             seed=seed,
         )

@@ -394,7 +394,13 @@ class LossSettings(Section):
     dual_clip: float = _s(
         3.0, "dual-clip: a negative-advantage token's loss is at most this x |advantage| (> 1; 0 = off)", ge=0
     )
-    k3_clamp: float = _s(10.0, "clamp each token's k3 KL to at most this (0 = off)", ge=0)
+    k3_clamp: float = _s(10.0, "clamp each token's KL term (k3 or full) to at most this (0 = off)", ge=0)
+    kl_estimator: Literal["k3", "full"] = _s(
+        "k3",
+        "the KL term per trained token: k3 (on the sampled token; cheap, but blind to mass moved onto tokens the "
+        "policy rarely samples) or full (the exact KL over the whole vocabulary; costs the reference's [B, S, V] "
+        "log-softmax per micro-batch)",
+    )
     seq_ratio_guard: Literal["off", "mask", "truncate"] = _s(
         "off",
         "per-sequence importance-ratio guard on the geometric-mean ratio to the behaviour policy: "
@@ -750,10 +756,15 @@ class AdapterSettings(Section):
     dropout: float = _s(0.0, "dropout on the adapter's input (RL compares log-probs: keep 0)", ge=0, lt=1)
     lr: float = _s(0.0, "AdamW learning rate of an adapter; 0 = train.lr", ge=0)
     kl_coef: float = _s(
-        0.0,
-        "weight of an adapter run's k3 KL term to the base alone (it keeps what the org does not ask for, such as "
+        0.3,
+        "weight of an adapter run's KL term to the base alone (it keeps what the org does not ask for, such as "
         "the broken-call rate, at the base's); 0 = loss.kl_coef",
         ge=0,
+    )
+    kl_estimator: Literal["", "k3", "full"] = _s(
+        "full",
+        "an adapter run's KL estimator (loss.kl_estimator's choices): full by default, as k3 on the sampled token "
+        "does not see the broken tool calls an adapter's updates make likelier; '' = loss.kl_estimator",
     )
     max_loaded: int = _s(64, "adapters the policy server holds in memory at once (least recently used leave)", gt=0)
 

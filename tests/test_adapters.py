@@ -392,6 +392,8 @@ def test_tp2_equals_tp1(tmp_path):
     tp1 = scenario(1, out1)
     torch.testing.assert_close(tp2["logits"], tp1["logits"], atol=1e-5, rtol=0)
     torch.testing.assert_close(tp2["loss"], tp1["loss"], atol=1e-6, rtol=0)
+    torch.testing.assert_close(tp2["kl"], tp1["kl"], atol=1e-7, rtol=0)  # the full KL's vocabulary-parallel sums
+    assert float(tp1["kl"]) > 1e-4  # the seeded adapter moves the model off the base: the KL term is not trivial
     for part in ("grads", "after"):
         assert sorted(tp2[part]) == sorted(tp1[part])
         for k in tp1[part]:

@@ -438,3 +438,100 @@ def test_token_logprobs_rejects_mismatched_shapes():
         token_logprobs(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(ValueError):
         token_logprobs(torch.zeros(2, 3, 5), torch.zeros(2, 3))
+
+
+# --------------------------------------------------------------------------- the full KL estimator
+
+
+def _exact_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
+    p = torch.distributions.Categorical(logits=logits)
+    return torch.distributions.kl_divergence(p, torch.distributions.Categorical(logits=ref_logits))
+
+
+def test_full_kl_is_the_exact_kl_with_its_gradient():
+    """trainer.model's vocab_parallel_log_softmax and full_kl (tp = 1) give torch's log-softmax and the exact
+    KL(pi || ref) per position, and the same gradient as torch.distributions' KL; the reference gets none."""
+    from trainer.model import full_kl, vocab_parallel_log_softmax
+
+    g = torch.Generator().manual_seed(3)
+    logits = (3 * torch.randn(2, 5, 11, generator=g, dtype=torch.float64)).requires_grad_(True)
+    ref = (3 * torch.randn(2, 5, 11, generator=g, dtype=torch.float64)).requires_grad_(True)
+    lsm = vocab_parallel_log_softmax(logits)
+    torch.testing.assert_close(lsm, torch.log_softmax(logits, -1), rtol=0, atol=1e-12)
+    kl = full_kl(lsm, vocab_parallel_log_softmax(ref))
+    want = _exact_kl(logits, ref.detach())
+    torch.testing.assert_close(kl, want, rtol=1e-10, atol=1e-12)
+    assert bool((kl > 0).all())
+    (grad,) = torch.autograd.grad(kl.sum(), logits, retain_graph=True)
+    (want_grad,) = torch.autograd.grad(want.sum(), logits)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-9, atol=1e-12)
+    kl.sum().backward()
+    assert ref.grad is None  # the reference is data
+    # identical distributions: 0; bf16 logits are computed in float32
+    same = full_kl(vocab_parallel_log_softmax(ref.detach()), vocab_parallel_log_softmax(ref.detach()))
+    assert float(same.abs().max()) < 1e-12
+    assert vocab_parallel_log_softmax(ref.detach().bfloat16()).dtype == torch.float32
+    with pytest.raises(ValueError, match="differ"):
+        full_kl(lsm, lsm[..., :5])
+
+
+def test_full_kl_sees_mass_moved_onto_rare_tokens_where_k3_sees_nothing():
+    """The case k3 misses: the sampled token keeps its probability while the policy moves mass onto a token the
+    reference almost never emits (a malformed tool name). k3 on the sampled token is 0 with no gradient; the full
+    KL is the exact divergence and its gradient lowers the rare token's logit."""
+    from trainer.model import full_kl
+
+    ref_p = torch.tensor([0.5, 0.499, 0.001], dtype=torch.float64)
+    pol_p = torch.tensor([0.5, 0.400, 0.100], dtype=torch.float64)
+    logits = pol_p.log().clone().requires_grad_(True)
+    lsm = torch.log_softmax(logits, -1)
+    sampled = 0
+    n = torch.ones(1, dtype=torch.float64)
+
+    def loss(cfg: LossConfig, full: torch.Tensor | None) -> LossOutput:
+        lp = lsm[sampled].reshape(1)
+        zeros = torch.zeros(1, dtype=torch.float64)
+        return policy_loss(lp, lp.detach(), ref_p[sampled].log().reshape(1), zeros, n, zeros, 1.0, cfg, full_kl=full)
+
+    k3 = loss(LossConfig(kl_coef=1.0), None)
+    assert k3.kl == pytest.approx(0.0, abs=1e-15)
+    (g_k3,) = torch.autograd.grad(k3.loss, logits, retain_graph=True)
+    assert float(g_k3.abs().max()) < 1e-12
+    exact = float((pol_p * (pol_p / ref_p).log()).sum())  # 0.1 * ln 100 + 0.4 * ln(0.4 / 0.499) ~ 0.372
+    full = loss(LossConfig(kl_coef=1.0, kl_estimator="full"), full_kl(lsm, ref_p.log()).reshape(1))
+    assert full.kl == pytest.approx(exact, rel=1e-12)
+    assert float(full.loss.detach()) == pytest.approx(exact, rel=1e-12)  # zero advantage: the KL term alone
+    (g_full,) = torch.autograd.grad(full.loss, logits)
+    assert float(g_full[2]) > 0.1  # descent lowers the rare token's logit
+
+
+def test_policy_loss_with_the_full_estimator():
+    """kl_estimator = "full": the KL term is beta * sum of the masked, clamped full_kl / norm; the policy-gradient
+    term and its metrics are unchanged; a masked position's full_kl (even nan) is never read; full_kl is required
+    and must have the shape of logprobs."""
+    g = torch.Generator().manual_seed(9)
+    n = 8
+    lp = (-torch.rand(n, generator=g, dtype=torch.float64) - 0.1).requires_grad_(True)
+    b = lp.detach() + 0.05 * torch.randn(n, generator=g, dtype=torch.float64)
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    mask = torch.tensor([1, 1, 1, 0, 1, 1, 0, 1], dtype=torch.float64)
+    off = torch.zeros(n, dtype=torch.float64)
+    full = torch.rand(n, generator=g, dtype=torch.float64) * 2
+    full[2] = 15.0  # above the clamp K = 10
+    full[3] = float("nan")  # masked
+    cfg = LossConfig(kl_coef=0.5, k3_clamp=10.0, kl_estimator="full")
+    out = policy_loss(lp, b, lp.detach(), adv, mask, off, 4.0, cfg, full_kl=full)
+    no_kl = policy_loss(lp, b, lp.detach(), adv, mask, off, 4.0, dataclasses.replace(cfg, kl_coef=0.0), full_kl=full)
+    kept = torch.where(mask.bool(), full.clamp(max=10.0), torch.zeros_like(full))
+    assert math.isfinite(float(out.loss.detach()))
+    assert out.kl == pytest.approx(float(kept.sum()) / 6, rel=1e-12)
+    assert float(out.loss.detach()) == pytest.approx(
+        float(no_kl.loss.detach()) + 0.5 * float(kept.sum()) / 4.0, rel=1e-12
+    )
+    assert (out.pg_loss, out.clip_fraction) == (no_kl.pg_loss, no_kl.clip_fraction)
+    with pytest.raises(ValueError, match="needs full_kl"):
+        policy_loss(lp, b, lp.detach(), adv, mask, off, 4.0, cfg)
+    with pytest.raises(ValueError, match="needs full_kl"):
+        policy_loss(lp, b, lp.detach(), adv, mask, off, 4.0, cfg, full_kl=full[:4])
+    with pytest.raises(ValueError, match="kl_estimator"):
+        LossConfig(kl_estimator="k2")

@@ -591,16 +591,24 @@ def test_the_routers_count_survives_a_restart_of_the_flow_from_its_recovery_stat
 
 
 def test_an_adapter_runs_learning_rate_and_kl_weight_come_from_the_adapters_section():
-    """adapters.lr and adapters.kl_coef set an adapter run's learning rate and KL weight (to the base alone); 0 =
-    train.lr and loss.kl_coef; the shared policy's run never takes them."""
+    """adapters.lr, adapters.kl_coef and adapters.kl_estimator set an adapter run's learning rate, KL weight and
+    KL estimator (to the base alone); 0 (or '') = train.lr, loss.kl_coef and loss.kl_estimator; the shared
+    policy's run never takes them."""
     from trainer.train import TrainConfig
 
     s = load_settings(env={"RTRL_ADAPTERS__LR": "0.002", "RTRL_ADAPTERS__KL_COEF": "0.2", "RTRL_LOSS__KL_COEF": "0.03"})
     adapter, shared = TrainConfig.from_settings(s, adapter="org-1"), TrainConfig.from_settings(s)
     assert (adapter.lr, adapter.loss.kl_coef) == (0.002, 0.2)
     assert (shared.lr, shared.loss.kl_coef) == (s.train.lr, 0.03)
-    plain = TrainConfig.from_settings(load_settings(env={}), adapter="org-1")
+    assert (adapter.loss.kl_estimator, shared.loss.kl_estimator) == ("full", "k3")  # the defaults
+    plain = TrainConfig.from_settings(load_settings(env={"RTRL_ADAPTERS__KL_COEF": "0"}), adapter="org-1")
     assert (plain.lr, plain.loss.kl_coef) == (load_settings(env={}).train.lr, load_settings(env={}).loss.kl_coef)
+    k3 = load_settings(env={"RTRL_ADAPTERS__KL_ESTIMATOR": "", "RTRL_LOSS__KL_ESTIMATOR": "full"})
+    assert TrainConfig.from_settings(k3, adapter="org-1").loss.kl_estimator == "full"  # '' = loss.kl_estimator
+    k3 = load_settings(env={"RTRL_ADAPTERS__KL_ESTIMATOR": "k3"})
+    assert TrainConfig.from_settings(k3, adapter="org-1").loss.kl_estimator == "k3"
+    with pytest.raises(ConfigError, match="adapters.kl_estimator"):
+        load_settings(env={"RTRL_ADAPTERS__KL_ESTIMATOR": "exact"})
     with pytest.raises(ConfigError, match="adapters.kl_coef"):
         load_settings(env={"RTRL_ADAPTERS__KL_COEF": "-1"})
 

@@ -42,23 +42,31 @@ def _run(cmd: list[str]) -> tuple[list[float], dict, list[list[float]]]:
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     """The single-process runs (untied and tied embeddings), each with the checkpoint of its initial weights."""
-    runs: dict[bool, tuple[list[float], dict, list[list[float]], Path]] = {}
+    runs: dict[tuple[bool, str], tuple[list[float], dict, list[list[float]], Path]] = {}
 
-    def run(tie: bool) -> tuple[list[float], dict, list[list[float]], Path]:
-        if tie not in runs:
+    def run(tie: bool, kl: str) -> tuple[list[float], dict, list[list[float]], Path]:
+        if (tie, kl) not in runs:
             out = tmp_path_factory.mktemp("single-tied" if tie else "single")
             cmd = [sys.executable, SCRIPT, str(out / "run"), "--steps", "3", "--checkpoint-every", "100", "--params"]
-            losses, params, metrics = _run(cmd + ["--init", str(out / "init")] + (["--tie"] if tie else []))
-            runs[tie] = losses, params, metrics, out / "init"
-        return runs[tie]
+            extra = ["--init", str(out / "init"), "--kl-estimator", kl] + (["--tie"] if tie else [])
+            losses, params, metrics = _run(cmd + extra)
+            runs[tie, kl] = losses, params, metrics, out / "init"
+        return runs[tie, kl]
 
     return run
 
 
 @pytest.mark.parametrize(
     "layout",
-    [[], ["--tp", "2"], ["--pp", "2"], ["--pp", "2", "--tie"]],
-    ids=["dp2", "tp2", "pp2", "pp2-tied"],
+    [
+        [],
+        ["--tp", "2"],
+        ["--pp", "2"],
+        ["--pp", "2", "--tie"],
+        ["--tp", "2", "--kl-estimator", "full"],
+        ["--pp", "2", "--kl-estimator", "full"],
+    ],
+    ids=["dp2", "tp2", "pp2", "pp2-tied", "tp2-full-kl", "pp2-full-kl"],
 )
 def test_two_process_run_matches_single_process(single, layout, tmp_path):
     """torchrun with 2 processes (data parallel: each rank trains half of every global batch and gradients
@@ -68,9 +76,14 @@ def test_two_process_run_matches_single_process(single, layout, tmp_path):
 
     A pipeline stage draws other initial weights than the whole model, so the pipeline runs start from the
     single-process run's initial weights (its checkpoint, resharded to two stages); each stage reports its
-    own layers under their global names."""
+    own layers under their global names.
+
+    With ``--kl-estimator full`` (loss.kl_estimator, weight 0.5) the exact KL over the vocabulary is computed from
+    vocab-parallel log-softmaxes (tp) and on the last stage from the reference's log-softmax the pipeline schedule
+    carries (pp): the same losses and parameters as the single process with it."""
     tie = "--tie" in layout
-    want_losses, want_params, want_metrics, init = single(tie)
+    kl = layout[layout.index("--kl-estimator") + 1] if "--kl-estimator" in layout else "k3"
+    want_losses, want_params, want_metrics, init = single(tie, kl)
     init_args = ["--init", str(init)] if "--pp" in layout else []
     losses, params, metrics = _run(
         [

@@ -1,4 +1,4 @@
-"""Policy loss of the trainer: Dr. GRPO surrogate with truncated importance weights and a k3 KL (pure torch).
+"""Policy loss of the trainer: Dr. GRPO surrogate with truncated importance weights and a KL term (pure torch).
 
 DESIGN.md, "Near-on-policy training". All per-token inputs share one shape (``[T]`` or ``[B, S]``):
 ``logprobs`` lp (current policy, with grad), ``behaviour_logprobs`` b (the rollout's), ``ref_logprobs``
@@ -30,6 +30,14 @@ Per trained token t (m_t = 1), with config ``eps_low``, ``eps_high``, ``is_cap``
     loss  = sum_t m_t * (f_t * pg_t + beta * kl_t) / norm
 
 f_t = 1 and m_t is the input mask unless the per-sequence guard is on (below).
+
+KL estimator (``kl_estimator``): ``k3`` (the default) is the formula above, on the sampled token only. ``full``
+replaces it with the exact ``kl_t = min(sum_v pi_t(v) (log pi_t(v) - log ref_t(v)), K)`` over the whole
+vocabulary at position t, passed in as ``full_kl`` (:func:`trainer.model.full_kl`, computed from both models'
+log-softmaxes, tensor-parallel aware). k3 is unbiased in expectation but each sample sees only the token drawn:
+mass the policy moves onto tokens it almost never samples (a malformed tool name) shows up in no sampled
+log-ratio, so k3 cannot pull it back, while the full KL charges it at once. It costs the reference's whole
+log-softmax ``[B, S, V]`` per micro-batch. The clamp K (``k3_clamp``) bounds either estimator.
 
 - The unclipped branch of an off-policy token uses w_t, so a stale sample's weight never exceeds C,
   also where the clip does not bind (negative advantages, where PPO's min picks the unclipped r_t*A_t).
@@ -126,6 +134,7 @@ from torch import Tensor
 __all__ = [
     "DELAYED_CORRECTIONS",
     "GUARDED",
+    "KL_ESTIMATORS",
     "SEQ_RATIO_GUARDS",
     "LossConfig",
     "LossOutput",
@@ -137,6 +146,8 @@ __all__ = [
 SEQ_RATIO_GUARDS = ("off", "mask", "truncate")
 #: values of LossConfig.delayed_correction
 DELAYED_CORRECTIONS = ("truncated_is", "none")
+#: values of LossConfig.kl_estimator
+KL_ESTIMATORS = ("k3", "full")
 
 
 @dataclass(frozen=True)
@@ -156,12 +167,17 @@ class LossConfig:
     seq_ratio_high: float = 2.0  # hi of the band: >= 1
     delayed_correction: str = "truncated_is"  # delayed tokens: truncated_is | none (plain REINFORCE)
     delayed_is_cap: float = 1.0  # D, cap of a delayed token's IS weight: >= 1 (below 1 would shrink r = 1)
+    kl_estimator: str = "k3"  # the KL term per trained token: k3 (sampled token) | full (exact, whole vocabulary)
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name in ("seq_ratio_guard", "delayed_correction"):
-                allowed = SEQ_RATIO_GUARDS if f.name == "seq_ratio_guard" else DELAYED_CORRECTIONS
+            if f.name in ("seq_ratio_guard", "delayed_correction", "kl_estimator"):
+                allowed = {
+                    "seq_ratio_guard": SEQ_RATIO_GUARDS,
+                    "delayed_correction": DELAYED_CORRECTIONS,
+                    "kl_estimator": KL_ESTIMATORS,
+                }[f.name]
                 if v not in allowed:
                     raise ValueError(f"LossConfig.{f.name} must be one of {allowed}, got {v!r}")
                 continue
@@ -260,11 +276,14 @@ def policy_loss(
     config: LossConfig | None = None,
     seq_ids: Tensor | None = None,
     delayed: Tensor | None = None,
+    full_kl: Tensor | None = None,
 ) -> LossOutput:
     """Dr. GRPO clipped surrogate with truncated off-policy IS weights plus beta * k3 KL, summed / ``norm``,
     with the guards of ``config``. ``seq_ids`` (integers, the shape of ``logprobs``) names each token's
     sequence; the sequence guard needs it. ``delayed`` (0/1 or bool, the shape of ``logprobs``; None = none)
-    marks the tokens of delayed samples, trained with ``config.delayed_correction``."""
+    marks the tokens of delayed samples, trained with ``config.delayed_correction``. ``full_kl`` (the shape of
+    ``logprobs``, differentiable; :func:`trainer.model.full_kl`) is each position's exact KL(pi || ref) over the
+    vocabulary: the KL term when ``config.kl_estimator = "full"`` (required then, and ignored otherwise)."""
     cfg = config if config is not None else LossConfig()
     if isinstance(norm, bool) or not isinstance(norm, (int, float)) or not math.isfinite(norm) or norm <= 0:
         raise ValueError(f"norm must be a finite number > 0, got {norm!r}")
@@ -287,6 +306,11 @@ def policy_loss(
         raise ValueError(
             f"seq_ids must be an integer tensor of shape {tuple(shape)} (the shape of logprobs), "
             f"got {seq_ids.dtype} {tuple(seq_ids.shape)}"
+        )
+    if cfg.kl_estimator == "full" and (full_kl is None or full_kl.shape != shape or not full_kl.is_floating_point()):
+        got = "None" if full_kl is None else f"{full_kl.dtype} {tuple(full_kl.shape)}"
+        raise ValueError(
+            f"kl_estimator = 'full' needs full_kl, a float tensor of shape {tuple(shape)} (the shape of logprobs), got {got}"
         )
     if cfg.seq_ratio_guard != "off" and seq_ids is None:
         raise ValueError(f"seq_ratio_guard = {cfg.seq_ratio_guard!r} needs seq_ids (each token's sequence)")
@@ -338,7 +362,11 @@ def policy_loss(
         pg = torch.where(dual_active, bound, pg)
     if factor is not None:
         pg = torch.where(seq_guarded, pg * factor, pg)
-    kl = torch.exp(ref_minus_lp) - ref_minus_lp - 1.0
+    if cfg.kl_estimator == "full":
+        assert full_kl is not None
+        kl = torch.where(mask, full_kl.to(dtype), zero)  # masked positions: 0 before anything reads them
+    else:
+        kl = torch.exp(ref_minus_lp) - ref_minus_lp - 1.0
     if cfg.k3_clamp > 0:
         kl = torch.clamp(kl, max=cfg.k3_clamp)
 

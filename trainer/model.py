@@ -11,6 +11,8 @@
   gives the same numbers. It runs a whole model (pp = 1); under pipeline parallelism the last
   stage applies the same :func:`logprobs_from_logits` inside megatron's pipeline schedule
   (:func:`trainer.train.pipeline_step`).
+- :func:`vocab_parallel_log_softmax` and :func:`full_kl` give the exact KL(pi || ref) over the whole
+  vocabulary per position from vocab-parallel logits (``loss.kl_estimator = "full"``), the same for any tp.
 """
 
 from __future__ import annotations
@@ -327,6 +329,31 @@ def forward_logprobs(
     the result is the same on every tp rank and for every tp size. Pipeline-parallel models
     need the pipeline schedule instead (only the last stage has logits).
     """
+    return logprobs_from_logits(_logits(model, tokens, position_ids, targets, attention_mask), targets)
+
+
+def forward_logprobs_and_log_softmax(
+    model,
+    tokens: torch.Tensor,
+    position_ids: torch.Tensor,
+    targets: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`forward_logprobs` and the whole (vocab-parallel) log-softmax ``[B, S, V / tp]`` of the same forward
+    pass (:func:`vocab_parallel_log_softmax`): what the exact KL over the vocabulary (:func:`full_kl`) needs."""
+    logits = _logits(model, tokens, position_ids, targets, attention_mask)
+    log_softmax = vocab_parallel_log_softmax(logits)  # first: the cross entropy works on the logits in place
+    return logprobs_from_logits(logits, targets), log_softmax
+
+
+def _logits(
+    model,
+    tokens: torch.Tensor,
+    position_ids: torch.Tensor,
+    targets: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """The checked forward pass of :func:`forward_logprobs`: the (vocab-parallel) logits ``[B, S, V / tp]``."""
     from megatron.core import parallel_state as ps
 
     if ps.get_pipeline_model_parallel_world_size() != 1:
@@ -342,8 +369,62 @@ def forward_logprobs(
         attention_mask = causal_mask(tokens.shape[1], tokens.device)
     elif attention_mask.dtype != torch.bool:
         raise ValueError(f"attention_mask must be boolean (True = masked), got {attention_mask.dtype}")
-    logits = model(tokens, position_ids, attention_mask)  # [B, S, V / tp]
-    return logprobs_from_logits(logits, targets)
+    return model(tokens, position_ids, attention_mask)  # [B, S, V / tp]
+
+
+def vocab_parallel_log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """Log-softmax over the whole vocabulary of vocab-parallel logits ``[..., V / tp]`` (at least float32,
+    differentiable):
+    this rank's slice of it. The max (detached) and the normaliser are reduced over the tensor-parallel group, and
+    the normaliser's gradient too (each rank's slice of the output depends on every rank's logits through it), so
+    any tp gives the same values and gradients; with tp = 1 it is
+    ``torch.log_softmax``'s. Padded vocabulary entries (:data:`PADDED_LOGIT`) get a probability of 0."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # half precision up; float64 stays
+    group = _tp_group()
+    top = x.detach().amax(-1, keepdim=True)
+    if group is not None:
+        torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
+    shifted = x - top
+    total = shifted.exp().sum(-1, keepdim=True)
+    if group is not None:
+        from megatron.core.tensor_parallel import (
+            copy_to_tensor_model_parallel_region,
+            reduce_from_tensor_model_parallel_region,
+        )
+
+        # forward: the sum over the ranks' slices; backward: every rank's slice of the vocabulary depends on the
+        # normaliser, so its gradient is summed over the ranks too (copy_to's backward) before reaching each slice
+        total = copy_to_tensor_model_parallel_region(reduce_from_tensor_model_parallel_region(total, group), group)
+    return shifted - total.log()
+
+
+def full_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    """Exact KL(pi || ref) at every position ``[...]``, summed over the whole vocabulary, from two (vocab-parallel)
+    log-softmaxes ``[..., V / tp]`` (:func:`vocab_parallel_log_softmax`). Differentiable in ``log_probs``;
+    ``ref_log_probs`` is data (detached). Each rank sums its slice of the vocabulary and the partial sums are
+    reduced over the tensor-parallel group (backward: pass-through), so any tp gives the same value and gradient.
+
+    Unlike the k3 estimate on the sampled token, it sees probability mass the policy moves onto tokens it rarely
+    samples (a malformed tool name, a stray digit), which no sampled token's log-ratio shows."""
+    if log_probs.shape != ref_log_probs.shape:
+        raise ValueError(f"log_probs {tuple(log_probs.shape)} and ref_log_probs {tuple(ref_log_probs.shape)} differ")
+    ref = ref_log_probs.detach().to(log_probs.dtype)
+    partial = (log_probs.exp() * (log_probs - ref)).sum(-1)
+    group = _tp_group()
+    if group is None:
+        return partial
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    return reduce_from_tensor_model_parallel_region(partial, group)
+
+
+def _tp_group():
+    """Megatron's tensor-parallel group when there is one of more than one rank, else None."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() == 1:
+        return None
+    return ps.get_tensor_model_parallel_group()
 
 
 def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

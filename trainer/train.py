@@ -35,7 +35,13 @@ from trainer import checkpoint, lora
 from trainer.batch import Batch
 from trainer.dedup import TrainedSet
 from trainer.loss import GUARDED, LossConfig, LossOutput, policy_loss
-from trainer.model import forward_logprobs, logprobs_from_logits
+from trainer.model import (
+    forward_logprobs,
+    forward_logprobs_and_log_softmax,
+    full_kl,
+    logprobs_from_logits,
+    vocab_parallel_log_softmax,
+)
 
 
 class Source(Protocol):
@@ -147,6 +153,9 @@ class TrainConfig:
                 seq_ratio_high=ls.seq_ratio_high,
                 delayed_correction=ls.delayed_correction,
                 delayed_is_cap=ls.delayed_is_cap,
+                kl_estimator=(settings.adapters.kl_estimator or ls.kl_estimator)
+                if run.get("adapter")
+                else ls.kl_estimator,
             ),
         } | run
         return cls(**params)
@@ -287,13 +296,19 @@ def train(
             restore.__exit__(None, None, None)
 
 
-def _ref_logprobs(model: Any, reference: Any, p: Prepared, adapter: str) -> torch.Tensor:
-    """The KL reference's log-probs: ``reference``'s, or (an adapter run without one) the base alone's."""
-    with torch.no_grad():
-        if reference is not None:
-            return forward_logprobs(reference, p.tokens, p.positions, p.targets, p.attention_mask)
-        with lora.activate(model, None):
-            return forward_logprobs(model, p.tokens, p.positions, p.targets, p.attention_mask)
+def _ref_logprobs(
+    model: Any, reference: Any, p: Prepared, adapter: str, full: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The KL reference's per-token log-probs and, with ``full`` (``loss.kl_estimator = "full"``), its whole
+    log-softmax: ``reference``'s, or (an adapter run without one) the base alone's."""
+    ref = reference
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        if reference is None:
+            stack.enter_context(lora.activate(model, None))
+            ref = model
+        if full:
+            return forward_logprobs_and_log_softmax(ref, p.tokens, p.positions, p.targets, p.attention_mask)
+        return forward_logprobs(ref, p.tokens, p.positions, p.targets, p.attention_mask), None
 
 
 def _train(
@@ -361,8 +376,15 @@ def _train(
         if pipe.size == 1:
             for b in batches:
                 p = prepare(b, policy_version, cfg.max_policy_lag, cfg.max_delayed_lag)
-                lp = forward_logprobs(model, p.tokens, p.positions, p.targets, p.attention_mask)
-                ref = _ref_logprobs(model, reference, p, cfg.adapter)
+                full = cfg.loss.kl_estimator == "full"
+                if full:
+                    lp, log_softmax = forward_logprobs_and_log_softmax(
+                        model, p.tokens, p.positions, p.targets, p.attention_mask
+                    )
+                else:
+                    lp = forward_logprobs(model, p.tokens, p.positions, p.targets, p.attention_mask)
+                ref, ref_log_softmax = _ref_logprobs(model, reference, p, cfg.adapter, full)
+                kl_full = full_kl(log_softmax, ref_log_softmax) if ref_log_softmax is not None else None
                 out = policy_loss(
                     lp,
                     p.behaviour,
@@ -374,6 +396,7 @@ def _train(
                     cfg.loss,
                     p.segments,
                     p.delayed,
+                    kl_full,
                 )
                 out.loss.backward()
                 _add_metrics(sums, out)
@@ -534,7 +557,12 @@ def pipeline_step(
     rows, seq = prepared[0].tokens.shape
     schedule: dict[str, Any] = {"num_microbatches": len(prepared), "seq_length": seq, "micro_batch_size": rows}
 
-    def ref_logprobs(targets: torch.Tensor, logits: torch.Tensor, non_loss_data: bool = False) -> torch.Tensor:
+    full = loss_cfg.kl_estimator == "full"
+
+    def ref_logprobs(targets: torch.Tensor, logits: torch.Tensor, non_loss_data: bool = False) -> Any:
+        if full:  # the whole log-softmax too, before the cross entropy (it works on the logits in place)
+            log_softmax = vocab_parallel_log_softmax(logits)
+            return logprobs_from_logits(logits, targets), log_softmax
         return logprobs_from_logits(logits, targets)
 
     def ref_step(data: Iterator[Prepared], m: Any) -> tuple[torch.Tensor, Callable[..., Any]]:
@@ -553,10 +581,24 @@ def pipeline_step(
     refs = list(refs) if refs else [None] * len(prepared)  # non-last stages collect nothing
     outs: list[LossOutput] = []
 
-    def loss_func(p: Prepared, ref: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def loss_func(p: Prepared, ref: Any, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        kl_full = None
+        if full:
+            ref, ref_log_softmax = ref
+            kl_full = full_kl(vocab_parallel_log_softmax(logits), ref_log_softmax)
         lp = logprobs_from_logits(logits, p.targets)
         out = policy_loss(
-            lp, p.behaviour, ref, p.advantages, p.loss_mask, p.off_policy, norm, loss_cfg, p.segments, p.delayed
+            lp,
+            p.behaviour,
+            ref,
+            p.advantages,
+            p.loss_mask,
+            p.off_policy,
+            norm,
+            loss_cfg,
+            p.segments,
+            p.delayed,
+            kl_full,
         )
         outs.append(out)
         return out.loss, torch.tensor(out.tokens, dtype=torch.int), {}

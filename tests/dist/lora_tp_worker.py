@@ -4,7 +4,8 @@
 
 :func:`scenario` is what the test also runs in-process at tp = 1: a tiny SwiGLU + RMSNorm + GQA model (with
 biases, so ``skip_bias_add`` is exercised), an adapter with a seeded non-zero ``B``, the logits of fixed tokens,
-one AdamW step on ``-mean(log-prob)``, and an adapter checkpoint of the result. Rank 0 writes OUT_DIR/result.pt
+one AdamW step on ``-mean(log-prob)`` plus the mean exact KL to the base alone (``trainer.model.full_kl``, the
+adapters' default KL: its vocabulary sums reduce over the tp group), and an adapter checkpoint of the result. Rank 0 writes OUT_DIR/result.pt
 (gathered logits, loss, full adapter gradients, their global norm and the parameters after the step); every rank takes part in the
 checkpoint OUT_DIR/ckpt/step_000000001 and the PEFT export OUT_DIR/peft, which it loads back (``roundtrip``).
 """
@@ -21,7 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from trainer import lora  # noqa: E402
 from trainer.config import ModelConfig, ParallelConfig  # noqa: E402
-from trainer.model import build_model, causal_mask, forward_logprobs, init_parallel  # noqa: E402
+from trainer.model import (  # noqa: E402
+    build_model,
+    causal_mask,
+    forward_logprobs_and_log_softmax,
+    full_kl,
+    init_parallel,
+)
 from trainer.train import clip_grad_norm  # noqa: E402
 
 B, S = 2, 32
@@ -58,7 +65,9 @@ def scenario(tp: int, out: Path) -> dict[str, Any]:
     lora.load_adapter_state_dict(model, NAME, nonzero_b(lora.adapter_state_dict(model, NAME)))
     lora.activate(model, NAME)
     params = lora.train_only(model, NAME)
-    opt = torch.optim.AdamW(params, lr=1e-2)
+    # eps well above the smallest gradients: Adam's first step is ~lr * g / (|g| + eps), which turns the float32
+    # summation-order noise of a gradient near eps (1e-10 on 2e-8 under the full KL) into a visible difference
+    opt = torch.optim.AdamW(params, lr=1e-2, eps=1e-5)
     g = torch.Generator().manual_seed(11)
     tok = torch.randint(0, cfg.vocab_size, (B, S + 1), generator=g)
     pos = torch.arange(S).expand(B, S).contiguous()
@@ -70,7 +79,11 @@ def scenario(tp: int, out: Path) -> dict[str, Any]:
         parts = [torch.empty_like(local) for _ in range(tp)]
         dist.all_gather(parts, local, group=ps.get_tensor_model_parallel_group())
         local = torch.cat(parts, -1)
-    loss = -forward_logprobs(model, tok[:, :-1], pos, tok[:, 1:]).mean()
+    lp, log_softmax = forward_logprobs_and_log_softmax(model, tok[:, :-1], pos, tok[:, 1:])
+    with torch.no_grad(), lora.activate(model, None):  # the base alone: the adapter's KL reference
+        _, base = forward_logprobs_and_log_softmax(model, tok[:, :-1], pos, tok[:, 1:])
+    kl = full_kl(log_softmax, base).mean()
+    loss = -lp.mean() + kl
     loss.backward()
     grads = lora.adapter_state_dict(model, NAME, grads=True)
     norm = clip_grad_norm(model, 1e9)  # counts the adapter's shards once (tensor_model_parallel marks)
@@ -81,7 +94,7 @@ def scenario(tp: int, out: Path) -> dict[str, Any]:
     lora.load_peft(model, cfg, "back", out / "peft")  # every rank takes its slices of the export
     back = lora.adapter_state_dict(model, "back")
     roundtrip = sorted(back) == sorted(after) and all(torch.equal(back[k], after[k]) for k in after)
-    return {"logits": local, "loss": loss.detach(), "grads": grads, "after": after, "norm": norm, "roundtrip": roundtrip}
+    return {"logits": local, "loss": loss.detach(), "kl": kl.detach(), "grads": grads, "after": after, "norm": norm, "roundtrip": roundtrip}
 
 
 def main(out: Path) -> None:

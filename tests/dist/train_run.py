@@ -58,6 +58,12 @@ def main() -> None:
         help="initial weights: save them to this checkpoint folder if it does not exist, else load them from it "
         "(a pipeline stage draws other initial weights than a whole model: runs to compare share one init)",
     )
+    ap.add_argument(
+        "--kl-estimator",
+        choices=("k3", "full"),
+        default="k3",
+        help="loss.kl_estimator (full: with a KL weight of 0.5, so the exact KL shows in the losses)",
+    )
     args = ap.parse_args()
 
     from pathlib import Path
@@ -90,6 +96,10 @@ def main() -> None:
         idle_timeout_s=10,
         max_policy_lag=1,
     )
+    if args.kl_estimator == "full":
+        from dataclasses import replace
+
+        tc = replace(tc, loss=replace(tc.loss, kl_estimator="full", kl_coef=0.5))
 
     def emit(step):
         if info.rank == 0:
