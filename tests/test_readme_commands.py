@@ -248,8 +248,9 @@ def _out(proc: subprocess.CompletedProcess) -> str:
     return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
 
 
-def _short_loop(data_dir: Path, cycles: int = 1) -> dict[str, str]:
-    """The main job's settings cut to a test's size: fewer cycles, samples, eval tasks and warm-start steps."""
+def _short_loop(data_dir: Path, cycles: int = 1, final_ab: int = 0) -> dict[str, str]:
+    """The main job's settings cut to a test's size: fewer cycles, samples, eval tasks and warm-start steps, and
+    no final live A/B unless the test checks it (``final_ab`` trajectories per arm)."""
     return {
         "RTRL_DATA_DIR": str(data_dir),
         "RTRL_LOOP__CYCLES": str(cycles),
@@ -257,7 +258,7 @@ def _short_loop(data_dir: Path, cycles: int = 1) -> dict[str, str]:
         "RTRL_LOOP__EVAL_TASKS": "50",
         "RTRL_LOOP__WARM_START_STEPS": "100",
         "RTRL_LOOP__RATE": "40",
-        "RTRL_LOOP__FINAL_AB_TRAJECTORIES": "100",
+        "RTRL_LOOP__FINAL_AB_TRAJECTORIES": str(final_ab),
     }
 
 
@@ -636,7 +637,7 @@ def test_processes_mode_shortened(tmp_path):
     hash), the table per checkpoint from ClickHouse and the PNGs; nothing is left running."""
     from tests.test_loop import _dump
 
-    run = sh(doc_command(r"RTRL_LOOP__PROCESSES=true make run"), _short_loop(tmp_path, cycles=2), timeout=900)
+    run = sh(doc_command(r"RTRL_LOOP__PROCESSES=true make run"), _short_loop(tmp_path, cycles=2, final_ab=100), timeout=900)
     assert run.returncode == 0, _out(run)
     assert [d[:2] for d in _decisions(run.stdout)] == [(1, 0), (2, 1)], _out(run)
     out = _flat(run.stdout)
@@ -663,8 +664,11 @@ def test_processes_mode_shortened(tmp_path):
 @pytest.mark.timeout(900)
 def test_make_demo(tmp_path):
     """`make demo`: three cycles of the main job on the defaults otherwise, each ending in a gated decision,
-    then the final live A/B against v0, the tables and the PNGs (a few minutes on 2 cores)."""
-    run = sh(doc_command(r"make demo"), {"RTRL_DATA_DIR": str(tmp_path)})
+    then the final live A/B against v0, the tables and the PNGs. demo.toml's cycles, rate and final A/B, with
+    smaller cycles, evals and warm start (as every test of the main job runs it): what is checked does not depend
+    on them."""
+    small = {"RTRL_LOOP__SAMPLES_PER_CYCLE": "512", "RTRL_LOOP__EVAL_TASKS": "50", "RTRL_LOOP__WARM_START_STEPS": "100"}
+    run = sh(doc_command(r"make demo"), {"RTRL_DATA_DIR": str(tmp_path)} | small)
     assert run.returncode == 0, _out(run)
     assert "3 cycles of" in _flat(run.stdout)
     decisions = _decisions(run.stdout)
