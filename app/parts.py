@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None, settings: Settings | None = None) -> int
     if not argv or argv[0] not in PARTS or (len(argv) > 1 and not (to_end and argv[0] in ("rewards", "batches"))):
         print(f"usage: python -m app.parts {'|'.join(PARTS)}  (flows: --to-end)", file=sys.stderr)
         return 2
-    from app.loop import loop_settings
+    from app.loop_config import loop_settings  # not app.loop: the flow parts never import torch
     from app.services import preflight
 
     name = argv[0]

@@ -8,7 +8,7 @@ Pages and what each is read from:
 
 - ``reference/settings.md``: the settings tree (``rtrl/settings.py``: pydantic models, their fields' types,
   defaults, constraints and help) and what the closed loop fixes (``LOOP_FIXED``/``LOOP_OWNS`` in
-  ``app/loop.py``, read from its source without importing it: that import costs torch and megatron).
+  ``app/loop_config.py``, read from its source without importing it).
 - ``reference/commands.md``: the ``rtrl`` argparse parser (``app.cli.parser()``), nested subcommands too.
 - ``reference/records.md``: the msgspec records of ``schemas/records.py``, each field's type, constraints,
   default, docstring and ClickHouse column type (``schemas.types``).
@@ -157,7 +157,7 @@ def settings_page(root: type[BaseModel] | None = None, loop_source: Path | None 
     root = root or rs.Settings
     top = {k: f for k, f in root.model_fields.items() if not _is_section(f.annotation)}
     sections = {k: f.annotation for k, f in root.model_fields.items() if _is_section(f.annotation)}
-    lines = _header("Settings", "rtrl/settings.py and app/loop.py")
+    lines = _header("Settings", "rtrl/settings.py and app/loop_config.py")
     lines += [
         "One typed tree (`rtrl/settings.py`, pydantic-settings) holds every setting; a section per component.",
         "Sources, later ones winning: the defaults below, a TOML file (`rtrl --config FILE` or "
@@ -180,13 +180,13 @@ def settings_page(root: type[BaseModel] | None = None, loop_source: Path | None 
         if doc:
             lines += [doc, ""]
         lines += [*_TABLE_HEAD, *_settings_rows(model.model_fields, f"{sec}.", rs.SECRETS), ""]
-    fixed, owned = loop_rules(loop_source or ROOT / "app" / "loop.py")
+    fixed, owned = loop_rules(loop_source or ROOT / "app" / "loop_config.py")
     if fixed or owned:
         lines += [
             "## What `rtrl run` fixes",
             "",
             "The closed loop (`rtrl run`, `rtrl part`) fits some settings to its tiny simulated tasks "
-            "(`app.loop.LOOP_FIXED`) and decides others itself (`app.loop.LOOP_OWNS`). A value you set "
+            "(`app.loop_config.LOOP_FIXED`) and decides others itself (`app.loop_config.LOOP_OWNS`). A value you set "
             "otherwise is refused with the reason, never silently changed; the other jobs (`rtrl flow`, "
             "`rtrl train`, `torchrun -m trainer`) use your values.",
             "",

@@ -1164,7 +1164,7 @@ def example_toml() -> str:
         "# rtrl settings: every key, commented out at its default. Copy, uncomment what you change, and pass",
         "# with `rtrl --config FILE` (or RTRL_CONFIG=FILE). Any key can also be set as RTRL_<SECTION>__<KEY>,",
         "# e.g. RTRL_KAFKA__BOOTSTRAP. Unknown keys are errors, so a typo never silently falls back to a default.",
-        "# (A key left set counts as yours: the main job refuses one it would have to change, app.loop.LOOP_FIXED.)",
+        "# (A key left set counts as yours: the main job refuses one it would have to change, app.loop_config.LOOP_FIXED.)",
         "",
     ]
     section = None

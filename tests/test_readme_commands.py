@@ -637,7 +637,9 @@ def test_processes_mode_shortened(tmp_path):
     hash), the table per checkpoint from ClickHouse and the PNGs; nothing is left running."""
     from tests.test_loop import _dump
 
-    run = sh(doc_command(r"RTRL_LOOP__PROCESSES=true make run"), _short_loop(tmp_path, cycles=2, final_ab=100), timeout=900)
+    run = sh(
+        doc_command(r"RTRL_LOOP__PROCESSES=true make run"), _short_loop(tmp_path, cycles=2, final_ab=100), timeout=900
+    )
     assert run.returncode == 0, _out(run)
     assert [d[:2] for d in _decisions(run.stdout)] == [(1, 0), (2, 1)], _out(run)
     out = _flat(run.stdout)
