@@ -311,6 +311,15 @@ def _ref_logprobs(
         return forward_logprobs(ref, p.tokens, p.positions, p.targets, p.attention_mask), None
 
 
+def _policy_loss(
+    p: Prepared, lp: torch.Tensor, ref: torch.Tensor, norm: float, cfg: LossConfig, kl_full: torch.Tensor | None
+) -> LossOutput:
+    """:func:`trainer.loss.policy_loss` on one prepared micro-batch (both the pp = 1 path and the pipeline's)."""
+    return policy_loss(
+        lp, p.behaviour, ref, p.advantages, p.loss_mask, p.off_policy, norm, cfg, p.segments, p.delayed, kl_full
+    )
+
+
 def _train(
     model: Any,
     reference: Any,
@@ -385,19 +394,7 @@ def _train(
                     lp = forward_logprobs(model, p.tokens, p.positions, p.targets, p.attention_mask)
                 ref, ref_log_softmax = _ref_logprobs(model, reference, p, cfg.adapter, full)
                 kl_full = full_kl(log_softmax, ref_log_softmax) if ref_log_softmax is not None else None
-                out = policy_loss(
-                    lp,
-                    p.behaviour,
-                    ref,
-                    p.advantages,
-                    p.loss_mask,
-                    p.off_policy,
-                    norm,
-                    cfg.loss,
-                    p.segments,
-                    p.delayed,
-                    kl_full,
-                )
+                out = _policy_loss(p, lp, ref, norm, cfg.loss, kl_full)
                 out.loss.backward()
                 _add_metrics(sums, out)
                 _count_lags(lag_hist, delayed_hist, sums, p)
@@ -586,20 +583,7 @@ def pipeline_step(
         if full:
             ref, ref_log_softmax = ref
             kl_full = full_kl(vocab_parallel_log_softmax(logits), ref_log_softmax)
-        lp = logprobs_from_logits(logits, p.targets)
-        out = policy_loss(
-            lp,
-            p.behaviour,
-            ref,
-            p.advantages,
-            p.loss_mask,
-            p.off_policy,
-            norm,
-            loss_cfg,
-            p.segments,
-            p.delayed,
-            kl_full,
-        )
+        out = _policy_loss(p, logprobs_from_logits(logits, p.targets), ref, norm, loss_cfg, kl_full)
         outs.append(out)
         return out.loss, torch.tensor(out.tokens, dtype=torch.int), {}
 
