@@ -563,7 +563,10 @@ def test_make_run_shortened_then_keep_data_and_rollback(tmp_path):
 
     more = sh("rtrl run --keep-data", env | {"RTRL_LOOP__CYCLES": "2"})
     assert more.returncode == 0, _out(more)
-    assert "resumed: 1 decisions made" in _flat(more.stdout) and [d[:2] for d in _decisions(more.stdout)] == [(2, 1)]
+    first = _decisions(run.stdout)[0]
+    parent = 1 if first[2] == "promoted" else 0  # what served when v2 trained: v1 if the gate promoted it
+    assert "resumed: 1 decisions made" in _flat(more.stdout)
+    assert [d[:2] for d in _decisions(more.stdout)] == [(2, parent)], _out(more)
     counts = _clickhouse_counts(tmp_path)
     assert counts["checkpoints"] == 3 and counts["train_metrics"] > 0, counts
 
@@ -641,7 +644,10 @@ def test_processes_mode_shortened(tmp_path):
         doc_command(r"RTRL_LOOP__PROCESSES=true make run"), _short_loop(tmp_path, cycles=2, final_ab=100), timeout=900
     )
     assert run.returncode == 0, _out(run)
-    assert [d[:2] for d in _decisions(run.stdout)] == [(1, 0), (2, 1)], _out(run)
+    decisions = _decisions(run.stdout)
+    assert [v for v, *_ in decisions] == [1, 2], _out(run)
+    # each candidate's parent is what served when it trained: v1 if the gate promoted it, else still v0
+    assert [p for _, p, *_ in decisions] == [0, 1 if decisions[0][2] == "promoted" else 0], _out(run)
     out = _flat(run.stdout)
     assert "one process per part" in out and "Checkpoints (reward v2)" in out, _out(run)
     for part in ("rewards", "batches", "serve", "train"):
