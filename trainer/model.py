@@ -341,8 +341,13 @@ def forward_logprobs_and_log_softmax(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`forward_logprobs` and the whole (vocab-parallel) log-softmax ``[B, S, V / tp]`` of the same forward
     pass (:func:`vocab_parallel_log_softmax`): what the exact KL over the vocabulary (:func:`full_kl`) needs."""
-    logits = _logits(model, tokens, position_ids, targets, attention_mask)
-    log_softmax = vocab_parallel_log_softmax(logits)  # first: the cross entropy works on the logits in place
+    return logprobs_and_log_softmax(_logits(model, tokens, position_ids, targets, attention_mask), targets)
+
+
+def logprobs_and_log_softmax(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`logprobs_from_logits` and :func:`vocab_parallel_log_softmax` of the same logits (the log-softmax
+    first: megatron's cross entropy works on the logits in place)."""
+    log_softmax = vocab_parallel_log_softmax(logits)
     return logprobs_from_logits(logits, targets), log_softmax
 
 
@@ -373,12 +378,11 @@ def _logits(
 
 
 def vocab_parallel_log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    """Log-softmax over the whole vocabulary of vocab-parallel logits ``[..., V / tp]`` (at least float32,
-    differentiable):
-    this rank's slice of it. The max (detached) and the normaliser are reduced over the tensor-parallel group, and
-    the normaliser's gradient too (each rank's slice of the output depends on every rank's logits through it), so
-    any tp gives the same values and gradients; with tp = 1 it is
-    ``torch.log_softmax``'s. Padded vocabulary entries (:data:`PADDED_LOGIT`) get a probability of 0."""
+    """This rank's slice of the log-softmax over the whole vocabulary of vocab-parallel logits ``[..., V / tp]``
+    (at least float32, differentiable). The max (detached) and the normaliser are reduced over the tensor-parallel
+    group, and the normaliser's gradient too (each rank's slice of the output depends on every rank's logits
+    through it), so any tp gives the same values and gradients; with tp = 1 it is ``torch.log_softmax``'s. Padded
+    vocabulary entries (:data:`PADDED_LOGIT`) get a probability of 0."""
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # half precision up; float64 stays
     group = _tp_group()
     top = x.detach().amax(-1, keepdim=True)

@@ -39,8 +39,8 @@ from trainer.model import (
     forward_logprobs,
     forward_logprobs_and_log_softmax,
     full_kl,
+    logprobs_and_log_softmax,
     logprobs_from_logits,
-    vocab_parallel_log_softmax,
 )
 
 
@@ -383,9 +383,9 @@ def _train(
         lag_hist: dict[str, int] = {}
         delayed_hist: dict[str, int] = {}
         if pipe.size == 1:
+            full = cfg.loss.kl_estimator == "full"
             for b in batches:
                 p = prepare(b, policy_version, cfg.max_policy_lag, cfg.max_delayed_lag)
-                full = cfg.loss.kl_estimator == "full"
                 if full:
                     lp, log_softmax = forward_logprobs_and_log_softmax(
                         model, p.tokens, p.positions, p.targets, p.attention_mask
@@ -557,10 +557,7 @@ def pipeline_step(
     full = loss_cfg.kl_estimator == "full"
 
     def ref_logprobs(targets: torch.Tensor, logits: torch.Tensor, non_loss_data: bool = False) -> Any:
-        if full:  # the whole log-softmax too, before the cross entropy (it works on the logits in place)
-            log_softmax = vocab_parallel_log_softmax(logits)
-            return logprobs_from_logits(logits, targets), log_softmax
-        return logprobs_from_logits(logits, targets)
+        return logprobs_and_log_softmax(logits, targets) if full else logprobs_from_logits(logits, targets)
 
     def ref_step(data: Iterator[Prepared], m: Any) -> tuple[torch.Tensor, Callable[..., Any]]:
         p = next(data)
@@ -582,8 +579,11 @@ def pipeline_step(
         kl_full = None
         if full:
             ref, ref_log_softmax = ref
-            kl_full = full_kl(vocab_parallel_log_softmax(logits), ref_log_softmax)
-        out = _policy_loss(p, logprobs_from_logits(logits, p.targets), ref, norm, loss_cfg, kl_full)
+            lp, log_softmax = logprobs_and_log_softmax(logits, p.targets)
+            kl_full = full_kl(log_softmax, ref_log_softmax)
+        else:
+            lp = logprobs_from_logits(logits, p.targets)
+        out = _policy_loss(p, lp, ref, norm, loss_cfg, kl_full)
         outs.append(out)
         return out.loss, torch.tensor(out.tokens, dtype=torch.int), {}
 
