@@ -436,6 +436,14 @@ class TrainSettings(Section):
     run_id: str = _s("", "training run id kept across resumes; empty = derived from the checkpoint folder")
     steps: int = _s(20, "optimizer steps to take (a resumed run continues to this total)", gt=0)
     micro_batches_per_step: int = _s(2, "micro-batches accumulated into one optimizer step", gt=0)
+    updates_per_step: int = _s(
+        1,
+        "optimizer updates on each step's micro-batches (PPO's epochs): the first is what one update does, the "
+        "later ones reuse the samples' behaviour log-probs, the clip bounding how far they move; 1 = each "
+        "micro-batch trains once",
+        gt=0,
+        le=64,
+    )
     lr: float = _s(1e-3, "AdamW peak learning rate", gt=0)
     beta1: float = _s(0.9, "AdamW beta1", ge=0, lt=1)
     beta2: float = _s(0.999, "AdamW beta2", ge=0, lt=1)
@@ -721,8 +729,9 @@ class SimulatorSettings(Section):
         return self
 
 
-LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-"""The megatron linears a LoRA adapter may target (attention's fused QKV and output projections, the MLP's two)."""
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
+"""The megatron linears a LoRA adapter may target (in every layer attention's fused QKV and output projections and
+the MLP's two; and the model's output layer)."""
 
 
 class AdapterSettings(Section):
@@ -749,12 +758,20 @@ class AdapterSettings(Section):
     alpha: float = _s(16.0, "LoRA alpha: the adapter's update is scaled by alpha / rank", gt=0)
     targets: Annotated[list[str], NoDecode] = _s(
         list(LORA_TARGETS),
-        "megatron linears that carry the adapter: linear_qkv, linear_proj, linear_fc1, linear_fc2 "
-        "(comma-separated in the environment)",
+        "megatron linears that carry the adapter: linear_qkv, linear_proj, linear_fc1, linear_fc2 of every layer "
+        "and the output layer (output_layer, Hugging Face's lm_head: without it an adapter cannot raise its org's "
+        "tokens without the tokens the output layer keeps close to them); comma-separated in the environment",
         min_length=1,
     )
     dropout: float = _s(0.0, "dropout on the adapter's input (RL compares log-probs: keep 0)", ge=0, lt=1)
     lr: float = _s(0.0, "AdamW learning rate of an adapter; 0 = train.lr", ge=0)
+    updates_per_step: int = _s(
+        4,
+        "optimizer updates on each step's micro-batches of an adapter run (train.updates_per_step for adapters: an "
+        "org's adapter sees a fraction of the traffic, so it reuses each batch); 0 = train.updates_per_step",
+        ge=0,
+        le=64,
+    )
     kl_coef: float = _s(
         0.3,
         "weight of an adapter run's KL term to the base alone (it keeps what the org does not ask for, such as "

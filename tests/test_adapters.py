@@ -114,7 +114,7 @@ def test_config_errors_name_the_setting(kwargs, setting):
 def test_config_defaults_and_scale():
     cfg = lora.LoraConfig()
     assert (cfg.rank, cfg.alpha, cfg.dropout, cfg.scale) == (8, 16.0, 0.0, 2.0)
-    assert cfg.targets == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    assert cfg.targets == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
     assert lora.LoraConfig(rank=4, alpha=2, targets=["linear_fc2"]).targets == ("linear_fc2",)  # type: ignore[arg-type]
     assert lora.LoraConfig(rank=4, alpha=2).scale == 0.5
 
@@ -227,7 +227,7 @@ def test_only_the_active_adapter_changes_in_training():
     a0, b0 = lora.adapter_state_dict(model, "org-a"), lora.adapter_state_dict(model, "org-b")
     lora.activate(model, "org-a")
     params = lora.train_only(model, "org-a")
-    assert params == lora.adapter_parameters(model, "org-a") and len(params) == 2 * 4 * cfg.num_layers
+    assert params == lora.adapter_parameters(model, "org-a") and len(params) == 2 * (4 * cfg.num_layers + 1)  # + output
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(".adapters.org-a." in n for n in trainable)
     opt = torch.optim.AdamW(params, lr=1e-2)
@@ -408,7 +408,7 @@ def test_tp2_equals_tp1(tmp_path):
         load_file(str(out1 / "peft" / "adapter_model.safetensors")),
         load_file(str(out2 / "peft" / "adapter_model.safetensors")),
     )
-    assert sorted(peft1) == sorted(peft2) and len(peft1) == 2 * 7 * 2
+    assert sorted(peft1) == sorted(peft2) and len(peft1) == (2 * 7 + 1) * 2  # 2 layers x 7 modules, lm_head
     assert tp2["roundtrip"] is True and tp1["roundtrip"] is True  # load_peft at tp = 2 is bit-exact too
     for k in peft1:
         torch.testing.assert_close(peft2[k], peft1[k], atol=1e-6, rtol=0, msg=k)
@@ -431,7 +431,8 @@ def test_tp2_equals_tp1(tmp_path):
 
 HF_SHAPE = BASE | {"max_position_embeddings": 256}  # the conversion tests' tiny model, as tests/test_registry.py
 VLLM_KEY = re.compile(
-    r"^base_model\.model\.model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.lora_[AB]\.weight$"
+    r"^base_model\.model\.(model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)|lm_head)"
+    r"\.lora_[AB]\.weight$"
 )
 
 
@@ -478,16 +479,19 @@ def test_peft_export_matches_hf_peft_logits_and_round_trips(hf_folders, family, 
     assert str(pcfg.task_type).endswith("CAUSAL_LM") and str(pcfg.peft_type).endswith("LORA")
     assert not pcfg.use_rslora and not pcfg.use_dora and not pcfg.fan_in_fan_out and not pcfg.modules_to_save
     assert sorted(pcfg.target_modules) == sorted(
-        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
     )
     assert pcfg.base_model_name_or_path == str(folder)
 
     tensors = load_file(str(out / "adapter_model.safetensors"))
-    assert len(tensors) == cfg.num_layers * 7 * 2 and all(VLLM_KEY.match(k) for k in tensors)
-    assert not any("bias" in k or "embed" in k or "lm_head" in k for k in tensors)
+    assert len(tensors) == (cfg.num_layers * 7 + 1) * 2 and all(VLLM_KEY.match(k) for k in tensors)
+    assert not any("bias" in k or "embed" in k for k in tensors)
     d, kv = 64 // 4, 2
     assert tensors["base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"].shape == (kv * d, 4)
     assert tensors["base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"].shape == (4, 96)
+    # lm_head: the real vocabulary's rows only (megatron's output layer is padded to a multiple of 128)
+    assert cfg.padded_vocab_size > cfg.vocab_size == VOCAB
+    assert tensors["base_model.model.lm_head.lora_B.weight"].shape == (VOCAB, 4)
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").float().eval()
     tok, _ = tokens(VOCAB)
@@ -506,7 +510,39 @@ def test_peft_export_matches_hf_peft_logits_and_round_trips(hf_folders, family, 
 
     assert lora.load_peft(model, cfg, "again", out) == lcfg
     want, got = lora.adapter_state_dict(model, "org"), lora.adapter_state_dict(model, "again")
+    # the output layer's padded vocabulary rows come back as zeros (their logits are masked: they never matter,
+    # and training leaves them at their zero init)
+    head = "output_layer.lora_B"
+    assert torch.equal(got[head][VOCAB:], torch.zeros_like(got[head][VOCAB:]))
+    want[head], got[head] = want[head][:VOCAB], got[head][:VOCAB]
     assert sorted(want) == sorted(got) and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_output_layer_adapter_trains_the_real_vocabulary_only(hf_folders):
+    """The output layer's adapter (lm_head) adds its term before the padded-vocabulary mask: the padding rows keep
+    their masked logit, get no gradient and stay at their zero init through AdamW steps, while the real rows
+    train; so an export that cuts them off loses nothing."""
+    from trainer.hf import config_from_hf
+    from trainer.model import PADDED_LOGIT, forward_logprobs
+
+    cfg = config_from_hf(hf_folders["llama"], seq_length=S)
+    assert cfg.padded_vocab_size > cfg.vocab_size == VOCAB
+    init_parallel(cfg)
+    model = build_model(cfg)
+    lora.add_adapter(model, "org", lora.LoraConfig(rank=4, targets=("output_layer",)), seed=1)
+    lora.activate(model, "org")
+    opt = torch.optim.AdamW(lora.train_only(model, "org"), lr=1e-2, weight_decay=0.1)
+    tok, pos = tokens(VOCAB)
+    for _ in range(3):
+        opt.zero_grad()
+        lp = forward_logprobs(model, tok, pos, torch.roll(tok, -1, 1), causal_mask(S))
+        (-lp.mean()).backward()
+        opt.step()
+    head = lora.adapter_state_dict(model, "org")["output_layer.lora_B"]
+    assert head.shape == (cfg.padded_vocab_size, 4)
+    assert torch.count_nonzero(head[VOCAB:]) == 0 and torch.count_nonzero(head[:VOCAB]) > 0
+    out = logits(model, VOCAB)
+    assert torch.all(out[..., VOCAB:] == PADDED_LOGIT)
 
 
 def test_load_peft_refuses_what_cannot_be_fused(hf_folders, tmp_path):

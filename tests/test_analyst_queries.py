@@ -7,6 +7,7 @@ examples/analyst.py prints its tables and writes its PNG, through the front and 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_loop import _small_loop
+from tests.test_loop import USERS_IN_BOTH_ARMS, _dump, _small_loop
 from tests.test_monitors import analyst_queries
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # one small main job (~1-3 min on 2 cores)
@@ -305,3 +306,30 @@ def test_chdb_steps_and_example_on_the_folder(front_handle):
         [sys.executable, str(EXAMPLE)], cwd=root, env=_env(), capture_output=True, text=True, timeout=300
     )
     _check_example_output(proc, ".rtrl/reports/analyst.png", root / ".rtrl" / "reports" / "analyst.png")
+
+
+def test_ab_mode_serves_candidates_beside_control_and_decides_from_clickhouse(front_handle):
+    """With loop.ab_share a candidate that passed the evals serves a share of the traffic (arm 'candidate')
+    until ClickHouse holds enough of its trajectories; the monitors' comparison with the serving version then
+    promotes it or rejects it with the alerts as the reason. (On this module's run: its A/B settings are the
+    A/B test's own, beside both reward versions, per-org adapters and the junk events.)"""
+    front_handle.stop()  # chdb reads the folder: one process at a time
+    data = front_handle.root / ".rtrl"
+    d = _dump(data)
+    arms = {(v, a): n for v, a, n in d["arms"]}
+    decided = [(v, s, r) for v, _, s, r, _ in d["checkpoints"][1:] if "A/B" in r]
+    assert decided, d["checkpoints"]
+    for version, status, reason in decided:
+        assert arms.get((version, "candidate"), 0) >= 60  # it served beside the control arm
+        assert (
+            ("A/B on" in reason)
+            if status == "promoted"
+            else ("A/B alarm" in reason or "only" in reason or "too few users" in reason)
+        )
+    assert all(a in ("control", "candidate", "ab-v0", "ab-final") for _, a in arms), arms  # (the final A/B's)
+    # randomised by user: while a candidate served, no user saw both arms (the analysis also drops any user it
+    # finds in both, e.g. served before the policy server switched)
+    proc = _python(USERS_IN_BOTH_ARMS, data, f"chdb://{data}/clickhouse")
+    assert proc.returncode == 0, proc.stderr
+    both, users = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert users > 0 and both == 0

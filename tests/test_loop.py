@@ -186,39 +186,3 @@ def test_reward_hack_is_caught_with_the_buggy_reward_only(tmp_path):
     assert sum(v2_rates) / len(v2_rates) < base  # does not rise under v2 (it falls)
     assert not any("broken_tool_call_rate rose" in r for _, _, s, r, _ in v2[1:] if s == "rejected")
     assert max(v1_rates) > max(v2_rates)
-
-
-def test_ab_mode_serves_candidates_beside_control_and_decides_from_clickhouse(tmp_path):
-    """With loop.ab_share a candidate that passed the evals serves a share of the traffic (arm
-    'candidate') until ClickHouse holds enough of its trajectories; the monitors' comparison with the
-    serving version then promotes it or rejects it with the alerts as the reason."""
-    env = _small_loop(tmp_path) | {
-        "RTRL_LOOP__AB_SHARE": "0.4",
-        "RTRL_LOOP__AB_TRAJECTORIES": "60",
-        "RTRL_LOOP__SOLVE_TOLERANCE": "1.0",
-    }
-    proc = _run(["run"], env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    d = _dump(tmp_path)
-    arms = {(v, a): n for v, a, n in d["arms"]}
-    decided = [(v, s, r) for v, _, s, r, _ in d["checkpoints"][1:] if "A/B" in r]
-    assert decided, d["checkpoints"]
-    for version, status, reason in decided:
-        assert arms.get((version, "candidate"), 0) >= 60  # it served beside the control arm
-        assert (
-            ("A/B on" in reason)
-            if status == "promoted"
-            else ("A/B alarm" in reason or "only" in reason or "too few users" in reason)
-        )
-    assert all(a in ("control", "candidate", "ab-v0", "ab-final") for _, a in arms)  # (the final A/B's arms)
-    # randomised by user: while a candidate served, no user saw both arms (the analysis also drops any user it
-    # finds in both, e.g. served before the policy server switched)
-    proc = subprocess.run(
-        [sys.executable, "-c", USERS_IN_BOTH_ARMS, f"chdb://{tmp_path}/clickhouse"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    both, users = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert users > 0 and both == 0

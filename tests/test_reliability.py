@@ -1,10 +1,14 @@
 """The closed loop as separate processes (app.supervisor): kill -9 each part mid-cycle - reward flow,
 batch flow, trainer, policy server - and the loop goes on; ClickHouse then shows no reward lost or
 duplicated (the rewards equal an uninterrupted reference run over the same events) and no
-micro-batch or sample trained twice."""
+micro-batch or sample trained twice. In the same run the trainer is first stopped cleanly (SIGTERM) in
+cycle 1 and resumes at the very next step, and at the end every other part stops on SIGTERM with exit 0.
+(Clean stops of the flows and of `rtrl run`: tests/test_clean_stop.py.)"""
 
 from __future__ import annotations
 
+import os
+import signal
 from collections import defaultdict
 
 import pytest
@@ -22,6 +26,9 @@ pytestmark = pytest.mark.slow  # the loop as processes, killed and restarted (mi
 CYCLES = 5
 #: (part, cycle, trainer steps of that cycle done before the kill): each part once, while a cycle trains
 KILLS = [("rewards", 2, 2), ("batches", 3, 3), ("train", 4, 5), ("serve", 5, 2)]
+#: trainer steps of cycle 1 done before the clean stop (SIGTERM): not a multiple of loop.checkpoint_every
+#: (2), so what the stop saves is more than the periodic checkpoint
+CLEAN_STOP_STEPS = 5
 
 
 def _reference_rewards(settings, bootstrap: str) -> dict[tuple, tuple]:
@@ -78,14 +85,23 @@ def test_kill_9_each_part_mid_cycle_loses_and_repeats_nothing(tmp_path):
     sup.start_services()
     ch, db = sup.ch, settings.clickhouse.database
     killed: list[tuple[str, int, int]] = []
+    stopped: list[int] = []  # cycle 1's steps done when the trainer got SIGTERM
 
     def steps_done(version: int) -> int:
         return ch.query(f"SELECT max(step) FROM {db}.train_metrics WHERE run_id = 'loop-0-v{version}'").result_rows[0][
             0
         ]
 
+    def cycle_steps(version: int) -> list[int]:
+        rows = ch.query(f"SELECT step FROM {db}.train_metrics FINAL WHERE run_id = 'loop-0-v{version}' ORDER BY step")
+        return [s for (s,) in rows.result_rows]
+
     def tick() -> None:
-        if len(killed) < len(KILLS):
+        if not stopped:
+            if len(done := cycle_steps(1)) >= CLEAN_STOP_STEPS:
+                os.kill(sup.pid("train"), signal.SIGTERM)  # to the process, not its group
+                stopped.append(len(done))
+        elif len(killed) < len(KILLS):
             part, cycle, steps = KILLS[len(killed)]
             if steps_done(cycle) >= steps:
                 killed.append((part, cycle, sup.kill(part)))
@@ -102,8 +118,24 @@ def test_kill_9_each_part_mid_cycle_loses_and_repeats_nothing(tmp_path):
         sup.drain_rewards()
         # every kill happened mid-cycle and each part came back once; the trainer resumed its cycle
         assert [k[:2] for k in killed] == [k[:2] for k in KILLS]
-        assert dict(sup.restarts) == {part: 1 for part, _, _ in KILLS}
-        assert "resumed: 3 decisions made" in (tmp_path / "logs" / "train.log").read_text()
+        assert dict(sup.restarts) == {part: 1 for part, _, _ in KILLS} | {"train": 2}  # the clean stop too
+        log = (tmp_path / "logs" / "train.log").read_text()
+        assert "resumed: 3 decisions made" in log
+
+        # the clean stop: exit 0 without a decision, and the restarted trainer went on from the step it
+        # stopped at (steps 1..n of cycle 1 once each, none lost, none trained again)
+        assert stopped, "the trainer was never stopped cleanly"
+        assert sup.exits.count(("train", 0)) == 2  # the clean stop, then the end of the run
+        assert "stopped during cycle 1" in log and "stopped cleanly" in log and "resumed: 0 decisions made" in log
+        cycle1 = cycle_steps(1)
+        assert cycle1 == list(range(1, len(cycle1) + 1)) and len(cycle1) > stopped[0]
+        raw = ch.query(f"SELECT count() FROM {db}.train_metrics WHERE run_id = 'loop-0-v1'").result_rows[0][0]
+        assert raw == len(cycle1)
+        # the other parts, stopped by the supervisor with SIGTERM at the end: exit 0, no panic
+        assert dict(sup.exits[-3:]) == {"serve": 0, "rewards": 0, "batches": 0}, sup.exits
+        for part in ("train", "serve", "rewards", "batches"):
+            text = (tmp_path / "logs" / f"{part}.log").read_text()
+            assert "panic" not in text.lower() and "Traceback" not in text, (part, text[-2000:])
 
         # the loop went on: every cycle ended in a recorded decision
         decided = ch.query(

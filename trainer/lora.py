@@ -2,7 +2,10 @@
 
 An adapter adds ``scale * B(A(dropout(x)))`` (``scale = alpha / rank``) to the output of each targeted linear
 of every ``TransformerLayer`` (local layer spec): ``self_attention.linear_qkv`` and ``mlp.linear_fc1``
-(``ColumnParallelLinear``), ``self_attention.linear_proj`` and ``mlp.linear_fc2`` (``RowParallelLinear``).
+(``ColumnParallelLinear``), ``self_attention.linear_proj`` and ``mlp.linear_fc2`` (``RowParallelLinear``); and
+of the model's ``output_layer`` (column-parallel over the vocabulary; Hugging Face's ``lm_head``). Without the
+output layer an adapter can only move the final hidden state, which raises every token whose output row lies
+near the one it wants (in the per-org bench, its org's tool and the malformed calls beside it).
 Each targeted linear gets one child module, ``lora_adapters`` (a :class:`LoraSlot`), holding every adapter
 by name (one per org, say); at most one adapter is active at a time (:func:`activate`), none = the base model.
 The linear itself stays in place: a forward hook adds the active adapter's term to the first element of its
@@ -44,8 +47,9 @@ previous checkpoint the one to resume from.
 :func:`export_peft` writes a Hugging Face PEFT folder (``adapter_config.json``, ``adapter_model.safetensors``)
 for Llama/Qwen2/Qwen3 models (what :mod:`trainer.hf` converts): ``linear_qkv`` becomes ``q_proj``, ``k_proj``,
 ``v_proj`` (each a copy of the shared ``A`` and its rows of ``B``, taken apart with :func:`trainer.hf.split_qkv`),
-``linear_fc1`` ``gate_proj`` and ``up_proj``, ``linear_proj`` ``o_proj``, ``linear_fc2`` ``down_proj``. It is
-exact: each HF delta ``B_x @ A`` is the rows of the fused ``B @ A``. :func:`load_peft` fuses such a folder back
+``linear_fc1`` ``gate_proj`` and ``up_proj``, ``linear_proj`` ``o_proj``, ``linear_fc2`` ``down_proj``,
+``output_layer`` ``lm_head`` (``B`` without the padded vocabulary rows, which :func:`load_peft` fills with zeros).
+It is exact: each HF delta ``B_x @ A`` is the rows of the fused ``B @ A``. :func:`load_peft` fuses such a folder back
 (q, k and v, and gate and up, must share one ``A``).
 """
 
@@ -72,19 +76,26 @@ from trainer import checkpoint
 from trainer.checkpoint import unwrap
 from trainer.config import ModelConfig
 
-#: the linears of a TransformerLayer an adapter may target -> (their path in the layer, column or row parallel)
+#: the linears an adapter may target -> (their path in a TransformerLayer, or in the model for
+#: :data:`MODEL_TARGETS`; column or row parallel)
 TARGETS: dict[str, tuple[str, Literal["column", "row"]]] = {
     "linear_qkv": ("self_attention.linear_qkv", "column"),
     "linear_proj": ("self_attention.linear_proj", "row"),
     "linear_fc1": ("mlp.linear_fc1", "column"),
     "linear_fc2": ("mlp.linear_fc2", "row"),
+    "output_layer": ("output_layer", "column"),
 }
-#: the Hugging Face modules (under ``model.layers.{i}.``) each target becomes in a PEFT export
+MODEL_TARGETS = ("output_layer",)
+"""Targets the model has once (not in every layer): the output layer (Hugging Face's ``lm_head``), whose
+vocabulary-parallel rows an adapter's ``B`` follows like any column-parallel target's."""
+#: the Hugging Face modules each target becomes in a PEFT export (under ``model.layers.{i}.``; a model target's
+#: at the top)
 HF_MODULES: dict[str, tuple[str, ...]] = {
     "linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "linear_proj": ("self_attn.o_proj",),
     "linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
     "linear_fc2": ("mlp.down_proj",),
+    "output_layer": ("lm_head",),
 }
 SLOT = "lora_adapters"
 """The attribute (child module) of a targeted linear that holds its adapters."""
@@ -110,7 +121,8 @@ class LoraConfig:
     alpha: float = 16.0
     """The term added is ``alpha / rank * B(A(x))``."""
     targets: tuple[str, ...] = tuple(TARGETS)
-    """Which linears of every layer get the adapter (megatron names: linear_qkv, linear_proj, linear_fc1, linear_fc2)."""
+    """Which linears get the adapter (megatron names: linear_qkv, linear_proj, linear_fc1, linear_fc2 of every layer;
+    output_layer, the model's)."""
     dropout: float = 0.0
     """Dropout on the adapter's input while training (0 = none: tp-independent, deterministic)."""
 
@@ -166,6 +178,8 @@ class LoraSlot(nn.Module):
 
     def key(self, which: str) -> str:
         """The tp-independent name of one of this slot's tensors (``which`` = lora_A or lora_B)."""
+        if self.target in MODEL_TARGETS:
+            return f"{TARGETS[self.target][0]}.{which}"
         return f"decoder.layers.{self.layer}.{TARGETS[self.target][0]}.{which}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -259,13 +273,19 @@ def _layers(model: nn.Module) -> list[Any]:
 
 
 def _slots(model: nn.Module) -> list[LoraSlot]:
-    """Every slot of the model, in layer then target order."""
+    """Every slot of the model, in layer then target order, then the model's own (:data:`MODEL_TARGETS`)."""
+    model = unwrap(model)
     out = []
-    for layer in _layers(unwrap(model)):
-        for path, _ in TARGETS.values():
-            slot = getattr(layer.get_submodule(path), SLOT, None)
-            if isinstance(slot, LoraSlot):
+    for layer in _layers(model):
+        for target, (path, _) in TARGETS.items():
+            if target not in MODEL_TARGETS and isinstance(
+                slot := getattr(layer.get_submodule(path), SLOT, None), LoraSlot
+            ):
                 out.append(slot)
+    for target in MODEL_TARGETS:
+        linear = getattr(model, TARGETS[target][0], None)
+        if isinstance(slot := getattr(linear, SLOT, None), LoraSlot):
+            out.append(slot)
     return out
 
 
@@ -276,7 +296,9 @@ def _slot(linear: nn.Module, target: str, layer: int, gated: bool) -> LoraSlot:
     tp, r = _tp()
     slot = LoraSlot(target, layer, gated, tp, r)
     linear.add_module(SLOT, slot)
-    linear.register_forward_hook(_hook, with_kwargs=True)
+    # first among the linear's hooks: the output layer's padded-vocabulary mask (trainer.model.mask_padded_vocab)
+    # then applies to the adapter's term too
+    linear.register_forward_hook(_hook, with_kwargs=True, prepend=True)
     linear.register_state_dict_post_hook(_hide_from_state_dict)
     linear.register_load_state_dict_post_hook(_not_missing)
     return slot
@@ -315,26 +337,40 @@ def add_adapter(model: nn.Module, name: str, cfg: LoraConfig | None = None, seed
     if ps.model_parallel_is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
         raise ConfigError("LoRA adapters support parallel.pp = 1 only; fix: set parallel.pp = 1")
     tp, _ = _tp()
-    for layer in _layers(model):
-        index = layer.layer_number - 1
-        for target in cfg.targets:
-            path, kind = TARGETS[target]
-            linear: Any = layer.get_submodule(path)
-            weight = linear.weight
-            gated = target == "linear_fc1" and bool(getattr(linear.config, "gated_linear_unit", False))
-            slot = _slot(linear, target, index, gated)
-            in_full, out_full = linear.input_size, linear.output_size
-            g = torch.Generator().manual_seed(_seed(seed, name, index, target))
-            bound = 1.0 / math.sqrt(in_full)
-            a_full = (torch.rand(cfg.rank, in_full, generator=g, dtype=torch.float64) * 2 - 1) * bound
-            a = slot.local("lora_A", a_full.to(torch.float32))
-            b = torch.zeros(out_full // tp if kind == "column" else out_full, cfg.rank)
-            pair = LoraPair(a.to(weight.device, weight.dtype).contiguous(), b.to(weight.device, weight.dtype), cfg)
-            pair.train(linear.training)
-            for which in ("lora_A", "lora_B"):  # what trainer.train.clip_grad_norm reads to sum shard norms
-                dim = slot.sharded_dim(which)
-                set_tensor_model_parallel_attributes(getattr(pair, which), dim is not None, dim or 0, 1)
-            slot.adapters[name] = pair
+    places: list[tuple[str, int, Any]] = [  # (target, layer index or -1 for the model's own, the linear)
+        (target, layer.layer_number - 1, layer.get_submodule(TARGETS[target][0]))
+        for layer in _layers(model)
+        for target in cfg.targets
+        if target not in MODEL_TARGETS
+    ]
+    for target in (t for t in cfg.targets if t in MODEL_TARGETS):
+        linear = getattr(model, TARGETS[target][0], None)
+        if linear is None:
+            raise ConfigError(f"adapters.targets names {target!r}, which this model has not; fix: leave it out")
+        if tp > 1 and getattr(linear, "gather_output", False):
+            raise ConfigError(
+                f"adapters.targets names {target!r}, whose logits this model gathers over tensor-parallel ranks "
+                "(parallel_output = False); fix: leave it out, or build the model with vocabulary-parallel logits"
+            )
+        places.append((target, -1, linear))
+    for target, index, linear in places:
+        kind = TARGETS[target][1]
+        # the output layer of a model with tied embeddings has no weight of its own: the embedding's
+        weight = linear.weight if linear.weight is not None else model.shared_embedding_or_output_weight()
+        gated = target == "linear_fc1" and bool(getattr(linear.config, "gated_linear_unit", False))
+        slot = _slot(linear, target, index, gated)
+        in_full, out_full = linear.input_size, linear.output_size
+        g = torch.Generator().manual_seed(_seed(seed, name, index, target))
+        bound = 1.0 / math.sqrt(in_full)
+        a_full = (torch.rand(cfg.rank, in_full, generator=g, dtype=torch.float64) * 2 - 1) * bound
+        a = slot.local("lora_A", a_full.to(torch.float32))
+        b = torch.zeros(out_full // tp if kind == "column" else out_full, cfg.rank)
+        pair = LoraPair(a.to(weight.device, weight.dtype).contiguous(), b.to(weight.device, weight.dtype), cfg)
+        pair.train(linear.training)
+        for which in ("lora_A", "lora_B"):  # what trainer.train.clip_grad_norm reads to sum shard norms
+            dim = slot.sharded_dim(which)
+            set_tensor_model_parallel_attributes(getattr(pair, which), dim is not None, dim or 0, 1)
+        slot.adapters[name] = pair
 
 
 def remove_adapter(model: nn.Module, name: str) -> None:
@@ -714,6 +750,8 @@ def load_adapter(
 
 
 def _hf_modules(target: str, layer: int) -> tuple[str, ...]:
+    if target in MODEL_TARGETS:
+        return HF_MODULES[target]
     return tuple(f"model.layers.{layer}.{m}" for m in HF_MODULES[target])
 
 
@@ -760,6 +798,8 @@ def export_peft(
             bs: tuple[torch.Tensor, ...] = split_qkv(b, model_cfg)
         elif slot.target == "linear_fc1":
             bs = tuple(b.chunk(2))  # [gate; up], as trainer.hf takes the weight apart
+        elif slot.target == "output_layer":
+            bs = (b[: model_cfg.vocab_size],)  # the padded vocabulary rows are cut off, as export_hf does
         else:
             bs = (b,)
         for module, b_part in zip(modules, bs, strict=True):
@@ -775,7 +815,7 @@ def export_peft(
             "r": cfg.rank,
             "lora_alpha": int(cfg.alpha) if cfg.alpha.is_integer() else cfg.alpha,  # PEFT and vLLM type it int
             "lora_dropout": cfg.dropout,
-            "target_modules": sorted({m.rsplit(".", 1)[1] for t in cfg.targets for m in HF_MODULES[t]}),
+            "target_modules": sorted({m.rsplit(".", 1)[-1] for t in cfg.targets for m in HF_MODULES[t]}),
             "bias": "none",
             "fan_in_fan_out": False,
             "use_rslora": False,
@@ -833,7 +873,7 @@ def load_peft(model: nn.Module, model_cfg: ModelConfig, name: str, folder: str |
     modules = c.get("target_modules")
     if not isinstance(modules, list):
         raise _peft_refuse(folder, f"target_modules = {modules!r} must be a list of module names")
-    short = {t: {m.rsplit(".", 1)[1] for m in ms} for t, ms in HF_MODULES.items()}
+    short = {t: {m.rsplit(".", 1)[-1] for m in ms} for t, ms in HF_MODULES.items()}
     allowed = set().union(*short.values())
     if unknown := sorted(set(modules) - allowed):
         raise _peft_refuse(folder, f"target_modules {unknown} have no megatron counterpart here")
@@ -865,8 +905,14 @@ def load_peft(model: nn.Module, model_cfg: ModelConfig, name: str, folder: str |
         return weights[key]
 
     state: dict[str, torch.Tensor] = {}
+    for target in (t for t in targets if t in MODEL_TARGETS):  # lm_head: zero rows for the padded vocabulary
+        (module,) = _hf_modules(target, -1)
+        b = get(module, "lora_B")
+        state[f"{TARGETS[target][0]}.lora_A"] = get(module, "lora_A")
+        pad = model_cfg.padded_vocab_size - b.shape[0]
+        state[f"{TARGETS[target][0]}.lora_B"] = torch.cat([b, b.new_zeros(pad, b.shape[1])]) if pad > 0 else b
     for layer in range(model_cfg.num_layers):
-        for target in targets:
+        for target in (t for t in targets if t not in MODEL_TARGETS):
             mods = _hf_modules(target, layer)
             a_s = [get(m, "lora_A") for m in mods]
             b_s = [get(m, "lora_B") for m in mods]

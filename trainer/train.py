@@ -77,6 +77,10 @@ class TrainConfig:
 
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     micro_batches_per_step: int = 2
+    updates_per_step: int = 1
+    """Optimizer updates on each step's micro-batches (PPO's epochs; 1 = each trains once). The later updates
+    reuse the behaviour log-probs, so the clip bounds how far they move; the step's ``TrainStep`` figures are its
+    first update's (what one update does), ``grad_norm`` too."""
     max_steps: int = 10
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
@@ -128,6 +132,9 @@ class TrainConfig:
         ts, ls = settings.train, settings.loss
         params: dict[str, Any] = {
             "micro_batches_per_step": ts.micro_batches_per_step,
+            "updates_per_step": (settings.adapters.updates_per_step or ts.updates_per_step)
+            if run.get("adapter")
+            else ts.updates_per_step,
             "max_steps": ts.steps,
             "betas": (ts.beta1, ts.beta2),
             "weight_decay": ts.weight_decay,
@@ -361,66 +368,17 @@ def _train(
             break  # a partial step would change the effective batch size: wait for the next run
         # Dr. GRPO: one constant for the whole global batch (all DP ranks), not the token count
         norm = cfg.norm_tokens or cfg.micro_batches_per_step * dp.size * batches[0].tokens.size
-        opt.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {
-            "loss": 0.0,
-            "pg": 0.0,
-            "kl_tok": 0.0,
-            "clip_tok": 0.0,
-            "trunc_tok": 0.0,
-            "tokens": 0,
-            "on": 0,
-            "dual_tok": 0.0,
-            "guarded": 0,
-            "mm_k3_tok": 0.0,
-            "mm_tok": 0,
-            "mm_max": 0.0,
-            "delayed": 0,
-            "dtrunc_tok": 0.0,
-            "dlag_sum": 0,
-            "dlag_tok": 0,
-        }
-        lag_hist: dict[str, int] = {}
-        delayed_hist: dict[str, int] = {}
-        if pipe.size == 1:
-            full = cfg.loss.kl_estimator == "full"
-            for b in batches:
-                p = prepare(b, policy_version, cfg.max_policy_lag, cfg.max_delayed_lag)
-                if full:
-                    lp, log_softmax = forward_logprobs_and_log_softmax(
-                        model, p.tokens, p.positions, p.targets, p.attention_mask
-                    )
-                else:
-                    lp = forward_logprobs(model, p.tokens, p.positions, p.targets, p.attention_mask)
-                ref, ref_log_softmax = _ref_logprobs(model, reference, p, cfg.adapter, full)
-                kl_full = full_kl(log_softmax, ref_log_softmax) if ref_log_softmax is not None else None
-                out = _policy_loss(p, lp, ref, norm, cfg.loss, kl_full)
-                out.loss.backward()
-                _add_metrics(sums, out)
-                _count_lags(lag_hist, delayed_hist, sums, p)
-        else:
-            prepared = [prepare(b, policy_version, cfg.max_policy_lag, cfg.max_delayed_lag) for b in batches]
-            for out in pipeline_step(model, reference, prepared, norm, cfg.loss):  # outputs on the last stage only
-                _add_metrics(sums, out)
-            for p in prepared:  # every stage holds the same micro-batches
-                _count_lags(lag_hist, delayed_hist, sums, p)
-        pipe.reduce_tied_embedding_grads(model)
-        reduce_sequence_parallel_grads(model)
-        dp.reduce_gradients(model)
-        # the global norm before clipping, for train_metrics (computed, not applied, with clipping off)
-        grad_norm = clip_grad_norm(model, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
-        for group in opt.param_groups:  # linear warm-up (by optimizer step, so a resumed run continues it)
-            group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
-        keys = [k for k in sums if k != "mm_max"]
-        totals = dp.sum(pipe.from_last_stage([sums[k] for k in keys]))  # the last stage computed them
-        (mm_max,) = dp.max(pipe.from_last_stage([sums["mm_max"]]))  # a max: MAX over the replicas, not SUM
-        sums = dict(zip(keys, totals))
-        sums["tokens"], sums["on"], sums["delayed"] = int(sums["tokens"]), int(sums["on"]), int(sums["delayed"])
-        lag_hist, delayed_hist = dp.merge_counts(lag_hist), dp.merge_counts(delayed_hist)
+        # prepared once: every update of the step trains the same micro-batches
+        prepared = [prepare(b, policy_version, cfg.max_policy_lag, cfg.max_delayed_lag) for b in batches]
+        first: tuple[dict[str, float], dict[str, int], dict[str, int], float] | None = None
+        for _update in range(cfg.updates_per_step):
+            result = _update_once(model, reference, prepared, opt, cfg, norm, step, dp, pipe)
+            first = first or result  # the step's figures: its first update's
+        assert first is not None  # updates_per_step >= 1
+        sums, lag_hist, delayed_hist, grad_norm = first
         # what this step really trained on: samples within the policy lag (stale ones are masked)
         step_batches, step_samples = trained.step_ids()
         batch_ids, sample_ids = dp.gather(step_batches), dp.gather(step_samples)
-        opt.step()
         step += 1
         trained.commit()
         source.commit()  # only now: the step that used these batches is in the weights
@@ -447,7 +405,7 @@ def _train(
             dual_clip_fraction=sums["dual_tok"] / n,
             seq_guarded_tokens=int(sums["guarded"]),
             mismatch_k3=sums["mm_k3_tok"] / max(1, sums["mm_tok"]),
-            mismatch_max_abs_log_ratio=mm_max,
+            mismatch_max_abs_log_ratio=sums["mm_max"],
             tokens_per_s=sums["tokens"] / max(1e-9, time.monotonic() - t0),
             batch_ids=batch_ids,
             sample_ids=sample_ids,
@@ -463,6 +421,79 @@ def _train(
     if cfg.checkpoint_dir and steps and step % cfg.checkpoint_every:
         save(model, opt, source, cfg, step, policy_version, trained)  # the end of a run is always resumable
     return steps
+
+
+def _update_once(
+    model: Any,
+    reference: Any,
+    prepared: list[Prepared],
+    opt: torch.optim.Optimizer,
+    cfg: TrainConfig,
+    norm: int,
+    step: int,
+    dp: DataParallel,
+    pipe: Pipeline,
+) -> tuple[dict[str, float], dict[str, int], dict[str, int], float]:
+    """One optimizer update on a step's micro-batches: the forward and backward passes, the gradient reductions
+    and clip, the optimizer step. Returns (the loss's sums over every rank, the lag histograms, the gradient norm
+    before clipping)."""
+    opt.zero_grad(set_to_none=True)
+    sums: dict[str, float] = {
+        "loss": 0.0,
+        "pg": 0.0,
+        "kl_tok": 0.0,
+        "clip_tok": 0.0,
+        "trunc_tok": 0.0,
+        "tokens": 0,
+        "on": 0,
+        "dual_tok": 0.0,
+        "guarded": 0,
+        "mm_k3_tok": 0.0,
+        "mm_tok": 0,
+        "mm_max": 0.0,
+        "delayed": 0,
+        "dtrunc_tok": 0.0,
+        "dlag_sum": 0,
+        "dlag_tok": 0,
+    }
+    lag_hist: dict[str, int] = {}
+    delayed_hist: dict[str, int] = {}
+    if pipe.size == 1:
+        full = cfg.loss.kl_estimator == "full"
+        for p in prepared:
+            if full:
+                lp, log_softmax = forward_logprobs_and_log_softmax(
+                    model, p.tokens, p.positions, p.targets, p.attention_mask
+                )
+            else:
+                lp = forward_logprobs(model, p.tokens, p.positions, p.targets, p.attention_mask)
+            ref, ref_log_softmax = _ref_logprobs(model, reference, p, cfg.adapter, full)
+            kl_full = full_kl(log_softmax, ref_log_softmax) if ref_log_softmax is not None else None
+            out = _policy_loss(p, lp, ref, norm, cfg.loss, kl_full)
+            out.loss.backward()
+            _add_metrics(sums, out)
+            _count_lags(lag_hist, delayed_hist, sums, p)
+    else:
+        for out in pipeline_step(model, reference, prepared, norm, cfg.loss):  # outputs on the last stage only
+            _add_metrics(sums, out)
+        for p in prepared:  # every stage holds the same micro-batches
+            _count_lags(lag_hist, delayed_hist, sums, p)
+    pipe.reduce_tied_embedding_grads(model)
+    reduce_sequence_parallel_grads(model)
+    dp.reduce_gradients(model)
+    # the global norm before clipping, for train_metrics (computed, not applied, with clipping off)
+    grad_norm = clip_grad_norm(model, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+    for group in opt.param_groups:  # linear warm-up (by optimizer step, so a resumed run continues it)
+        group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
+    keys = [k for k in sums if k != "mm_max"]
+    totals = dp.sum(pipe.from_last_stage([sums[k] for k in keys]))  # the last stage computed them
+    (mm_max,) = dp.max(pipe.from_last_stage([sums["mm_max"]]))  # a max: MAX over the replicas, not SUM
+    sums = dict(zip(keys, totals))
+    sums["mm_max"] = mm_max
+    sums["tokens"], sums["on"], sums["delayed"] = int(sums["tokens"]), int(sums["on"]), int(sums["delayed"])
+    lag_hist, delayed_hist = dp.merge_counts(lag_hist), dp.merge_counts(delayed_hist)
+    opt.step()
+    return sums, lag_hist, delayed_hist, grad_norm
 
 
 def _add_metrics(sums: dict[str, float], out: LossOutput) -> None:
