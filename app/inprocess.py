@@ -38,7 +38,7 @@ from rtrl.settings import Settings
 from schemas.codec import encode_batch, event_codec
 from schemas.records import EventBase, MicroBatch, Rollout, TaskVerdict, TrainStep, TrajectoryStarted
 from simulator.tasks import COMPLETION_LEN, Outcome, Task, outcome
-from trainer.batch import to_batch
+from trainer.batch import Batch, to_batch
 from trainer.dedup import TrainedSet
 from trainer.train import MemorySource, TrainConfig, train
 
@@ -194,9 +194,11 @@ class InProcessLoop:
         batches: list[MicroBatch],
         run_id: str,
         optimizer: torch.optim.Optimizer | None = None,
+        served_by: Callable[[Batch], str | None] | None = None,
     ) -> list[TrainStep]:
         """The shared policy's whole steps on this cycle's ``batches`` (and the last remainder), at the serving
-        version (:func:`train_steps`; ``optimizer``: one kept across cycles, None = a new one each cycle)."""
+        version (:func:`train_steps`; ``optimizer``: one kept across cycles, None = a new one each cycle;
+        ``served_by``: :func:`trainer.train.train`'s)."""
         steps, self.leftover = train_steps(
             model,
             reference,
@@ -207,6 +209,7 @@ class InProcessLoop:
             self.version,
             self.trained,
             optimizer=optimizer,
+            served_by=served_by,
         )
         return steps
 
@@ -236,11 +239,13 @@ def train_steps(
     adapter: str = "",
     adapter_base: str = "",
     optimizer: torch.optim.Optimizer | None = None,
+    served_by: Callable[[Batch], str | None] | None = None,
 ) -> tuple[list[TrainStep], list[MicroBatch]]:
     """Train ``leftover + batches`` in whole steps (``train.micro_batches_per_step``) through the wire format;
     returns (the steps' train_metrics, the remainder that waits for the next cycle). ``adapter``: train that
     org's adapter (its batches only, the base frozen; ``reference`` None = the base alone). ``optimizer``: one kept
-    across calls (:func:`trainer.train.train`); None = a new one each call."""
+    across calls (:func:`trainer.train.train`); None = a new one each call. ``served_by``: the adapter that
+    served a batch's samples, active in its forward pass (:func:`trainer.train.train`; shared-policy runs)."""
     todo = leftover + batches
     mbps = settings.train.micro_batches_per_step
     n = len(todo) // mbps * mbps
@@ -260,5 +265,6 @@ def train_steps(
         resume=False,
         trained=trained,
         optimizer=optimizer,
+        served_by=served_by,
     )
     return steps, rest

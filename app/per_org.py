@@ -74,6 +74,7 @@ from simulator.tasks import (
 )
 from simulator.world import react
 from trainer import lora
+from trainer.batch import Batch
 from trainer.dedup import TrainedSet
 from trainer.model import build_model, init_parallel
 from trainer.train import TrainConfig, adamw
@@ -104,11 +105,23 @@ class Experiment:
     alpha: float = 16.0  # adapters.alpha
     adapter_lr: float = 0.002  # adapters.lr (0 = train.lr, 1e-3); 6e-3 and up raised broken calls (RESULTS.md)
     adapter_kl: float = 0.3  # adapters.kl_coef (0 = loss.kl_coef, 0.01)
+    adapter_updates: int = 4
+    """adapters.updates_per_step: optimizer updates on each step of an adapter's micro-batches (1: each trains
+    once). An org's adapter sees a quarter of the traffic; with one update a step it moved its org's tool by a
+    few points a cycle while the base drifted away (bench/RESULTS.md, "Per-org adapters", seventh round)."""
+    adapter_targets: tuple[str, ...] = ()
+    """adapters.targets; empty = the settings' default (every layer's four linears and the output layer, without
+    which an adapter cannot raise its org's tool alone: bench/RESULTS.md, seventh round)."""
     adapter_kl_estimator: str = "full"
     """adapters.kl_estimator: "full" (the exact KL to the base over the vocabulary), "k3" (on the sampled token) or
     "" (loss.kl_estimator). With k3 the candidates that raised P(solve) also raised broken tool calls, and the gate
     refused them; the full KL holds the broken-call rate (bench/RESULTS.md, "Per-org adapters")."""
-    shared_traffic: str = "all"  # adapters.shared_traffic: "all" or "unadapted" (the shared policy skips adapted orgs)
+    shared_traffic: str = "all"
+    """adapters.shared_traffic: "all" or "unadapted" (the shared policy skips adapted orgs); or "served": all
+    traffic, an adapted org's micro-batches through the adapter that served them, frozen
+    (:func:`trainer.train.train`'s ``served_by``), so the base learns what serves each org and is not pulled
+    towards an org's own habit where its adapter already follows it. The main job's trainer does not do this
+    yet (it trains as with "all")."""
     cycle_minutes: int = 60  # simulated event time per cycle
     rate: float = 100.0  # tasks served per second of event time, each group_size times
     eval_tasks: int = 200  # held-out tasks per org: the gate's suite, and the report's own
@@ -127,6 +140,10 @@ class Experiment:
     :func:`simulator.tasks.warm_start_completion`'s 0.35); negative: as often as on hard ones."""
 
     def __post_init__(self) -> None:
+        if self.shared_traffic not in ("all", "unadapted", "served"):
+            raise ValueError(
+                f"Experiment.shared_traffic = {self.shared_traffic!r}: one of 'all', 'unadapted', 'served'"
+            )
         if 0 < self.specialised < self.orgs and not 0 < self.specialised_share < 1:
             raise ValueError(
                 f"Experiment.specialised_share = {self.specialised_share!r}: the specialised orgs' share of the "
@@ -181,16 +198,21 @@ class OrgRow:
 def arm_settings(base: Settings, exp: Experiment) -> Settings:
     """The base settings with the experiment's adapters: one per specialised org, its threshold and shape, and the
     shared policy trained on all traffic."""
-    env = as_env(base) | {
-        "RTRL_ADAPTERS__ORGS": ",".join(exp.conventions),
-        "RTRL_ADAPTERS__MIN_SAMPLES": str(exp.min_samples),
-        "RTRL_ADAPTERS__SHARED_TRAFFIC": exp.shared_traffic,
-        "RTRL_ADAPTERS__RANK": str(exp.rank),
-        "RTRL_ADAPTERS__ALPHA": str(exp.alpha),
-        "RTRL_ADAPTERS__LR": str(exp.adapter_lr),
-        "RTRL_ADAPTERS__KL_COEF": str(exp.adapter_kl),
-        "RTRL_ADAPTERS__KL_ESTIMATOR": exp.adapter_kl_estimator,
-    }
+    env = (
+        as_env(base)
+        | {
+            "RTRL_ADAPTERS__ORGS": ",".join(exp.conventions),
+            "RTRL_ADAPTERS__MIN_SAMPLES": str(exp.min_samples),
+            "RTRL_ADAPTERS__SHARED_TRAFFIC": "all" if exp.shared_traffic == "served" else exp.shared_traffic,
+            "RTRL_ADAPTERS__RANK": str(exp.rank),
+            "RTRL_ADAPTERS__ALPHA": str(exp.alpha),
+            "RTRL_ADAPTERS__LR": str(exp.adapter_lr),
+            "RTRL_ADAPTERS__KL_COEF": str(exp.adapter_kl),
+            "RTRL_ADAPTERS__KL_ESTIMATOR": exp.adapter_kl_estimator,
+            "RTRL_ADAPTERS__UPDATES_PER_STEP": str(exp.adapter_updates),
+        }
+        | ({"RTRL_ADAPTERS__TARGETS": ",".join(exp.adapter_targets)} if exp.adapter_targets else {})
+    )
     return load_settings(env=env)
 
 
@@ -419,7 +441,13 @@ def run_arm(
             _train_base_only(model)
         else:
             shared = [b for _, b in made]
-        steps = loop.train(model, reference, shared, f"per-org-{arm}-{cycle}", base_opt)
+        served_by = None
+        if adapters is not None and exp.shared_traffic == "served":
+
+            def served_by(b: Batch, adapters: _Adapters = adapters) -> str | None:  # one org per micro-batch
+                return adapters.serving(org_of[b.sample_ids[0]]) if b.sample_ids else None
+
+        steps = loop.train(model, reference, shared, f"per-org-{arm}-{cycle}", base_opt, served_by)
         version = loop.promote()  # the arms must stay comparable, so no gate
         if adapters is not None:  # as the main job does (app.adapters): re-validate, then train on the new base
             for org, judged in adapters.revalidate(version).items():

@@ -7,8 +7,9 @@ and an adapter's training tokens/s next to full training of the same model, all 
 The model: a small Llama-like megatron ``GPTModel`` (RMSNorm, SwiGLU, RoPE, no biases; by default hidden 256,
 4 layers, 4 heads, FFN 704, vocab 2,048: 4.26M parameters, fp32), built once for serving and three more times
 (policy, reference, adapter model) for training. Adapters: :mod:`trainer.lora`, rank ``--rank`` (alpha 2 x rank)
-on all four targets (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``), with non-zero ``B`` so they
-change the policy, each saved as an rtrl adapter checkpoint.
+on the four targets of every layer (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``; not the
+output layer, which ``adapters.targets`` adds by default, so the figures stay those of bench/RESULTS.md), with
+non-zero ``B`` so they change the policy, each saved as an rtrl adapter checkpoint.
 
 1. Serving. One :class:`simulator.openai_server.CompletionServer` over the one base, requests over HTTP through
    :class:`client.rollouts.CompletionsClient` (``--clients`` threads sending at once). Conditions, alternating
@@ -66,6 +67,8 @@ from rich.table import Table
 
 from rtrl.quiet import quiet_known_warnings
 
+LAYER_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""The adapters' targets here: every layer's four linears (the figures in bench/RESULTS.md were measured so)."""
 BASE_NAME = "bench-base"
 TRAINED = "org-00"
 
@@ -203,7 +206,7 @@ def run_serving(args: argparse.Namespace, cfg: Any, progress: Progress, task: An
     from trainer import lora
     from trainer.model import build_model
 
-    lcfg = lora.LoraConfig(rank=args.rank, alpha=2.0 * args.rank)
+    lcfg = lora.LoraConfig(rank=args.rank, alpha=2.0 * args.rank, targets=LAYER_TARGETS)
     conditions = [0] + args.loaded
     names = [f"org-{i:02d}" for i in range(max(conditions))]
     model = build_model(cfg)
@@ -362,7 +365,7 @@ def run_training(args: argparse.Namespace, cfg: Any, progress: Progress, task: A
     from trainer.train import TrainConfig, train
 
     full, reference, adapted = build_model(cfg), build_model(cfg), build_model(cfg)
-    lora.add_adapter(adapted, TRAINED, lora.LoraConfig(rank=args.rank, alpha=2.0 * args.rank))
+    lora.add_adapter(adapted, TRAINED, lora.LoraConfig(rank=args.rank, alpha=2.0 * args.rank, targets=LAYER_TARGETS))
     models = {"full": (full, reference, ""), "adapter": (adapted, None, TRAINED)}
     batches = {mode: micro_batches(cfg, args, adapter) for mode, (_, _, adapter) in models.items()}
     out = Training(processed_per_step=args.micro_batches * args.rows * (args.seq_len - 1))

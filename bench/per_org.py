@@ -91,13 +91,24 @@ def main() -> None:
     ap.add_argument("--adapter-lr", type=float, default=d.adapter_lr, help="adapters.lr (0 = train.lr)")
     ap.add_argument("--adapter-kl", type=float, default=d.adapter_kl, help="adapters.kl_coef (0 = loss.kl_coef)")
     ap.add_argument(
+        "--adapter-updates", type=int, default=d.adapter_updates, help="adapters.updates_per_step (1: no reuse)"
+    )
+    ap.add_argument(
+        "--adapter-targets",
+        default=",".join(d.adapter_targets),
+        help="adapters.targets, comma-separated (empty: the default, the layers' four linears and output_layer)",
+    )
+    ap.add_argument(
         "--adapter-kl-estimator",
         default=d.adapter_kl_estimator,
         choices=("full", "k3", ""),
         help="adapters.kl_estimator ('' = loss.kl_estimator)",
     )
     ap.add_argument(
-        "--shared-traffic", default=d.shared_traffic, choices=("all", "unadapted"), help="adapters.shared_traffic"
+        "--shared-traffic",
+        default=d.shared_traffic,
+        choices=("all", "unadapted", "served"),
+        help="adapters.shared_traffic; served: all, an adapted org's batches through the adapter that served them",
     )
     ap.add_argument("--tolerance", type=float, default=0.03, help="largest P(solve) loss an other org may show")
     args = ap.parse_args()
@@ -118,6 +129,8 @@ def main() -> None:
             adapter_lr=args.adapter_lr,
             adapter_kl=args.adapter_kl,
             adapter_kl_estimator=args.adapter_kl_estimator,
+            adapter_updates=args.adapter_updates,
+            adapter_targets=tuple(t for t in args.adapter_targets.split(",") if t),
             shared_traffic=args.shared_traffic,
             seed=seed,
         )

@@ -518,6 +518,22 @@ def test_peft_export_matches_hf_peft_logits_and_round_trips(hf_folders, family, 
     assert sorted(want) == sorted(got) and all(torch.equal(want[k], got[k]) for k in want)
 
 
+def test_output_layer_adapter_with_tied_embeddings():
+    """With tied embeddings the output layer has no weight of its own: its adapter takes the shared weight's dtype
+    and device, a new one leaves the logits unchanged and a trained one changes them."""
+    cfg = ModelConfig.tiny(tie_embeddings=True)
+    init_parallel(cfg)
+    model = build_model(cfg).eval()
+    assert model.output_layer.weight is None
+    before = logits(model, cfg.vocab_size)
+    lora.add_adapter(model, "org", lora.LoraConfig(rank=2, targets=("output_layer",)), seed=1)
+    lora.activate(model, "org")
+    assert torch.equal(logits(model, cfg.vocab_size), before)
+    randomize_b(model, "org")
+    assert (logits(model, cfg.vocab_size) - before).abs().max() > 1e-3
+    assert list(lora.adapter_state_dict(model, "org")) == ["output_layer.lora_A", "output_layer.lora_B"]
+
+
 def test_output_layer_adapter_trains_the_real_vocabulary_only(hf_folders):
     """The output layer's adapter (lm_head) adds its term before the padded-vocabulary mask: the padding rows keep
     their masked logit, get no gradient and stay at their zero init through AdamW steps, while the real rows

@@ -673,6 +673,90 @@ def test_an_adapter_trains_on_its_orgs_batches_only_and_the_base_stays_frozen(tm
     assert sorted(ids) == sorted(f"{o}-{i}" for o in ("o0", "o1", "o2") for i in range(12))
 
 
+def test_updates_per_step_reuse_a_step_and_the_base_can_train_through_the_serving_adapter():
+    """``train.updates_per_step`` (``adapters.updates_per_step`` for adapter runs, 4 by default) takes several
+    optimizer updates on each step's micro-batches: the step's figures are its first update's (what one update
+    gives), its samples are recorded once, and the weights move on. ``train(served_by=...)`` trains the shared
+    policy on a micro-batch through the adapter that served it, frozen: the base then ends exactly where a run
+    with that adapter active throughout ends, not where the base alone would, and the adapter is unchanged."""
+    import torch
+
+    from schemas.codec import encode_batch
+    from simulator.tasks import VOCAB
+    from trainer import lora
+    from trainer.batch import to_batch
+    from trainer.config import ModelConfig
+    from trainer.model import build_model, init_parallel
+    from trainer.train import MemorySource, TrainConfig, train
+
+    s = load_settings(env={"RTRL_TRAIN__UPDATES_PER_STEP": "2"})
+    assert TrainConfig.from_settings(s).updates_per_step == 2
+    assert TrainConfig.from_settings(s, adapter="o1").updates_per_step == 4  # adapters.updates_per_step's default
+    s = load_settings(env={"RTRL_TRAIN__UPDATES_PER_STEP": "2", "RTRL_ADAPTERS__UPDATES_PER_STEP": "0"})
+    assert TrainConfig.from_settings(s, adapter="o1").updates_per_step == 2  # 0 = train.updates_per_step
+    with pytest.raises(ConfigError, match="train.updates_per_step"):
+        load_settings(env={"RTRL_TRAIN__UPDATES_PER_STEP": "0"})
+
+    wire = [to_batch(encode_batch(batch("o1", 4, first=4 * k)), 0, k) for k in range(2)]
+    cfg = ModelConfig.tiny(vocab_size=VOCAB, seq_length=64)
+    init_parallel(cfg)
+
+    def fresh() -> tuple[torch.nn.Module, torch.nn.Module]:
+        torch.manual_seed(0)
+        model, reference = build_model(cfg), build_model(cfg)
+        lora.add_adapter(model, "o1", lora.LoraConfig(rank=4), seed=1)
+        state = lora.adapter_state_dict(model, "o1")
+        g = torch.Generator().manual_seed(2)
+        lora.load_adapter_state_dict(
+            model,
+            "o1",
+            {k: 0.2 * torch.randn(v.shape, generator=g) if k.endswith("B") else v for k, v in state.items()},
+        )
+        for p in lora.adapter_parameters(model, "o1"):
+            p.requires_grad_(False)
+        return model, reference
+
+    def base(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in model.state_dict().items() if v is not None}
+
+    tc = TrainConfig(micro_batches_per_step=1, max_steps=10, idle_timeout_s=0.01, lr=1e-2)
+    start, _ = fresh()
+    runs = {}
+    for k in (1, 3):
+        model, reference = fresh()
+        steps = train(
+            model,
+            reference,
+            lambda _: MemorySource(wire),
+            replace(tc, updates_per_step=k),
+            policy_version=1,
+            resume=False,
+        )
+        runs[k] = (steps, base(model))
+    (one, w1), (three, w3) = runs[1], runs[3]
+    assert len(one) == len(three) == 2 and [s.sample_ids for s in one] == [s.sample_ids for s in three]
+    assert one[0].loss == three[0].loss and one[0].kl == three[0].kl  # the first update: the same weights
+    moved = {k: (w1[k] - base(start)[k]).norm() for k in w1}, {k: (w3[k] - base(start)[k]).norm() for k in w3}
+    assert sum(moved[1].values()) > sum(moved[0].values())  # three updates a step move the weights further
+
+    adapter0 = lora.adapter_state_dict(start, "o1")
+    through, reference = fresh()
+    train(
+        through, reference, lambda _: MemorySource(wire), tc, policy_version=1, resume=False, served_by=lambda b: "o1"
+    )
+    active, reference = fresh()
+    with lora.activate(active, "o1"):
+        train(active, reference, lambda _: MemorySource(wire), tc, policy_version=1, resume=False)
+    alone, reference = fresh()
+    train(alone, reference, lambda _: MemorySource(wire), tc, policy_version=1, resume=False)
+    assert lora.active_adapter(through) is None  # train() leaves no adapter active
+    assert all(torch.equal(v, base(active)[k]) for k, v in base(through).items())
+    assert any(not torch.equal(v, base(alone)[k]) for k, v in base(through).items())
+    assert all(torch.equal(v, adapter0[k]) for k, v in lora.adapter_state_dict(through, "o1").items())
+    with pytest.raises(ValueError, match="shared policy"):
+        train(through, None, lambda _: MemorySource(wire), replace(tc, adapter="o1"), 1, served_by=lambda b: "o1")
+
+
 ADAPTER_DUMP = """
 import json, sys
 from rtrl import clickhouse

@@ -356,7 +356,7 @@ def add_adapter(model: nn.Module, name: str, cfg: LoraConfig | None = None, seed
     for target, index, linear in places:
         kind = TARGETS[target][1]
         # the output layer of a model with tied embeddings has no weight of its own: the embedding's
-        weight = linear.weight if linear.weight is not None else model.shared_embedding_or_output_weight()
+        weight = linear.weight if linear.weight is not None else cast(Any, model).shared_embedding_or_output_weight()
         gated = target == "linear_fc1" and bool(getattr(linear.config, "gated_linear_unit", False))
         slot = _slot(linear, target, index, gated)
         in_full, out_full = linear.input_size, linear.output_size

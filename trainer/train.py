@@ -253,6 +253,7 @@ def train(
     trained: TrainedSet | None = None,
     start: dict[str, int] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    served_by: Callable[[Batch], str | None] | None = None,
 ) -> list[TrainStep]:
     """Train until ``max_steps``, until no micro-batch arrives within ``idle_timeout_s``, or until
     ``should_stop()`` says so before a step (e.g. a wall-time trigger).
@@ -269,7 +270,15 @@ def train(
     ``optimizer``: an AdamW over exactly the parameters this run trains, kept by a caller that trains in several
     calls without checkpoints (the in-process experiments), so its moments carry over as a resumed run's do;
     None = a new one (or the checkpoint's, when resuming).
+
+    ``served_by`` (a run of the shared policy only): the adapter on ``model`` that served a micro-batch's samples,
+    or None for the base alone. That adapter is active, frozen, in the micro-batch's forward pass: the base learns
+    from an adapted org's samples through the adapter that served them (what serves the org), so where the
+    adapter already follows the org's own habit the base is not pulled towards it. The KL term stays the one to
+    ``reference``. Needs pp = 1, as adapters do.
     """
+    if served_by is not None and cfg.adapter:
+        raise ValueError("train(served_by=...) is for a run of the shared policy, not of an adapter")
     if cfg.adapter:
         params = lora.train_only(model, cfg.adapter)
         restore = lora.activate(model, cfg.adapter)  # undone on return
@@ -297,7 +306,9 @@ def train(
     if reference is not None:
         reference.eval()
     try:
-        return _train(model, reference, source, opt, cfg, step, policy_version, on_step, should_stop, trained)
+        return _train(
+            model, reference, source, opt, cfg, step, policy_version, on_step, should_stop, trained, served_by
+        )
     finally:
         if restore is not None:
             restore.__exit__(None, None, None)
@@ -338,6 +349,7 @@ def _train(
     on_step: Callable[[TrainStep], object] | None,
     should_stop: Callable[[], bool] | None,
     trained: TrainedSet,
+    served_by: Callable[[Batch], str | None] | None = None,
 ) -> list[TrainStep]:
     dp, pipe = DataParallel(), Pipeline()
     steps: list[TrainStep] = []
@@ -370,9 +382,12 @@ def _train(
         norm = cfg.norm_tokens or cfg.micro_batches_per_step * dp.size * batches[0].tokens.size
         # prepared once: every update of the step trains the same micro-batches
         prepared = [prepare(b, policy_version, cfg.max_policy_lag, cfg.max_delayed_lag) for b in batches]
+        through = [served_by(b) if served_by is not None else None for b in batches]
+        if pipe.size > 1 and any(through):
+            raise ValueError("train(served_by=...) needs parallel.pp = 1 (LoRA adapters support pp = 1 only)")
         first: tuple[dict[str, float], dict[str, int], dict[str, int], float] | None = None
         for _update in range(cfg.updates_per_step):
-            result = _update_once(model, reference, prepared, opt, cfg, norm, step, dp, pipe)
+            result = _update_once(model, reference, prepared, through, opt, cfg, norm, step, dp, pipe)
             first = first or result  # the step's figures: its first update's
         assert first is not None  # updates_per_step >= 1
         sums, lag_hist, delayed_hist, grad_norm = first
@@ -427,6 +442,7 @@ def _update_once(
     model: Any,
     reference: Any,
     prepared: list[Prepared],
+    through: list[str | None],
     opt: torch.optim.Optimizer,
     cfg: TrainConfig,
     norm: int,
@@ -434,8 +450,8 @@ def _update_once(
     dp: DataParallel,
     pipe: Pipeline,
 ) -> tuple[dict[str, float], dict[str, int], dict[str, int], float]:
-    """One optimizer update on a step's micro-batches: the forward and backward passes, the gradient reductions
-    and clip, the optimizer step. Returns (the loss's sums over every rank, the lag histograms, the gradient norm
+    """One optimizer update on a step's micro-batches (each through the adapter ``through`` names, None = as the
+    run is set up): the forward and backward passes, the gradient reductions and clip, the optimizer step. Returns (the loss's sums over every rank, the lag histograms, the gradient norm
     before clipping)."""
     opt.zero_grad(set_to_none=True)
     sums: dict[str, float] = {
@@ -460,13 +476,14 @@ def _update_once(
     delayed_hist: dict[str, int] = {}
     if pipe.size == 1:
         full = cfg.loss.kl_estimator == "full"
-        for p in prepared:
-            if full:
-                lp, log_softmax = forward_logprobs_and_log_softmax(
-                    model, p.tokens, p.positions, p.targets, p.attention_mask
-                )
-            else:
-                lp = forward_logprobs(model, p.tokens, p.positions, p.targets, p.attention_mask)
+        for p, adapter in zip(prepared, through, strict=True):
+            with lora.activate(model, adapter) if adapter else contextlib.nullcontext():
+                if full:
+                    lp, log_softmax = forward_logprobs_and_log_softmax(
+                        model, p.tokens, p.positions, p.targets, p.attention_mask
+                    )
+                else:
+                    lp = forward_logprobs(model, p.tokens, p.positions, p.targets, p.attention_mask)
             ref, ref_log_softmax = _ref_logprobs(model, reference, p, cfg.adapter, full)
             kl_full = full_kl(log_softmax, ref_log_softmax) if ref_log_softmax is not None else None
             out = _policy_loss(p, lp, ref, norm, cfg.loss, kl_full)
