@@ -759,8 +759,9 @@ class AdapterSettings(Section):
     targets: Annotated[list[str], NoDecode] = _s(
         list(LORA_TARGETS),
         "megatron linears that carry the adapter: linear_qkv, linear_proj, linear_fc1, linear_fc2 of every layer "
-        "and the output layer (output_layer, Hugging Face's lm_head: without it an adapter cannot raise its org's "
-        "tokens without the tokens the output layer keeps close to them); comma-separated in the environment",
+        "and the output layer (output_layer, Hugging Face's lm_head: with it an adapter can raise one token without "
+        "those whose output rows lie near it; leave it out for an engine that serves no lm_head LoRA); "
+        "comma-separated in the environment",
         min_length=1,
     )
     dropout: float = _s(0.0, "dropout on the adapter's input (RL compares log-probs: keep 0)", ge=0, lt=1)

@@ -753,6 +753,13 @@ def test_updates_per_step_reuse_a_step_and_the_base_can_train_through_the_servin
     assert all(torch.equal(v, base(active)[k]) for k, v in base(through).items())
     assert any(not torch.equal(v, base(alone)[k]) for k, v in base(through).items())
     assert all(torch.equal(v, adapter0[k]) for k, v in lora.adapter_state_dict(through, "o1").items())
+    # None from served_by: the base alone, whatever adapter the caller left active
+    none, reference = fresh()
+    with lora.activate(none, "o1"):
+        train(
+            none, reference, lambda _: MemorySource(wire), tc, policy_version=1, resume=False, served_by=lambda b: None
+        )
+    assert all(torch.equal(v, base(alone)[k]) for k, v in base(none).items())
     with pytest.raises(ValueError, match="shared policy"):
         train(through, None, lambda _: MemorySource(wire), replace(tc, adapter="o1"), 1, served_by=lambda b: "o1")
 

@@ -42,16 +42,18 @@ def _run(cmd: list[str]) -> tuple[list[float], dict, list[list[float]]]:
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     """The single-process runs (untied and tied embeddings), each with the checkpoint of its initial weights."""
-    runs: dict[tuple[bool, str], tuple[list[float], dict, list[list[float]], Path]] = {}
+    runs: dict[tuple[bool, str, str], tuple[list[float], dict, list[list[float]], Path]] = {}
 
-    def run(tie: bool, kl: str) -> tuple[list[float], dict, list[list[float]], Path]:
-        if (tie, kl) not in runs:
+    def run(tie: bool, kl: str, updates: str = "1") -> tuple[list[float], dict, list[list[float]], Path]:
+        if (tie, kl, updates) not in runs:
             out = tmp_path_factory.mktemp("single-tied" if tie else "single")
             cmd = [sys.executable, SCRIPT, str(out / "run"), "--steps", "3", "--checkpoint-every", "100", "--params"]
-            extra = ["--init", str(out / "init"), "--kl-estimator", kl] + (["--tie"] if tie else [])
+            extra = ["--init", str(out / "init"), "--kl-estimator", kl, "--updates", updates] + (
+                ["--tie"] if tie else []
+            )
             losses, params, metrics = _run(cmd + extra)
-            runs[tie, kl] = losses, params, metrics, out / "init"
-        return runs[tie, kl]
+            runs[tie, kl, updates] = losses, params, metrics, out / "init"
+        return runs[tie, kl, updates]
 
     return run
 
@@ -65,8 +67,9 @@ def single(tmp_path_factory):
         ["--pp", "2", "--tie"],
         ["--tp", "2", "--kl-estimator", "full"],
         ["--pp", "2", "--kl-estimator", "full"],
+        ["--tp", "2", "--updates", "2"],
     ],
-    ids=["dp2", "tp2", "pp2", "pp2-tied", "tp2-full-kl", "pp2-full-kl"],
+    ids=["dp2", "tp2", "pp2", "pp2-tied", "tp2-full-kl", "pp2-full-kl", "tp2-updates2"],
 )
 def test_two_process_run_matches_single_process(single, layout, tmp_path):
     """torchrun with 2 processes (data parallel: each rank trains half of every global batch and gradients
@@ -80,10 +83,13 @@ def test_two_process_run_matches_single_process(single, layout, tmp_path):
 
     With ``--kl-estimator full`` (loss.kl_estimator, weight 0.5) the exact KL over the vocabulary is computed from
     vocab-parallel log-softmaxes (tp) and on the last stage from the reference's log-softmax the pipeline schedule
-    carries (pp): the same losses and parameters as the single process with it."""
+    carries (pp): the same losses and parameters as the single process with it. With ``--updates 2``
+    (train.updates_per_step) each step's micro-batches take two optimizer updates (the later one without the
+    metrics' collectives): the same figures (the first update's) and final parameters."""
     tie = "--tie" in layout
     kl = layout[layout.index("--kl-estimator") + 1] if "--kl-estimator" in layout else "k3"
-    want_losses, want_params, want_metrics, init = single(tie, kl)
+    updates = layout[layout.index("--updates") + 1] if "--updates" in layout else "1"
+    want_losses, want_params, want_metrics, init = single(tie, kl, updates)
     init_args = ["--init", str(init)] if "--pp" in layout else []
     losses, params, metrics = _run(
         [

@@ -484,7 +484,8 @@ def _full_tensors(model: nn.Module, name: str, of: Any) -> dict[str, torch.Tenso
 
 def adapter_state_dict(model: nn.Module, name: str, grads: bool = False) -> dict[str, torch.Tensor]:
     """Adapter ``name``'s full tensors (the tp = 1 layout, so the same at any tp), keyed
-    ``decoder.layers.{i}.{self_attention|mlp}.{target}.lora_A|lora_B``; with ``grads`` their gradients
+    ``decoder.layers.{i}.{self_attention|mlp}.{target}.lora_A|lora_B`` (and ``output_layer.lora_A|lora_B``, its
+    ``B`` with the padded vocabulary rows); with ``grads`` their gradients
     (zeros where None). Collective over the tensor-parallel group: every rank calls it and gets the whole."""
 
     def of(p: torch.Tensor) -> torch.Tensor:
@@ -768,7 +769,8 @@ def export_peft(
 
     ``adapter_config.json`` (``peft_type`` LORA, ``task_type`` CAUSAL_LM, r, lora_alpha, lora_dropout, the HF
     ``target_modules``) and ``adapter_model.safetensors`` with keys
-    ``base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_A.weight`` / ``.lora_B.weight``, in the
+    ``base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_A.weight`` / ``.lora_B.weight`` (and
+    ``base_model.model.lm_head.lora_A.weight`` / ``.lora_B.weight``, the real vocabulary's rows), in the
     base weights' dtype: what ``peft.PeftModel.from_pretrained`` and vLLM's LoRA loader read. For models
     :mod:`trainer.hf` converts (Llama, Qwen2, Qwen3). ``out_dir`` must be absent or empty."""
     import torch.distributed as dist
@@ -908,6 +910,12 @@ def load_peft(model: nn.Module, model_cfg: ModelConfig, name: str, folder: str |
     for target in (t for t in targets if t in MODEL_TARGETS):  # lm_head: zero rows for the padded vocabulary
         (module,) = _hf_modules(target, -1)
         b = get(module, "lora_B")
+        if b.shape[0] != model_cfg.vocab_size:
+            raise _peft_refuse(
+                folder,
+                f"{module}.lora_B has {b.shape[0]} rows, this model's vocabulary {model_cfg.vocab_size}: an adapter "
+                "of another vocabulary",
+            )
         state[f"{TARGETS[target][0]}.lora_A"] = get(module, "lora_A")
         pad = model_cfg.padded_vocab_size - b.shape[0]
         state[f"{TARGETS[target][0]}.lora_B"] = torch.cat([b, b.new_zeros(pad, b.shape[1])]) if pad > 0 else b

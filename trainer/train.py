@@ -277,8 +277,18 @@ def train(
     adapter already follows the org's own habit the base is not pulled towards it. The KL term stays the one to
     ``reference``. Needs pp = 1, as adapters do.
     """
-    if served_by is not None and cfg.adapter:
-        raise ValueError("train(served_by=...) is for a run of the shared policy, not of an adapter")
+    if cfg.updates_per_step < 1:
+        raise ValueError(
+            f"TrainConfig.updates_per_step = {cfg.updates_per_step!r} must be >= 1 (train.updates_per_step)"
+        )
+    if served_by is not None:
+        if cfg.adapter:
+            raise ValueError("train(served_by=...) is for a run of the shared policy, not of an adapter")
+        if Pipeline().size > 1:
+            raise ValueError("train(served_by=...) needs parallel.pp = 1 (LoRA adapters support pp = 1 only)")
+        for name in lora.adapter_names(model):  # the serving adapters stay as they are: frozen
+            for p in lora.adapter_parameters(model, name):
+                p.requires_grad_(False)
     if cfg.adapter:
         params = lora.train_only(model, cfg.adapter)
         restore = lora.activate(model, cfg.adapter)  # undone on return
@@ -382,14 +392,15 @@ def _train(
         norm = cfg.norm_tokens or cfg.micro_batches_per_step * dp.size * batches[0].tokens.size
         # prepared once: every update of the step trains the same micro-batches
         prepared = [prepare(b, policy_version, cfg.max_policy_lag, cfg.max_delayed_lag) for b in batches]
-        through = [served_by(b) if served_by is not None else None for b in batches]
-        if pipe.size > 1 and any(through):
-            raise ValueError("train(served_by=...) needs parallel.pp = 1 (LoRA adapters support pp = 1 only)")
+        # each micro-batch through the adapter that served it (None: the base alone); None: as the run is set up
+        through = [served_by(b) for b in batches] if served_by is not None else None
         first: tuple[dict[str, float], dict[str, int], dict[str, int], float] | None = None
-        for _update in range(cfg.updates_per_step):
-            result = _update_once(model, reference, prepared, through, opt, cfg, norm, step, dp, pipe)
-            first = first or result  # the step's figures: its first update's
-        assert first is not None  # updates_per_step >= 1
+        for update in range(cfg.updates_per_step):
+            # the step's figures are its first update's (the same on every rank, so the later ones skip the
+            # metrics' collectives)
+            result = _update_once(model, reference, prepared, through, opt, cfg, norm, step, dp, pipe, update == 0)
+            first = first or result
+        assert first is not None  # updates_per_step >= 1, checked in train()
         sums, lag_hist, delayed_hist, grad_norm = first
         # what this step really trained on: samples within the policy lag (stale ones are masked)
         step_batches, step_samples = trained.step_ids()
@@ -421,7 +432,8 @@ def _train(
             seq_guarded_tokens=int(sums["guarded"]),
             mismatch_k3=sums["mm_k3_tok"] / max(1, sums["mm_tok"]),
             mismatch_max_abs_log_ratio=sums["mm_max"],
-            tokens_per_s=sums["tokens"] / max(1e-9, time.monotonic() - t0),
+            # trained tokens per second of the step: every update's (updates_per_step passes over its tokens)
+            tokens_per_s=sums["tokens"] * cfg.updates_per_step / max(1e-9, time.monotonic() - t0),
             batch_ids=batch_ids,
             sample_ids=sample_ids,
             at=time.time_ns() // 1_000_000,
@@ -442,17 +454,19 @@ def _update_once(
     model: Any,
     reference: Any,
     prepared: list[Prepared],
-    through: list[str | None],
+    through: list[str | None] | None,
     opt: torch.optim.Optimizer,
     cfg: TrainConfig,
     norm: int,
     step: int,
     dp: DataParallel,
     pipe: Pipeline,
-) -> tuple[dict[str, float], dict[str, int], dict[str, int], float]:
-    """One optimizer update on a step's micro-batches (each through the adapter ``through`` names, None = as the
-    run is set up): the forward and backward passes, the gradient reductions and clip, the optimizer step. Returns (the loss's sums over every rank, the lag histograms, the gradient norm
-    before clipping)."""
+    metrics: bool = True,
+) -> tuple[dict[str, float], dict[str, int], dict[str, int], float] | None:
+    """One optimizer update on a step's micro-batches (each through the adapter ``through`` names, None in it = the
+    base alone; ``through`` None = as the run is set up): the forward and backward passes, the gradient reductions
+    and clip, the optimizer step. Returns (the loss's sums over every rank, the lag histograms, the gradient norm
+    before clipping); None without ``metrics`` (no metric collectives then: every rank must pass the same)."""
     opt.zero_grad(set_to_none=True)
     sums: dict[str, float] = {
         "loss": 0.0,
@@ -476,8 +490,8 @@ def _update_once(
     delayed_hist: dict[str, int] = {}
     if pipe.size == 1:
         full = cfg.loss.kl_estimator == "full"
-        for p, adapter in zip(prepared, through, strict=True):
-            with lora.activate(model, adapter) if adapter else contextlib.nullcontext():
+        for i, p in enumerate(prepared):
+            with lora.activate(model, through[i]) if through is not None else contextlib.nullcontext():
                 if full:
                     lp, log_softmax = forward_logprobs_and_log_softmax(
                         model, p.tokens, p.positions, p.targets, p.attention_mask
@@ -500,8 +514,11 @@ def _update_once(
     dp.reduce_gradients(model)
     # the global norm before clipping, for train_metrics (computed, not applied, with clipping off)
     grad_norm = clip_grad_norm(model, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
-    for group in opt.param_groups:  # linear warm-up (by optimizer step, so a resumed run continues it)
+    for group in opt.param_groups:  # linear warm-up (by step, so a resumed run continues it; one lr per step)
         group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
+    if not metrics:
+        opt.step()
+        return None
     keys = [k for k in sums if k != "mm_max"]
     totals = dp.sum(pipe.from_last_stage([sums[k] for k in keys]))  # the last stage computed them
     (mm_max,) = dp.max(pipe.from_last_stage([sums["mm_max"]]))  # a max: MAX over the replicas, not SUM

@@ -64,6 +64,7 @@ def main() -> None:
         default="k3",
         help="loss.kl_estimator (full: with a KL weight of 0.5, so the exact KL shows in the losses)",
     )
+    ap.add_argument("--updates", type=int, default=1, help="train.updates_per_step: optimizer updates per step")
     args = ap.parse_args()
 
     from pathlib import Path
@@ -95,6 +96,7 @@ def main() -> None:
         checkpoint_dir=args.out,
         idle_timeout_s=10,
         max_policy_lag=1,
+        updates_per_step=args.updates,
     )
     if args.kl_estimator == "full":
         from dataclasses import replace
