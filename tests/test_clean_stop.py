@@ -141,7 +141,7 @@ def test_reward_flow_stops_cleanly_and_resumes_without_loss_or_duplicates(broker
 
 @pytest.mark.timeout(600)
 def test_ctrl_c_of_the_main_job_is_one_line_and_stops_its_broker(tmp_path):
-    """SIGINT to a foreground `rtrl run` (Ctrl-C): exit 130 with one line, no traceback, and the local
+    """SIGINT to a foreground `rtrl run` (Ctrl-C): exit status 130 in a shell with one line, no traceback, and the local
     broker it started is stopped (a KeyboardInterrupt used to skip its shutdown and leave it running)."""
     from devservices.broker import LocalBroker
     from tests.test_supervision import _small_run
@@ -163,7 +163,10 @@ def test_ctrl_c_of_the_main_job_is_one_line_and_stops_its_broker(tmp_path):
         time.sleep(0.2)
     assert run.poll() is None, "".join(lines)[-3000:]
     run.send_signal(signal.SIGINT)
-    assert run.wait(120) == 130, "".join(lines)[-3000:]
+    # a shell reads both as 130 (128 + SIGINT): Python ends with SIGINT itself, after the job's own
+    # "interrupted" and return 130, when the interrupt also surfaced through code an extension ran with
+    # PyRun_String (the interpreter's "unhandled KeyboardInterrupt" flag stays set; seen once in CI)
+    assert run.wait(120) in (130, -signal.SIGINT), "".join(lines)[-3000:]
     reader.join(10)
     out = "".join(lines)
     assert "Traceback" not in out and out.rstrip().endswith("interrupted"), out[-3000:]
