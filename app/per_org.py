@@ -17,7 +17,14 @@ same warm start:
   is judged again on the new base against the new base alone (``AdapterLedger.revalidate``: it keeps serving or
   is retired); then the org's adapter trains on the cycle's adapter stream (:class:`trainer.train.TrainConfig`
   ``adapter=org``: the base frozen, the KL reference the base alone) on that new base, continuing from the
-  weights of its last promoted version (a refused candidate is dropped: its noise would otherwise accumulate);
+  weights of its last promoted version (a refused candidate is dropped: its noise would otherwise accumulate).
+  A retired org keeps those weights too, while the base alone serves it: its samples then come from another
+  policy than the adapter that trains on them, so they take the trainer's delayed path (``MicroBatch.delayed``:
+  truncated importance weights, no PPO clip, :mod:`trainer.loss`). Under the clip, every convention task's
+  base-habit token the adapter had already made rarer was dropped (ratio below 1 - eps with a negative
+  advantage), only the base's rewarded habit trained, and the adapter fell back to the base within a cycle
+  (bench/RESULTS.md, eighth round). The main job (:mod:`app.adapters`) starts a retired org's next candidate
+  from a fresh adapter instead, which the base-served samples are on-policy for;
   the candidate is gated (:func:`evalgate.adapters.decide_adapter`) on the org's held-out suite
   (:class:`simulator.evalsuite.OrgHeldOutTasks`) against what serves the org and the base alone, and on the
   suite's global guard against the base alone; promoted or refused in the org's
@@ -50,6 +57,7 @@ import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from app.inprocess import InProcessLoop, train_steps
@@ -120,8 +128,9 @@ class Experiment:
     """adapters.shared_traffic: "all" or "unadapted" (the shared policy skips adapted orgs); or "served": all
     traffic, an adapted org's micro-batches through the adapter that served them, frozen
     (:func:`trainer.train.train`'s ``served_by``), so the base learns what serves each org and is not pulled
-    towards an org's own habit where its adapter already follows it. The main job's trainer does not do this
-    yet (it trains as with "all")."""
+    towards an org's own habit where its adapter already follows it: the global orgs stopped losing over 3 seeds,
+    but one seed's adapter overshot its habit on the base that learned it through it (bench/RESULTS.md, eighth
+    round). The main job's trainer does not do this yet (it trains as with "all")."""
     cycle_minutes: int = 60  # simulated event time per cycle
     rate: float = 100.0  # tasks served per second of event time, each group_size times
     eval_tasks: int = 200  # held-out tasks per org: the gate's suite, and the report's own
@@ -278,11 +287,15 @@ class _Adapters:
         return _serving_slot(org) if org in self.orgs and self.ledger.serving(org) is not None else None
 
     def route(self, made: list[tuple[str, MicroBatch]]) -> tuple[list[MicroBatch], dict[str, list[MicroBatch]]]:
-        """The cycle's micro-batches by stream: (the shared policy's, each adapted org's)."""
+        """The cycle's micro-batches by stream: (the shared policy's, each adapted org's). Called before the cycle's
+        re-validation, so :meth:`serving` is what served the batches: an adapted org's batches the base alone
+        served while its adapter holds trained weights (retired) are marked delayed (the module docstring)."""
         shared: list[MicroBatch] = []
         adapter: dict[str, list[MicroBatch]] = {org: [] for org in self.orgs}
         for org, mb in made:
             for out in self.routers[org].route(mb) if org in self.routers else [mb]:
+                if out.adapter and self.weights[out.adapter] and self.serving(out.adapter) is None:
+                    out = msgspec.structs.replace(out, delayed=[True] * len(out.sample_ids))
                 (adapter[out.adapter] if out.adapter else shared).append(out)
         return shared, adapter
 

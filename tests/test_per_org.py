@@ -764,6 +764,49 @@ def test_updates_per_step_reuse_a_step_and_the_base_can_train_through_the_servin
         train(through, None, lambda _: MemorySource(wire), replace(tc, adapter="o1"), 1, served_by=lambda b: "o1")
 
 
+def test_an_org_the_base_alone_served_trains_its_kept_adapter_weights_on_the_delayed_path():
+    """The experiment's adapters arm keeps a retired org's last promoted weights for its next candidate, while the
+    base alone serves the org: its samples then come from another policy than the adapter that trains on them. Such
+    batches are marked delayed (truncated importance weights, no PPO clip: the clip would drop every
+    negative-advantage token the adapter already made rarer, the base's habit on the org's convention tasks, and
+    the adapter would drift back to the base). An org its adapter serves, or whose adapter never trained, stays on
+    the PPO path; the shared copies never change."""
+    import torch
+
+    from app.loop import loop_model_config
+    from app.per_org import Experiment, _Adapters, _settings, arm_settings
+    from trainer.model import build_model, init_parallel
+
+    exp = Experiment(eval_tasks=8, repeats=1)
+    s = arm_settings(_settings(None), exp)
+    cfg = loop_model_config(s)[0]
+    init_parallel(cfg)
+    torch.manual_seed(0)
+    ad = _Adapters(build_model(cfg), s, exp, exp.conventions)
+    org = ad.orgs[0]
+    ad.routers = {o: OrgRouter(o, 0) for o in ad.orgs}  # adapted from the first sample
+    first = iter(range(0, 1000, 4))
+
+    def routed() -> tuple[list[MicroBatch], list[MicroBatch]]:
+        shared, streams = ad.route([(org, batch(org, 4, first=next(first))), ("org-0", batch("org-0", 4, first=0))])
+        return shared, streams[org]
+
+    def delayed(bs: list[MicroBatch]) -> list[list[bool]]:
+        return [list(b.delayed) for b in bs]
+
+    shared, mine = routed()  # no adapter trained yet: the base alone served, and the adapter is the base
+    assert delayed(mine) == [[]] and delayed(shared) == [[], []]
+    v = ad.ledger.add(org, 1, "memory:test", None)
+    ad.ledger.decide(org, v.version, True)
+    ad.weights[org] = 1
+    shared, mine = routed()  # its adapter served the org: on-policy for the adapter
+    assert ad.serving(org) is not None and delayed(mine) == [[]] and delayed(shared) == [[], []]
+    ad.ledger.retire(org)
+    shared, mine = routed()  # retired: the base alone served, the adapter trains on from its promoted weights
+    assert ad.serving(org) is None and delayed(mine) == [[True] * 4] and delayed(shared) == [[], []]
+    assert mine[0].adapter == org and mine[0].sample_ids == shared[0].sample_ids
+
+
 ADAPTER_DUMP = """
 import json, sys
 from rtrl import clickhouse
