@@ -440,7 +440,10 @@ class Transcript:
         org_id: str,
         task_kind: str,
         created_at: int,
+        adapter_version: int = 0,
     ) -> Rollout:
+        """The rollout of this transcript; ``adapter_version``: the org's adapter version that sampled it over
+        ``policy_version`` (0: the shared policy alone)."""
         return Rollout(
             trajectory_id=trajectory_id,
             policy_version=policy_version,
@@ -453,6 +456,7 @@ class Transcript:
             behaviour_logprobs=list(self.behaviour_logprobs),
             loss_mask=list(self.loss_mask),
             created_at=created_at,
+            adapter_version=adapter_version,
         )
 
 

@@ -195,6 +195,14 @@ class Rollout(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
         list[UInt8], doc("1 for completion tokens that are trained on, 0 otherwise (e.g. tool output).")
     ]
     created_at: Annotated[Millis, doc("When the completion was sampled, ms since epoch.")]
+    adapter_version: Annotated[
+        Version,
+        doc(
+            "Which policy sampled it over policy_version (issue 17): 0 = the shared policy alone, else the version "
+            "of the org's LoRA adapter (its version in adapter_checkpoints) that answered; the trainers compare "
+            "their log-probs with the behaviour log-probs of that policy. Rollouts written before this field hold 0."
+        ),
+    ] = 0
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)

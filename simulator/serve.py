@@ -306,12 +306,15 @@ class PolicyServer:
                 assert candidate is not None  # the candidate arm gets tasks only while there is one
                 version, name = candidate
             label = labels[arm]
-            by_model: dict[str, list] = {}
-            for task, user in batch:  # the serving arm answers each org with its adapter, if it has one
-                by_model.setdefault(self.model_for(task.org_id) if arm == "control" else name, []).append((task, user))
+            # the serving arm answers each org with its adapter, if it has one; each rollout records which
+            by_model: dict[tuple[str, int], list] = {}
+            for task, user in batch:
+                have = self.adapters.get(task.org_id) if arm == "control" else None
+                served_as = (have[1], have[0]) if have is not None else (name, 0)
+                by_model.setdefault(served_as, []).append((task, user))
             served[label] = Served()
-            for model_name, asks in by_model.items():
-                part = self._serve(asks, group_size, version, model_name, label)
+            for (model_name, adapter_version), asks in by_model.items():
+                part = self._serve(asks, group_size, version, model_name, label, adapter_version)
                 for k in vars(part):
                     setattr(served[label], k, getattr(served[label], k) + getattr(part, k))
             total = self.totals.setdefault((version, label), Served())
@@ -320,9 +323,13 @@ class PolicyServer:
         self.producer.poll(0)
         return served
 
-    def _serve(self, asks: list, group_size: int, version: int, model_name: str, arm: str) -> Served:
+    def _serve(
+        self, asks: list, group_size: int, version: int, model_name: str, arm: str, adapter_version: int = 0
+    ) -> Served:
         """One completions request for ``tasks`` (``n = group_size``; EOS ignored: a completion is always its
         two tokens), one rollout per completion as the collector builds it, and the users' reactions.
+        ``adapter_version``: the org adapter version ``model_name`` serves (0: the shared policy alone), recorded
+        on each rollout.
 
         No ``seed`` is sent: vLLM gives every prompt of a request its own generator seeded with the request's
         seed, so the tasks of one burst would share their random draws (correlated exploration). The engine's
@@ -358,6 +365,7 @@ class PolicyServer:
                     org_id=task.org_id,
                     task_kind=task.kind,
                     created_at=now,
+                    adapter_version=adapter_version,
                 )
                 self._produce(ro)
                 react(traj, task, o, self.rng, now, user=user, later=self.mailbox.later)

@@ -206,6 +206,8 @@ def test_policy_server_answers_each_org_with_its_promoted_adapter(broker, topic_
             first = rollouts()
             assert {r.org_id for r in first} == {"org-0", "org-1"}
             assert all(served_by_adapter(r) == (r.org_id == "org-1") for r in first)
+            # each rollout names the adapter version that sampled it (0: the base alone)
+            assert all(r.adapter_version == (1 if r.org_id == "org-1" else 0) for r in first)
             # a per-org rollback: org-1 goes back to the base alone
             announce(_decision(1, "rolled_back", org="org-1", base=0, path=path))
             for _ in range(20):
@@ -229,6 +231,7 @@ def test_policy_server_answers_each_org_with_its_promoted_adapter(broker, topic_
             server.serve(6, group_size=2)
             later = [r for r in rollouts() if r.policy_version == 1]  # (a topic of several partitions: no order)
             assert later and not any(served_by_adapter(r) for r in later)
+            assert all(r.adapter_version == 0 for r in later)
         finally:
             server.close()
             lora.remove_adapter(model, "org-1")

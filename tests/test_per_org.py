@@ -397,6 +397,25 @@ def test_an_orgs_samples_only_ever_reach_its_own_adapter(traffic, wanted, min_sa
         assert sorted(s for s in on_shared if s.startswith(f"{org}-")) == sorted(want_shared)
 
 
+def test_a_rollout_records_its_serving_adapter_version_and_old_rollouts_decode_as_the_base():
+    """A rollout's ``adapter_version`` (0 = the shared policy alone) round-trips through its JSON codec and its
+    Arrow/ClickHouse columns; a producer's rollout from before the field (no key) decodes with 0, a negative one
+    is Invalid."""
+    from schemas.codec import Invalid, JsonCodec
+    from schemas.types import columns, from_arrow, to_arrow
+
+    r = msgspec.structs.replace(ro("t1", "g1", org="o0"), adapter_version=3)
+    codec = JsonCodec(type(r))
+    assert codec.decode(codec.encode(r)) == r and r.adapter_version == 3
+    assert from_arrow(to_arrow([r], type(r)), type(r)) == [r]
+    assert {c.name: c.clickhouse for c in columns(type(r))}["adapter_version"] == "Int64"
+    raw = msgspec.json.decode(codec.encode(r))
+    del raw["adapter_version"]
+    assert codec.decode(msgspec.json.encode(raw)) == msgspec.structs.replace(r, adapter_version=0)
+    with pytest.raises(Invalid, match="adapter_version"):
+        codec.decode(msgspec.json.encode(raw | {"adapter_version": -1}))
+
+
 def test_old_payloads_without_the_adapter_field_still_decode():
     """A micro-batch from a producer before this field (no adapter column) decodes with adapter ""; so do a
     TrainStep's JSON without the key and a batch of another era's column set (a required column still missing
