@@ -175,6 +175,9 @@ def pack(samples: list[Sample], seq_len: int, created_at: int, reward_version: s
         policy_versions=[s.rollout.policy_version for s in samples],
         reward_version=reward_version,
         delayed=[s.delayed for s in samples] if any(s.delayed for s in samples) else [],
+        adapter_versions=[s.rollout.adapter_version for s in samples]
+        if any(s.rollout.adapter_version for s in samples)
+        else [],
     )
 
 

@@ -278,6 +278,14 @@ class MicroBatch(msgspec.Struct, **_STRICT):
             "org's); empty = the shared policy (the batches topic)."
         ),
     ] = ""
+    adapter_versions: Annotated[
+        list[Version],
+        doc(
+            "Per sample (same order as sample_ids): the org adapter version that sampled it over its policy "
+            "version (Rollout.adapter_version; 0 = the shared policy alone), what its behaviour log-probs belong "
+            "to. Empty = every sample 0."
+        ),
+    ] = []
 
     def __post_init__(self) -> None:
         rows = len(self.token_ids)
@@ -291,6 +299,11 @@ class MicroBatch(msgspec.Struct, **_STRICT):
             raise ValueError("policy_versions must have one entry per sample_ids entry")
         if self.delayed and len(self.delayed) != len(self.sample_ids):
             raise ValueError("delayed must be empty (no sample delayed) or have one entry per sample_ids entry")
+        if self.adapter_versions and len(self.adapter_versions) != len(self.sample_ids):
+            raise ValueError(
+                "adapter_versions must be empty (every sample served by the shared policy alone) or have one entry "
+                "per sample_ids entry"
+            )
         n = len(self.sample_ids)
         if any(not -1 <= s < n for r in self.segment_ids for s in r):
             raise ValueError(f"segment_ids must be -1 (padding) or an index below {n}")

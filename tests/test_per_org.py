@@ -416,6 +416,39 @@ def test_a_rollout_records_its_serving_adapter_version_and_old_rollouts_decode_a
         codec.decode(msgspec.json.encode(raw | {"adapter_version": -1}))
 
 
+def test_a_micro_batch_carries_each_samples_serving_adapter_version_to_the_trainer():
+    """``pack`` puts each sample's ``Rollout.adapter_version`` in ``MicroBatch.adapter_versions`` (sample order;
+    empty when every sample was served by the base alone); it survives the Arrow wire format and reaches
+    ``trainer.batch.Batch`` as an int64 array (None for all 0). A wrong length is refused, and a batch from a
+    producer before the field (no column) decodes as served by the base alone."""
+    import numpy as np
+    import pyarrow as pa
+
+    from schemas.codec import decode_batch, encode_batch
+    from trainer.batch import to_batch
+
+    def sample(tid: str, served: int) -> Sample:
+        return Sample(msgspec.structs.replace(ro(tid, "g", org="o0"), adapter_version=served), 1.0, 0, advantage=0.5)
+
+    mixed = pack([sample("a", 2), sample("b", 0), sample("c", 3)], seq_len=16, created_at=1)
+    assert mixed.adapter_versions == [2, 0, 3]
+    assert decode_batch(encode_batch(mixed)) == mixed
+    b = to_batch(encode_batch(mixed), 0, 0)
+    assert b.adapter_versions is not None and b.adapter_versions.dtype == np.int64
+    assert b.adapter_versions.tolist() == [2, 0, 3]
+    base = pack([sample("a", 0), sample("b", 0)], seq_len=16, created_at=1)
+    assert base.adapter_versions == [] and to_batch(encode_batch(base), 0, 0).adapter_versions is None
+    assert pack([sample("a", 2), sample("b", 0)], seq_len=16, created_at=1).batch_id == base.batch_id  # same ids
+    with pytest.raises(ValueError, match="adapter_versions"):
+        msgspec.structs.replace(mixed, adapter_versions=[1])
+    table = pa.ipc.open_stream(encode_batch(mixed)).read_all().drop_columns(["adapter_versions"])
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    old = decode_batch(sink.getvalue().to_pybytes())
+    assert old.adapter_versions == [] and old.sample_ids == mixed.sample_ids
+
+
 def test_old_payloads_without_the_adapter_field_still_decode():
     """A micro-batch from a producer before this field (no adapter column) decodes with adapter ""; so do a
     TrainStep's JSON without the key and a batch of another era's column set (a required column still missing

@@ -37,6 +37,9 @@ class Batch:
     reward_version: str = ""  # the reward version whose rewards made the advantages ("" = not recorded)
     delayed: np.ndarray | None = None  # bool, per sample: a delayed sample (MicroBatch.delayed); None = none
     adapter: str = ""  # the org whose adapter trains on it (MicroBatch.adapter); "" = the shared policy
+    #: int64, per sample: the org adapter version that sampled it (MicroBatch.adapter_versions); None = all 0 (the
+    #: shared policy alone)
+    adapter_versions: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ def to_batch(data: bytes, partition: int, offset: int, limits: BatchLimits | Non
         reward_version=mb.reward_version,
         delayed=np.asarray(mb.delayed, dtype=bool) if any(mb.delayed) else None,
         adapter=mb.adapter,
+        adapter_versions=np.asarray(mb.adapter_versions, dtype=np.int64) if any(mb.adapter_versions) else None,
     )
     if not np.isin(b.loss_mask, (0.0, 1.0)).all():
         raise Invalid("$.loss_mask", "loss-mask values must be 0 or 1")
