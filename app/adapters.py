@@ -10,7 +10,11 @@ policy, :class:`OrgAdapters` (owned by :class:`app.loop.Loop`):
    decision is recorded either way, in ``adapter_checkpoints`` and on ``rtrl.deployments``);
 2. reads the adapter stream from where it left off and groups the batches by org; an org with at least one step's
    worth of micro-batches trains its adapter (:class:`trainer.train.TrainConfig` ``adapter``: the base frozen, the
-   base alone the KL reference) from what serves it (else a fresh, zero-effect adapter), on the serving base;
+   base alone the KL reference) from what serves it, else from the weights of its retired version (its
+   re-validation was refused), else a fresh, zero-effect adapter (:meth:`evalgate.adapters.AdapterLedger.start`),
+   on the serving base. A sample another policy served than those starting weights (``Rollout.adapter_version``:
+   e.g. the base alone served the retired org) is marked delayed (:func:`off_policy_delayed`): truncated
+   importance weights instead of the PPO clip;
 3. gates each new adapter version (:func:`evalgate.adapters.decide_adapter`): the org's held-out tasks against what
    serves the org and against the base alone, plus the global regression guard against the base alone, and
    announces candidate and decision with ``org``, the adapter version and ``base_version``. A promoted adapter of a
@@ -25,6 +29,7 @@ offsets, and what was trained is skipped by the org's trained set. A rollback of
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -33,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from evalgate.adapters import AdapterLedger, AdapterVersion, decide_adapter
 from evalgate.gate import Decision, GateRules
@@ -51,6 +57,24 @@ from trainer.registry import export_adapter
 from trainer.train import MemorySource, TrainConfig, train
 
 log = logging.getLogger(__name__)
+
+
+def off_policy_delayed(batch: Batch, ledger: AdapterLedger, org: str, start: AdapterVersion | None) -> Batch:
+    """``batch`` with each sample that another policy than the weights ``org``'s candidate starts from
+    (``start``; None: a fresh adapter, the base alone) sampled marked delayed (``Batch.delayed``): the trainer
+    then corrects it with a truncated importance weight instead of the PPO clip (:mod:`trainer.loss`), as its
+    behaviour log-probs are not the starting policy's (e.g. the base alone served a retired org, whose candidate
+    starts from the retired weights). Which policy served a sample: ``Batch.adapter_versions``
+    (:meth:`evalgate.adapters.AdapterLedger.same_weights`). With ``train.max_delayed_lag`` 0 the trainer masks
+    delayed samples: then these are not trained."""
+    served = batch.adapter_versions
+    if served is None:
+        served = np.zeros(len(batch.sample_ids), np.int64)
+    same = {a: ledger.same_weights(org, a, start) for a in set(served.tolist())}
+    off = np.array([not same[a] for a in served.tolist()], bool)
+    if not off.any():
+        return batch
+    return dataclasses.replace(batch, delayed=off if batch.delayed is None else batch.delayed | off)
 
 
 def lora_config(settings: Settings) -> lora.LoraConfig:
@@ -311,7 +335,9 @@ class OrgAdapters:
             current = self.ledger.serving(org)
             if current is not None and current.base_version != serving:
                 current = None  # not valid on this base (its re-validation was refused)
-            name = self._put(org, current)
+            start = self.ledger.start(org, serving)  # the serving weights, else the retired ones, else fresh
+            name = self._put(org, start)
+            mine = [off_policy_delayed(b, self.ledger, org, start) for b in batches[:n]]
             version = self.ledger.next_version(org)
             tc = TrainConfig.from_settings(
                 self.settings,
@@ -325,7 +351,7 @@ class OrgAdapters:
             steps = train(
                 self.model,
                 None,
-                lambda _o, batches=batches[:n]: MemorySource(batches),  # type: ignore[misc]
+                lambda _o, batches=mine: MemorySource(batches),  # type: ignore[misc]
                 tc,
                 policy_version=serving,
                 resume=False,
@@ -337,7 +363,7 @@ class OrgAdapters:
                 continue
             folder = self.root / org / f"a{version}"
             path = lora.save_adapter(folder, self.model, name, len(steps), f"v{serving}")
-            v = self.ledger.add(org, serving, str(path), parent=current.version if current is not None else None)
+            v = self.ledger.add(org, serving, str(path), parent=start.version if start is not None else None)
             serving_scores = current.scores if current is not None else self._scores(org, None)[0]
             ev, verdict = self._judge(org, name, serving_scores, steps)
             decision = self._decide(v, ev, verdict, steps)

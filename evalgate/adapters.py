@@ -69,6 +69,9 @@ class AdapterLedger:
     versions: dict[str, dict[int, AdapterVersion]] = field(default_factory=dict)
     promoted: dict[str, list[int]] = field(default_factory=dict)
     """Per org, the versions in the order they were promoted (rolled back ones removed)."""
+    retired: dict[str, int] = field(default_factory=dict)
+    """Per org, the version whose re-validation on a new base was refused (:meth:`retire`) while no adapter has
+    been promoted since: its weights are where the org's next candidate starts (:meth:`start`)."""
 
     def next_version(self, org: str) -> int:
         return max(self.versions.get(org, {}).keys(), default=0) + 1
@@ -90,6 +93,28 @@ class AdapterLedger:
         v.scores = dict(scores or {})
         if promote:
             self.promoted.setdefault(org, []).append(version)
+            self.retired.pop(org, None)
+
+    def start(self, org: str, base_version: int) -> AdapterVersion | None:
+        """The version whose weights ``org``'s next candidate on base ``base_version`` trains from: the one serving
+        the org, if it is valid on that base; else the retired one (its re-validation on a new base was refused:
+        the weights the org's adapter had learnt, not worth losing to a base change); else None (a fresh
+        adapter). A rollback by hand empties the chain without retiring: the org starts fresh."""
+        v = self.serving(org)
+        if v is not None:
+            return v if v.base_version == base_version else None
+        gone = self.retired.get(org)
+        return self.versions[org][gone] if gone is not None else None
+
+    def same_weights(self, org: str, served: int, start: AdapterVersion | None) -> bool:
+        """Whether a sample of ``org`` that adapter version ``served`` sampled (0: the base alone;
+        ``Rollout.adapter_version``) came from the weights ``start`` holds (None: a fresh adapter, which adds
+        nothing to the base). A re-validated version holds its parent's weights (the same ``path``); a version
+        this ledger does not know is another policy."""
+        if served == 0 or start is None:
+            return served == 0 and start is None
+        v = self.versions.get(org, {}).get(served)
+        return v is not None and v.path == start.path
 
     def rollback(self, org: str) -> tuple[AdapterVersion, AdapterVersion | None]:
         """Undo ``org``'s newest promotion: (the version rolled back, what serves the org now: the previous promoted
@@ -123,6 +148,7 @@ class AdapterLedger:
             return None
         gone = self.versions[org][chain[-1]]
         self.promoted[org] = []
+        self.retired[org] = gone.version
         gone.status = "rolled_back"
         return gone
 
@@ -131,6 +157,7 @@ class AdapterLedger:
         return {
             "versions": {org: {str(n): vars(v) for n, v in vs.items()} for org, vs in sorted(self.versions.items())},
             "promoted": {org: list(chain) for org, chain in sorted(self.promoted.items())},
+            "retired": dict(sorted(self.retired.items())),
         }
 
     @classmethod
@@ -140,4 +167,5 @@ class AdapterLedger:
                 org: {int(n): AdapterVersion(**v) for n, v in vs.items()} for org, vs in st.get("versions", {}).items()
             },
             promoted={org: list(chain) for org, chain in st.get("promoted", {}).items()},
+            retired={org: int(v) for org, v in st.get("retired", {}).items()},  # absent in older state files
         )

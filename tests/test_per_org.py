@@ -449,6 +449,82 @@ def test_a_micro_batch_carries_each_samples_serving_adapter_version_to_the_train
     assert old.adapter_versions == [] and old.sample_ids == mixed.sample_ids
 
 
+def test_a_retired_orgs_next_candidate_starts_from_the_retired_weights_and_a_rollback_starts_fresh():
+    """``AdapterLedger.start``: an org's next candidate trains from the adapter serving it (when valid on the
+    base); after a refused re-validation retired it, from the retired version's weights (until a new promotion);
+    after a rollback by hand to the base alone, from a fresh adapter. The retired version survives the ledger's
+    state, and an older state without it loads."""
+    from evalgate.adapters import AdapterLedger
+
+    ledger = AdapterLedger()
+    a1 = ledger.add("o0", 0, "p1")
+    assert ledger.start("o0", 0) is None  # nothing promoted: fresh
+    ledger.decide("o0", 1, True)
+    assert ledger.start("o0", 0) is a1 and ledger.start("o0", 1) is None  # not valid on another base
+    a2 = ledger.revalidate(a1, 1)
+    ledger.decide("o0", a2.version, False)
+    assert ledger.retire("o0") is a1 and ledger.serving("o0") is None
+    assert ledger.start("o0", 1) is a1 and ledger.start("o0", 1).path == a2.path == "p1"
+    again = AdapterLedger.from_state(msgspec.json.decode(msgspec.json.encode(ledger.state())))
+    assert again.retired == {"o0": 1} and again.start("o0", 1).path == "p1"
+    a3 = ledger.add("o0", 1, "p3", parent=a1.version)
+    ledger.decide("o0", a3.version, True)
+    assert ledger.retired == {} and ledger.start("o0", 1) is a3
+    ledger.add("o1", 0, "q1")
+    ledger.decide("o1", 1, True)
+    ledger.rollback("o1")
+    assert ledger.start("o1", 0) is None  # rolled back by hand: those weights are not wanted
+    old = {k: v for k, v in ledger.state().items() if k != "retired"}
+    assert AdapterLedger.from_state(old).retired == {}
+
+
+def test_an_adapter_trains_the_samples_another_policy_served_on_the_delayed_path():
+    """A sample whose serving adapter version (``Batch.adapter_versions``) holds other weights than those the
+    org's candidate starts from is marked delayed, so ``trainer.train.prepare`` gives the loss its tokens as
+    delayed (truncated importance weights, no clip): the base alone's samples for a candidate starting from
+    trained weights, another adapter's; a re-validated version holds its parent's weights (on-policy). A fresh
+    adapter is on-policy for the base alone's samples only. A sample the batch flow already marked stays marked."""
+    import numpy as np
+
+    from app.adapters import off_policy_delayed
+    from evalgate.adapters import AdapterLedger
+    from schemas.codec import encode_batch
+    from trainer.batch import to_batch
+    from trainer.train import prepare
+
+    ledger = AdapterLedger()
+    a1 = ledger.add("o0", 0, "p1")
+    ledger.decide("o0", 1, True)
+    a2 = ledger.revalidate(a1, 1)  # a1's weights on base 1
+    ledger.decide("o0", a2.version, True)
+    a3 = ledger.add("o0", 1, "p3", parent=2)  # retrained: other weights
+    ledger.decide("o0", a3.version, False)
+    served = [0, 1, 2, 3, 9]  # 9: a version this ledger does not know
+
+    def make(delayed: list[bool] | None = None):
+        samples = [
+            Sample(msgspec.structs.replace(ro(f"t{i}", "g", org="o0"), adapter_version=a), 1.0, 0, advantage=0.5)
+            for i, a in enumerate(served)
+        ]
+        for s, d in zip(samples, delayed or []):
+            s.delayed = d
+        return to_batch(encode_batch(pack(samples, seq_len=32, created_at=1)), 0, 0)
+
+    b = make()
+    from_a2 = off_policy_delayed(b, ledger, "o0", a2)
+    assert from_a2.delayed.tolist() == [True, False, False, True, True]
+    assert off_policy_delayed(b, ledger, "o0", None).delayed.tolist() == [False, True, True, True, True]
+    assert off_policy_delayed(make([False, True]), ledger, "o0", a1).delayed.tolist() == [True, True, False, True, True]
+    p = prepare(from_a2, policy_version=1, max_policy_lag=1, max_delayed_lag=4)
+    seg = from_a2.segment_ids[:, 1:]
+    expected = np.isin(seg, [0, 3, 4]) & (p.loss_mask.numpy() > 0)
+    assert p.delayed is not None and np.array_equal(p.delayed.numpy() & (p.loss_mask.numpy() > 0), expected)
+    assert expected.any() and (p.loss_mask.numpy()[np.isin(seg, [1, 2])] > 0).any()
+    on = pack([Sample(ro("u", "g", org="o0"), 1.0, 0)], seq_len=32, created_at=1)
+    batch_on = to_batch(encode_batch(on), 0, 0)
+    assert off_policy_delayed(batch_on, ledger, "o0", None) is batch_on  # nothing to mark
+
+
 def test_old_payloads_without_the_adapter_field_still_decode():
     """A micro-batch from a producer before this field (no adapter column) decodes with adapter ""; so do a
     TrainStep's JSON without the key and a batch of another era's column set (a required column still missing
