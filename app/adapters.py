@@ -30,6 +30,7 @@ offsets, and what was trained is skipped by the org's trained set. A rollback of
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -43,6 +44,7 @@ import numpy as np
 from evalgate.adapters import AdapterLedger, AdapterVersion, decide_adapter
 from evalgate.gate import Decision, GateRules
 from rtrl import clickhouse
+from rtrl.errors import ConfigError
 from rtrl.settings import Settings
 from schemas.records import Checkpoint, CheckpointStatus, TrainStep
 from simulator.evalsuite import OrgHeldOutTasks
@@ -75,6 +77,67 @@ def off_policy_delayed(batch: Batch, ledger: AdapterLedger, org: str, start: Ada
     if not off.any():
         return batch
     return dataclasses.replace(batch, delayed=off if batch.delayed is None else batch.delayed | off)
+
+
+class ServedThrough:
+    """The main job's shared-policy trainer under ``adapters.shared_traffic = "served"``: the adapter versions that
+    may have served trainable samples loaded, frozen, into the trainer's ``model`` (:meth:`sync`), and, called with
+    a micro-batch, the name of the one that served it (``train(served_by=...)``; None: the base alone).
+
+    Names are stable per weights (``served-`` and a hash of the version's path): a re-validated version shares its
+    parent's. A micro-batch whose samples several versions served is refused (ConfigError): the batch flow splits
+    them under this setting (:func:`flows.adapters.split_by_adapter_version`), so one comes only from a flow run
+    with another ``shared_traffic``. A version the ledger does not hold (or no longer loads: older than the lag
+    window, so its samples are masked as stale) trains through the base alone, with a warning."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.loaded: dict[str, str] = {}  # adapter path -> its name on the model
+        self.names: dict[tuple[str, int], str] = {}  # (org, adapter version) -> its name on the model
+        self._warned: set[tuple[str, int]] = set()
+
+    @staticmethod
+    def name(path: str) -> str:
+        return "served-" + hashlib.sha1(path.encode()).hexdigest()[:16]
+
+    def sync(self, ledger: AdapterLedger, oldest_base: int) -> None:
+        """Load every version of ``ledger`` that served (promoted, or rolled back since) on a base version from
+        ``oldest_base`` on, and unload the others. Not collective (each rank loads its slices)."""
+        want: dict[tuple[str, int], str] = {}
+        for org, versions in ledger.versions.items():
+            for v in versions.values():
+                if v.status in ("promoted", "rolled_back") and v.base_version >= oldest_base:
+                    want[(org, v.version)] = v.path
+        for path in set(self.loaded) - set(want.values()):
+            lora.remove_adapter(self.model, self.loaded.pop(path))
+        for path in sorted(set(want.values()) - set(self.loaded)):
+            name = self.name(path)
+            lora.load_adapter(path, self.model, name, restore_rng=False)
+            self.loaded[path] = name
+        self.names = {key: self.loaded[path] for key, path in want.items()}
+
+    def __call__(self, batch: Batch) -> str | None:
+        if batch.adapter_versions is None:
+            return None
+        versions = sorted(set(batch.adapter_versions.tolist()))
+        if len(versions) > 1:
+            raise ConfigError(
+                f"micro-batch {batch.batch_id} holds samples that several adapter versions of org "
+                f"{batch.served_org!r} served ({', '.join(f'a{v}' for v in versions)}; a0 = the base alone): "
+                "adapters.shared_traffic = 'served' trains each through the one that served it; fix: run the batch "
+                "flow with adapters.shared_traffic = 'served' too (it splits such batches per version)"
+            )
+        key = (batch.served_org, versions[0])
+        name = self.names.get(key)
+        if name is None and key not in self._warned:
+            self._warned.add(key)
+            log.warning(
+                "org %s adapter a%d served samples of micro-batch %s but is not loaded (not in the ledger, or older "
+                "than the lag window): trained through the base alone",
+                *key,
+                batch.batch_id,
+            )
+        return name
 
 
 def lora_config(settings: Settings) -> lora.LoraConfig:
@@ -381,7 +444,6 @@ def rollback_adapter(settings: Settings, bootstrap: str, ch: Any, org: str, vers
     from confluent_kafka import Producer
 
     from app.loop import announce
-    from rtrl.errors import ConfigError
     from rtrl.kafka import producer_config
 
     db = settings.clickhouse.database

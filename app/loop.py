@@ -52,7 +52,7 @@ from bytewax.testing import run_main
 from confluent_kafka import Producer
 from rich.console import Console
 
-from app.adapters import AdapterDecision, OrgAdapters, describe
+from app.adapters import AdapterDecision, OrgAdapters, ServedThrough, describe
 from app.loop_config import (  # noqa: F401  # re-exported: app.loop is where callers found them
     LOOP_FIXED,
     LOOP_OWNS,
@@ -381,6 +381,17 @@ class Loop:
                 self._save_state,
                 lambda st: clickhouse.insert(self.ch, self.db, "train_metrics", [st]),
             )
+        # adapters.shared_traffic = "served": the shared policy trains an adapted org's samples through the adapter
+        # version that served them (loaded, frozen, into its model before each cycle)
+        self.served: ServedThrough | None = None
+        if self.adapters is not None and s.adapters.shared_traffic == "served":
+            if s.parallel.pp > 1:
+                raise ConfigError(
+                    f"adapters.shared_traffic = 'served' trains the shared policy through LoRA adapters, which need "
+                    f"parallel.pp = 1 (it is {s.parallel.pp}); fix: set parallel.pp = 1, or adapters.shared_traffic "
+                    "= 'all'"
+                )
+            self.served = ServedThrough(self.model)
 
     # ------------------------------------------------------------ parts
 
@@ -619,6 +630,8 @@ class Loop:
             reward_version=reward,
         )
         deadline = time.monotonic() + ls.cycle_max_s
+        if self.served is not None and self.adapters is not None:
+            self.served.sync(self.adapters.ledger, serving - max(s.train.max_policy_lag, s.train.max_delayed_lag))
         train(
             self.model,
             self.reference,
@@ -630,6 +643,7 @@ class Loop:
             should_stop=lambda: self._cycle_done(wanted, deadline),
             trained=self.trained,
             start=self.offsets,
+            served_by=self.served,
         )
         for st in streams:
             st.close()

@@ -17,6 +17,12 @@ goes to the shared policy's stream, ``<prefix>batches``, unchanged. The batches 
     falls back to a base that has seen its traffic;
   - with ``"unadapted"`` nothing goes to the shared stream: the shared policy trains only on the orgs without an
     adapter (an adapted org's convention cannot pull the base away from everyone else's).
+  - with ``"served"`` the shared stream gets the copies as with ``"all"``, and the main job's shared-policy
+    trainer trains each through the adapter version that served its samples (``MicroBatch.adapter_versions``,
+    frozen), so its importance ratio compares against the real behaviour policy: a batch whose samples several
+    adapter versions served (the org's adapter changed while its cohort filled) is **split** into one copy per
+    version (:func:`split_by_adapter_version`; the other versions' samples made padding, ids
+    :func:`shared_copy_id` of the original's id and the version).
 
 An org's samples therefore only ever reach its own adapter. Every id is a function of the batch alone: a batch
 redelivered after a crash routes to the same ids, which the trainers' dedup (``batch_id``) drops. The router's
@@ -35,13 +41,51 @@ import msgspec
 
 from schemas.records import MicroBatch
 
-SharedTraffic = Literal["all", "unadapted"]
+SharedTraffic = Literal["all", "unadapted", "served"]
 
 
 def shared_copy_id(batch_id: str) -> str:
     """The ``batch_id`` of the shared stream's copy of an adapter batch: a hash of the original's, so the same
     batch always makes the same copy, and the copy never shares an id with a batch of its own."""
     return hashlib.sha1(f"{batch_id}\nshared-copy".encode()).hexdigest()[:32]
+
+
+def split_by_adapter_version(batch: MicroBatch) -> list[MicroBatch]:
+    """The shared stream's copies of ``batch`` (``adapter=""``) under ``shared_traffic = "served"``: one, id
+    :func:`shared_copy_id` of ``batch_id``, when one policy served every sample; else one per serving adapter
+    version (0 = the base alone), in version order, each with the other versions' samples made padding (segment
+    -1, no loss; the shape stays) and id :func:`shared_copy_id` of ``batch_id`` and the version."""
+    versions = batch.adapter_versions or [0] * len(batch.sample_ids)
+    if len(set(versions)) <= 1:
+        return [msgspec.structs.replace(batch, batch_id=shared_copy_id(batch.batch_id), adapter="")]
+    out = []
+    rows = range(len(batch.token_ids))
+    d = batch.delayed
+    for v in sorted(set(versions)):
+        kept = [i for i, a in enumerate(versions) if a == v]
+        remap = {i: n for n, i in enumerate(kept)}
+
+        def row(r: int, values: list, pad: object, remap: dict[int, int] = remap) -> list:
+            return [x if g in remap else pad for x, g in zip(values, batch.segment_ids[r])]
+
+        out.append(
+            msgspec.structs.replace(
+                batch,
+                batch_id=shared_copy_id(f"{batch.batch_id}\na{v}"),
+                adapter="",
+                token_ids=[row(r, batch.token_ids[r], 0) for r in rows],
+                loss_mask=[row(r, batch.loss_mask[r], 0) for r in rows],
+                advantages=[row(r, batch.advantages[r], 0.0) for r in rows],
+                behaviour_logprobs=[row(r, batch.behaviour_logprobs[r], 0.0) for r in rows],
+                segment_ids=[[remap.get(g, -1) for g in batch.segment_ids[r]] for r in rows],
+                sample_ids=[batch.sample_ids[i] for i in kept],
+                policy_versions=[batch.policy_versions[i] for i in kept],
+                delayed=[d[i] for i in kept] if d and any(d[i] for i in kept) else [],
+                adapter_versions=[v] * len(kept) if v else [],
+                served_org=batch.served_org if v else "",
+            )
+        )
+    return out
 
 
 class OrgRouter:
@@ -58,8 +102,8 @@ class OrgRouter:
     ):
         if min_samples < 0:
             raise ValueError(f"min_samples must be >= 0, got {min_samples!r}")
-        if shared_traffic not in ("all", "unadapted"):
-            raise ValueError(f"shared_traffic must be 'all' or 'unadapted', got {shared_traffic!r}")
+        if shared_traffic not in ("all", "unadapted", "served"):
+            raise ValueError(f"shared_traffic must be 'all', 'unadapted' or 'served', got {shared_traffic!r}")
         if not org:
             raise ValueError("an org router needs the org's id")
         self.org, self.min_samples, self.shared_traffic = org, min_samples, shared_traffic
@@ -82,6 +126,8 @@ class OrgRouter:
         out = [msgspec.structs.replace(batch, adapter=self.org)]
         if self.shared_traffic == "all":
             out.append(msgspec.structs.replace(batch, batch_id=shared_copy_id(batch.batch_id), adapter=""))
+        elif self.shared_traffic == "served":
+            out += split_by_adapter_version(batch)
         return out
 
     def snapshot(self) -> dict:

@@ -160,6 +160,9 @@ def pack(samples: list[Sample], seq_len: int, created_at: int, reward_version: s
         blp.append(b + [0.0] * pad)
         seg.append(g + [-1] * pad)
     ids = [s.rollout.trajectory_id for s in samples]
+    served_orgs = {s.rollout.org_id for s in samples if s.rollout.adapter_version}
+    if len(served_orgs) > 1:  # adapter versions count per org: one batch names one org's
+        raise ValueError(f"samples that adapters of several orgs served ({sorted(served_orgs)}) in one micro-batch")
     digest = hashlib.sha1("\n".join(ids + ([f"reward:{reward_version}"] if reward_version else [])).encode())
     batch_id = digest.hexdigest()[:32]
     return MicroBatch(
@@ -178,6 +181,7 @@ def pack(samples: list[Sample], seq_len: int, created_at: int, reward_version: s
         adapter_versions=[s.rollout.adapter_version for s in samples]
         if any(s.rollout.adapter_version for s in samples)
         else [],
+        served_org=served_orgs.pop() if served_orgs else "",
     )
 
 

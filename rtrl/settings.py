@@ -749,10 +749,12 @@ class AdapterSettings(Section):
         "minimum-traffic threshold); until then its samples train only the shared policy",
         ge=0,
     )
-    shared_traffic: Literal["all", "unadapted"] = _s(
+    shared_traffic: Literal["all", "unadapted", "served"] = _s(
         "all",
         "what the shared policy trains on: all traffic (an adapted org's samples train its adapter and the shared "
-        "policy), or only the orgs without an adapter",
+        "policy), only the orgs without an adapter (unadapted), or all traffic with each adapted org's samples "
+        "trained through the adapter version that served them, frozen (served: the importance ratio compares "
+        "with the real behaviour policy; the main job only, pp = 1)",
     )
     rank: int = _s(8, "LoRA rank r of every adapter", gt=0, le=1024)
     alpha: float = _s(16.0, "LoRA alpha: the adapter's update is scaled by alpha / rank", gt=0)

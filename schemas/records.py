@@ -286,6 +286,13 @@ class MicroBatch(msgspec.Struct, **_STRICT):
             "to. Empty = every sample 0."
         ),
     ] = []
+    served_org: Annotated[
+        MaybeLabel,
+        doc(
+            "Organisation whose adapter versions adapter_versions counts (versions count per org; every sample "
+            "an adapter served is that org's); empty when adapter_versions is."
+        ),
+    ] = ""
 
     def __post_init__(self) -> None:
         rows = len(self.token_ids)
@@ -304,6 +311,8 @@ class MicroBatch(msgspec.Struct, **_STRICT):
                 "adapter_versions must be empty (every sample served by the shared policy alone) or have one entry "
                 "per sample_ids entry"
             )
+        if bool(self.served_org) != any(self.adapter_versions):
+            raise ValueError("served_org names the org of adapter_versions: set exactly when one of them is not 0")
         n = len(self.sample_ids)
         if any(not -1 <= s < n for r in self.segment_ids for s in r):
             raise ValueError(f"segment_ids must be -1 (padding) or an index below {n}")

@@ -286,9 +286,9 @@ _MB = MicroBatch(
     policy_versions=[0],
 )
 #: a one-byte corruption of encode_batch(_MB) (the high byte of the token_ids outer list's second offset: its
-#: buffer starts at 3024 since micro-batches carry reward_version, delayed, adapter and adapter_versions) that
-#: segfaulted the old decoder
-_SEGFAULT = (3031, 248)
+#: buffer starts at 3136 since micro-batches carry reward_version, delayed, adapter, adapter_versions and served_org)
+#: that segfaulted the old decoder
+_SEGFAULT = (3143, 248)
 
 
 def _ipc(table: pa.Table, **options) -> bytes:

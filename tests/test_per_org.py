@@ -340,7 +340,7 @@ def _route(routers: dict, wants, min_samples: int, traffic: str, org: str, b: Mi
     traffic=st.lists(st.tuples(st.sampled_from(ORGS), st.integers(1, 6)), min_size=1, max_size=40),
     wanted=st.sampled_from([("o0",), ("o0", "o2"), ("*",), ()]),
     min_samples=st.integers(0, 12),
-    shared=st.sampled_from(["all", "unadapted"]),
+    shared=st.sampled_from(["all", "unadapted", "served"]),
     cut=st.integers(0, 40),
 )
 def test_an_orgs_samples_only_ever_reach_its_own_adapter(traffic, wanted, min_samples, shared, cut):
@@ -393,7 +393,7 @@ def test_an_orgs_samples_only_ever_reach_its_own_adapter(traffic, wanted, min_sa
                 before += b.sample_ids
             count += len(b.sample_ids) if o == org else 0
         assert sorted(on_adapter[org]) == sorted(set(mine) - set(before))
-        want_shared = mine if shared == "all" else before
+        want_shared = mine if shared in ("all", "served") else before
         assert sorted(s for s in on_shared if s.startswith(f"{org}-")) == sorted(want_shared)
 
 
@@ -441,12 +441,18 @@ def test_a_micro_batch_carries_each_samples_serving_adapter_version_to_the_train
     assert pack([sample("a", 2), sample("b", 0)], seq_len=16, created_at=1).batch_id == base.batch_id  # same ids
     with pytest.raises(ValueError, match="adapter_versions"):
         msgspec.structs.replace(mixed, adapter_versions=[1])
-    table = pa.ipc.open_stream(encode_batch(mixed)).read_all().drop_columns(["adapter_versions"])
+    from trainer.dedup import drop_samples
+
+    assert drop_samples(b, [True, False, True]).adapter_versions.tolist() == [2, 3]  # stays one per sample
+    table = pa.ipc.open_stream(encode_batch(mixed)).read_all().drop_columns(["adapter_versions", "served_org"])
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as w:
         w.write_table(table)
     old = decode_batch(sink.getvalue().to_pybytes())
-    assert old.adapter_versions == [] and old.sample_ids == mixed.sample_ids
+    assert old.adapter_versions == [] and old.served_org == "" and old.sample_ids == mixed.sample_ids
+    assert mixed.served_org == "o0" and base.served_org == ""
+    with pytest.raises(ValueError, match="served_org"):
+        msgspec.structs.replace(mixed, served_org="")
 
 
 def test_a_retired_orgs_next_candidate_starts_from_the_retired_weights_and_a_rollback_starts_fresh():
@@ -523,6 +529,102 @@ def test_an_adapter_trains_the_samples_another_policy_served_on_the_delayed_path
     on = pack([Sample(ro("u", "g", org="o0"), 1.0, 0)], seq_len=32, created_at=1)
     batch_on = to_batch(encode_batch(on), 0, 0)
     assert off_policy_delayed(batch_on, ledger, "o0", None) is batch_on  # nothing to mark
+
+
+def test_served_shared_traffic_splits_a_batch_per_serving_adapter_version():
+    """``shared_traffic = "served"`` routes like "all" (the adapter batch, and the shared copy with the same id
+    as "all" gives it when one policy served every sample), and splits a batch that several adapter versions
+    served into one shared copy per version: each trains only its version's samples (the others padding), has a
+    stable id of its own, and names the org only when an adapter served it. A micro-batch never holds two orgs'
+    adapter-served samples."""
+    from flows.adapters import split_by_adapter_version
+
+    def sample(tid: str, served: int, org: str = "o1", delayed: bool = False) -> Sample:
+        r = msgspec.structs.replace(ro(tid, "g", org=org), adapter_version=served)
+        return Sample(r, 1.0, 0, advantage=0.5, delayed=delayed)
+
+    mixed = pack([sample("a", 2), sample("b", 0, delayed=True), sample("c", 2), sample("d", 3)], 16, 1)
+    assert mixed.served_org == "o1" and mixed.adapter_versions == [2, 0, 2, 3]
+    out = OrgRouter("o1", 0, "served").route(mixed)
+    assert [b.adapter for b in out] == ["o1", "", "", ""] and out[0] == replace_adapter(mixed, "o1")
+    by_version = {tuple(b.adapter_versions) or (0,): b for b in out[1:]}
+    base, a2, a3 = by_version[(0,)], by_version[(2, 2)], by_version[(3,)]
+    assert base.sample_ids == ["b"] and base.served_org == "" and base.delayed == [True]
+    assert a2.sample_ids == ["a", "c"] and a2.served_org == "o1" and a2.delayed == []
+    assert a3.sample_ids == ["d"] and len({b.batch_id for b in out}) == 4
+    assert [b.batch_id for b in split_by_adapter_version(mixed)] == [b.batch_id for b in out[1:]]  # stable
+    for b in out[1:]:  # the shape stays; only the kept samples' tokens are trained and indexed
+        assert len(b.token_ids) == len(mixed.token_ids) and b.seq_len == mixed.seq_len
+        assert {g for r in b.segment_ids for g in r} == set(range(len(b.sample_ids))) | {-1}
+        trained = sum(m for r in b.loss_mask for m in r)
+        assert trained == 3 * len(b.sample_ids)  # ro(): 3 completion tokens each
+    one = pack([sample("e", 2), sample("f", 2)], 16, 1)
+    served, everything = OrgRouter("o1", 0, "served").route(one), OrgRouter("o1", 0, "all").route(one)
+    assert served == everything
+    with pytest.raises(ValueError, match="several orgs"):
+        pack([sample("g", 1, "o1"), sample("h", 1, "o2")], 16, 1)
+
+
+def replace_adapter(b: MicroBatch, org: str) -> MicroBatch:
+    return msgspec.structs.replace(b, adapter=org)
+
+
+def test_the_shared_trainer_loads_each_serving_adapter_version_and_names_the_one_that_served_a_batch(tmp_path):
+    """``app.adapters.ServedThrough`` (the main job's ``served_by`` under ``shared_traffic = "served"``) loads, into
+    the shared trainer's model, every adapter version that served on a base within the lag window (promoted, or
+    rolled back since; a re-validated version shares its parent's weights and name), with the saved weights;
+    unloads those out of the window; names the one that served a micro-batch (None: the base alone, or a version
+    it does not hold); and refuses a batch that several versions served."""
+    import torch
+
+    from app.adapters import ServedThrough
+    from evalgate.adapters import AdapterLedger
+    from rtrl.errors import ConfigError
+    from schemas.codec import encode_batch
+    from simulator.tasks import VOCAB
+    from trainer import lora
+    from trainer.batch import to_batch
+    from trainer.config import ModelConfig
+    from trainer.model import build_model, init_parallel
+
+    cfg = ModelConfig.tiny(vocab_size=VOCAB, seq_length=64)
+    init_parallel(cfg)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    saved = {}
+    for i, tag in enumerate(("w1", "w3")):  # two trained adapters' weights (non-zero B)
+        lora.add_adapter(model, tag, lora.LoraConfig(rank=4), seed=i)
+        with torch.no_grad():
+            for p in lora.adapter_parameters(model, tag):
+                p.copy_(torch.randn(p.shape) * 0.1)
+        saved[tag] = (str(lora.save_adapter(tmp_path / tag, model, tag, 1, "v0")), lora.adapter_state_dict(model, tag))
+        lora.remove_adapter(model, tag)
+    ledger = AdapterLedger()
+    a1 = ledger.add("o1", 0, saved["w1"][0])
+    ledger.decide("o1", 1, True)
+    a2 = ledger.revalidate(a1, 1)
+    ledger.decide("o1", a2.version, True)
+    ledger.add("o1", 1, saved["w3"][0], parent=2)
+    ledger.decide("o1", 3, False)  # rejected: never served
+    served = ServedThrough(model)
+    served.sync(ledger, oldest_base=0)
+    w1 = ServedThrough.name(saved["w1"][0])
+    assert lora.adapter_names(model) == [w1] and served.names == {("o1", 1): w1, ("o1", 2): w1}
+    assert all(torch.equal(v, saved["w1"][1][k]) for k, v in lora.adapter_state_dict(model, w1).items())
+
+    def wire(*versions: int):
+        samples = [
+            Sample(msgspec.structs.replace(ro(f"t{i}", "g", org="o1"), adapter_version=v), 1.0, 0)
+            for i, v in enumerate(versions)
+        ]
+        return to_batch(encode_batch(pack(samples, 16, 1)), 0, 0)
+
+    assert served(wire(2, 2)) == w1 and served(wire(1)) == w1 and served(wire(0, 0)) is None
+    assert served(wire(3)) is None  # rejected, never loaded: the base alone (with a warning)
+    with pytest.raises(ConfigError, match="several adapter versions.*a0, a2"):
+        served(wire(0, 2))
+    served.sync(ledger, oldest_base=2)  # both versions' bases are out of the lag window
+    assert lora.adapter_names(model) == [] and served(wire(2)) is None
 
 
 def test_old_payloads_without_the_adapter_field_still_decode():

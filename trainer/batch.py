@@ -40,6 +40,7 @@ class Batch:
     #: int64, per sample: the org adapter version that sampled it (MicroBatch.adapter_versions); None = all 0 (the
     #: shared policy alone)
     adapter_versions: np.ndarray | None = None
+    served_org: str = ""  # the org whose adapter versions adapter_versions counts (MicroBatch.served_org)
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ def to_batch(data: bytes, partition: int, offset: int, limits: BatchLimits | Non
         delayed=np.asarray(mb.delayed, dtype=bool) if any(mb.delayed) else None,
         adapter=mb.adapter,
         adapter_versions=np.asarray(mb.adapter_versions, dtype=np.int64) if any(mb.adapter_versions) else None,
+        served_org=mb.served_org,
     )
     if not np.isin(b.loss_mask, (0.0, 1.0)).all():
         raise Invalid("$.loss_mask", "loss-mask values must be 0 or 1")

@@ -21,7 +21,8 @@ from trainer.batch import Batch
 
 def drop_samples(batch: Batch, keep: list[bool]) -> Batch:
     """``batch`` with the samples where ``keep`` is False turned into padding (segment -1, no loss),
-    ``sample_ids``/``policy_versions`` reduced to the kept ones and segment ids renumbered."""
+    ``sample_ids``/``policy_versions`` (and the per-sample ``delayed``/``adapter_versions``) reduced to the kept
+    ones and segment ids renumbered."""
     if all(keep):
         return batch
     remap = np.full(len(keep) + 1, -1, dtype=np.int64)  # index -1 (padding) maps to the last slot: -1
@@ -35,6 +36,7 @@ def drop_samples(batch: Batch, keep: list[bool]) -> Batch:
         sample_ids=[batch.sample_ids[i] for i in kept],
         policy_versions=batch.policy_versions[kept],
         delayed=None if batch.delayed is None else batch.delayed[kept],
+        adapter_versions=None if batch.adapter_versions is None else batch.adapter_versions[kept],
     )
 
 
