@@ -23,8 +23,8 @@ same warm start:
   truncated importance weights, no PPO clip, :mod:`trainer.loss`). Under the clip, every convention task's
   base-habit token the adapter had already made rarer was dropped (ratio below 1 - eps with a negative
   advantage), only the base's rewarded habit trained, and the adapter fell back to the base within a cycle
-  (bench/RESULTS.md, eighth round). The main job (:mod:`app.adapters`) starts a retired org's next candidate
-  from a fresh adapter instead, which the base-served samples are on-policy for;
+  (bench/RESULTS.md, eighth round). The main job (:mod:`app.adapters`) does the same from the serving adapter
+  version each rollout records (``Rollout.adapter_version``, :func:`app.adapters.off_policy_delayed`);
   the candidate is gated (:func:`evalgate.adapters.decide_adapter`) on the org's held-out suite
   (:class:`simulator.evalsuite.OrgHeldOutTasks`) against what serves the org and the base alone, and on the
   suite's global guard against the base alone; promoted or refused in the org's
@@ -130,7 +130,7 @@ class Experiment:
     (:func:`trainer.train.train`'s ``served_by``), so the base learns what serves each org and is not pulled
     towards an org's own habit where its adapter already follows it: the global orgs stopped losing over 3 seeds,
     but one seed's adapter overshot its habit on the base that learned it through it (bench/RESULTS.md, eighth
-    round). The main job's trainer does not do this yet (it trains as with "all")."""
+    round). The main job does the same under ``adapters.shared_traffic = "served"`` (:class:`app.adapters.ServedThrough`)."""
     cycle_minutes: int = 60  # simulated event time per cycle
     rate: float = 100.0  # tasks served per second of event time, each group_size times
     eval_tasks: int = 200  # held-out tasks per org: the gate's suite, and the report's own

@@ -1052,11 +1052,12 @@ print(json.dumps({"checkpoints": [[o, v, p, b, s, r, path, dict(e)] for o, v, p,
 """
 
 
-@pytest.mark.slow  # a whole main job (about 2 minutes each)
-@pytest.mark.parametrize("shared_traffic", ["all", "served"])
-def test_the_main_job_trains_gates_and_serves_each_orgs_adapter_and_rolls_one_back(tmp_path, shared_traffic):
-    """`rtrl run` with two specialised orgs given adapters (the shared policy trained on all traffic, or on all
-    traffic through the adapter versions that served it): after each cycle each org's adapter trains on that
+@pytest.mark.slow  # a whole main job (about 2 minutes)
+def test_the_main_job_trains_gates_and_serves_each_orgs_adapter_and_rolls_one_back(tmp_path):
+    """`rtrl run` with two specialised orgs given adapters, the shared policy trained on all traffic through the
+    adapter versions that served it (``adapters.shared_traffic = "served"``; the default "all" runs end to end in
+    tests/test_analyst_queries.py's main job, and every mode's routing in
+    test_an_orgs_samples_only_ever_reach_its_own_adapter): after each cycle each org's adapter trains on that
     org's stream only (every sample id in its train_metrics rows is a trajectory of that org), is gated on the
     org's held-out tasks plus the global guard and announced with (org, adapter version, base version) in
     adapter_checkpoints; after a base promotion each serving adapter is re-validated on the new base (a new
@@ -1079,7 +1080,7 @@ def test_the_main_job_trains_gates_and_serves_each_orgs_adapter_and_rolls_one_ba
         "RTRL_LOOP__SPECIALISED_ORGS": "2",
         "RTRL_ADAPTERS__ORGS": "org-1,org-2",
         "RTRL_ADAPTERS__MIN_SAMPLES": "32",
-        "RTRL_ADAPTERS__SHARED_TRAFFIC": shared_traffic,
+        "RTRL_ADAPTERS__SHARED_TRAFFIC": "served",
     }
     proc = _run(["run"], env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

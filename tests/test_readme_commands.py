@@ -671,10 +671,14 @@ def test_processes_mode_shortened(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_make_demo(tmp_path):
-    """`make demo`: three cycles of the main job on the defaults otherwise, each ending in a gated decision,
-    then the final live A/B against v0, the tables and the PNGs. demo.toml's cycles, rate and final A/B, with
+    """`make demo`: three cycles of the main job on the defaults otherwise, each ending in a gated decision recorded
+    in ClickHouse with its eval, trained on micro-batches the flows built from the served traffic; then the final
+    live A/B against v0 (each user in one arm), the tables with their intervals and the PNGs; `rtrl rollback` then
+    marks the serving version rolled back and re-promotes its parent. demo.toml's cycles, rate and final A/B, with
     smaller cycles, evals and warm start (as every test of the main job runs it): what is checked does not depend
-    on them."""
+    on them. (It also holds the checks of the main job's own test, which ran a fourth main job.)"""
+    from tests.test_loop import _dump
+
     small = {"RTRL_LOOP__SAMPLES_PER_CYCLE": "512", "RTRL_LOOP__EVAL_TASKS": "50", "RTRL_LOOP__WARM_START_STEPS": "100"}
     run = sh(doc_command(r"make demo"), {"RTRL_DATA_DIR": str(tmp_path)} | small)
     assert run.returncode == 0, _out(run)
@@ -683,10 +687,53 @@ def test_make_demo(tmp_path):
     assert [v for v, *_ in decisions] == [1, 2, 3] and all(p < v for v, p, *_ in decisions), _out(run)
     assert all(steps > 0 for *_, steps in decisions)
     assert (tmp_path / "reports" / "loop.png").read_bytes()[:4] == b"\x89PNG"
+    out = run.stdout
+    assert "Checkpoints (reward v2)" in out and "on-policy" in out
+    summary = out[out.index("batch flow:") : out.index("Checkpoints (reward v2)")]  # the ending, up to the table
+    assert re.search(r"3 candidates: \d promoted, \d refused", summary), summary
+    lines = [
+        line for line in summary.splitlines() if "candidates:" in line or "v0 -> v" in line or "reward (v2)" in line
+    ]
+    assert all(len(line) <= 100 for line in lines), lines
+    # each headline change with its interval, or "-" where too few users have data for it
+    change = r"(-|[+-][\d.]+% \[[+-][\d.]+, [+-][\d.]+\])"
+    assert re.search(rf"v0 -> v\d( \(A/B\))?: edits kept {change}, dissatisfied {change}", summary) or (
+        "nothing to compare with v0 live" in summary
+    ), summary
+    d = _dump(tmp_path)
+    cps = d["checkpoints"]
+    assert [c[0] for c in cps] == [0, 1, 2, 3] and cps[0][2] == "promoted" and cps[0][1] is None
+    for _version, parent, status, reason, ev in cps[1:]:
+        assert status in ("promoted", "rejected") and reason and parent in (0, 1, 2)
+        assert {"solve_rate", "broken_tool_call_rate", "clarify_rate", "on_policy_fraction"} <= set(ev)
+        assert 0.0 <= ev["on_policy_fraction"] <= 1.0
+    n_steps, tokens, _ = d["steps"]
+    assert n_steps > 0 and tokens > 0 and d["rewards"] > 0 and d["batched"] > 0
     serving = max([0] + [v for v, _, status, *_ in decisions if status == "promoted"])
-    if serving:  # the seed's table, the final version against v0 live
-        assert f"Live A/B, v{serving} against v0" in _flat(run.stdout), _out(run)
-        assert (tmp_path / "reports" / "final_ab.png").read_bytes()[:4] == b"\x89PNG"
+    if not serving:
+        assert "no final A/B: no candidate was promoted" in out, _out(run)
+        return
+    # the seed's table, the final version against v0 live, users split by hash
+    final = re.search(rf"Live A/B, v{serving} against v0: users randomised by hashed user id", out)
+    assert final, _out(run)
+    table = out[final.start() : out.index("Checkpoints (reward v2)")]
+    for label in ("edit persistence", "dissatisfied follow-ups", "latency (mean ms)", "broken tool calls",
+                  "clarifying questions", "reward (v2)"):  # fmt: skip
+        row = next(line for line in table.splitlines() if line.strip().startswith(label))
+        # v0, the final version, the change, its interval and a p-value, or why not
+        assert re.search(r"[+-][\d.]+%? +\[[+-][\d.]+%?, [+-][\d.]+%?\] +(<1e-6|[\d.e+-]+)$", row.strip()) or (
+            "too few users" in row or "v0 at 0" in row
+        ), row
+    assert (tmp_path / "reports" / "final_ab.png").read_bytes()[:4] == b"\x89PNG"
+    in_v0, in_final, in_both = d["final_ab_users"]
+    assert in_v0 > 10 and in_final > 10 and in_both == 0  # each user saw one arm
+    assert "(A/B)" in summary and "live A/B by user" in summary
+    back = sh(f"rtrl rollback {serving} --reason test", {"RTRL_DATA_DIR": str(tmp_path)}, timeout=120)
+    assert back.returncode == 0, _out(back)
+    after = {c[0]: c for c in _dump(tmp_path)["checkpoints"]}
+    assert after[serving][2] == "rolled_back" and after[serving][3] == "test"
+    parent = after[serving][1]
+    assert after[parent][2] == "promoted" and "rollback" in after[parent][3]
 
 
 @pytest.mark.slow

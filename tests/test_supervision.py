@@ -123,7 +123,7 @@ def _small_run(tmp_path: Path, cycles: int) -> dict[str, str]:
         "RTRL_LOOP__EVAL_TASKS": "50",
         "RTRL_LOOP__WARM_START_STEPS": "100",
         "RTRL_LOOP__RATE": "40",
-        "RTRL_LOOP__FINAL_AB_TRAJECTORIES": "0",  # the final live A/B is the main job's tests' (tests/test_loop.py)
+        "RTRL_LOOP__FINAL_AB_TRAJECTORIES": "0",  # the final live A/B: test_make_demo checks it
     }
 
 
