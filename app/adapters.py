@@ -6,8 +6,12 @@ policy, :class:`OrgAdapters` (owned by :class:`app.loop.Loop`):
 
 1. follows the serving base: when the base was promoted since the last cycle, every adapter that serves an org is
    **re-validated** on the new base (the gate below, against the new base alone) and announced as a new adapter
-   version over that base, or refused: the org is then served the base alone until its adapter retrains (the
-   decision is recorded either way, in ``adapter_checkpoints`` and on ``rtrl.deployments``);
+   version over that base, or refused. A refused one is judged again with its effect scaled by each of
+   ``adapters.revalidate_scales`` in turn (:func:`trainer.lora.scale_adapter`; saved as a new version): under
+   ``shared_traffic = "served"`` the base learns through the adapter and can amplify what it does, until the
+   adapter overshoots its org's habit on the org's other tasks (bench/RESULTS.md, "Per-org adapters", ninth round).
+   None passes: the org is served the base alone until its adapter retrains. Every decision is recorded, in
+   ``adapter_checkpoints`` and on ``rtrl.deployments``;
 2. reads the adapter stream from where it left off and groups the batches by org; an org with at least one step's
    worth of micro-batches trains its adapter (:class:`trainer.train.TrainConfig` ``adapter``: the base frozen, the
    base alone the KL reference) from what serves it, else from the weights of its retired version (its
@@ -338,24 +342,48 @@ class OrgAdapters:
         return decision
 
     def revalidate(self) -> list[AdapterDecision]:
-        """Judge each adapter serving an org on another base again on the current base (module docstring, 1)."""
+        """Judge each adapter serving an org on another base again on the current base (module docstring, 1): as
+        it is, then (each refused) with its effect scaled by each of ``adapters.revalidate_scales`` in turn, a new
+        version saved with the scaled weights; the first that passes serves. All refused: the org is retired."""
         assert self.base_version is not None
         out = []
         for old in self.ledger.stale(self.base_version):
-            name = self._put(old.org, old)
             base, _ = self._scores(old.org, None)  # what serves the org now: the new base alone
-            ev, verdict = self._judge(old.org, name, base, [])
-            v = self.ledger.revalidate(old, self.base_version)
-            reason = f"re-validated on base v{self.base_version}: {verdict.reason}"
-            also = []
-            if not verdict.promote:
-                reason = f"refused on base v{self.base_version}: {verdict.reason}"
-                gone = self.ledger.retire(old.org)
-                assert gone is not None
-                why = f"stale: its re-validation on base v{self.base_version} (a{v.version}) was refused; the base alone serves {old.org} until its adapter retrains"
-                also.append(self._decision(gone, "rolled_back", why, gone.scores, []))
-            decision = self._decide(v, ev, Decision(verdict.promote, reason, verdict.problems), [], also)
-            out.append(AdapterDecision(v.org, v.version, v.base_version, decision.status, reason, revalidation=True))
+            factors = [1.0, *self.settings.adapters.revalidate_scales]
+            for i, factor in enumerate(factors):
+                name = self._put(old.org, old)
+                if factor == 1.0:
+                    ev, verdict = self._judge(old.org, name, base, [])
+                    v = self.ledger.revalidate(old, self.base_version)
+                    what = "re-validated"
+                else:
+                    lora.scale_adapter(self.model, name, factor)
+                    ev, verdict = self._judge(old.org, name, base, [])
+                    version = self.ledger.next_version(old.org)
+                    folder = self.root / old.org / f"a{version}"
+                    path = lora.save_adapter(folder, self.model, name, 0, f"v{self.base_version}")
+                    v = self.ledger.add(old.org, self.base_version, str(path), parent=old.version)
+                    what = f"re-validated at {factor:g} times a{old.version}'s effect"
+                reason = f"{what} on base v{self.base_version}: {verdict.reason}"
+                also = []
+                if not verdict.promote:
+                    reason = f"{what.replace('re-validated', 'refused')} on base v{self.base_version}: {verdict.reason}"
+                    if i + 1 < len(factors):
+                        reason += f"; next: {factors[i + 1]:g} times its effect"
+                    else:
+                        gone = self.ledger.retire(old.org)
+                        assert gone is not None
+                        why = (
+                            f"stale: its re-validation on base v{self.base_version} (a{v.version}) was refused; the "
+                            f"base alone serves {old.org} until its adapter retrains"
+                        )
+                        also.append(self._decision(gone, "rolled_back", why, gone.scores, []))
+                decision = self._decide(v, ev, Decision(verdict.promote, reason, verdict.problems), [], also)
+                out.append(
+                    AdapterDecision(v.org, v.version, v.base_version, decision.status, reason, revalidation=True)
+                )
+                if verdict.promote:
+                    break
         return out
 
     def _read(self) -> dict[str, list[Batch]]:

@@ -9,14 +9,15 @@ org, so one policy for everyone follows the majority's habit there. Two arms see
 same warm start:
 
 * ``shared``: the shared policy alone, trained on all traffic (no adapters);
-* ``adapters``: the same shared policy, trained on the same traffic (``adapters.shared_traffic``, "all" by
-  default: every adapted org's batches also train the base; "unadapted": only the other orgs'), plus one LoRA
+* ``adapters``: the same shared policy, trained on the same traffic (``adapters.shared_traffic``, "served" by
+  default: every adapted org's batches also train the base, through the adapter that served them; "all": the
+  base alone on them; "unadapted": only the other orgs'), plus one LoRA
   adapter per specialised org (:mod:`trainer.lora`). The batch flow's router (:class:`flows.adapters.OrgRouter`)
   sends an org's micro-batches to its adapter stream once it has sent ``min_samples`` samples. Each cycle, as
   the main job does (:mod:`app.adapters`), the shared policy trains and is promoted first; every serving adapter
-  is judged again on the new base against the new base alone (``AdapterLedger.revalidate``: it keeps serving or
-  is retired); then the org's adapter trains on the cycle's adapter stream (:class:`trainer.train.TrainConfig`
-  ``adapter=org``: the base frozen, the KL reference the base alone) on that new base, continuing from the
+  is judged again on the new base against the new base alone (``AdapterLedger.revalidate``: it keeps serving;
+  else at ``adapters.revalidate_scales`` of its effect, "rescaled"; else it is retired); then the org's adapter
+  trains on the cycle's adapter stream (:class:`trainer.train.TrainConfig` ``adapter=org``: the base frozen, the KL reference the base alone) on that new base, continuing from the
   weights of its last promoted version (a refused candidate is dropped: its noise would otherwise accumulate).
   A retired org keeps those weights too, while the base alone serves it: its samples then come from another
   policy than the adapter that trains on them, so they take the trainer's delayed path (``MicroBatch.delayed``:
@@ -124,13 +125,17 @@ class Experiment:
     """adapters.kl_estimator: "full" (the exact KL to the base over the vocabulary), "k3" (on the sampled token) or
     "" (loss.kl_estimator). With k3 the candidates that raised P(solve) also raised broken tool calls, and the gate
     refused them; the full KL holds the broken-call rate (bench/RESULTS.md, "Per-org adapters")."""
-    shared_traffic: str = "all"
-    """adapters.shared_traffic: "all" or "unadapted" (the shared policy skips adapted orgs); or "served": all
-    traffic, an adapted org's micro-batches through the adapter that served them, frozen
-    (:func:`trainer.train.train`'s ``served_by``), so the base learns what serves each org and is not pulled
-    towards an org's own habit where its adapter already follows it: the global orgs stopped losing over 3 seeds,
-    but one seed's adapter overshot its habit on the base that learned it through it (bench/RESULTS.md, eighth
-    round). The main job does the same under ``adapters.shared_traffic = "served"`` (:class:`app.adapters.ServedThrough`)."""
+    shared_traffic: str = "served"
+    """adapters.shared_traffic: "served": all traffic, an adapted org's micro-batches through the adapter that
+    served them, frozen (:func:`trainer.train.train`'s ``served_by``; in the main job
+    :class:`app.adapters.ServedThrough`), so the base learns what serves each org and is not pulled towards an
+    org's own habit where its adapter already follows it; "all" (the base alone on every batch: the global orgs
+    lost about 0.03, bench/RESULTS.md, eighth round) or "unadapted" (the shared policy skips adapted orgs)."""
+    revalidate_scales: tuple[float, ...] = (0.5,)
+    """adapters.revalidate_scales: a serving adapter refused at re-validation on a new base is judged again at these
+    fractions of its effect before it is retired. Under "served" the base learns through the frozen adapter and
+    amplified it in one seed until the adapter picked its org's tool on the org's other tasks too, and the global
+    guard retired it (bench/RESULTS.md, eighth and ninth rounds); empty: retire at once."""
     cycle_minutes: int = 60  # simulated event time per cycle
     rate: float = 100.0  # tasks served per second of event time, each group_size times
     eval_tasks: int = 200  # held-out tasks per org: the gate's suite, and the report's own
@@ -219,6 +224,7 @@ def arm_settings(base: Settings, exp: Experiment) -> Settings:
             "RTRL_ADAPTERS__KL_COEF": str(exp.adapter_kl),
             "RTRL_ADAPTERS__KL_ESTIMATOR": exp.adapter_kl_estimator,
             "RTRL_ADAPTERS__UPDATES_PER_STEP": str(exp.adapter_updates),
+            "RTRL_ADAPTERS__REVALIDATE_SCALES": ",".join(str(x) for x in exp.revalidate_scales),
         }
         | ({"RTRL_ADAPTERS__TARGETS": ",".join(exp.adapter_targets)} if exp.adapter_targets else {})
     )
@@ -367,19 +373,40 @@ class _Adapters:
             self.opts[org].load_state_dict(copy.deepcopy(self.opt_promoted[org]))
         return steps, f"v{cand.version} refused ({d.reason})"
 
-    def revalidate(self, version: int) -> dict[str, str]:
+    def revalidate(self, version: int) -> dict[str, list[str]]:
         """Judge every serving adapter again on the new base ``version`` against the new base alone: it keeps
-        serving (a new ledger version) or is retired. Returns each org's decision."""
+        serving (a new ledger version); else, as the main job does (:meth:`app.adapters.OrgAdapters.revalidate`),
+        its effect scaled by each of ``adapters.revalidate_scales`` in turn is judged (the first that passes serves
+        and is what the org's next candidate trains on from: "rescaled"); else it is retired. Returns each org's
+        decisions, in order."""
         out = {}
         for old in self.ledger.stale(version):
-            new = self.ledger.revalidate(old, version)
-            d = self.decide(old.org, "serving", "base", version, [])
-            self.ledger.decide(old.org, new.version, d.promote, self.scores(old.org, "serving", version))
-            if d.promote:
-                out[old.org] = f"v{old.version} -> v{new.version} revalidated on base v{version}"
+            slot = _serving_slot(old.org)
+            kept = lora.adapter_state_dict(self.model, slot)
+            said = []
+            for factor in [1.0, *self.s.adapters.revalidate_scales]:
+                if factor != 1.0:
+                    scaled = {k: v * factor if k.endswith("lora_B") else v for k, v in kept.items()}
+                    lora.load_adapter_state_dict(self.model, slot, scaled)
+                    self.weights[old.org] += 1  # other serving weights: the cached scores are not theirs
+                new = self.ledger.revalidate(old, version)
+                d = self.decide(old.org, "serving", "base", version, [])
+                self.ledger.decide(old.org, new.version, d.promote, self.scores(old.org, "serving", version))
+                if d.promote:
+                    if factor != 1.0:  # the org's next candidate trains on from the scaled weights
+                        lora.load_adapter_state_dict(self.model, old.org, lora.adapter_state_dict(self.model, slot))
+                        said.append(f"v{old.version} -> v{new.version} rescaled to {factor:g} on base v{version}")
+                    else:
+                        said.append(f"v{old.version} -> v{new.version} revalidated on base v{version}")
+                    break
+                at = "" if factor == 1.0 else f" at {factor:g} times its effect"
+                said.append(f"v{new.version} refused at re-validation{at} on base v{version} ({d.reason})")
             else:
+                lora.load_adapter_state_dict(self.model, slot, kept)  # the retired weights, as they were
+                self.weights[old.org] += 1
                 self.ledger.retire(old.org)
-                out[old.org] = f"v{old.version} retired on base v{version} ({d.reason})"
+                said.append(f"v{old.version} retired on base v{version}")
+            out[old.org] = said
         return out
 
 
@@ -464,7 +491,7 @@ def run_arm(
         version = loop.promote()  # the arms must stay comparable, so no gate
         if adapters is not None:  # as the main job does (app.adapters): re-validate, then train on the new base
             for org, judged in adapters.revalidate(version).items():
-                decisions[org].append(judged)
+                decisions[org] += judged
             for org, batches in streams.items():
                 adapter_steps[org], decision = adapters.train_and_gate(org, batches, cycle, version)
                 if decision is not None:

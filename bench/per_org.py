@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/per_org.py [--cycles 16] [--tasks 128] [--group-size 16] [--seeds 1] [--orgs 4]
         [--specialised 2] [--specialised-share 0.5] [--min-samples 256] [--rank 8] [--alpha 16] [--adapter-lr 0.002] [--adapter-kl 0.3]
-        [--adapter-kl-estimator full] [--shared-traffic all]
+        [--adapter-kl-estimator full] [--shared-traffic served] [--revalidate-scales 0.5]
 
 The experiment of :mod:`app.per_org`: the last ``--specialised`` of ``--orgs`` orgs follow a convention of their
 own on two task kinds (:func:`simulator.tasks.conventions_for`: with the defaults org-2's reviewers want the tests
@@ -18,7 +18,8 @@ the last cycle:
    paired over the org's held-out tasks (the same tasks scored by both arms; normal interval); the greedy solve
    rates, (b)'s greedy rate on the org's convention kinds and on its general kinds apart, and (b)'s shared
    policy alone (the adapter's gain over the base it sits on);
-2. the gate's decisions per org over the run: promoted, refused, revalidated and retired.
+2. the gate's decisions per org over the run: promoted, refused (candidates and re-validations), revalidated,
+   rescaled (passed at a fraction of its effect) and retired.
 
 The verdict lines say whether each specialised org's (b) beats (a) (the interval above 0) and whether each other
 org stays within ``--tolerance`` of (a) (the point difference >= -tolerance). PNG: ``bench/per_org.png``: per
@@ -110,6 +111,11 @@ def main() -> None:
         choices=("all", "unadapted", "served"),
         help="adapters.shared_traffic; served: all, an adapted org's batches through the adapter that served them",
     )
+    ap.add_argument(
+        "--revalidate-scales",
+        default=",".join(f"{x:g}" for x in d.revalidate_scales),
+        help="adapters.revalidate_scales (comma-separated; '' = retire a refused re-validation at once)",
+    )
     ap.add_argument("--tolerance", type=float, default=0.03, help="largest P(solve) loss an other org may show")
     args = ap.parse_args()
     console = Console(width=220)  # wide tables stay readable when the output goes to a file
@@ -132,6 +138,7 @@ def main() -> None:
             adapter_updates=args.adapter_updates,
             adapter_targets=tuple(t for t in args.adapter_targets.split(",") if t),
             shared_traffic=args.shared_traffic,
+            revalidate_scales=tuple(float(x) for x in args.revalidate_scales.split(",") if x.strip()),
             seed=seed,
         )
 
@@ -166,7 +173,7 @@ def report(
         f"policy plus the specialised orgs' adapters; interval: {how}"
     )
     for col in ("org", "convention", "(a) P(solve)", "(b) served P(solve)", "(b) - (a) [95% CI]", "greedy (a) -> (b)",
-                "(b) greedy conv / general", "(b) base alone", "(b) served by", "gate: prom / ref / reval / retired"):  # fmt: skip
+                "(b) greedy conv / general", "(b) base alone", "(b) served by", "gate: prom / ref / reval / resc / retired"):  # fmt: skip
         table.add_column(
             col, justify="left" if col in ("org", "convention", "(b) served by") else "right", no_wrap=True
         )
@@ -175,7 +182,7 @@ def report(
         a, b = _final(results["shared"], org), _final(results["adapters"], org)
         diff, lo, hi, _ = difference(a, b)
         conv = conventions.get(org)
-        counts = {k: 0 for k in ("promoted", "refused", "revalidated", "retired")}
+        counts = {k: 0 for k in ("rescaled", "promoted", "refused", "revalidated", "retired")}
         for rows in results["adapters"]:
             for r in rows:
                 if r.org == org:
@@ -193,7 +200,7 @@ def report(
             f"{_fmt(statistics.fmean(r.served_general for r in b))}",
             _fmt(statistics.fmean(r.shared_expected for r in b)),
             ", ".join(sorted({r.served_by for r in b})),
-            " / ".join(str(v) for v in counts.values()),
+            " / ".join(str(counts[k]) for k in ("promoted", "refused", "revalidated", "rescaled", "retired")),
         )
         if conv:
             ok = lo > 0

@@ -750,11 +750,19 @@ class AdapterSettings(Section):
         ge=0,
     )
     shared_traffic: Literal["all", "unadapted", "served"] = _s(
-        "all",
-        "what the shared policy trains on: all traffic (an adapted org's samples train its adapter and the shared "
-        "policy), only the orgs without an adapter (unadapted), or all traffic with each adapted org's samples "
-        "trained through the adapter version that served them, frozen (served: the importance ratio compares "
-        "with the real behaviour policy; the main job only, pp = 1)",
+        "served",
+        "what the shared policy trains on: all traffic with each adapted org's samples trained through the "
+        "adapter version that served them, frozen (served: the importance ratio compares with the real behaviour "
+        "policy, and the base is not pulled towards an org's own habit where its adapter follows it); all traffic "
+        "on the base alone (all: the global orgs lost about 0.03 of P(solve), bench/RESULTS.md); or only the orgs "
+        "without an adapter (unadapted)",
+    )
+    revalidate_scales: Annotated[list[float], NoDecode] = _s(
+        [0.5],
+        "when a serving adapter's re-validation on a new base is refused, the adapter is judged again with its "
+        "effect scaled by each of these in turn (its lora_B times the factor: the base may have learnt part of "
+        "what the adapter does) and the first that passes serves, as a new version; empty = retire it at once "
+        "(comma-separated in the environment)",
     )
     rank: int = _s(8, "LoRA rank r of every adapter", gt=0, le=1024)
     alpha: float = _s(16.0, "LoRA alpha: the adapter's update is scaled by alpha / rank", gt=0)
@@ -788,11 +796,21 @@ class AdapterSettings(Section):
     )
     max_loaded: int = _s(64, "adapters the policy server holds in memory at once (least recently used leave)", gt=0)
 
-    @field_validator("orgs", "targets", mode="before")
+    @field_validator("orgs", "targets", "revalidate_scales", mode="before")
     @classmethod
     def _split(cls, v: Any) -> Any:
         if isinstance(v, str):
             v = [x.strip() for x in v.split(",") if x.strip()]
+        return v
+
+    @field_validator("revalidate_scales")
+    @classmethod
+    def _scales(cls, v: list[float]) -> list[float]:
+        bad = [x for x in v if not 0 < x < 1]
+        if bad:
+            raise ValueError(
+                f"holds {bad}: each factor must lie between 0 and 1 (exclusive); fix: e.g. 0.5 or 0.75,0.5"
+            )
         return v
 
     @field_validator("targets")

@@ -122,6 +122,34 @@ def test_config_defaults_and_scale():
 # --------------------------------------------------------------------------- forward
 
 
+def test_scaling_an_adapter_scales_its_term_and_touches_nothing_else(tiny):
+    """``lora.scale_adapter`` (a refused re-validation's second try, app.adapters): every lora_B of that adapter
+    times the factor, lora_A and the other adapters unchanged; on the output layer alone the logits' change from
+    the base scales exactly by the factor (its term is linear in B and the last layer's input does not move), and
+    a factor of 0 gives the base."""
+    cfg, model = tiny
+    base = logits(model, cfg.vocab_size)
+    lora.add_adapter(model, "org-a", lora.LoraConfig(rank=4, targets=("output_layer",)), seed=1)
+    lora.add_adapter(model, "org-b", lora.LoraConfig(rank=4), seed=2)
+    randomize_b(model, "org-a")
+    randomize_b(model, "org-b", seed=6)
+    before_a, before_b = lora.adapter_state_dict(model, "org-a"), lora.adapter_state_dict(model, "org-b")
+    with lora.activate(model, "org-a"):
+        full = logits(model, cfg.vocab_size) - base
+    lora.scale_adapter(model, "org-a", 0.5)
+    after_a = lora.adapter_state_dict(model, "org-a")
+    assert all(torch.equal(after_a[k], v * 0.5 if k.endswith("lora_B") else v) for k, v in before_a.items())
+    assert all(torch.equal(v, before_b[k]) for k, v in lora.adapter_state_dict(model, "org-b").items())
+    with lora.activate(model, "org-a"):
+        half = logits(model, cfg.vocab_size) - base
+    assert full.abs().max() > 1e-3 and torch.allclose(half, 0.5 * full, atol=1e-6)
+    lora.scale_adapter(model, "org-a", 0.0)
+    with lora.activate(model, "org-a"):
+        assert torch.equal(logits(model, cfg.vocab_size), base)
+    with pytest.raises(KeyError, match="no adapter 'nope'"):
+        lora.scale_adapter(model, "nope", 0.5)
+
+
 def test_zero_adapter_leaves_logits_unchanged_and_nonzero_changes_them(tiny):
     cfg, model = tiny
     base = logits(model, cfg.vocab_size)

@@ -13,9 +13,10 @@ Contract, on a short seeded run of both arms from the same warm start and traffi
 * until the first adapter serves, the arms are one computation: after cycle 1 (whose traffic no adapter served)
   the shared policies of (a) and (b) score the same on every org's tasks.
 
-The first two points are the experiment's claim. On the bench's defaults (16 cycles) three of its four verdicts
-hold over 3 seeds, and on this 3-cycle run the claim does not hold yet (bench/RESULTS.md, "Per-org adapters"): that
-test is a strict expected failure, so the day it passes it must be turned into a plain one.
+The first two points are the experiment's claim. On the bench's defaults (16 cycles) all four of its verdicts
+hold over 3 seeds (bench/RESULTS.md, "Per-org adapters", ninth round); on this 3-cycle run an adapter has not
+pulled ahead of the shared policy yet, so that test is a strict expected failure here: the day it passes it must
+be turned into a plain one.
 """
 
 from __future__ import annotations
@@ -47,10 +48,9 @@ def results() -> dict[str, list[OrgRow]]:
 @pytest.mark.slow
 @pytest.mark.xfail(
     strict=True,
-    reason="not yet: the adapters learn their org's habit (16 cycles, 3 seeds: +0.090 and +0.108, every seed above "
-    "0), but org-2's interval over seeds still reaches below 0 and the global orgs lose -0.034 and -0.029, at the "
-    "0.03 tolerance; on this 3-cycle run the claim does not hold yet; bench/RESULTS.md (Per-org adapters, eighth "
-    "round). Strict: a change that makes it pass must say so here",
+    reason="too short: on the bench's 16 cycles the claim holds over 3 seeds (+0.180 and +0.184, the global orgs "
+    "+0.006 and +0.011; bench/RESULTS.md, Per-org adapters, ninth round), but after these 3 cycles org-2's adapter "
+    "has not pulled ahead of the shared policy yet. Strict: a change that makes it pass must say so here",
 )
 def test_specialised_orgs_gain_with_their_adapters_and_the_others_do_not_regress(results):
     shared, adapters = results["shared"], results["adapters"]

@@ -447,6 +447,15 @@ def adapter_parameters(model: nn.Module, name: str) -> list[nn.Parameter]:
     return [p for _, pair in _pairs(model, name) for p in (pair.lora_A, pair.lora_B)]
 
 
+def scale_adapter(model: nn.Module, name: str, factor: float) -> None:
+    """Multiply adapter ``name``'s effect by ``factor``: every ``lora_B`` (this rank's shards) in place, so each
+    targeted linear's adapter term ``B A x * alpha / r`` becomes ``factor`` times what it was (exactly: the term
+    is linear in B). Not collective."""
+    with torch.no_grad():
+        for _, pair in _pairs(model, name):
+            pair.lora_B.mul_(factor)
+
+
 def train_only(model: nn.Module, name: str) -> list[nn.Parameter]:
     """Freeze everything but adapter ``name``: ``requires_grad = False`` on every base parameter and every other
     adapter's, True on this one's, which are returned (:func:`adapter_parameters`). Does not activate it."""
