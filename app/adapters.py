@@ -89,10 +89,11 @@ class ServedThrough:
     a micro-batch, the name of the one that served it (``train(served_by=...)``; None: the base alone).
 
     Names are stable per weights (``served-`` and a hash of the version's path): a re-validated version shares its
-    parent's. A micro-batch whose samples several versions served is refused (ConfigError): the batch flow splits
-    them under this setting (:func:`flows.adapters.split_by_adapter_version`), so one comes only from a flow run
-    with another ``shared_traffic``. A version the ledger does not hold (or no longer loads: older than the lag
-    window, so its samples are masked as stale) trains through the base alone, with a warning."""
+    parent's. The batch flow splits a micro-batch whose samples several versions served under this setting
+    (:func:`flows.adapters.split_by_adapter_version`), but only for the orgs it routes to adapters: one of another
+    org (dropped from ``adapters.orgs``, or under ``adapters.min_samples``), or from a producer of its own, trains
+    through the base alone, with a warning, as does a version the ledger does not hold (or no longer loads: older
+    than the lag window, so its samples are masked as stale). Bad data never stops the trainer."""
 
     def __init__(self, model: Any):
         self.model = model
@@ -125,15 +126,25 @@ class ServedThrough:
             return None
         versions = sorted(set(batch.adapter_versions.tolist()))
         if len(versions) > 1:
-            raise ConfigError(
-                f"micro-batch {batch.batch_id} holds samples that several adapter versions of org "
-                f"{batch.served_org!r} served ({', '.join(f'a{v}' for v in versions)}; a0 = the base alone): "
-                "adapters.shared_traffic = 'served' trains each through the one that served it; fix: run the batch "
-                "flow with adapters.shared_traffic = 'served' too (it splits such batches per version)"
-            )
+            # the batch flow splits such batches for adapted orgs; an org whose batches it does not route (dropped
+            # from adapters.orgs, under min_samples) or a producer of its own may still send one: never stop on data
+            key = (batch.served_org, -1)
+            if key not in self._warned and len(self._warned) < 1000:
+                self._warned.add(key)
+                log.warning(
+                    "micro-batch %s holds samples that several adapter versions of org %r served (%s; a0 = the base "
+                    "alone): trained through the base alone (the batch flow splits such batches per version for "
+                    "the orgs it routes to adapters)",
+                    batch.batch_id,
+                    batch.served_org,
+                    ", ".join(f"a{v}" for v in versions),
+                )
+            return None
+        if versions[0] == 0:
+            return None
         key = (batch.served_org, versions[0])
         name = self.names.get(key)
-        if name is None and key not in self._warned:
+        if name is None and key not in self._warned and len(self._warned) < 1000:
             self._warned.add(key)
             log.warning(
                 "org %s adapter a%d served samples of micro-batch %s but is not loaded (not in the ledger, or older "
@@ -350,7 +361,21 @@ class OrgAdapters:
         for old in self.ledger.stale(self.base_version):
             base, _ = self._scores(old.org, None)  # what serves the org now: the new base alone
             factors = [1.0, *self.settings.adapters.revalidate_scales]
+            # tries already decided on this base (a restart after a kill mid-way): not judged again
+            tried = sum(
+                1
+                for v in self.ledger.versions.get(old.org, {}).values()
+                if v.parent == old.version and v.base_version == self.base_version and v.status == "rejected"
+            )
+            if tried >= len(factors):  # every try refused, the retirement not yet recorded
+                gone = self.ledger.retire(old.org)
+                assert gone is not None
+                why = f"stale: every re-validation on base v{self.base_version} was refused"
+                self._announce([self._decision(gone, "rolled_back", why, gone.scores, [])])
+                continue
             for i, factor in enumerate(factors):
+                if i < tried:
+                    continue
                 name = self._put(old.org, old)
                 if factor == 1.0:
                     ev, verdict = self._judge(old.org, name, base, [])

@@ -440,7 +440,9 @@ def run_arm(
     }
     adapters = _Adapters(model, s, exp, conventions) if arm == "adapters" else None
 
-    base_opt = _adamw(model.parameters(), s) if exp.keep_optimizer else None  # after the adapters: all params
+    # the base's parameters only (what trainer.train.train trains in a run of the shared policy)
+    lora_ids = {id(p) for name in lora.adapter_names(model) for p in lora.adapter_parameters(model, name)}
+    base_opt = _adamw([p for p in model.parameters() if id(p) not in lora_ids], s) if exp.keep_optimizer else None
     loop = InProcessLoop(s, "per-org", exp.seed, exp.group_size, exp.rate, exp.cycle_minutes)
     rows: list[OrgRow] = []
     org_of: dict[str, str] = {}  # each trajectory's org (what the adapters' train_metrics are checked against)

@@ -443,7 +443,11 @@ class Transcript:
         adapter_version: int = 0,
     ) -> Rollout:
         """The rollout of this transcript; ``adapter_version``: the org's adapter version that sampled it over
-        ``policy_version`` (0: the shared policy alone)."""
+        ``policy_version`` (0: the shared policy alone). A fleet that serves org adapters must pass it: the model
+        name a request went to, ``<serving.model>-<org>-a<N>``, carries N. Left at 0 for an adapter-served
+        sample, the trainers take the base alone for its behaviour policy: its org's adapter then trains on it on
+        the delayed path (truncated importance weights; not at all with ``train.max_delayed_lag`` 0), and the
+        shared policy trains it on the base alone."""
         return Rollout(
             trajectory_id=trajectory_id,
             policy_version=policy_version,

@@ -11,13 +11,13 @@ goes to the shared policy's stream, ``<prefix>batches``, unchanged. The batches 
 * from then on each batch goes to the org's adapter stream, ``<prefix>adapter-batches`` (``adapter=org``, its
   own ``batch_id``; keyed by org, so one org's batches stay in order on one partition), and
 
-  - with ``adapters.shared_traffic = "all"`` (the default) also a copy to the shared stream (``adapter=""``,
+  - with ``adapters.shared_traffic = "all"`` also a copy to the shared stream (``adapter=""``,
     ``batch_id`` :func:`shared_copy_id` of the original): **the shared policy trains on all traffic**, so what
     every org has in common keeps improving the base the adapters sit on, and an org that loses its adapter
     falls back to a base that has seen its traffic;
   - with ``"unadapted"`` nothing goes to the shared stream: the shared policy trains only on the orgs without an
     adapter (an adapted org's convention cannot pull the base away from everyone else's).
-  - with ``"served"`` the shared stream gets the copies as with ``"all"``, and the main job's shared-policy
+  - with ``"served"`` (the default) the shared stream gets the copies as with ``"all"``, and the main job's shared-policy
     trainer trains each through the adapter version that served its samples (``MicroBatch.adapter_versions``,
     frozen), so its importance ratio compares against the real behaviour policy: a batch whose samples several
     adapter versions served (the org's adapter changed while its cohort filled) is **split** into one copy per

@@ -13,7 +13,8 @@ Steps (stable step ids key the recovery state):
                 is snapshotted with the input offsets
 ``route_adapters``  per org ``adapters.wants``: its batches to the shared stream until it passed
                 ``adapters.min_samples`` samples, then to its adapter stream (and, with
-                ``adapters.shared_traffic = all``, a copy to the shared one): :mod:`flows.adapters`; its state
+                ``adapters.shared_traffic`` served or all, a copy to the shared one, under served split per
+                serving adapter version): :mod:`flows.adapters`; its state
                 is one sample counter per org
 ``kafka``       micro-batches (Arrow IPC): the shared policy's on ``rtrl.batches`` (key ``batch_id``), the org
                 adapters' on ``rtrl.adapter-batches`` (key the org); and dead letters

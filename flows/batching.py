@@ -160,9 +160,13 @@ def pack(samples: list[Sample], seq_len: int, created_at: int, reward_version: s
         blp.append(b + [0.0] * pad)
         seg.append(g + [-1] * pad)
     ids = [s.rollout.trajectory_id for s in samples]
-    served_orgs = {s.rollout.org_id for s in samples if s.rollout.adapter_version}
-    if len(served_orgs) > 1:  # adapter versions count per org: one batch names one org's
-        raise ValueError(f"samples that adapters of several orgs served ({sorted(served_orgs)}) in one micro-batch")
+    # adapter versions count per org, so a batch names one org's (a cohort is one org's; cohort keys that collide,
+    # org "a/b" kind "c" and org "a" kind "b/c", could mix two): another org's adapter-served samples keep no
+    # version and train on the delayed path (truncated importance weights), never as the base alone's samples
+    served_orgs = sorted({s.rollout.org_id for s in samples if s.rollout.adapter_version})
+    org = served_orgs[0] if served_orgs else ""
+    versions = [s.rollout.adapter_version if s.rollout.org_id == org else 0 for s in samples]
+    delayed = [s.delayed or (s.rollout.adapter_version != 0 and s.rollout.org_id != org) for s in samples]
     digest = hashlib.sha1("\n".join(ids + ([f"reward:{reward_version}"] if reward_version else [])).encode())
     batch_id = digest.hexdigest()[:32]
     return MicroBatch(
@@ -177,11 +181,9 @@ def pack(samples: list[Sample], seq_len: int, created_at: int, reward_version: s
         sample_ids=ids,
         policy_versions=[s.rollout.policy_version for s in samples],
         reward_version=reward_version,
-        delayed=[s.delayed for s in samples] if any(s.delayed for s in samples) else [],
-        adapter_versions=[s.rollout.adapter_version for s in samples]
-        if any(s.rollout.adapter_version for s in samples)
-        else [],
-        served_org=served_orgs.pop() if served_orgs else "",
+        delayed=delayed if any(delayed) else [],
+        adapter_versions=versions if any(versions) else [],
+        served_org=org,
     )
 
 

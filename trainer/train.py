@@ -292,8 +292,9 @@ def train(
     if cfg.adapter:
         params = lora.train_only(model, cfg.adapter)
         restore = lora.activate(model, cfg.adapter)  # undone on return
-    else:
-        params, restore = list(model.parameters()), None
+    else:  # the base: adapters on the model (frozen, ``served_by``'s) are neither trained nor checkpointed with it
+        adapters = {id(p) for name in lora.adapter_names(model) for p in lora.adapter_parameters(model, name)}
+        params, restore = [p for p in model.parameters() if id(p) not in adapters], None
     if optimizer is not None:
         given = {id(p) for group in optimizer.param_groups for p in group["params"]}
         if given != {id(p) for p in params}:
