@@ -89,11 +89,11 @@ class ServedThrough:
     a micro-batch, the name of the one that served it (``train(served_by=...)``; None: the base alone).
 
     Names are stable per weights (``served-`` and a hash of the version's path): a re-validated version shares its
-    parent's. The batch flow splits a micro-batch whose samples several versions served under this setting
-    (:func:`flows.adapters.split_by_adapter_version`), but only for the orgs it routes to adapters: one of another
-    org (dropped from ``adapters.orgs``, or under ``adapters.min_samples``), or from a producer of its own, trains
-    through the base alone, with a warning, as does a version the ledger does not hold (or no longer loads: older
-    than the lag window, so its samples are masked as stale). Bad data never stops the trainer."""
+    parent's. The batch flow splits a micro-batch whose samples several versions served under this setting, for
+    every org (:func:`flows.adapters.split_by_adapter_version`, :func:`flows.adapters.split_mixed`); one from a
+    producer of its own that does not trains through the base alone, with a warning, as does a version the ledger
+    does not hold (or no longer loads: older than the lag window, so its samples are masked as stale). Bad data
+    never stops the trainer."""
 
     def __init__(self, model: Any):
         self.model = model
@@ -126,15 +126,14 @@ class ServedThrough:
             return None
         versions = sorted(set(batch.adapter_versions.tolist()))
         if len(versions) > 1:
-            # the batch flow splits such batches for adapted orgs; an org whose batches it does not route (dropped
-            # from adapters.orgs, under min_samples) or a producer of its own may still send one: never stop on data
+            # the batch flow splits such batches (every org's); a producer of its own may still send one: never
+            # stop on data
             key = (batch.served_org, -1)
             if key not in self._warned and len(self._warned) < 1000:
                 self._warned.add(key)
                 log.warning(
                     "micro-batch %s holds samples that several adapter versions of org %r served (%s; a0 = the base "
-                    "alone): trained through the base alone (the batch flow splits such batches per version for "
-                    "the orgs it routes to adapters)",
+                    "alone): trained through the base alone (the batch flow splits such batches per version)",
                     batch.batch_id,
                     batch.served_org,
                     ", ".join(f"a{v}" for v in versions),
@@ -368,22 +367,20 @@ class OrgAdapters:
                 if v.parent == old.version and v.base_version == self.base_version and v.status == "rejected"
             )
             if tried >= len(factors):  # every try refused, the retirement not yet recorded
-                gone = self.ledger.retire(old.org)
-                assert gone is not None
                 why = f"stale: every re-validation on base v{self.base_version} was refused"
-                self._announce([self._decision(gone, "rolled_back", why, gone.scores, [])])
+                self._announce([self._retire(old.org, why)])
                 continue
             for i, factor in enumerate(factors):
                 if i < tried:
                     continue
                 name = self._put(old.org, old)
+                if factor != 1.0:
+                    lora.scale_adapter(self.model, name, factor)
+                ev, verdict = self._judge(old.org, name, base, [])
                 if factor == 1.0:
-                    ev, verdict = self._judge(old.org, name, base, [])
                     v = self.ledger.revalidate(old, self.base_version)
                     what = "re-validated"
                 else:
-                    lora.scale_adapter(self.model, name, factor)
-                    ev, verdict = self._judge(old.org, name, base, [])
                     version = self.ledger.next_version(old.org)
                     folder = self.root / old.org / f"a{version}"
                     path = lora.save_adapter(folder, self.model, name, 0, f"v{self.base_version}")
@@ -396,13 +393,11 @@ class OrgAdapters:
                     if i + 1 < len(factors):
                         reason += f"; next: {factors[i + 1]:g} times its effect"
                     else:
-                        gone = self.ledger.retire(old.org)
-                        assert gone is not None
                         why = (
                             f"stale: its re-validation on base v{self.base_version} (a{v.version}) was refused; the "
                             f"base alone serves {old.org} until its adapter retrains"
                         )
-                        also.append(self._decision(gone, "rolled_back", why, gone.scores, []))
+                        also.append(self._retire(old.org, why))
                 decision = self._decide(v, ev, Decision(verdict.promote, reason, verdict.problems), [], also)
                 out.append(
                     AdapterDecision(v.org, v.version, v.base_version, decision.status, reason, revalidation=True)
@@ -410,6 +405,12 @@ class OrgAdapters:
                 if verdict.promote:
                     break
         return out
+
+    def _retire(self, org: str, why: str) -> Checkpoint:
+        """Retire ``org``'s serving adapter in the ledger (the base alone serves it); its roll-back, to announce."""
+        gone = self.ledger.retire(org)
+        assert gone is not None
+        return self._decision(gone, "rolled_back", why, gone.scores, [])
 
     def _read(self) -> dict[str, list[Batch]]:
         """The adapter stream's new micro-batches by org (everything there is now)."""

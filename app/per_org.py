@@ -17,8 +17,9 @@ same warm start:
   the main job does (:mod:`app.adapters`), the shared policy trains and is promoted first; every serving adapter
   is judged again on the new base against the new base alone (``AdapterLedger.revalidate``: it keeps serving;
   else at ``adapters.revalidate_scales`` of its effect, "rescaled"; else it is retired); then the org's adapter
-  trains on the cycle's adapter stream (:class:`trainer.train.TrainConfig` ``adapter=org``: the base frozen, the KL reference the base alone) on that new base, continuing from the
-  weights of its last promoted version (a refused candidate is dropped: its noise would otherwise accumulate).
+  trains on the cycle's adapter stream (:class:`trainer.train.TrainConfig` ``adapter=org``: the base frozen, the
+  KL reference the base alone) on that new base, continuing from the weights of its last promoted version (a
+  refused candidate is dropped: its noise would otherwise accumulate).
   A retired org keeps those weights too, while the base alone serves it: its samples then come from another
   policy than the adapter that trains on them, so they take the trainer's delayed path (``MicroBatch.delayed``:
   truncated importance weights, no PPO clip, :mod:`trainer.loss`). Under the clip, every convention task's
@@ -243,9 +244,9 @@ def _serving_slot(org: str) -> str:
 
 def _train_base_only(model: torch.nn.Module) -> None:
     """Make the base trainable again and every adapter frozen (an adapter's run froze the base)."""
-    frozen = {id(p) for name in lora.adapter_names(model) for p in lora.adapter_parameters(model, name)}
+    base = {id(p) for p in lora.base_parameters(model)}
     for p in model.parameters():
-        p.requires_grad_(id(p) not in frozen)
+        p.requires_grad_(id(p) in base)
 
 
 def _adamw(params: Iterable[torch.nn.Parameter], s: Settings) -> torch.optim.AdamW:
@@ -386,8 +387,8 @@ class _Adapters:
             said = []
             for factor in [1.0, *self.s.adapters.revalidate_scales]:
                 if factor != 1.0:
-                    scaled = {k: v * factor if k.endswith("lora_B") else v for k, v in kept.items()}
-                    lora.load_adapter_state_dict(self.model, slot, scaled)
+                    lora.load_adapter_state_dict(self.model, slot, kept)
+                    lora.scale_adapter(self.model, slot, factor)
                     self.weights[old.org] += 1  # other serving weights: the cached scores are not theirs
                 new = self.ledger.revalidate(old, version)
                 d = self.decide(old.org, "serving", "base", version, [])
@@ -441,8 +442,7 @@ def run_arm(
     adapters = _Adapters(model, s, exp, conventions) if arm == "adapters" else None
 
     # the base's parameters only (what trainer.train.train trains in a run of the shared policy)
-    lora_ids = {id(p) for name in lora.adapter_names(model) for p in lora.adapter_parameters(model, name)}
-    base_opt = _adamw([p for p in model.parameters() if id(p) not in lora_ids], s) if exp.keep_optimizer else None
+    base_opt = _adamw(lora.base_parameters(model), s) if exp.keep_optimizer else None
     loop = InProcessLoop(s, "per-org", exp.seed, exp.group_size, exp.rate, exp.cycle_minutes)
     rows: list[OrgRow] = []
     org_of: dict[str, str] = {}  # each trajectory's org (what the adapters' train_metrics are checked against)

@@ -447,6 +447,13 @@ def adapter_parameters(model: nn.Module, name: str) -> list[nn.Parameter]:
     return [p for _, pair in _pairs(model, name) for p in (pair.lora_A, pair.lora_B)]
 
 
+def base_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """This rank's parameters of the base: the model's own, every adapter's left out (what the shared policy's
+    optimizer steps and its checkpoints hold)."""
+    adapters = {id(p) for name in adapter_names(model) for p in adapter_parameters(model, name)}
+    return [p for p in unwrap(model).parameters() if id(p) not in adapters]
+
+
 def scale_adapter(model: nn.Module, name: str, factor: float) -> None:
     """Multiply adapter ``name``'s effect by ``factor``: every ``lora_B`` (this rank's shards) in place, so each
     targeted linear's adapter term ``B A x * alpha / r`` becomes ``factor`` times what it was (exactly: the term
