@@ -22,7 +22,8 @@ goes to the shared policy's stream, ``<prefix>batches``, unchanged. The batches 
     frozen), so its importance ratio compares against the real behaviour policy: a batch whose samples several
     adapter versions served (the org's adapter changed while its cohort filled) is **split** into one copy per
     version (:func:`split_by_adapter_version`; the other versions' samples made padding, ids
-    :func:`shared_copy_id` of the original's id and the version).
+    :func:`shared_copy_id` of the original's id and the version). So is such a batch of an org the flow does not
+    route to an adapter (:func:`split_mixed`: not in ``adapters.orgs`` any more, or under ``min_samples``).
 
 An org's samples therefore only ever reach its own adapter. Every id is a function of the batch alone: a batch
 redelivered after a crash routes to the same ids, which the trainers' dedup (``batch_id``) drops. The router's
@@ -88,6 +89,17 @@ def split_by_adapter_version(batch: MicroBatch) -> list[MicroBatch]:
     return out
 
 
+def split_mixed(batch: MicroBatch) -> list[MicroBatch]:
+    """``batch`` as it is when one policy served all its samples; else its per-version copies
+    (:func:`split_by_adapter_version`). What the shared stream gets under ``shared_traffic = "served"`` from an org
+    the flow does not route to an adapter (not in ``adapters.orgs``, or under ``min_samples``): such an org may
+    still hold samples an adapter served (dropped from ``adapters.orgs`` while its adapter served; a restart that
+    lowered ``min_samples``), and the shared trainer trains a batch through one serving version only."""
+    if len(set(batch.adapter_versions or [0])) <= 1:
+        return [batch]
+    return split_by_adapter_version(batch)
+
+
 class OrgRouter:
     """One org's routing (see the module docstring): ``route`` a batch of the org's samples to the streams that
     train on it. ``reward_version``: only batches of this version count toward ``min_samples`` (empty: all)."""
@@ -122,7 +134,7 @@ class OrgRouter:
         if not self.reward_version or batch.reward_version == self.reward_version:
             self.samples += len(batch.sample_ids)
         if not adapted:
-            return [batch]
+            return split_mixed(batch) if self.shared_traffic == "served" else [batch]
         out = [msgspec.structs.replace(batch, adapter=self.org)]
         if self.shared_traffic == "all":
             out.append(msgspec.structs.replace(batch, batch_id=shared_copy_id(batch.batch_id), adapter=""))

@@ -47,7 +47,7 @@ from bytewax.inputs import Source
 from bytewax.operators import StatefulBatchLogic
 from bytewax.outputs import Sink
 
-from flows.adapters import OrgRouter
+from flows.adapters import OrgRouter, split_mixed
 from flows.batching import BatchBuilder, BatchConfig
 from flows.counts import FlowCounts, by_kind, dead_letters
 from flows.kafka_io import kafka_source, paused
@@ -346,6 +346,8 @@ def build_flow(
         batches, _, org = kv[1]
         if ad.wants(org):  # routed per org (route_adapters)
             return []
+        if ad.shared_traffic == "served":  # one serving version per shared batch (flows.adapters.split_mixed)
+            batches = [c for b in batches for c in split_mixed(b)]
         return [("kafka", [message(b, org) for b in batches])] if batches else []
 
     def adapter_orgs(kv: tuple[str, tuple[list[MicroBatch], BatchStats, str]]) -> list:

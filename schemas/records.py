@@ -525,6 +525,13 @@ class TrainStep(msgspec.Struct, **_STRICT):
     adapter: Annotated[
         MaybeLabel, doc("Organisation whose LoRA adapter the step trained; empty = the shared policy.")
     ] = ""
+    served_through_tokens: Annotated[
+        UInt64,
+        doc(
+            "Trained tokens of the shared policy's micro-batches trained through the frozen adapter version that "
+            "served them (adapters.shared_traffic = served); 0 for the others and for an adapter's step."
+        ),
+    ] = 0
 
 
 # ---------------------------------------------------------------- batch flow counters (table batch_stats)

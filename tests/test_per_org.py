@@ -538,7 +538,7 @@ def test_served_shared_traffic_splits_a_batch_per_serving_adapter_version():
     served into one shared copy per version: each trains only its version's samples (the others padding), has a
     stable id of its own, and names the org only when an adapter served it. A micro-batch names one org's adapter
     versions; another org's adapter-served samples in it (colliding cohort keys) take the delayed path."""
-    from flows.adapters import split_by_adapter_version
+    from flows.adapters import split_by_adapter_version, split_mixed
 
     def sample(tid: str, served: int, org: str = "o1", delayed: bool = False) -> Sample:
         r = msgspec.structs.replace(ro(tid, "g", org=org), adapter_version=served)
@@ -562,6 +562,11 @@ def test_served_shared_traffic_splits_a_batch_per_serving_adapter_version():
     one = pack([sample("e", 2), sample("f", 2)], 16, 1)
     served, everything = OrgRouter("o1", 0, "served").route(one), OrgRouter("o1", 0, "all").route(one)
     assert served == everything
+    # an org not routed to an adapter (under min_samples here; the flow does the same for one not in
+    # adapters.orgs): its mixed batch goes to the shared stream split too, one policy's as it is
+    assert OrgRouter("o1", 100, "served").route(mixed) == split_mixed(mixed) == split_by_adapter_version(mixed)
+    assert OrgRouter("o1", 100, "served").route(one) == split_mixed(one) == [one]
+    assert OrgRouter("o1", 100, "all").route(mixed) == [mixed]
     # two orgs' adapter-served samples in one batch (colliding cohort keys): the first org's keep their versions,
     # the other's train on the delayed path, never as the base alone's and never stopping the flow
     two = pack([sample("g", 1, "o2"), sample("h", 1, "o1"), sample("i", 0, "o2")], 16, 1)
@@ -680,10 +685,10 @@ def test_the_batch_flow_sends_a_wanted_orgs_batches_to_its_adapter_topic_after_i
     broker, topic_prefix, ch_dsn, ch_db, tmp_path
 ):
     """The real batch flow over TCP on the local broker: org ``a`` (wanted, threshold 6 samples) and org ``b``
-    (not wanted), two kinds each, singleton groups. Adapter batches are on ``adapter-batches`` only, keyed ``a``,
-    with ``adapter="a"`` and only a's samples, none before a's threshold; every a sample is trained by the shared
-    policy too (shared_traffic served, the default: the adapter batches' copies under derived ids, one policy
-    served each here), b's batches are as before."""
+    (not wanted, half its samples served by an adapter version), two kinds each, singleton groups. Adapter batches
+    are on ``adapter-batches`` only, keyed ``a``, with ``adapter="a"`` and only a's samples, none before a's
+    threshold; every a sample is trained by the shared policy too (shared_traffic served, the default: the adapter batches' copies under derived ids, one policy
+    served each here), b's batches are as before but split per serving policy."""
     from bytewax.testing import run_main
 
     from flows.batch_flow import build_flow, summary
@@ -698,7 +703,10 @@ def test_the_batch_flow_sends_a_wanted_orgs_batches_to_its_adapter_topic_after_i
     for org in ("a", "b"):
         for i in range(12):
             tid, kind = f"{org}-{i}", ("bugfix", "test")[i % 2]
-            rollouts.append(ro(tid, group=f"g{tid}", org=org, kind=kind, at=1000 + i))
+            r = ro(tid, group=f"g{tid}", org=org, kind=kind, at=1000 + i)
+            # b, not wanted, was served by an adapter version (dropped from adapters.orgs since) every other time
+            # in each cohort: each of its micro-batches holds one sample of each policy
+            rollouts.append(msgspec.structs.replace(r, adapter_version=1) if org == "b" and i % 4 < 2 else r)
             rewards.append(rw(tid, float(i % 3), at=1100 + i, org=org, kind=kind))
     rc, wc = JsonCodec(Rollout), JsonCodec(Reward)
     _produce(broker.bootstrap, topic_prefix + "rollouts", [(r.trajectory_id.encode(), rc.encode(r)) for r in rollouts])
@@ -729,6 +737,11 @@ def test_the_batch_flow_sends_a_wanted_orgs_batches_to_its_adapter_topic_after_i
     a_shared = [s for b in shared for s in b.sample_ids if s.startswith("a-")]
     b_shared = [s for b in shared for s in b.sample_ids if s.startswith("b-")]
     assert sorted(b_shared) == sorted(f"b-{i}" for i in range(12))  # not wanted: shared only, once
+    # one serving policy per shared batch (an unwanted org's mixed batches split too): b's a1 ones name it
+    assert all(len(set(b.adapter_versions or [0])) == 1 for b in shared)
+    b_served = {s for b in shared if b.adapter_versions for s in b.sample_ids}
+    assert b_served == {f"b-{i}" for i in range(12) if i % 4 < 2}
+    assert all(b.served_org == "b" for b in shared if b.adapter_versions and b.sample_ids[0].startswith("b-"))
     assert sorted(a_shared) == sorted(f"a-{i}" for i in range(12))  # all traffic trains the shared policy
     assert len(set(on_adapter)) == len(on_adapter) and 0 < len(on_adapter) <= 12 - 6
     # before the threshold a's batches went to the shared stream as they were; after it, as copies
@@ -975,9 +988,12 @@ def test_updates_per_step_reuse_a_step_and_the_base_can_train_through_the_servin
 
     adapter0 = lora.adapter_state_dict(start, "o1")
     through, reference = fresh()
-    train(
+    via = train(
         through, reference, lambda _: MemorySource(wire), tc, policy_version=1, resume=False, served_by=lambda b: "o1"
     )
+    # train_metrics says so: every trained token of these steps went through the serving adapter, none without it
+    assert [s.served_through_tokens for s in via] == [s.tokens for s in via] and all(s.tokens for s in via)
+    assert all(s.served_through_tokens == 0 for s in one)
     active, reference = fresh()
     with lora.activate(active, "o1"):
         train(active, reference, lambda _: MemorySource(wire), tc, policy_version=1, resume=False)
@@ -990,10 +1006,11 @@ def test_updates_per_step_reuse_a_step_and_the_base_can_train_through_the_servin
     # None from served_by: the base alone, whatever adapter the caller left active
     none, reference = fresh()
     with lora.activate(none, "o1"):
-        train(
+        plain = train(
             none, reference, lambda _: MemorySource(wire), tc, policy_version=1, resume=False, served_by=lambda b: None
         )
     assert all(torch.equal(v, base(alone)[k]) for k, v in base(none).items())
+    assert all(s.served_through_tokens == 0 for s in plain)
     with pytest.raises(ValueError, match="shared policy"):
         train(through, None, lambda _: MemorySource(wire), replace(tc, adapter="o1"), 1, served_by=lambda b: "o1")
     # with checkpoints (the trainer as a process of its own): the serving adapters on the model are not the
@@ -1068,6 +1085,7 @@ def test_the_experiment_rescales_a_refused_revalidation_before_it_retires_the_ad
     from app.loop import loop_model_config
     from app.per_org import Experiment, _Adapters, _serving_slot, _settings, arm_settings
     from evalgate.gate import Decision
+    from tests.test_adapters import randomize_b
     from trainer import lora
     from trainer.model import build_model, init_parallel
 
@@ -1079,12 +1097,8 @@ def test_the_experiment_rescales_a_refused_revalidation_before_it_retires_the_ad
     torch.manual_seed(0)
     ad = _Adapters(build_model(cfg), s, exp, exp.conventions)
     org, slot = ad.orgs[0], _serving_slot(ad.orgs[0])
-    g = torch.Generator().manual_seed(3)
-    trained = {
-        k: 0.05 * torch.randn(v.shape, generator=g) if k.endswith("lora_B") else v
-        for k, v in lora.adapter_state_dict(ad.model, slot).items()
-    }
-    lora.load_adapter_state_dict(ad.model, slot, trained)
+    randomize_b(ad.model, slot, seed=3)
+    trained = lora.adapter_state_dict(ad.model, slot)
     lora.load_adapter_state_dict(ad.model, org, trained)
     v = ad.ledger.add(org, 1, "memory:test")
     ad.ledger.decide(org, v.version, True)
@@ -1140,6 +1154,7 @@ def test_the_main_job_rescales_a_refused_revalidation_saves_it_and_announces_eve
     from evalgate.gate import Decision
     from rtrl.settings import load_settings
     from simulator.tasks import conventions_for
+    from tests.test_adapters import randomize_b
     from trainer import lora
 
     s = loop_settings(
@@ -1160,12 +1175,8 @@ def test_the_main_job_rescales_a_refused_revalidation_saves_it_and_announces_eve
     )  # fmt: skip
     ad.base_version = 1
     lora.add_adapter(ad.model, "org-2", ad.lora, seed=0)
-    g = torch.Generator().manual_seed(3)
-    trained = {
-        k: 0.05 * torch.randn(v.shape, generator=g) if k.endswith("lora_B") else v
-        for k, v in lora.adapter_state_dict(ad.model, "org-2").items()
-    }
-    lora.load_adapter_state_dict(ad.model, "org-2", trained)
+    randomize_b(ad.model, "org-2", seed=3)
+    trained = lora.adapter_state_dict(ad.model, "org-2")
     path = lora.save_adapter(tmp_path / "adapters" / "org-2" / "a1", ad.model, "org-2", 1, "v1")
     v1 = ad.ledger.add("org-2", 1, str(path))
     ad.ledger.decide("org-2", v1.version, True)

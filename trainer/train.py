@@ -293,8 +293,7 @@ def train(
         params = lora.train_only(model, cfg.adapter)
         restore = lora.activate(model, cfg.adapter)  # undone on return
     else:  # the base: adapters on the model (frozen, ``served_by``'s) are neither trained nor checkpointed with it
-        adapters = {id(p) for name in lora.adapter_names(model) for p in lora.adapter_parameters(model, name)}
-        params, restore = [p for p in model.parameters() if id(p) not in adapters], None
+        params, restore = lora.base_parameters(model), None
     if optimizer is not None:
         given = {id(p) for group in optimizer.param_groups for p in group["params"]}
         if given != {id(p) for p in params}:
@@ -440,6 +439,7 @@ def _train(
             at=time.time_ns() // 1_000_000,
             reward_version=cfg.reward_version,
             adapter=cfg.adapter,
+            served_through_tokens=int(sums["served_tok"]),
         )
         steps.append(record)
         if on_step:
@@ -486,6 +486,7 @@ def _update_once(
         "dtrunc_tok": 0.0,
         "dlag_sum": 0,
         "dlag_tok": 0,
+        "served_tok": 0,
     }
     lag_hist: dict[str, int] = {}
     delayed_hist: dict[str, int] = {}
@@ -505,6 +506,8 @@ def _update_once(
             out.loss.backward()
             _add_metrics(sums, out)
             _count_lags(lag_hist, delayed_hist, sums, p)
+            if through is not None and through[i] is not None:
+                sums["served_tok"] += out.tokens
     else:
         for out in pipeline_step(model, reference, prepared, norm, cfg.loss):  # outputs on the last stage only
             _add_metrics(sums, out)
@@ -525,7 +528,8 @@ def _update_once(
     (mm_max,) = dp.max(pipe.from_last_stage([sums["mm_max"]]))  # a max: MAX over the replicas, not SUM
     sums = dict(zip(keys, totals))
     sums["mm_max"] = mm_max
-    sums["tokens"], sums["on"], sums["delayed"] = int(sums["tokens"]), int(sums["on"]), int(sums["delayed"])
+    for k in ("tokens", "on", "delayed", "served_tok"):
+        sums[k] = int(sums[k])
     lag_hist, delayed_hist = dp.merge_counts(lag_hist), dp.merge_counts(delayed_hist)
     opt.step()
     return sums, lag_hist, delayed_hist, grad_norm
