@@ -5,12 +5,14 @@ rollback: test_make_demo in tests/test_readme_commands.py; the gate's pure decis
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
 from tests.test_cli import _run
+from tests.test_readme_commands import _decisions, _flat, _out, doc_command, sh
 
 pytestmark = pytest.mark.slow  # whole main-job runs (minutes)
 
@@ -74,16 +76,21 @@ def _dump(data_dir) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _loop(tmp_path, reward_version: str, cycles: int, **settings: str) -> list:
+def _loop_env(tmp_path, cycles: int, **settings: str) -> dict[str, str]:
     env = {
         "RTRL_DATA_DIR": str(tmp_path),
         "RTRL_LOOP__CYCLES": str(cycles),
         "RTRL_LOOP__SAMPLES_PER_CYCLE": "2048",
-        "RTRL_REWARDS__TRAIN_VERSION": reward_version,
-        "RTRL_REWARDS__VERSIONS": "v2,v1-discard-broken",
         "RTRL_LOOP__FINAL_AB_TRAJECTORIES": "0",
     }
-    env |= {f"RTRL_LOOP__{k.upper()}": v for k, v in settings.items()}
+    return env | {f"RTRL_LOOP__{k.upper()}": v for k, v in settings.items()}
+
+
+def _loop(tmp_path, reward_version: str, cycles: int, **settings: str) -> list:
+    env = _loop_env(tmp_path, cycles, **settings) | {
+        "RTRL_REWARDS__TRAIN_VERSION": reward_version,
+        "RTRL_REWARDS__VERSIONS": "v2,v1-discard-broken",
+    }
     proc = _run(["run"], env, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return _dump(tmp_path)["checkpoints"]
@@ -104,7 +111,19 @@ def test_reward_hack_is_caught_with_the_buggy_reward_only(tmp_path):
     # rate: each of the 15 cohorts flushes its own micro-batches, so at the default 100 tasks/s a cycle's 2,048
     # samples came in ~140 mostly partial steps; at 400/s the micro-batches fill and the cycle takes ~40 steps
     world = {"group_size": "1", "warm_right_easy": "0.9", "rate": "400"}
-    v1 = _loop(tmp_path / "v1", "v1-discard-broken", cycles=2, **world)
+    # the v1 half is the README's reward-hack command as written (so it also checks that command: the flow computes
+    # v1-discard-broken, the trainer gets its micro-batches and each cycle ends in a decision after trained steps)
+    command = doc_command(r"RTRL_REWARDS__VERSIONS=\S+ RTRL_REWARDS__TRAIN_VERSION=v1-discard-broken make run")
+    run = sh(command, _loop_env(tmp_path / "v1", cycles=2, **world), timeout=1200)
+    assert run.returncode == 0, _out(run)
+    said = _flat(run.stdout)
+    assert "training on reward v1-discard-broken" in said and "Checkpoints (reward v1-discard-broken)" in said
+    assert "no micro-batch arrived" not in run.stdout
+    computed = re.search(r"rewards \(v2 ([\d,]+), v1-discard-broken ([\d,]+)\)", said)
+    assert computed and int(computed[2].replace(",", "")) > 0, _out(run)  # the flow computed the trained version
+    decisions = _decisions(run.stdout)
+    assert len(decisions) == 2 and all(d[3] > 0 for d in decisions), _out(run)
+    v1 = _dump(tmp_path / "v1")["checkpoints"]
     v2 = _loop(tmp_path / "v2", "v2", cycles=2, **world)
     for name, cps in (("v1", v1), ("v2", v2)):
         print(

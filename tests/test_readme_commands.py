@@ -124,7 +124,10 @@ RULES = (
     Rule(r"make demo", "test_make_demo"),
     Rule(r"make (setup|test|test-fast|lint|bench)", "test_make_targets"),
     Rule(r"make -n \S+", "test_make_targets"),
-    Rule(r"RTRL_REWARDS__VERSIONS=\S+ RTRL_REWARDS__TRAIN_VERSION=\S+ make run", "test_training_on_the_v1_reward"),
+    Rule(
+        r"RTRL_REWARDS__VERSIONS=\S+ RTRL_REWARDS__TRAIN_VERSION=\S+ make run",
+        "tests/test_loop.py::test_reward_hack_is_caught_with_the_buggy_reward_only",
+    ),
     Rule(r"RTRL_LOOP__PROCESSES=true (make|rtrl) run", "test_processes_mode_shortened"),
     Rule(r"make setup && \.venv/bin/rtrl model init \S+ --family \w+", "test_the_loop_on_a_hugging_face_model"),
     Rule(r"RTRL_MODEL__HF_PATH=\S+ make run", "test_the_loop_on_a_hugging_face_model"),
@@ -579,24 +582,6 @@ def test_make_run_shortened_then_keep_data_and_rollback(tmp_path):
     back = sh(f"rtrl rollback v{serving} --reason readme-test", {"RTRL_DATA_DIR": str(tmp_path)})
     assert back.returncode == 0, _out(back)
     assert "Traceback" not in back.stdout + back.stderr
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_training_on_the_v1_reward(tmp_path):
-    """The README's reward-hack command (one short cycle): the flow computes v1-discard-broken, so the
-    trainer gets micro-batches and the cycle ends in a decision after trained steps (not "no micro-batch
-    arrived")."""
-    command = doc_command(r"RTRL_REWARDS__VERSIONS=\S+ RTRL_REWARDS__TRAIN_VERSION=v1-discard-broken make run")
-    run = sh(command, _short_loop(tmp_path, cycles=1))
-    assert run.returncode == 0, _out(run)
-    assert "training on reward v1-discard-broken" in _flat(run.stdout)
-    decisions = _decisions(run.stdout)
-    assert len(decisions) == 1 and decisions[0][3] > 0, _out(run)
-    assert "no micro-batch arrived" not in run.stdout
-    computed = re.search(r"rewards \(v2 ([\d,]+), v1-discard-broken ([\d,]+)\)", _flat(run.stdout))
-    assert computed and int(computed[2].replace(",", "")) > 0, _out(run)  # the flow computed the trained version
-    assert "Checkpoints (reward v1-discard-broken)" in _flat(run.stdout)
 
 
 @pytest.mark.slow
