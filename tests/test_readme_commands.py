@@ -187,6 +187,10 @@ RULES = (
         "tests/test_docs_current.py::test_make_docs_writes_every_page_and_the_diagram",
     ),
     Rule(r"make docs", "tests/test_docs_current.py::test_make_docs_writes_every_page_and_the_diagram"),
+    Rule(
+        r"\.venv/bin/python bench/capacity\.py",
+        "tests/test_capacity.py::test_the_documented_worked_example_is_what_the_model_prints",
+    ),
     Rule(r"pip install -e '\.\[gpu\]'", "test_the_gpu_extra_is_declared"),
     Rule(
         r"(export RTRL_KAFKA__BOOTSTRAP=\$\(rtrl broker up\)|python examples/sdk_integration\.py( --sessions \d+)?)",
