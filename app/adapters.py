@@ -90,9 +90,9 @@ class ServedThrough:
 
     Names are stable per weights (``served-`` and a hash of the version's path): a re-validated version shares its
     parent's. The batch flow splits a micro-batch whose samples several versions served under this setting, for
-    every org (:func:`flows.adapters.split_by_adapter_version`, :func:`flows.adapters.split_mixed`); one from a
-    producer of its own that does not trains through the base alone, with a warning, as does a version the ledger
-    does not hold (or no longer loads: older than the lag window, so its samples are masked as stale). Bad data
+    every org (:func:`flows.adapters.split_by_adapter_version`, :func:`flows.adapters.unrouted`); a mixed batch
+    from a producer of its own trains through the base alone, with a warning, as does a version the ledger does
+    not hold (or no longer loads: older than the lag window, so its samples are masked as stale). Bad data
     never stops the trainer."""
 
     def __init__(self, model: Any):

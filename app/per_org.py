@@ -66,7 +66,7 @@ from app.inprocess import InProcessLoop, train_steps
 from app.loop import loop_model_config, loop_settings
 from client.sdk import Trajectory
 from evalgate.adapters import AdapterLedger, decide_adapter
-from flows.adapters import OrgRouter
+from flows.adapters import OrgRouter, unrouted
 from rtrl.settings import Settings, as_env, load_settings
 from schemas.records import MicroBatch, TrainStep
 from simulator.evalsuite import OrgHeldOutTasks
@@ -300,7 +300,10 @@ class _Adapters:
         shared: list[MicroBatch] = []
         adapter: dict[str, list[MicroBatch]] = {org: [] for org in self.orgs}
         for org, mb in made:
-            for out in self.routers[org].route(mb) if org in self.routers else [mb]:
+            routed = (
+                self.routers[org].route(mb) if org in self.routers else unrouted(mb, self.s.adapters.shared_traffic)
+            )
+            for out in routed:
                 if out.adapter and self.weights[out.adapter] and self.serving(out.adapter) is None:
                     out = msgspec.structs.replace(out, delayed=[True] * len(out.sample_ids))
                 (adapter[out.adapter] if out.adapter else shared).append(out)

@@ -138,9 +138,9 @@ def split_bytes(model: Any) -> tuple[int, int]:
     """(base parameter bytes, bytes of every adapter on the model summed)."""
     from trainer import lora
 
-    adapter_ids = {id(p) for name in lora.adapter_names(model) for p in lora.adapter_parameters(model, name)}
-    params = list(model.parameters())
-    return nbytes(p for p in params if id(p) not in adapter_ids), nbytes(p for p in params if id(p) in adapter_ids)
+    base = lora.base_parameters(model)
+    ids = {id(p) for p in base}
+    return nbytes(base), nbytes(p for p in model.parameters() if id(p) not in ids)
 
 
 # --------------------------------------------------------------------------- serving

@@ -2,12 +2,14 @@
 
 The batch flow packs micro-batches per cohort ``(org_id, task_kind)`` as before; every batch holds one org's
 samples. A batch of an org the ``adapters`` settings do not want (:meth:`rtrl.settings.AdapterSettings.wants`)
-goes to the shared policy's stream, ``<prefix>batches``, unchanged. The batches of a wanted org pass one
+goes to the shared policy's stream, ``<prefix>batches``, unchanged (under ``shared_traffic = "served"`` split
+per serving adapter version when several served it: :func:`unrouted`). The batches of a wanted org pass one
 :class:`OrgRouter` per org (a stateful step keyed by org in the flow) that counts the org's samples:
 
 * until the org has sent ``adapters.min_samples`` samples (counted over the batches routed before this one, of
   the trained reward version only: the other versions' batches carry the same samples again), its batches go to
-  the shared stream only, as they are (``adapter=""``): too little traffic to specialise on;
+  the shared stream only, as they are (``adapter=""``; split as above under "served"): too little traffic to
+  specialise on;
 * from then on each batch goes to the org's adapter stream, ``<prefix>adapter-batches`` (``adapter=org``, its
   own ``batch_id``; keyed by org, so one org's batches stay in order on one partition), and
 
@@ -89,6 +91,12 @@ def split_by_adapter_version(batch: MicroBatch) -> list[MicroBatch]:
     return out
 
 
+def unrouted(batch: MicroBatch, shared_traffic: SharedTraffic) -> list[MicroBatch]:
+    """What the shared stream gets for a batch of an org not routed to an adapter (not wanted, or under
+    ``min_samples``): the batch, split per serving version under ``"served"`` (:func:`split_mixed`)."""
+    return split_mixed(batch) if shared_traffic == "served" else [batch]
+
+
 def split_mixed(batch: MicroBatch) -> list[MicroBatch]:
     """``batch`` as it is when one policy served all its samples; else its per-version copies
     (:func:`split_by_adapter_version`). What the shared stream gets under ``shared_traffic = "served"`` from an org
@@ -134,7 +142,7 @@ class OrgRouter:
         if not self.reward_version or batch.reward_version == self.reward_version:
             self.samples += len(batch.sample_ids)
         if not adapted:
-            return split_mixed(batch) if self.shared_traffic == "served" else [batch]
+            return unrouted(batch, self.shared_traffic)
         out = [msgspec.structs.replace(batch, adapter=self.org)]
         if self.shared_traffic == "all":
             out.append(msgspec.structs.replace(batch, batch_id=shared_copy_id(batch.batch_id), adapter=""))

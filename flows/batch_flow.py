@@ -16,8 +16,9 @@ Steps (stable step ids key the recovery state):
                 ``adapters.shared_traffic`` served or all, a copy to the shared one, under served split per
                 serving adapter version): :mod:`flows.adapters`; its state
                 is one sample counter per org
-``kafka``       micro-batches (Arrow IPC): the shared policy's on ``rtrl.batches`` (key ``batch_id``), the org
-                adapters' on ``rtrl.adapter-batches`` (key the org); and dead letters
+``kafka``       micro-batches (Arrow IPC): the shared policy's on ``rtrl.batches`` (key ``batch_id``; an
+                unwanted org's split per serving adapter version under served), the org adapters' on
+                ``rtrl.adapter-batches`` (key the org); and dead letters
 ``clickhouse``  the cohort's running counters (``batch_stats``: unmatched, stale per lag, ...)
                 and the dead letters
 
@@ -47,7 +48,7 @@ from bytewax.inputs import Source
 from bytewax.operators import StatefulBatchLogic
 from bytewax.outputs import Sink
 
-from flows.adapters import OrgRouter, split_mixed
+from flows.adapters import OrgRouter, unrouted
 from flows.batching import BatchBuilder, BatchConfig
 from flows.counts import FlowCounts, by_kind, dead_letters
 from flows.kafka_io import kafka_source, paused
@@ -346,8 +347,7 @@ def build_flow(
         batches, _, org = kv[1]
         if ad.wants(org):  # routed per org (route_adapters)
             return []
-        if ad.shared_traffic == "served":  # one serving version per shared batch (flows.adapters.split_mixed)
-            batches = [c for b in batches for c in split_mixed(b)]
+        batches = [c for b in batches for c in unrouted(b, ad.shared_traffic)]  # served: one version a batch
         return [("kafka", [message(b, org) for b in batches])] if batches else []
 
     def adapter_orgs(kv: tuple[str, tuple[list[MicroBatch], BatchStats, str]]) -> list:

@@ -114,6 +114,8 @@ def test_reward_hack_is_caught_with_the_buggy_reward_only(tmp_path):
     # the v1 half is the README's reward-hack command as written (so it also checks that command: the flow computes
     # v1-discard-broken, the trainer gets its micro-batches and each cycle ends in a decision after trained steps)
     command = doc_command(r"RTRL_REWARDS__VERSIONS=\S+ RTRL_REWARDS__TRAIN_VERSION=v1-discard-broken make run")
+    # the same reward versions as the v2 half's (_loop), so only the trained reward differs between the halves
+    assert "RTRL_REWARDS__VERSIONS=v2,v1-discard-broken " in command
     run = sh(command, _loop_env(tmp_path / "v1", cycles=2, **world), timeout=1200)
     assert run.returncode == 0, _out(run)
     said = _flat(run.stdout)

@@ -576,6 +576,9 @@ def test_analyst_queries_run_and_say_what_they_answer(ch_client, ch_db):
     insert(ch_client, ch_db, "trajectories", v1 + v2 + final_ab)
     insert(ch_client, ch_db, "reward_versions", [v.record(T0) for v in BUILTIN.values()])
     insert(ch_client, ch_db, "train_metrics", [train_step("loop-0-v2", s, 0.01, 0.5) for s in (1, 2)])
+    # a later shared-policy step that trained some tokens through a serving adapter (shared_traffic = served)
+    served_step = msgspec.structs.replace(train_step("loop-0-v3", 1, 0.01, 0.5), served_through_tokens=60)
+    insert(ch_client, ch_db, "train_metrics", [served_step])
     adapter_step = msgspec.structs.replace(train_step("loop-0-org-1-a1", 1, 0.01, 0.5), adapter="org-1")
     insert(ch_client, ch_db, "train_metrics", [adapter_step])
     insert(

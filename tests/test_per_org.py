@@ -687,8 +687,9 @@ def test_the_batch_flow_sends_a_wanted_orgs_batches_to_its_adapter_topic_after_i
     """The real batch flow over TCP on the local broker: org ``a`` (wanted, threshold 6 samples) and org ``b``
     (not wanted, half its samples served by an adapter version), two kinds each, singleton groups. Adapter batches
     are on ``adapter-batches`` only, keyed ``a``, with ``adapter="a"`` and only a's samples, none before a's
-    threshold; every a sample is trained by the shared policy too (shared_traffic served, the default: the adapter batches' copies under derived ids, one policy
-    served each here), b's batches are as before but split per serving policy."""
+    threshold; every a sample is trained by the shared policy too (shared_traffic served, the default: the
+    adapter batches' copies under derived ids, one policy served each here), b's batches are as before but split
+    per serving policy."""
     from bytewax.testing import run_main
 
     from flows.batch_flow import build_flow, summary

@@ -34,6 +34,9 @@ two of five: 0.03 over all its tasks is about 0.08 on them)."""
 TOLERANCE = 0.03
 """The most P(solve) an org without a convention may lose in (b) against (a) (the eval gate's solve tolerance)."""
 
+# the module's fixture runs both arms, 16 cycles each: ~3 minutes on 2 idle cores, several times that if shared
+pytestmark = pytest.mark.timeout(900)
+
 EXP = Experiment(cycles=16, tasks_per_cycle=128, group_size=8, eval_tasks=100, seed=0)
 
 
