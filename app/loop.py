@@ -74,7 +74,7 @@ from monitors.alerts import MismatchRule
 from monitors.queries import ABRow, Side, cohort_users, live_ab, user_sums, users_of
 from monitors.stats import CohortMonitor, Sequential
 from rewards.versions import registry
-from rtrl import clickhouse
+from rtrl import clickhouse, metrics
 from rtrl.errors import ConfigError, ServiceUnavailable
 from rtrl.files import RUN_PARTS, check_cleanable, data_folder, private_dir, write_private
 from rtrl.kafka import producer_config, read_topic
@@ -912,6 +912,9 @@ def announce(settings: Settings, ch, producer: Producer, ck: Checkpoint) -> None
     producer.produce(settings.topic("deployments"), key=key.encode(), value=codec.encode(ck))
     if producer.flush(30):
         raise RuntimeError("deployment announcement not acknowledged")
+    metrics.GATE_DECISIONS.labels(status=ck.status, org=ck.org).inc()
+    if ck.status == "promoted" and not ck.org:
+        metrics.SERVING_VERSION.set(ck.version)
 
 
 def run_loop(settings: Settings, console: Console | None = None, resume: bool = False) -> list[dict]:
@@ -933,9 +936,12 @@ def run_loop(settings: Settings, console: Console | None = None, resume: bool = 
     torch.set_num_threads(1)  # the policy server, the flows and the broker share the cores
     t0 = time.monotonic()
     services = Services(settings)
+    endpoint = metrics.serve_part(settings, "run")  # one process: every part's metrics on one endpoint
+    endpoint.ready()
     try:  # the local broker stops whatever ends the run (Ctrl-C included)
         return _run_in_process(settings, services, console, resume, t0)
     finally:
+        endpoint.close()
         services.close()
 
 

@@ -33,6 +33,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from rtrl import metrics
 from rtrl.errors import ConfigError, RtrlError, ServiceUnavailable
 from rtrl.files import private_dir
 from rtrl.quiet import quiet_known_warnings
@@ -90,12 +91,18 @@ def run_flow(
     if name == "rewards":
         check_state_volume(settings)
     build = reward_flow.build_flow if name == "rewards" else batch_flow.build_flow
-    cli_main(
-        build(settings, bootstrap=bootstrap, stop=stop if stop is not None else stop_on_signals(), counts=counts),
-        workers_per_process=workers,
-        epoch_interval=timedelta(seconds=settings.flow.snapshot_s),
-        recovery_config=recovery_config(settings, name),
-    )
+    endpoint = metrics.serve_part(settings, f"flow-{name}")
+    try:
+        flow = build(settings, bootstrap=bootstrap, stop=stop if stop is not None else stop_on_signals(), counts=counts)
+        endpoint.ready()  # its broker and topics checked, its sinks configured: it reads from here on
+        cli_main(
+            flow,
+            workers_per_process=workers,
+            epoch_interval=timedelta(seconds=settings.flow.snapshot_s),
+            recovery_config=recovery_config(settings, name),
+        )
+    finally:
+        endpoint.close()
     seconds = time.monotonic() - t0
     if name == "rewards":
         return reward_flow.summary(counts, settings.rewards.versions, seconds)
@@ -127,12 +134,15 @@ def serve(settings: Settings, bootstrap: str) -> None:
     client = RtrlClient.from_settings(settings, bootstrap=bootstrap)
     # a restarted server must not replay its predecessor's tasks: seed from the seed and the process
     seed = settings.loop.seed * 1_000_003 + os.getpid() + time.time_ns() % 1_000_000
+    endpoint = metrics.serve_part(settings, "serve")
     server = policy_server(settings, bootstrap, client, seed)
+    endpoint.ready()
     try:
         serve_until(server, settings.loop, stop)
     finally:
         server.close()
         client.close()
+        endpoint.close()
 
 
 class PatientClickHouse:
@@ -192,8 +202,10 @@ def train(settings: Settings, bootstrap: str) -> None:
     from app.loop import Loop, Stopped
 
     torch.set_num_threads(1)
+    endpoint = metrics.serve_part(settings, "train")
     loop = Loop(settings, bootstrap, clickhouse_for_part(settings), serve=False)
     loop.stop = stop  # ends the trainer's waits and its cycle before the next step
+    endpoint.ready()
     try:
         if loop.resume():
             print(f"resumed: {loop.version} decisions made, serving v{loop.serving}", flush=True)
@@ -213,6 +225,7 @@ def train(settings: Settings, bootstrap: str) -> None:
         print(f"{e}: the step checkpoint holds what was trained; a restart resumes there", flush=True)
     finally:
         loop.close()
+        endpoint.close()
     if stop.is_set():
         print("stopped cleanly", flush=True)
 

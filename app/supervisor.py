@@ -176,9 +176,12 @@ class Supervisor:
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - the child holds it
         # each part in its own process group: a signal reaches the helpers it forks too (a checkpoint
         # writer killed with its trainer would otherwise be left behind, orphaned)
+        env = self.env
+        if self.settings.metrics.port:  # every part its own endpoint: metrics.port + the part's place in PARTS
+            env = env | {"RTRL_METRICS__PORT": str(self.settings.metrics.port + PARTS.index(name))}
         proc = subprocess.Popen(
             [sys.executable, "-m", "app.parts", name, *args],
-            env=self.env,
+            env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=Path(__file__).resolve().parent.parent,

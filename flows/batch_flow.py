@@ -57,6 +57,7 @@ from flows.reward_flow import window_config
 from flows.sinks import ClickHouseSink, KafkaSink
 from flows.wiring import injected, require_bootstrap
 from rewards.versions import registry
+from rtrl import metrics
 from rtrl.settings import Settings, load_settings
 from schemas.codec import Invalid, JsonCodec, dead_letter, encode_batch
 from schemas.records import BatchStats, DeadLetter, MicroBatch, Reward, Rollout
@@ -181,6 +182,7 @@ class _CohortLogic(StatefulBatchLogic):
         self.builders: dict[str, BatchBuilder] = {trained: self.bb, **state["others"]}
         self.quiet_since: datetime | None = None
         self.counted = _builder_totals(self.bb)  # a resumed cohort's totals so far belong to earlier runs
+        self.lags_seen: Counter[int] = Counter(self.bb.lag_counts)  # as counted, for the staleness metric
 
     def _out(self, batches: list[MicroBatch]) -> list:
         # what is counted (batch_stats, the summary) is the trained version's; other versions' batches go out too
@@ -194,6 +196,10 @@ class _CohortLogic(StatefulBatchLogic):
             tally["batches"], tally["sent"] = len(mine), sent
             self.counts.add(tally)
             self.counted = totals
+        lags = Counter(self.bb.lag_counts)
+        metrics.observe_lags({str(lag): n for lag, n in (lags - self.lags_seen).items()})
+        self.lags_seen = lags
+        metrics.BATCHES.inc(len(mine))
         stats = stats_row(self.state["cohort"], self.bb, self.state["samples"], self.state["batches"])
         return [(batches, stats, self.org)]
 
@@ -206,6 +212,7 @@ class _CohortLogic(StatefulBatchLogic):
         out: list[MicroBatch] = []
         if self.counts is not None:
             self.counts.add(Counter(f"read:{kind}" for kind, _ in values))
+        metrics.count_flow("batches", len(values), ())
         self.state["cohort"] = self.state["cohort"] or cohort_of(values[0][1].org_id, values[0][1].task_kind)
         self.state["org"] = self.state.get("org") or values[0][1].org_id
         for kind, rec in values:
@@ -374,6 +381,7 @@ def build_flow(
         d = kv[1]
         if counts is not None:
             counts.add({f"dead:{d.kind}": 1, f"read:{'rollout' if d.source == rollouts_topic else 'reward'}": 1})
+        metrics.count_flow("batches", 1, (d.kind,))
         return [("kafka", [(dl_topic, d.source.encode(), dl_codec.encode(d))])]
 
     op.output(

@@ -38,6 +38,7 @@ from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 from confluent_kafka import KafkaError as ConfluentKafkaError
 
 from flows.processor import Message
+from rtrl import metrics
 from rtrl.kafka import check_broker
 
 #: Bytewax sources need ~1000 messages per poll for throughput (the default of 1 is ~5x slower).
@@ -89,6 +90,9 @@ class _PacedPartition(_BytewaxPartition):
         self._paused = False
         self._empty_since: float | None = None
         self._awake: datetime | None = None
+        step = str(self._metrics_labels["step_id"])
+        self._lag = metrics.CONSUMER_LAG.labels(flow=step, topic=self._topic, partition=str(self._part_idx))
+        self._lag_at = 0.0
 
     def next_awake(self) -> datetime | None:
         return self._awake
@@ -104,9 +108,23 @@ class _PacedPartition(_BytewaxPartition):
             return False
         return self._offset >= high
 
+    def _record_lag(self, now: float) -> None:
+        """``rtrl_consumer_lag``: messages between the next unread offset and the partition's end, from the
+        watermark of the last fetch response (no request of its own), at most every half second."""
+        if now - self._lag_at < 0.5:
+            return
+        self._lag_at = now
+        try:
+            _, high = self._consumer.get_watermark_offsets(self._tp[0], cached=True)
+        except Exception:  # noqa: BLE001 - no fetch response yet
+            return
+        if high >= 0:
+            self._lag.set(max(0, high - self._offset))
+
     def next_batch(self) -> list:
         if self._eof or (self._stop is not None and self._stop.is_set()):
             raise StopIteration()
+        self._record_lag(time.monotonic())
         if self._paused:  # woken up: fetch again
             self._consumer.resume(self._tp)
             # seeking to the next unread offset wakes the fetcher now (a bare resume waited ~1 s)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Mapping
@@ -44,6 +45,7 @@ from flows.spill import SqliteStore, partition_file
 from flows.windowing import KindRules, PartitionWindows, WindowConfig
 from flows.wiring import injected, require_bootstrap
 from rewards.versions import registry
+from rtrl import metrics
 from rtrl.errors import ConfigError
 from rtrl.settings import Settings, load_settings
 from schemas.codec import JsonCodec
@@ -94,7 +96,17 @@ def count(counts: FlowCounts | None, messages: int, out: FlowOutput) -> FlowOutp
         tally.update(f"dead:{d.kind}" for d in out.dead_letters)
         tally["events"], tally["trajectories"] = messages, len(out.summaries)
         counts.add(tally)
+    metrics.count_flow("rewards", messages, (d.kind for d in out.dead_letters))
+    metrics.observe_rewards(out.rewards, time.time_ns() // 1_000_000)
+    metrics.observe_trajectories(out.summaries)
     return out
+
+
+def observe_windows(windows: PartitionWindows) -> None:
+    """The partition's open windows and their estimated bytes in memory, as the metrics' gauges."""
+    partition = str(windows.partition)
+    metrics.OPEN_WINDOWS.labels(partition=partition).set(windows.open_count)
+    metrics.WINDOW_STATE_BYTES.labels(partition=partition).set(windows.estimated_bytes)
 
 
 def summary(counts: FlowCounts, versions: list[str], seconds: float | None = None) -> str:
@@ -132,7 +144,9 @@ class _PartitionLogic(StatefulBatchLogic):
             windows.store = SqliteStore.fresh(
                 partition_file(self.state_root, values[0].partition, uuid.uuid4().hex[:12])
             )
-        return [count(self.counts, len(values), self.processor.process(values))], StatefulBatchLogic.RETAIN
+        out = count(self.counts, len(values), self.processor.process(values))
+        observe_windows(windows)
+        return [out], StatefulBatchLogic.RETAIN
 
     def on_eof(self) -> tuple[list[FlowOutput], bool]:
         if paused(self.stop):  # stopped, not the end of the input: open windows stay open in the snapshot

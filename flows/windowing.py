@@ -578,6 +578,11 @@ class PartitionWindows:
             heapq.heapify(h)
 
     @property
+    def estimated_bytes(self) -> int:
+        """Estimated bytes of the windows and tombstones in memory (what ``budget_bytes`` bounds)."""
+        return self._estimate()
+
+    @property
     def open_count(self) -> int:
         """Open windows in memory (those in the store not counted)."""
         return len(self.open)

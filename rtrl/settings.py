@@ -828,6 +828,19 @@ class AdapterSettings(Section):
         return "*" in self.orgs or org in self.orgs
 
 
+class MetricsSettings(Section):
+    port: int = _s(
+        0,
+        "port of each part's Prometheus endpoint (/metrics, /healthz, /readyz; rtrl.metrics); 0 = none. A "
+        "torchrun trainer's rank r serves on port + local rank r",
+        ge=0,
+        le=65535,
+    )
+    host: str = _s(
+        "127.0.0.1", "address the metrics endpoint listens on; 0.0.0.0 in a container Prometheus scrapes", min_length=1
+    )
+
+
 class ServingSettings(Section):
     url: str = _s(
         "",
@@ -925,6 +938,7 @@ class Settings(BaseSettings):
     simulator: SimulatorSettings = Field(default_factory=SimulatorSettings)
     serving: ServingSettings = Field(default_factory=ServingSettings)
     adapters: AdapterSettings = Field(default_factory=AdapterSettings)
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings)
 
     @classmethod
     def settings_customise_sources(

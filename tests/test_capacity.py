@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import re
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -113,11 +114,28 @@ def test_training_more_than_a_cycle_serves_is_said():
 
 
 def test_storage_measured_here_on_the_real_engine_is_the_recorded_figure():
-    got = capacity.measure_storage()  # the recorded run's size and seed: the engine is deterministic enough
-    for key in ("events_row_bytes", "rewards_row_bytes", "trajectories_row_bytes", "rollout_token_bytes"):
+    """``--measure-storage`` as a user runs it (a process of its own: one embedded ClickHouse folder a process)."""
+    run = subprocess.run(
+        [sys.executable, "bench/capacity.py", "--measure-storage"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = run.stdout.splitlines()[0]
+    got = {
+        "events_row_bytes": float(re.search(r"events ([\d.]+) B/row", line)[1]),
+        "rewards_row_bytes": float(re.search(r"rewards ([\d.]+) B/row", line)[1]),
+        "trajectories_row_bytes": float(re.search(r"trajectories ([\d.]+) B/row", line)[1]),
+        "rollout_token_bytes": float(re.search(r"rollouts ([\d.]+) B/token", line)[1]),
+    }
+    for key, value in got.items():  # the recorded run's size and seed
         recorded = capacity.MEASURED[key].value
-        assert math.isclose(got[key], recorded, rel_tol=0.1), (key, got[key], recorded)
-    assert got["events"] > 5 * got["trajectories"] > 0 and got["rewards"] > got["trajectories"]
+        assert math.isclose(value, recorded, rel_tol=0.1), (key, value, recorded)
+    rows = [int(n.replace(",", "")) for n in re.findall(r"\(([\d,]+)(?: rows)?\)", line)]
+    events, rewards, trajectories = rows
+    assert events > 5 * trajectories > 0 and rewards > trajectories
 
 
 def test_the_cli_draws_the_plot_and_refuses_bad_input(tmp_path, capsys):

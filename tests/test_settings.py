@@ -105,6 +105,7 @@ def test_one_section_per_component():
         "simulator",
         "serving",
         "adapters",
+        "metrics",
     }
 
 

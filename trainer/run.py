@@ -18,7 +18,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from rtrl import clickhouse
+from rtrl import clickhouse, metrics
 from rtrl.settings import Settings
 from schemas.records import TrainStep
 from trainer import checkpoint
@@ -49,6 +49,8 @@ def run(settings: Settings, bootstrap: str, console: Console | None = None) -> l
     cfg, precision = model_config(settings)
     check_input_shapes(settings)
     info = init_parallel(cfg)
+    # each rank its own endpoint: metrics.port + the local rank (torchrun's LOCAL_RANK; ranks share a host)
+    endpoint = metrics.serve_part(settings, "trainer", int(os.environ.get("LOCAL_RANK", "0")))
     model, reference = build_model(cfg, precision), build_model(cfg, precision)
     # The KL reference: the run's initial weights (with model.hf_path the checkpoint's, which build_model
     # loaded; train() then resumes the policy from the run's own newest checkpoint, if any: it wins).
@@ -114,7 +116,9 @@ def run(settings: Settings, bootstrap: str, console: Console | None = None) -> l
                 f"on-policy {s.on_policy_fraction:.2f} {s.tokens_per_s:,.0f} tok/s",
             )
 
+        endpoint.ready()
         steps = train(model, reference, make_source, tc, on_step=on_step)
+    endpoint.close()
     for s in streams:
         s.close()
     if lead:

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from rtrl import metrics
 from rtrl.settings import Settings
 from schemas.records import TrainStep
 from trainer import checkpoint, lora
@@ -442,6 +443,7 @@ def _train(
             served_through_tokens=int(sums["served_tok"]),
         )
         steps.append(record)
+        metrics.observe_step(record)
         if on_step:
             on_step(record)
         if cfg.checkpoint_dir and (step % cfg.checkpoint_every == 0):

@@ -1,0 +1,264 @@
+"""What ``deploy/`` holds for operators, made from the code it describes (issue 18): Prometheus alert rules and a
+Grafana dashboard over the metrics of :mod:`rtrl.metrics`.
+
+The behaviour alerts mirror the promotion gate's monitors (:data:`monitors.alerts.DEFAULT_RULES`) on the live
+stream: the same metrics, directions, thresholds and floors, computed from the reward flow's
+``rtrl_trajectory_behaviour_total`` counters over the last hour against the six hours before it (a promoted
+candidate that starts a reward hack shows there before the next gate). The operational alerts cover what the
+runbook (``deploy/RUNBOOK.md``) tells an on-call engineer to do: consumer lag growing, a dead-letter spike, a
+trainer that stopped, a training-inference mismatch, a rollback, a part down. ``python -m app.deploy`` writes the
+files; ``tests/test_deploy.py`` fails when they differ from what this module makes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from monitors.alerts import DEFAULT_RULES, MismatchRule
+
+ROOT = Path(__file__).resolve().parents[1]
+RULES_FILE = ROOT / "deploy" / "prometheus" / "rtrl-alerts.yml"
+DASHBOARD_FILE = ROOT / "deploy" / "grafana" / "rtrl-dashboard.json"
+RUNBOOK = "deploy/RUNBOOK.md"
+
+#: the behaviour view's rate metrics as (numerator, denominator) of ``rtrl_trajectory_behaviour_total{what}``
+#: (``trajectories``: ``rtrl_trajectories_total``); edit persistence and latency come later than a trajectory's
+#: close or not per trajectory, and stay with the gate
+LIVE_RATES: dict[str, tuple[str, str]] = {
+    "broken_tool_call_rate": ("broken_tool_calls", "tool_calls"),
+    "edit_rate": ("edited", "trajectories"),
+    "clarification_rate": ("clarified", "trajectories"),
+    "dissatisfied_rate": ("dissatisfied", "trajectories"),
+}
+ALERT_NAMES = {
+    "broken_tool_call_rate": "RtrlBrokenToolCallsRose",
+    "edit_rate": "RtrlEditRateFell",
+    "clarification_rate": "RtrlClarificationRose",
+    "dissatisfied_rate": "RtrlDissatisfiedRose",
+}
+
+
+def _sum_rate(what: str, window: str) -> str:
+    """``sum(rate(...[range] offset o))`` of one counter; ``window`` is a range, or ``range offset o``."""
+    span, _, offset = window.partition(" offset ")
+    at = f" offset {offset}" if offset else ""
+    if what == "trajectories":
+        return f"sum(rate(rtrl_trajectories_total[{span}]{at}))"
+    return f'sum(rate(rtrl_trajectory_behaviour_total{{what="{what}"}}[{span}]{at}))'
+
+
+def live_rate(metric: str, window: str = "1h") -> str:
+    """PromQL of one behaviour rate over ``window`` (a window ``6h offset 1h`` is the baseline)."""
+    num, den = LIVE_RATES[metric]
+    return f"({_sum_rate(num, window)} / {_sum_rate(den, window)})"
+
+
+def _anchor(alert: str) -> str:
+    return f"{RUNBOOK}#{alert.lower()}"
+
+
+def prometheus_rules() -> dict[str, Any]:
+    """The alert rules, as Prometheus' rule-file structure."""
+    behaviour = []
+    for rule in DEFAULT_RULES:
+        if rule.metric not in LIVE_RATES:
+            continue
+        cur, base = live_rate(rule.metric), live_rate(rule.metric, "6h offset 1h")
+        bad = f"{cur} - {base}" if rule.direction == "increase" else f"{base} - {cur}"
+        name = ALERT_NAMES[rule.metric]
+        behaviour.append(
+            {
+                "alert": name,
+                # the gate's rule: the move in the bad direction over max(baseline, floor) beyond the threshold,
+                # with at least min_samples trajectories in the last hour
+                "expr": f"({bad}) > {rule.threshold:g} * clamp_min({base}, {rule.floor:g})\n"
+                f"and sum(increase(rtrl_trajectories_total[1h])) >= {rule.min_samples}",
+                "for": "15m",
+                "labels": {"severity": "page", "monitor": rule.metric},
+                "annotations": {
+                    "summary": f"{rule.metric} {'rose' if rule.direction == 'increase' else 'fell'} more than "
+                    f"{rule.threshold:.0%} in the last hour against the six hours before (the gate's rule)",
+                    "runbook_url": _anchor(name),
+                },
+            }
+        )
+    mismatch = MismatchRule().max_abs_log_ratio
+    ops = [
+        {
+            "alert": "RtrlConsumerLagGrowing",
+            "expr": "sum by (flow, topic) (rtrl_consumer_lag) > 10000\n"
+            "and sum by (flow, topic) (deriv(rtrl_consumer_lag[15m])) > 0",
+            "for": "15m",
+            "labels": {"severity": "page"},
+            "annotations": {
+                "summary": "{{ $labels.flow }} is {{ $value }} messages behind on {{ $labels.topic }} and falling "
+                "further behind",
+                "runbook_url": _anchor("RtrlConsumerLagGrowing"),
+            },
+        },
+        {
+            "alert": "RtrlDeadLetterSpike",
+            "expr": "sum by (flow) (rate(rtrl_dead_letters_total[10m]))\n"
+            "/ sum by (flow) (rate(rtrl_events_total[10m])) > 0.05",
+            "for": "10m",
+            "labels": {"severity": "ticket"},
+            "annotations": {
+                "summary": "more than 5% of what {{ $labels.flow }} reads is dead-lettered",
+                "runbook_url": _anchor("RtrlDeadLetterSpike"),
+            },
+        },
+        {
+            "alert": "RtrlTrainerStopped",
+            "expr": 'time() - max(rtrl_trainer_last_step_timestamp_seconds{adapter=""}) > 1800\n'
+            "and sum(rate(rtrl_batches_total[30m])) > 0",
+            "for": "5m",
+            "labels": {"severity": "page"},
+            "annotations": {
+                "summary": "micro-batches keep coming but the shared policy's trainer has not stepped for 30 minutes",
+                "runbook_url": _anchor("RtrlTrainerStopped"),
+            },
+        },
+        {
+            "alert": "RtrlTrainingInferenceMismatch",
+            "expr": f"max by (adapter) (rtrl_trainer_mismatch_max_abs_log_ratio) > {mismatch:g}",
+            "for": "10m",
+            "labels": {"severity": "page"},
+            "annotations": {
+                "summary": "the trainer's log-probs and the inference fleet's disagree by more than e^"
+                f"{mismatch:g} on some token (loop.mismatch_log_ratio_max)",
+                "runbook_url": _anchor("RtrlTrainingInferenceMismatch"),
+            },
+        },
+        {
+            "alert": "RtrlRollback",
+            "expr": 'sum by (org) (increase(rtrl_gate_decisions_total{status="rolled_back"}[1h])) > 0',
+            "labels": {"severity": "ticket"},
+            "annotations": {
+                "summary": "a promoted version was rolled back (org '{{ $labels.org }}'; '' is the shared policy)",
+                "runbook_url": _anchor("RtrlRollback"),
+            },
+        },
+        {
+            "alert": "RtrlPartDown",
+            "expr": 'up{job=~"rtrl.*"} == 0',
+            "for": "5m",
+            "labels": {"severity": "page"},
+            "annotations": {
+                "summary": "{{ $labels.job }} at {{ $labels.instance }} does not answer its metrics scrape",
+                "runbook_url": _anchor("RtrlPartDown"),
+            },
+        },
+    ]
+    return {
+        "groups": [
+            {"name": "rtrl-behaviour", "interval": "1m", "rules": behaviour},
+            {"name": "rtrl-operations", "interval": "1m", "rules": ops},
+        ]
+    }
+
+
+def _panel(i: int, title: str, exprs: dict[str, str], unit: str = "short") -> dict[str, Any]:
+    return {
+        "id": i,
+        "type": "timeseries",
+        "title": title,
+        "datasource": {"type": "prometheus", "uid": "${datasource}"},
+        "gridPos": {"h": 8, "w": 12, "x": 12 * ((i - 1) % 2), "y": 8 * ((i - 1) // 2)},
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "targets": [
+            {"refId": chr(ord("A") + n), "expr": expr, "legendFormat": legend}
+            for n, (legend, expr) in enumerate(exprs.items())
+        ],
+    }
+
+
+def grafana_dashboard() -> dict[str, Any]:
+    """One dashboard over every part's metrics (Grafana's JSON model, a Prometheus data source variable)."""
+    panels = [
+        ("Events read per second", {"{{flow}}": "sum by (flow) (rate(rtrl_events_total[1m]))"}, "ops"),
+        ("Dead letters per second, by kind", {"{{flow}} {{kind}}": "sum by (flow, kind) (rate(rtrl_dead_letters_total[5m]))"}, "ops"),
+        ("Consumer lag (messages)", {"{{flow}} {{topic}}/{{partition}}": "rtrl_consumer_lag"}, "short"),
+        (
+            "Event -> reward latency",
+            {
+                "p50": "histogram_quantile(0.5, sum by (le) (rate(rtrl_event_to_reward_seconds_bucket[5m])))",
+                "p99": "histogram_quantile(0.99, sum by (le) (rate(rtrl_event_to_reward_seconds_bucket[5m])))",
+            },
+            "s",
+        ),
+        ("Open windows", {"partition {{partition}}": "rtrl_open_windows"}, "short"),
+        ("Window state in memory", {"partition {{partition}}": "rtrl_window_state_bytes"}, "bytes"),
+        ("Batch staleness: samples per second by policy lag", {"lag {{lag}}": "sum by (lag) (rate(rtrl_batch_samples_total[5m]))"}, "ops"),
+        ("Trainer tokens/s", {"{{adapter}}": "rtrl_trainer_tokens_per_second"}, "short"),
+        ("Loss", {"{{adapter}}": "rtrl_trainer_loss"}, "short"),
+        ("KL to the reference", {"{{adapter}}": "rtrl_trainer_kl"}, "short"),
+        ("Gradient norm", {"{{adapter}}": "rtrl_trainer_grad_norm"}, "short"),
+        (
+            "Training-inference mismatch",
+            {
+                "k3 {{adapter}}": "rtrl_trainer_mismatch_k3",
+                "max |log-ratio| {{adapter}}": "rtrl_trainer_mismatch_max_abs_log_ratio",
+            },
+            "short",
+        ),
+        ("On-policy fraction", {"{{adapter}}": "rtrl_trainer_on_policy_fraction"}, "percentunit"),
+        ("Gate decisions", {"{{status}} {{org}}": "sum by (status, org) (increase(rtrl_gate_decisions_total[1h]))"}, "short"),
+        ("Serving version", {"serving": "rtrl_serving_version"}, "short"),
+        ("Behaviour, live (the gate's rates)", {m: live_rate(m, "1h") for m in LIVE_RATES}, "percentunit"),
+    ]  # fmt: skip
+    return {
+        "title": "rtrl",
+        "uid": "rtrl-overview",
+        "schemaVersion": 39,
+        "version": 1,
+        "tags": ["rtrl"],
+        "time": {"from": "now-6h", "to": "now"},
+        "refresh": "30s",
+        "templating": {
+            "list": [{"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Prometheus"}]
+        },
+        "panels": [_panel(i + 1, *p) for i, p in enumerate(panels)],
+    }
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the alert expressions) as literal blocks, nothing folded."""
+
+
+_Dumper.add_representer(
+    str,
+    lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None),
+)
+
+
+def render() -> dict[Path, str]:
+    """Each file's text."""
+    header = "# Made by `python -m app.deploy` from app/deploy.py (tests/test_deploy.py checks it); do not edit.\n"
+    return {
+        RULES_FILE: header + yaml.dump(prometheus_rules(), Dumper=_Dumper, sort_keys=False, width=10_000),
+        DASHBOARD_FILE: json.dumps(grafana_dashboard(), indent=2) + "\n",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m app.deploy [--out DIR]``: write the files under the repository (or under DIR, same layout)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m app.deploy", description=__doc__.split("\n\n", 1)[0])
+    ap.add_argument("--out", type=Path, default=ROOT, help="root to write deploy/... under (default: the repository)")
+    args = ap.parse_args(argv)
+    for path, text in render().items():
+        target = args.out / path.relative_to(ROOT)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+        print(f"wrote {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
