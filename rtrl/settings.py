@@ -90,8 +90,15 @@ class Section(BaseModel):
 
 
 #: Kafka settings used only with SASL, only with OAUTHBEARER (required then), only with TLS
-_SASL_FIELDS = ("sasl_mechanism", "sasl_username", "sasl_password", "oauth_token_endpoint_url", "oauth_client_id",
-                "oauth_client_secret", "oauth_scope")
+_SASL_FIELDS = (
+    "sasl_mechanism",
+    "sasl_username",
+    "sasl_password",
+    "oauth_token_endpoint_url",
+    "oauth_client_id",
+    "oauth_client_secret",
+    "oauth_scope",
+)
 _OAUTH_REQUIRED = ("oauth_token_endpoint_url", "oauth_client_id", "oauth_client_secret")
 _SSL_FIELDS = ("ssl_ca_location", "ssl_certificate_location", "ssl_key_location", "ssl_key_password")
 
@@ -138,7 +145,9 @@ class KafkaSettings(Section):
     )
     oauth_client_id: str = _s("", "OAUTHBEARER: the OIDC client id")
     oauth_client_secret: str = _s(
-        "", "OAUTHBEARER: the OIDC client secret: a secret, from RTRL_KAFKA__OAUTH_CLIENT_SECRET(_FILE) only", repr=False
+        "",
+        "OAUTHBEARER: the OIDC client secret: a secret, from RTRL_KAFKA__OAUTH_CLIENT_SECRET(_FILE) only",
+        repr=False,
     )
     oauth_scope: str = _s("", "OAUTHBEARER: the scope asked for (space-separated); empty = the provider's default")
     ssl_ca_location: str = _s(
@@ -204,15 +213,20 @@ class KafkaSettings(Section):
                 unused.append("ssl_endpoint_identification")
         if missing:
             raise ValueError(
-                f"kafka.sasl_mechanism = {mech!r} needs " + ", ".join(f"kafka.{f}" for f in missing) + "; fix: set "
+                f"kafka.sasl_mechanism = {mech!r} needs "
+                + ", ".join(f"kafka.{f}" for f in missing)
+                + "; fix: set "
                 + ", ".join(f"RTRL_KAFKA__{f.upper()}" for f in missing)
                 + " (secrets only in the environment or a mounted Secret file, RTRL_..._FILE)"
             )
         if unused:
             raise ValueError(
                 ", ".join(f"kafka.{f}" for f in unused) + f" set but not used with kafka.security_protocol = "
-                f"{proto!r}" + (f" and kafka.sasl_mechanism = {mech!r}" if sasl else "") + "; fix: remove "
-                + ("it" if len(unused) == 1 else "them") + " or choose the protocol/mechanism that uses "
+                f"{proto!r}"
+                + (f" and kafka.sasl_mechanism = {mech!r}" if sasl else "")
+                + "; fix: remove "
+                + ("it" if len(unused) == 1 else "them")
+                + " or choose the protocol/mechanism that uses "
                 + ("it" if len(unused) == 1 else "them")
             )
         if bool(self.ssl_certificate_location) != bool(self.ssl_key_location):
