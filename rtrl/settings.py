@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal, cast
-from urllib.parse import quote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 from pydantic import (
     BaseModel,
@@ -293,7 +293,8 @@ class ClickHouseSettings(Section):
                 "clickhouse.password and clickhouse.password_file are both set; fix: keep one (the file is how "
                 "a mounted Secret gives it)"
             )
-        if (self.password or self.password_file) and u is not None and u.password is not None:
+        same = u is not None and self.password != "" and unquote(u.password or "") == self.password  # a child's
+        if (self.password or self.password_file) and u is not None and u.password is not None and not same:
             raise ValueError(
                 "clickhouse.dsn carries a password and clickhouse.password(_file) another; fix: remove it from the DSN"
             )
@@ -1165,17 +1166,19 @@ class Settings(BaseSettings):
         dsn = ch.dsn or f"chdb://{self.data_path / 'clickhouse'}"
         if not dsn.startswith(("http://", "https://")):
             return dsn  # the embedded chdb: no login, no TLS
-        u = urlsplit(dsn)
-        if ch.user or ch.password:
-            user = quote(u.username or ch.user or "default", safe="")
+        u = urlsplit(dsn)  # what the DSN has already stays (a child's clickhouse.dsn is its parent's clickhouse_dsn)
+        if (ch.user and not u.username) or (ch.password and u.password is None):
+            user = u.username or quote(ch.user or "default", safe="")
             login = user + (":" + quote(ch.password, safe="") if ch.password else "")
             u = u._replace(netloc=f"{login}@{u.netloc.rpartition('@')[2]}")
         params: dict[str, str] = {}
-        if ch.password_file and "password_file=" not in u.query:
+        if ch.password_file:
             params["password_file"] = ch.password_file  # rtrl.clickhouse.connect reads the file
         params |= {k: getattr(ch, k) for k in ("ca_cert", "client_cert", "client_cert_key") if getattr(ch, k)}
         if not ch.verify:
             params["verify"] = "false"
+        have = {k for k, _ in parse_qsl(u.query, keep_blank_values=True)}
+        params = {k: v for k, v in params.items() if k not in have}
         if params:
             u = u._replace(path=u.path or "/", query="&".join(q for q in (u.query, urlencode(params)) if q))
         return urlunsplit(u)
