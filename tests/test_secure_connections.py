@@ -583,3 +583,39 @@ def test_clickhouse_user_and_password_reach_the_client(tls_front, pki):
     wrong = load_settings(env=env | {"RTRL_CLICKHOUSE__PASSWORD": "not-the-token"})
     with pytest.raises(ConfigError, match="refused the credentials"):
         clickhouse.connect(wrong.clickhouse_dsn, timeout_s=10)
+
+
+def test_rtrl_clickhouse_serve_over_tls(pki, tmp_path):
+    """`rtrl clickhouse serve --certfile --keyfile` serves the embedded folder over https, which rtrl's own
+    /ping reaches with the test CA (and plain http does not)."""
+    import socket
+    import subprocess
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "app.cli", "clickhouse", "serve", "--port", str(port)]
+    proc = subprocess.Popen(
+        [*cmd, "--certfile", pki["cert"], "--keyfile", pki["key"]],
+        env={**__import__("os").environ, "RTRL_DATA_DIR": str(tmp_path / "data"), "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        dsn = f"https://127.0.0.1:{port}/?ca_cert={pki['ca']}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                clickhouse.ping(dsn, 2)
+                break
+            except ServiceUnavailable:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+                time.sleep(0.2)
+        with pytest.raises(ServiceUnavailable):
+            clickhouse.ping(f"http://127.0.0.1:{port}/", 2)
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert f"https://rtrl_writer@127.0.0.1:{port}/" in out
