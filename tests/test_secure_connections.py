@@ -145,7 +145,7 @@ def kafka_env(pki: dict[str, str], mechanism: str | None, **extra: str) -> dict[
         return (
             env
             | {
-                "RTRL_KAFKA__OAUTH_TOKEN_ENDPOINT_URL": "https://idp.example/oauth2/token",
+                "RTRL_KAFKA__OAUTH_TOKEN_ENDPOINT_URL": "https://127.0.0.1:9/oauth2/token",
                 "RTRL_KAFKA__OAUTH_CLIENT_ID": "rtrl",
                 "RTRL_KAFKA__OAUTH_CLIENT_SECRET": "oidc-secret-value",
                 "RTRL_KAFKA__OAUTH_SCOPE": "kafka",
@@ -175,7 +175,7 @@ EXPECTED = {
         "security.protocol": "SASL_SSL",
         "sasl.mechanism": "OAUTHBEARER",
         "sasl.oauthbearer.method": "oidc",
-        "sasl.oauthbearer.token.endpoint.url": "https://idp.example/oauth2/token",
+        "sasl.oauthbearer.token.endpoint.url": "https://127.0.0.1:9/oauth2/token",
         "sasl.oauthbearer.client.id": "rtrl",
         "sasl.oauthbearer.client.secret": "oidc-secret-value",
         "sasl.oauthbearer.scope": "kafka",
