@@ -137,9 +137,9 @@ def check_broker(bootstrap: str, timeout_s: float = 10.0) -> Any:
             f"Kafka broker at {bootstrap} did not answer within {timeout_s:g}s ({e.args[0].str() if e.args else e}); "
             "fix: start it (`rtrl broker up`) or set kafka.bootstrap (RTRL_KAFKA__BOOTSTRAP)"
             + (
-                f", and check kafka.security_protocol ({getattr(bootstrap, 'security', {})['security.protocol']}) "
+                f", and check kafka.security_protocol ({bootstrap.security.get('security.protocol', 'PLAINTEXT')}) "
                 "and the kafka.sasl_* / kafka.ssl_* / kafka.oauth_* settings match the cluster's listener"
-                if getattr(bootstrap, "security", None)
+                if isinstance(bootstrap, KafkaConnection) and bootstrap.security
                 else ""
             )
         ) from None
