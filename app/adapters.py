@@ -498,7 +498,7 @@ def rollback_adapter(settings: Settings, bootstrap: str, ch: Any, org: str, vers
     from confluent_kafka import Producer
 
     from app.loop import announce
-    from rtrl.kafka import producer_config
+    from rtrl.kafka import connection, producer_config
 
     db = settings.clickhouse.database
     rows = {c.version: c for c in clickhouse.select(ch, db, "adapter_checkpoints", f"WHERE org = {_sql_str(org)}")}
@@ -512,7 +512,9 @@ def rollback_adapter(settings: Settings, bootstrap: str, ch: Any, org: str, vers
     back = msgspec.structs.replace(
         rows[version], status="rolled_back", reason=reason, created_at=time.time_ns() // 1_000_000
     )
-    announce(settings, ch, Producer(producer_config(bootstrap, settings.kafka.compression)), back)
+    announce(
+        settings, ch, Producer(producer_config(connection(settings.kafka, bootstrap), settings.kafka.compression)), back
+    )
     return back
 
 

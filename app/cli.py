@@ -144,7 +144,8 @@ def cmd_clickhouse(settings: Settings, args: argparse.Namespace, console: Consol
             "serves the embedded folder (clickhouse.dsn empty or chdb:///folder)"
         )
     database = settings.clickhouse.database  # the analyst user reads that database's tables
-    return serve_embedded_clickhouse([dsn[len("chdb://") :], "--port", str(args.port), "--database", database])
+    tls = [f"--{k}={getattr(args, k)}" for k in ("certfile", "keyfile") if getattr(args, k)]
+    return serve_embedded_clickhouse([dsn[len("chdb://") :], "--port", str(args.port), "--database", database, *tls])
 
 
 def cmd_part(settings: Settings, args: argparse.Namespace, console: Console) -> int:
@@ -523,6 +524,8 @@ def parser() -> argparse.ArgumentParser:
     chs = command("clickhouse", "serve the embedded ClickHouse folder over ClickHouse's HTTP interface")
     chs.add_argument("action", choices=["serve"], help="serve: the folder of clickhouse.dsn = chdb://FOLDER")
     chs.add_argument("--port", type=_port, default=8123, help="HTTP port to listen on (default: %(default)s)")
+    chs.add_argument("--certfile", help="serve https with this PEM certificate (chain); clients set clickhouse.ca_cert")
+    chs.add_argument("--keyfile", help="the certificate's PEM private key, unless it is in --certfile")
     chs.set_defaults(fn=cmd_clickhouse)
     pt = command(
         "part",

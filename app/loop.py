@@ -77,7 +77,7 @@ from rewards.versions import registry
 from rtrl import clickhouse, metrics
 from rtrl.errors import ConfigError, ServiceUnavailable
 from rtrl.files import RUN_PARTS, check_cleanable, data_folder, private_dir, write_private
-from rtrl.kafka import producer_config, read_topic
+from rtrl.kafka import connection, producer_config, read_topic
 from rtrl.settings import Settings
 from schemas.codec import Invalid, JsonCodec
 from schemas.records import Checkpoint, CheckpointStatus, Experiment, TrainStep
@@ -186,7 +186,7 @@ def policy_server(settings: Settings, bootstrap: str, client: RtrlClient, seed: 
                 "file holding the server's API key, or leave serving.api_key_file empty"
             ) from None
     return PolicyServer(
-        bootstrap,
+        connection(settings.kafka, bootstrap),
         settings.kafka.topic_prefix,
         client,
         build_model(cfg, precision) if own else None,
@@ -354,7 +354,7 @@ class Loop:
         self.threads: list[threading.Thread] = []
         self.flow_counts = {"rewards": FlowCounts(), "batches": FlowCounts()}  # what the in-process flows moved
         self.offsets: dict[str, int] | None = None
-        self.producer = Producer(producer_config(bootstrap, s.kafka.compression))
+        self.producer = Producer(producer_config(connection(s.kafka, bootstrap), s.kafka.compression))
         self.server: PolicyServer | None = None
         if serve:
             self.client = RtrlClient.from_settings(s, bootstrap=bootstrap)
@@ -851,7 +851,9 @@ def end_running_experiments(settings: Settings, bootstrap: str, producer: Produc
     version serves. The main job calls it before it serves anything; returns the keys it ended."""
     codec: JsonCodec[Experiment] = JsonCodec(Experiment)
     newest: dict[str, Experiment] = {}
-    for msg in read_topic(bootstrap, settings.topic("experiments"), timeout_s=settings.kafka.timeout_s):
+    for msg in read_topic(
+        connection(settings.kafka, bootstrap), settings.topic("experiments"), timeout_s=settings.kafka.timeout_s
+    ):
         try:
             exp = codec.decode(msg.value())
         except Invalid:
@@ -888,7 +890,7 @@ def rollback(settings: Settings, bootstrap: str, ch, version: int, reason: str) 
     if bad.parent is None:
         raise ConfigError(f"v{version} has no parent to roll back to (it is the warm start)")
     parent = rows[bad.parent]
-    producer = Producer(producer_config(bootstrap, settings.kafka.compression))
+    producer = Producer(producer_config(connection(settings.kafka, bootstrap), settings.kafka.compression))
     now = time.time_ns() // 1_000_000
     back = msgspec.structs.replace(bad, status="rolled_back", reason=reason, created_at=now)
     announce(settings, ch, producer, back)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from flows.reward_versions import register_settings
 from rtrl import clickhouse
 from rtrl.files import data_folder
-from rtrl.kafka import check_broker, ensure_topics_for
+from rtrl.kafka import check_broker, connection, ensure_topics_for
 from rtrl.settings import Settings
 
 if TYPE_CHECKING:
@@ -53,11 +53,13 @@ def serve_embedded_clickhouse(argv: list[str]) -> Any:
 
 
 def bootstrap_for(settings: Settings) -> str:
-    """``kafka.bootstrap`` if set (checked: ServiceUnavailable naming it unless a broker answers within
-    ``kafka.timeout_s``), else the local broker under ``data_dir/broker`` (started or reused)."""
+    """``kafka.bootstrap`` if set, as a :class:`rtrl.kafka.KafkaConnection` carrying the cluster's security
+    (checked: ServiceUnavailable naming it unless a broker answers within ``kafka.timeout_s``), else the local
+    broker under ``data_dir/broker`` (started or reused; PLAINTEXT)."""
     if settings.kafka.bootstrap:
-        check_broker(settings.kafka.bootstrap, settings.kafka.timeout_s)
-        return settings.kafka.bootstrap
+        cluster = connection(settings.kafka)
+        check_broker(cluster, settings.kafka.timeout_s)
+        return cluster
     return local_broker(settings.data_path / "broker").up(timeout_s=max(30.0, settings.kafka.timeout_s))
 
 
@@ -79,8 +81,9 @@ class Services:
     def __init__(self, settings: Settings):
         data_folder(settings.data_path)  # owner-only: the broker's control token and every reward live there
         self.local_broker: LocalBroker | None = None
+        self.bootstrap: str
         if settings.kafka.bootstrap:
-            self.bootstrap = settings.kafka.bootstrap
+            self.bootstrap = connection(settings.kafka)  # the address with the cluster's security
         else:
             self.local_broker = local_broker(settings.data_path / "broker")
             self.bootstrap = self.local_broker.up(timeout_s=max(30.0, settings.kafka.timeout_s))

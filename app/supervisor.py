@@ -42,7 +42,7 @@ from app.parts import PARTS, SUPERVISOR_PID, PatientClickHouse
 from app.services import Services, spawn_embedded_clickhouse
 from rtrl import clickhouse
 from rtrl.errors import ServiceUnavailable
-from rtrl.kafka import producer_config
+from rtrl.kafka import connection, producer_config
 from rtrl.settings import Settings, as_env
 
 #: the embedded ClickHouse front's name among the supervised processes (its log: logs/clickhouse.log)
@@ -294,7 +294,9 @@ class Supervisor:
             final = int(self._state()["serving"])
         except (OSError, ValueError, KeyError) as e:
             return f"no final A/B: the trainer's state file cannot be read ({e})"
-        producer = Producer(producer_config(self.bootstrap, self.settings.kafka.compression))
+        producer = Producer(
+            producer_config(connection(self.settings.kafka, self.bootstrap), self.settings.kafka.compression)
+        )
         try:  # a part that gives up meanwhile ends it at once
             ab = final_ab(self.settings, self.ch, producer, console, final, stop=self.failed)
         finally:
@@ -375,7 +377,7 @@ def run_processes(settings: Settings, console, resume: bool = False) -> list[dic
             f"parts: {', '.join(PARTS)} · "
             f"logs in {sup.log_dir}{' · resuming the run in ' + str(settings.data_path) if resume else ''}"
         )
-        producer = Producer(producer_config(sup.bootstrap, settings.kafka.compression))
+        producer = Producer(producer_config(connection(settings.kafka, sup.bootstrap), settings.kafka.compression))
         for key in end_running_experiments(sup.settings, sup.bootstrap, producer):
             console.print(f"ended experiment {key}, left running by an earlier run", highlight=False)
         sup.start_all()

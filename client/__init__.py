@@ -7,6 +7,10 @@ with RtrlClient(bootstrap="localhost:9092", salt=SECRET) as rtrl:
     edit = t.edit_proposed(lines=12)
     t.edit_accepted(edit)
     t.end("completed")
+
+A secured cluster (TLS, SASL PLAIN/SCRAM, OAUTHBEARER): ``RtrlClient.from_settings(load_settings())`` takes
+the ``kafka`` settings from ``RTRL_KAFKA__*`` (docs/production.md), or pass librdkafka's properties,
+``RtrlClient(bootstrap=..., salt=SECRET, security={"security.protocol": "SASL_SSL", ...})``.
 """
 
 from client.hashing import hash_user  # noqa: F401

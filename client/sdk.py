@@ -19,13 +19,14 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from confluent_kafka import Producer
 
 from client.hashing import hash_user
-from rtrl.kafka import produce, producer_config
+from rtrl.kafka import KafkaConnection, connection, produce, producer_config
 from schemas.codec import DEFAULT_MAX_BYTES, Invalid, event_codec
 from schemas.records import (
     ClarifyingQuestion,
@@ -82,7 +83,12 @@ class RtrlClient:
         max_event_bytes: int = DEFAULT_MAX_BYTES,
         compression: str = "zstd",
         producer_overrides: dict[str, Any] | None = None,
+        security: Mapping[str, str] | None = None,
     ):
+        """``bootstrap``: the brokers; a :class:`rtrl.kafka.KafkaConnection` (what :meth:`from_settings` passes)
+        brings its cluster's security. ``security``: librdkafka security properties for a secured cluster
+        (``security.protocol``, ``sasl.*``, ``ssl.*``), e.g. ``rtrl.kafka.security_config(settings.kafka)``;
+        simpler, :meth:`from_settings` with ``load_settings()`` reads them from ``RTRL_KAFKA__*``."""
         if len(salt) < 8:
             raise ValueError("salt must be at least 8 characters (setting sdk.salt)")
         self.topic = topic
@@ -97,6 +103,8 @@ class RtrlClient:
         self._in_producer = 0
         self._last_error: str | None = None
         self._last_drop_log = 0.0
+        if security:
+            bootstrap = KafkaConnection(str(bootstrap), getattr(bootstrap, "security", {}) | dict(security))
         cfg = producer_config(
             bootstrap,
             compression,
@@ -112,10 +120,11 @@ class RtrlClient:
 
     @classmethod
     def from_settings(cls, settings: Any, bootstrap: str | None = None) -> RtrlClient:
-        """A client configured from :class:`rtrl.settings.Settings` (``sdk`` and ``kafka`` sections)."""
+        """A client configured from :class:`rtrl.settings.Settings` (``sdk`` and ``kafka`` sections, the
+        cluster's security included)."""
         s = settings.sdk
         return cls(
-            bootstrap or settings.kafka.bootstrap,
+            connection(settings.kafka, bootstrap),
             salt=s.salt,
             topic=settings.topic("events"),
             queue_size=s.queue_size,

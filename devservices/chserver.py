@@ -61,6 +61,7 @@ import re
 import secrets
 import shutil
 import socket
+import ssl
 import sys
 import tempfile
 import threading
@@ -189,9 +190,9 @@ def ensure_tokens(auth_dir: str | Path, fresh: bool = True) -> dict[str, str]:
     return tokens
 
 
-def dsn_for(host: str, port: int, auth_dir: str | Path, user: str = WRITER) -> str:
+def dsn_for(host: str, port: int, auth_dir: str | Path, user: str = WRITER, scheme: str = "http") -> str:
     """The DSN a client connects with: no secret in it, only the path of the file holding the token."""
-    return f"http://{user}@{host}:{port}/?password_file={quote(str(token_file(auth_dir, user)), safe='/')}"
+    return f"{scheme}://{user}@{host}:{port}/?password_file={quote(str(token_file(auth_dir, user)), safe='/')}"
 
 
 # ---------------------------------------------------------------- request bodies
@@ -933,8 +934,10 @@ class Server(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], handler: type[Handler], limits: Limits):
-        self.limits = limits
+    def __init__(
+        self, address: tuple[str, int], handler: type[Handler], limits: Limits, tls: ssl.SSLContext | None = None
+    ):
+        self.limits, self.tls = limits, tls
         self.slots = threading.BoundedSemaphore(limits.max_connections)
         self.deadlines: dict[socket.socket, float] = {}
         self.deadlines_lock = threading.Lock()
@@ -943,6 +946,19 @@ class Server(ThreadingHTTPServer):
         super().__init__(address, handler)
         self.reaper = threading.Thread(target=self._reap, name="chserver-reaper", daemon=True)
         self.reaper.start()
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        """The accepted connection, wrapped in TLS when serving https: its handshake runs on the handler's
+        thread at its first read (under the header deadline), never on the accepting thread."""
+        sock, addr = super().get_request()
+        if self.tls is not None:
+            sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        return sock, addr
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], ssl.SSLError):  # a client that failed the handshake: its own error
+            return
+        super().handle_error(request, client_address)
 
     def arm(self, sock: socket.socket, seconds: float) -> None:
         """Shut ``sock`` unless :meth:`disarm` comes within ``seconds``."""
@@ -1029,15 +1045,24 @@ class ClickHouseServer:
         auth_dir: str | Path | None = None,
         fresh_tokens: bool = True,
         database: str = "rtrl",
+        certfile: str | Path | None = None,
+        keyfile: str | Path | None = None,
     ):
         host = check_loopback(host)
+        tls = None
+        if certfile:  # https: the certificate (and its key, unless in certfile) a client verifies with its CA
+            tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            tls.load_cert_chain(str(certfile), str(keyfile) if keyfile else None)
+        elif keyfile:
+            raise ValueError("--keyfile without --certfile; fix: give the certificate too")
+        self.scheme = "https" if tls else "http"
         private_dir(path)
         self.auth_dir = Path(auth_dir) if auth_dir else auth_dir_for(path)
         tokens = ensure_tokens(self.auth_dir, fresh=fresh_tokens)
         self.engine = Engine(str(path), limits, database)
         attrs = {"engine": self.engine, "tokens": tokens, "limits": limits}
         handler = type("BoundHandler", (Handler,), attrs)
-        self.httpd = Server((host, port), handler, limits)
+        self.httpd = Server((host, port), handler, limits, tls)
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="chserver", daemon=True)
 
     @property
@@ -1047,11 +1072,11 @@ class ClickHouseServer:
     @property
     def dsn(self) -> str:
         """The writer's DSN (user and token file; no secret)."""
-        return dsn_for(*self.address, self.auth_dir, WRITER)
+        return dsn_for(*self.address, self.auth_dir, WRITER, self.scheme)
 
     @property
     def analyst_dsn(self) -> str:
-        return dsn_for(*self.address, self.auth_dir, ANALYST)
+        return dsn_for(*self.address, self.auth_dir, ANALYST, self.scheme)
 
     def start(self) -> ClickHouseServer:
         self.thread.start()
@@ -1118,6 +1143,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--auth-dir", help="owner-only folder of the users' token files (default PATH/rtrl-auth)")
     p.add_argument("--keep-tokens", action="store_true", help="reuse the token files there (a restart)")
     p.add_argument("--database", default="rtrl", help="database of the analyst tables")
+    p.add_argument("--certfile", help="serve https with this PEM certificate (chain) instead of http")
+    p.add_argument("--keyfile", help="the certificate's PEM private key, unless it is in --certfile")
     d = Limits()
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
     p.add_argument("--max-decompressed-bytes", type=int, default=d.max_decompressed_bytes)
@@ -1147,8 +1174,10 @@ def main(argv: list[str] | None = None) -> int:
             auth_dir=a.auth_dir,
             fresh_tokens=not a.keep_tokens,
             database=a.database,
+            certfile=a.certfile,
+            keyfile=a.keyfile,
         ).start()
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # OSError: a certificate or key that cannot be read or does not match
         print(f"error: {e}", file=sys.stderr)
         return 2
     if a.ready_file:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from client import RtrlClient, Trajectory
 from rtrl.errors import ConfigError, ServiceUnavailable
-from rtrl.kafka import check_broker
+from rtrl.kafka import check_broker, connection
 from rtrl.settings import load_settings
 
 
@@ -111,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     try:  # a wrong address is one line now, not undelivered events and librdkafka's retries later
-        check_broker(settings.kafka.bootstrap, settings.kafka.timeout_s)
-    except ServiceUnavailable as e:
+        check_broker(connection(settings.kafka), settings.kafka.timeout_s)  # with the cluster's TLS/SASL
+    except (ServiceUnavailable, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     with RtrlClient.from_settings(settings) as rtrl:

@@ -26,7 +26,6 @@ restart continues exactly where the stopped run left off.
 
 from __future__ import annotations
 
-import logging
 import signal
 import threading
 import time
@@ -39,7 +38,7 @@ from confluent_kafka import KafkaError as ConfluentKafkaError
 
 from flows.processor import Message
 from rtrl import metrics
-from rtrl.kafka import check_broker
+from rtrl.kafka import base_config, check_broker
 
 #: Bytewax sources need ~1000 messages per poll for throughput (the default of 1 is ~5x slower).
 SOURCE_BATCH_SIZE = 1000
@@ -180,7 +179,7 @@ class PacedKafkaSource(KafkaSource):
         idx, topic = for_part.split("-", 1)
         if topic not in self._topics:
             raise ValueError(f"recovery state is for topic {topic!r}, not {self._topics}; use a new recovery directory")
-        config = {
+        config = {  # self._add_config: base_config's (the security), see kafka_source
             "group.id": "BYTEWAX_IGNORED",  # offsets live in Bytewax's recovery state, not a group
             "enable.auto.commit": "false",
             "bootstrap.servers": ",".join(self._brokers),
@@ -223,7 +222,7 @@ def kafka_source(
 
         raise ServiceUnavailable(f"topics {missing} do not exist on {bootstrap}; fix: run `rtrl topics` first")
     return PacedKafkaSource(
-        [bootstrap],
+        [str(bootstrap)],
         topics,
         tail=tail,
         batch_size=SOURCE_BATCH_SIZE,
@@ -231,7 +230,10 @@ def kafka_source(
         timeout_s=timeout_s,
         keyed=keyed,
         stop=stop,
-        add_config={
+        # base_config: the cluster's security (a KafkaConnection's) and the logger; Bytewax adds add_config to
+        # its partition-listing AdminClient too, build_part to each partition's consumer
+        add_config=base_config(bootstrap)
+        | {
             "socket.connection.setup.timeout.ms": str(int(timeout_s * 1000)),
             # Each partition has its own consumer. Bounded prefetch and few, large, long-polled
             # fetches keep four consumers from out-fetching the worker (bench/RESULTS.md: 7.8k ->
@@ -243,6 +245,5 @@ def kafka_source(
             # Bytewax asks each consumer for librdkafka's statistics JSON every second only to
             # export a consumer-lag gauge; building and parsing it is pure overhead here
             "statistics.interval.ms": "0",
-            "logger": logging.getLogger("rtrl.kafka"),
         },
     )

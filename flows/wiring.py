@@ -7,13 +7,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from rtrl.errors import ConfigError
+from rtrl.kafka import KafkaConnection, connection
 from rtrl.settings import Settings
 
 
-def require_bootstrap(settings: Settings, bootstrap: str | None) -> str:
-    """``bootstrap`` or ``kafka.bootstrap``; a ConfigError with the fix when neither is set (a flow never
-    starts a broker itself: that is the application's job, ``rtrl flow NAME``)."""
-    bootstrap = bootstrap or settings.kafka.bootstrap
+def require_bootstrap(settings: Settings, bootstrap: str | None) -> KafkaConnection:
+    """``bootstrap`` or ``kafka.bootstrap``, with the ``kafka`` section's security (:func:`rtrl.kafka.connection`);
+    a ConfigError with the fix when neither is set (a flow never starts a broker itself: that is the
+    application's job, ``rtrl flow NAME``)."""
+    bootstrap = connection(settings.kafka, bootstrap)
     if not bootstrap:
         raise ConfigError(
             "kafka.bootstrap is empty and no broker address was given; fix: set kafka.bootstrap "

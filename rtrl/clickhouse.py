@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
+import ssl
 import threading
 import time
 import urllib.error
@@ -188,11 +189,16 @@ def connect(dsn: str, timeout_s: float = 10.0) -> Any:
     if dsn.startswith(("http://", "https://")):
         deadline = time.monotonic() + timeout_s
         ping(dsn, timeout_s)  # bounded: the client's own first query would wait send_receive_timeout, twice
+        dsn, tls = split_tls(dsn)
         dsn, password = split_password_file(dsn)
 
         def open_client() -> Any:
             client = clickhouse_connect.get_client(
-                dsn=dsn, password=password or "", connect_timeout=timeout_s, send_receive_timeout=max(timeout_s, 30.0)
+                dsn=dsn,
+                password=password or "",
+                connect_timeout=timeout_s,
+                send_receive_timeout=max(timeout_s, 30.0),
+                **tls,
             )
             client.command("SELECT 1")
             return client
@@ -210,6 +216,57 @@ def connect(dsn: str, timeout_s: float = 10.0) -> Any:
                 "fix: start it or point clickhouse.dsn (RTRL_CLICKHOUSE__DSN) at a reachable server"
             ) from None
     raise ConfigError(f"clickhouse.dsn {dsn!r} must start with chdb:// or http(s)://")
+
+
+#: TLS parameters of an https DSN (what ``Settings.clickhouse_dsn`` adds from the ``clickhouse`` section)
+TLS_PARAMS = ("ca_cert", "verify", "client_cert", "client_cert_key")
+
+
+def split_tls(dsn: str) -> tuple[str, dict[str, Any]]:
+    """``dsn`` without its TLS parameters (:data:`TLS_PARAMS`), and clickhouse-connect's arguments for them:
+    for ``https://`` always ``secure=True`` (clickhouse-connect itself takes https only on ports 443/8443),
+    ``verify`` a bool, the file paths checked to exist (a ConfigError naming the setting otherwise). An
+    ``http://`` DSN with TLS parameters is a ConfigError; chdb takes none."""
+    u = urlsplit(dsn)
+    pairs = parse_qsl(u.query, keep_blank_values=True)
+    found = {k: v for k, v in pairs if k in TLS_PARAMS}
+    if u.scheme != "https":
+        if found:
+            raise ConfigError(
+                f"ClickHouse DSN {redact(dsn)} has TLS parameters ({', '.join(found)}) but is not https://; fix: "
+                "use the server's https:// address, or remove clickhouse.ca_cert / verify / client_cert(_key)"
+            )
+        return dsn, {}
+    tls: dict[str, Any] = {"secure": True, "verify": found.get("verify", "true").lower() not in ("false", "0", "no")}
+    for key in ("ca_cert", "client_cert", "client_cert_key"):
+        path = found.get(key)
+        if not path:
+            continue
+        if not (key == "ca_cert" and path == "certifi") and not Path(path).is_file():
+            raise ConfigError(
+                f"clickhouse.{key} = {path!r} is not a readable file; fix: point clickhouse.{key} "
+                f"(RTRL_CLICKHOUSE__{key.upper()}) at the PEM file (e.g. a mounted Kubernetes Secret)"
+                + (" or set it to 'certifi'" if key == "ca_cert" else "")
+            )
+        tls[key] = path
+    rest = urlencode([(k, v) for k, v in pairs if k not in TLS_PARAMS])
+    return urlunsplit(u._replace(query=rest)), tls
+
+
+def ssl_context(tls: dict[str, Any]) -> ssl.SSLContext:
+    """The TLS context of :func:`split_tls`'s arguments, for rtrl's own requests (:func:`ping`)."""
+    ca = tls.get("ca_cert")
+    if ca == "certifi":
+        import certifi
+
+        ca = certifi.where()
+    ctx = ssl.create_default_context(cafile=ca)
+    if not tls.get("verify", True):
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    if tls.get("client_cert"):
+        ctx.load_cert_chain(tls["client_cert"], tls.get("client_cert_key"))
+    return ctx
 
 
 def split_password_file(dsn: str) -> tuple[str, str | None]:
@@ -258,9 +315,11 @@ def ping(dsn: str, timeout_s: float) -> None:
     in all (connect, send and a server that accepts and then says nothing or drips bytes)."""
     u = urlsplit(dsn)
     url = f"{u.scheme}://{u.hostname}:{u.port or (8443 if u.scheme == 'https' else 8123)}/ping"
+    tls = split_tls(dsn)[1]
+    context = ssl_context(tls) if tls else None
 
     def probe() -> bytes:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 - http(s) checked above
+        with urllib.request.urlopen(url, timeout=timeout_s, context=context) as r:  # noqa: S310 - http(s) checked
             return r.read(64)
 
     try:
@@ -273,6 +332,13 @@ def ping(dsn: str, timeout_s: float) -> None:
     except urllib.error.HTTPError as e:
         why = f"HTTP {e.code} on /ping"
     except urllib.error.URLError as e:
+        if isinstance(e.reason, ssl.SSLCertVerificationError):
+            raise ConfigError(
+                f"ClickHouse server at {redact(dsn)} presented a certificate that does not verify "
+                f"({e.reason.verify_message}); fix: set clickhouse.ca_cert (RTRL_CLICKHOUSE__CA_CERT) to the PEM "
+                "file of the CA that signed it (or 'certifi' for a public CA), and connect by a host name the "
+                "certificate names"
+            ) from None
         why = str(e.reason)
     except Exception as e:  # noqa: BLE001 - any failure of the probe is the server not answering
         why = f"{type(e).__name__}: {e}"

@@ -8,22 +8,104 @@ with no deadline; flows call :func:`check_broker` before building one).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from rtrl.errors import ConfigError, SchemaMismatch, ServiceUnavailable
-from rtrl.settings import Settings
+from rtrl.settings import KafkaSettings, Settings
 from schemas.topics import TOPICS, TopicSpec
 
 log = logging.getLogger("rtrl.kafka")
 
 
+class KafkaConnection(str):
+    """A broker address (``host:port,...``) carrying the librdkafka security settings of its cluster.
+
+    It is a ``str`` on purpose: every rtrl function takes the broker as ``bootstrap: str``, prints it in its
+    messages and hands it on, and all of them keep doing so unchanged, while :func:`base_config` - which
+    every Producer, Consumer and AdminClient of rtrl is built from (tests/test_secure_connections.py holds
+    the code to that) - adds :attr:`security` to the client's settings. A plain ``str`` is a PLAINTEXT broker
+    (the local one, a test's). Build one from settings with :func:`connection`; anything derived from it
+    by string operations (``split``, ``+``) is a plain ``str`` again, without the security. The secrets in
+    :attr:`security` never show: ``str()`` is the address, ``repr()`` names the protocol only.
+    """
+
+    security: dict[str, str]
+
+    def __new__(cls, bootstrap: str, security: Mapping[str, str] | None = None) -> KafkaConnection:
+        self = super().__new__(cls, bootstrap)
+        self.security = dict(security or {})
+        return self
+
+    def __repr__(self) -> str:
+        return (
+            f"KafkaConnection({str(self)!r}, security.protocol={self.security.get('security.protocol', 'PLAINTEXT')})"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled with its security (a flow's parts may be)
+        return (KafkaConnection, (str(self), self.security))
+
+
+def security_config(k: KafkaSettings) -> dict[str, str]:
+    """The librdkafka security properties of the ``kafka`` settings (empty for PLAINTEXT): the one mapping from
+    settings to ``security.protocol`` / ``sasl.*`` / ``ssl.*``. Files named by ``kafka.ssl_*`` must exist now
+    (a ConfigError naming the setting otherwise): librdkafka would report them only when the client starts."""
+    cfg: dict[str, str] = {}
+    if k.security_protocol == "PLAINTEXT":
+        return cfg
+    cfg["security.protocol"] = k.security_protocol
+    if k.security_protocol.startswith("SASL_"):
+        cfg["sasl.mechanism"] = k.sasl_mechanism
+        if k.sasl_mechanism == "OAUTHBEARER":
+            cfg |= {
+                "sasl.oauthbearer.method": "oidc",
+                "sasl.oauthbearer.token.endpoint.url": k.oauth_token_endpoint_url,
+                "sasl.oauthbearer.client.id": k.oauth_client_id,
+                "sasl.oauthbearer.client.secret": k.oauth_client_secret,
+            }
+            if k.oauth_scope:
+                cfg["sasl.oauthbearer.scope"] = k.oauth_scope
+        else:
+            cfg |= {"sasl.username": k.sasl_username, "sasl.password": k.sasl_password}
+    if k.security_protocol.endswith("SSL"):
+        files = {
+            "ssl_ca_location": "ssl.ca.location",
+            "ssl_certificate_location": "ssl.certificate.location",
+            "ssl_key_location": "ssl.key.location",
+        }
+        for name, prop in files.items():
+            path = getattr(k, name)
+            if not path:
+                continue
+            if not Path(path).is_file():
+                raise ConfigError(
+                    f"kafka.{name} = {path!r} is not a readable file; fix: point kafka.{name} "
+                    f"(RTRL_KAFKA__{name.upper()}) at the PEM file (e.g. a mounted Kubernetes Secret)"
+                )
+            cfg[prop] = path
+        if k.ssl_key_password:
+            cfg["ssl.key.password"] = k.ssl_key_password
+        cfg["ssl.endpoint.identification.algorithm"] = k.ssl_endpoint_identification
+    return cfg
+
+
+def connection(k: KafkaSettings, bootstrap: str | None = None) -> KafkaConnection:
+    """The cluster rtrl's clients connect to: ``bootstrap`` (default ``kafka.bootstrap``) with the ``kafka``
+    section's security. A ``bootstrap`` that is a KafkaConnection already is returned as it is."""
+    if isinstance(bootstrap, KafkaConnection):
+        return bootstrap
+    return KafkaConnection(bootstrap or k.bootstrap, security_config(k))
+
+
 def base_config(bootstrap: str) -> dict[str, Any]:
-    """librdkafka settings every rtrl client shares (its logs go to Python logging, not stderr)."""
-    return {"bootstrap.servers": bootstrap, "logger": log}
+    """librdkafka settings every rtrl client shares: the brokers, their security when ``bootstrap`` is a
+    :class:`KafkaConnection`, and its logs to Python logging (not stderr). Every Producer, Consumer and
+    AdminClient of rtrl is built from this (or :func:`producer_config`, which starts from it)."""
+    return {"bootstrap.servers": str(bootstrap), "logger": log} | getattr(bootstrap, "security", {})
 
 
 def producer_config(bootstrap: str, compression: str = "zstd", **overrides: Any) -> dict[str, Any]:
@@ -54,6 +136,12 @@ def check_broker(bootstrap: str, timeout_s: float = 10.0) -> Any:
         raise ServiceUnavailable(
             f"Kafka broker at {bootstrap} did not answer within {timeout_s:g}s ({e.args[0].str() if e.args else e}); "
             "fix: start it (`rtrl broker up`) or set kafka.bootstrap (RTRL_KAFKA__BOOTSTRAP)"
+            + (
+                f", and check kafka.security_protocol ({bootstrap.security.get('security.protocol', 'PLAINTEXT')}) "
+                "and the kafka.sasl_* / kafka.ssl_* / kafka.oauth_* settings match the cluster's listener"
+                if isinstance(bootstrap, KafkaConnection) and bootstrap.security
+                else ""
+            )
         ) from None
 
 
@@ -278,10 +366,10 @@ def read_topic(bootstrap: str, topic: str, timeout_s: float = 30.0, batch: int =
 
 
 def ensure_topics_for(settings: Settings, bootstrap: str) -> list[str]:
-    """:func:`ensure_topics` with the ``kafka`` section's prefix, partitions, replication and timeout."""
+    """:func:`ensure_topics` with the ``kafka`` section's prefix, partitions, replication, timeout and security."""
     k = settings.kafka
     return ensure_topics(
-        bootstrap,
+        connection(k, bootstrap),
         k.topic_prefix,
         k.partitions,
         timeout_s=k.timeout_s,

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal, cast
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 from pydantic import (
     BaseModel,
@@ -47,7 +47,13 @@ from rtrl.errors import ConfigError
 ENV_PREFIX = "RTRL_"
 ENV_CONFIG_FILE = "RTRL_CONFIG"
 #: settings whose values are secrets: shown as ``***`` by describe() and repr
-SECRETS = ("sdk.salt",)
+SECRETS = (
+    "sdk.salt",
+    "kafka.sasl_password",
+    "kafka.oauth_client_secret",
+    "kafka.ssl_key_password",
+    "clickhouse.password",
+)
 #: the SDK's salt when none is set: public (it is in this file), so refused outside local mode
 DEFAULT_SALT = "rtrl-local-dev-salt"
 
@@ -83,6 +89,20 @@ class Section(BaseModel):
 # ---------------------------------------------------------------- foundation: services
 
 
+#: Kafka settings used only with SASL, only with OAUTHBEARER (required then), only with TLS
+_SASL_FIELDS = (
+    "sasl_mechanism",
+    "sasl_username",
+    "sasl_password",
+    "oauth_token_endpoint_url",
+    "oauth_client_id",
+    "oauth_client_secret",
+    "oauth_scope",
+)
+_OAUTH_REQUIRED = ("oauth_token_endpoint_url", "oauth_client_id", "oauth_client_secret")
+_SSL_FIELDS = ("ssl_ca_location", "ssl_certificate_location", "ssl_key_location", "ssl_key_password")
+
+
 class KafkaSettings(Section):
     bootstrap: str = _s("", "host:port list of the Kafka brokers; empty = start a local noida-db broker")
     topic_prefix: str = _s("rtrl.", "prefix of every topic name (rtrl.events, ...)", pattern=r"^[A-Za-z0-9._-]+$")
@@ -106,6 +126,47 @@ class KafkaSettings(Section):
     compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = _s(
         "zstd", "codec of every rtrl producer (none, gzip, snappy, lz4, zstd); JSON batches shrink several-fold"
     )
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = _s(
+        "PLAINTEXT",
+        "how every Kafka client reaches the brokers: PLAINTEXT (the local broker), SSL (TLS), SASL_PLAINTEXT "
+        "or SASL_SSL (SASL login, over TLS with SASL_SSL); librdkafka's security.protocol",
+    )
+    sasl_mechanism: Literal["", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] = _s(
+        "",
+        "SASL mechanism with a SASL_* security_protocol: PLAIN or SCRAM-SHA-256/512 (sasl_username, "
+        "sasl_password) or OAUTHBEARER (an OIDC client-credentials token: oauth_* settings)",
+    )
+    sasl_username: str = _s("", "SASL user of PLAIN / SCRAM-SHA-*")
+    sasl_password: str = _s(
+        "", "SASL password of PLAIN / SCRAM-SHA-*: a secret, from RTRL_KAFKA__SASL_PASSWORD(_FILE) only", repr=False
+    )
+    oauth_token_endpoint_url: str = _s(
+        "", "OAUTHBEARER: the OIDC token endpoint (https://...) the client-credentials token is fetched from"
+    )
+    oauth_client_id: str = _s("", "OAUTHBEARER: the OIDC client id")
+    oauth_client_secret: str = _s(
+        "",
+        "OAUTHBEARER: the OIDC client secret: a secret, from RTRL_KAFKA__OAUTH_CLIENT_SECRET(_FILE) only",
+        repr=False,
+    )
+    oauth_scope: str = _s("", "OAUTHBEARER: the scope asked for (space-separated); empty = the provider's default")
+    ssl_ca_location: str = _s(
+        "", "SSL / SASL_SSL: PEM file of the CA(s) that signed the brokers' certificates; empty = the system's CAs"
+    )
+    ssl_certificate_location: str = _s(
+        "", "SSL / SASL_SSL: PEM file of this client's certificate (mutual TLS; with ssl_key_location)"
+    )
+    ssl_key_location: str = _s("", "SSL / SASL_SSL: PEM file of this client's private key (mutual TLS)")
+    ssl_key_password: str = _s(
+        "",
+        "password of an encrypted ssl_key_location: a secret, from RTRL_KAFKA__SSL_KEY_PASSWORD(_FILE) only",
+        repr=False,
+    )
+    ssl_endpoint_identification: Literal["https", "none"] = _s(
+        "https",
+        "SSL / SASL_SSL: https = the broker's certificate must name the host connected to; none = any name "
+        "(only for brokers whose certificates do not name them)",
+    )
 
     @field_validator("bootstrap")
     @classmethod
@@ -127,6 +188,60 @@ class KafkaSettings(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _security(self) -> KafkaSettings:
+        """Every combination librdkafka would refuse or silently ignore, refused here naming the fix."""
+        proto, mech = self.security_protocol, self.sasl_mechanism
+        sasl, tls = proto.startswith("SASL_"), proto.endswith("SSL")
+        if sasl and not mech:
+            raise ValueError(
+                f"kafka.security_protocol = {proto!r} needs kafka.sasl_mechanism; fix: set it to PLAIN, "
+                "SCRAM-SHA-256, SCRAM-SHA-512 or OAUTHBEARER (RTRL_KAFKA__SASL_MECHANISM)"
+            )
+        unused = [f for f in _SASL_FIELDS if getattr(self, f)] if not sasl else []
+        if sasl and mech != "OAUTHBEARER":
+            unused = [f for f in _SASL_FIELDS if f.startswith("oauth_") and getattr(self, f)]
+            missing = [f for f in ("sasl_username", "sasl_password") if not getattr(self, f)]
+        elif sasl:
+            unused = [f for f in ("sasl_username", "sasl_password") if getattr(self, f)]
+            missing = [f for f in _OAUTH_REQUIRED if not getattr(self, f)]
+        else:
+            missing = []
+        if not tls:
+            unused += [f for f in _SSL_FIELDS if getattr(self, f)]
+            if self.ssl_endpoint_identification != "https":
+                unused.append("ssl_endpoint_identification")
+        if missing:
+            raise ValueError(
+                f"kafka.sasl_mechanism = {mech!r} needs "
+                + ", ".join(f"kafka.{f}" for f in missing)
+                + "; fix: set "
+                + ", ".join(f"RTRL_KAFKA__{f.upper()}" for f in missing)
+                + " (secrets only in the environment or a mounted Secret file, RTRL_..._FILE)"
+            )
+        if unused:
+            raise ValueError(
+                ", ".join(f"kafka.{f}" for f in unused) + f" set but not used with kafka.security_protocol = "
+                f"{proto!r}"
+                + (f" and kafka.sasl_mechanism = {mech!r}" if sasl else "")
+                + "; fix: remove "
+                + ("it" if len(unused) == 1 else "them")
+                + " or choose the protocol/mechanism that uses "
+                + ("it" if len(unused) == 1 else "them")
+            )
+        if bool(self.ssl_certificate_location) != bool(self.ssl_key_location):
+            raise ValueError(
+                "kafka.ssl_certificate_location and kafka.ssl_key_location go together (mutual TLS); fix: set both "
+                "or neither"
+            )
+        if self.ssl_key_password and not self.ssl_key_location:
+            raise ValueError("kafka.ssl_key_password set without kafka.ssl_key_location; fix: set both or neither")
+        if self.oauth_token_endpoint_url and not self.oauth_token_endpoint_url.startswith(("https://", "http://")):
+            raise ValueError(
+                f"kafka.oauth_token_endpoint_url = {self.oauth_token_endpoint_url!r} must be an http(s):// URL"
+            )
+        return self
+
 
 class ClickHouseSettings(Section):
     dsn: str = _s("", "ClickHouse DSN; empty = embedded chdb:///<data_dir>/clickhouse")
@@ -137,6 +252,23 @@ class ClickHouseSettings(Section):
         "file holding the password of the DSN's user, read when connecting (the DSN and environment then carry "
         "no secret; same as a password_file=PATH parameter in the DSN); empty = the DSN's own",
     )
+    user: str = _s("", "user rtrl logs in as on an http(s) server; empty = the DSN's own (else `default`)")
+    password: str = _s(
+        "",
+        "that user's password: a secret, from RTRL_CLICKHOUSE__PASSWORD only (or, as a file, "
+        "clickhouse.password_file); empty = password_file's, else the DSN's own",
+        repr=False,
+    )
+    ca_cert: str = _s(
+        "",
+        "https DSN: PEM file of the CA(s) that signed the server's certificate, or 'certifi' (Mozilla's "
+        "bundle); empty = the system's CAs",
+    )
+    verify: bool = _s(
+        True, "https DSN: check the server's certificate and host name (false only for a throwaway test server)"
+    )
+    client_cert: str = _s("", "https DSN: PEM file of this client's certificate (mutual TLS)")
+    client_cert_key: str = _s("", "https DSN: PEM file of client_cert's private key, if not in client_cert")
 
     @field_validator("dsn")
     @classmethod
@@ -152,6 +284,35 @@ class ClickHouseSettings(Section):
         raise ValueError(
             "must be empty (embedded chdb under data_dir), chdb:///abs/path, chdb://memory or http(s)://host:port"
         )
+
+    @model_validator(mode="after")
+    def _credentials(self) -> ClickHouseSettings:
+        u = urlsplit(self.dsn) if self.dsn.startswith(("http://", "https://")) else None
+        if self.password and self.password_file:
+            raise ValueError(
+                "clickhouse.password and clickhouse.password_file are both set; fix: keep one (the file is how "
+                "a mounted Secret gives it)"
+            )
+        same = u is not None and self.password != "" and unquote(u.password or "") == self.password  # a child's
+        if (self.password or self.password_file) and u is not None and u.password is not None and not same:
+            raise ValueError(
+                "clickhouse.dsn carries a password and clickhouse.password(_file) another; fix: remove it from the DSN"
+            )
+        if self.user and u is not None and u.username and u.username != self.user:
+            raise ValueError(
+                f"clickhouse.user = {self.user!r} but clickhouse.dsn names user {u.username!r}; fix: keep one"
+            )
+        tls = [f for f in ("ca_cert", "client_cert", "client_cert_key") if getattr(self, f)]
+        tls += [] if self.verify else ["verify"]
+        if tls and not self.dsn.startswith("https://"):
+            raise ValueError(
+                ", ".join(f"clickhouse.{f}" for f in tls) + " set but clickhouse.dsn is not https:// (TLS settings "
+                "apply to an https server only; the embedded chdb and http:// use none); fix: remove them or set "
+                "clickhouse.dsn to the server's https:// address"
+            )
+        if self.client_cert_key and not self.client_cert:
+            raise ValueError("clickhouse.client_cert_key set without clickhouse.client_cert; fix: set both")
+        return self
 
     def __repr_args__(self):  # a password in the DSN never reaches a log
         for k, v in super().__repr_args__():
@@ -975,6 +1136,16 @@ class Settings(BaseSettings):
             )
         return self
 
+    @model_validator(mode="after")
+    def _local_broker_plaintext(self) -> Settings:
+        if not self.kafka.bootstrap and self.kafka.security_protocol != "PLAINTEXT":
+            raise ValueError(
+                f"kafka.security_protocol = {self.kafka.security_protocol!r} but kafka.bootstrap is empty: rtrl then "
+                "starts the dev-only local broker, which speaks PLAINTEXT only; fix: set kafka.bootstrap "
+                "(RTRL_KAFKA__BOOTSTRAP) to the secured cluster's brokers, or remove the kafka security settings"
+            )
+        return self
+
     @property
     def local(self) -> bool:
         """Local mode: every service is embedded or on loopback (where the public default salt is allowed)."""
@@ -1000,13 +1171,31 @@ class Settings(BaseSettings):
 
     @property
     def clickhouse_dsn(self) -> str:
-        dsn = self.clickhouse.dsn or f"chdb://{self.data_path / 'clickhouse'}"
-        if self.clickhouse.password_file and dsn.startswith("http") and "password_file=" not in dsn:
-            # rtrl.clickhouse.connect reads the password from the file named in the DSN
-            dsn += ("&" if "?" in dsn else ("?" if dsn.count("/") > 2 else "/?")) + urlencode(
-                {"password_file": self.clickhouse.password_file}
-            )
-        return dsn
+        """The DSN every ClickHouse client of rtrl opens (:func:`rtrl.clickhouse.connect`): ``clickhouse.dsn``
+        (or the embedded folder) with the ``clickhouse`` section's user and password in it and, for https, its
+        TLS settings as parameters (``ca_cert``, ``verify``, ``client_cert``, ``client_cert_key``) that
+        :func:`rtrl.clickhouse.connect` and :func:`rtrl.clickhouse.ping` take out and apply. The password, if
+        any, is in the DSN's user part, which every message shows as ``***`` (:func:`redact_dsn`)."""
+        ch = self.clickhouse
+        dsn = ch.dsn or f"chdb://{self.data_path / 'clickhouse'}"
+        if not dsn.startswith(("http://", "https://")):
+            return dsn  # the embedded chdb: no login, no TLS
+        u = urlsplit(dsn)  # what the DSN has already stays (a child's clickhouse.dsn is its parent's clickhouse_dsn)
+        if (ch.user and not u.username) or (ch.password and u.password is None):
+            user = u.username or quote(ch.user or "default", safe="")
+            login = user + (":" + quote(ch.password, safe="") if ch.password else "")
+            u = u._replace(netloc=f"{login}@{u.netloc.rpartition('@')[2]}")
+        params: dict[str, str] = {}
+        if ch.password_file:
+            params["password_file"] = ch.password_file  # rtrl.clickhouse.connect reads the file
+        params |= {k: getattr(ch, k) for k in ("ca_cert", "client_cert", "client_cert_key") if getattr(ch, k)}
+        if not ch.verify:
+            params["verify"] = "false"
+        have = {k for k, _ in parse_qsl(u.query, keep_blank_values=True)}
+        params = {k: v for k, v in params.items() if k not in have}
+        if params:
+            u = u._replace(path=u.path or "/", query="&".join(q for q in (u.query, urlencode(params)) if q))
+        return urlunsplit(u)
 
     def topic(self, name: str) -> str:
         """Full topic name for a logical name such as ``events``."""
@@ -1155,21 +1344,59 @@ def load_settings(path: str | os.PathLike | None = None, env: Mapping[str, str] 
                 raise _unknown(key, known, f"file {p}")
             else:
                 sources[key] = f"file {p}"
+        _refuse_file_secrets(doc, p)
     ours: dict[str, str] = {}
     for var, value in env.items():
         if not var.upper().startswith(ENV_PREFIX) or var.upper() == ENV_CONFIG_FILE:
             continue
         name = var[len(ENV_PREFIX) :].lower().replace("__", ".")
+        given = var
+        if name not in known and name.endswith("_file") and name[: -len("_file")] in SECRETS:  # a mounted Secret
+            name = name[: -len("_file")]
+            if any(v.upper() == env_name(name) for v in env):
+                raise ConfigError(f"both {env_name(name)} and {var} are set; fix: keep one")
+            var, value = env_name(name), _secret_file(var, value)
         if name not in known:
             raise _unknown(name, known, f"environment variable {var}")
-        sources[name] = f"environment variable {var}"
-        sources.setdefault(name.partition(".")[0], f"environment variable {var}")
+        sources[name] = f"environment variable {given}"
+        sources.setdefault(name.partition(".")[0], f"environment variable {given}")
         ours[var] = value
     token = _ENV.set(ours)
     try:
         return _validate(lambda: Settings(**doc), "defaults", sources)
     finally:
         _ENV.reset(token)
+
+
+def _refuse_file_secrets(doc: Mapping[str, Any], path: Path) -> None:
+    """Secrets come from the environment or a mounted Secret only, never a settings file (which is checked in,
+    copied and shown): each one found in ``doc`` is a ConfigError naming the setting and the fix."""
+    for name in SECRETS:
+        sec, _, key = name.partition(".")
+        if key in (doc.get(sec) or {}):
+            raise ConfigError(
+                f"setting {name} is a secret but is written in the config file {path}; fix: remove it from the file "
+                f"and give it with {env_name(name)} (e.g. from a Kubernetes Secret via secretKeyRef) or as a mounted "
+                f"file named by {env_name(name)}_FILE"
+            )
+    dsn = (doc.get("clickhouse") or {}).get("dsn")
+    if isinstance(dsn, str) and dsn.startswith(("http://", "https://")) and urlsplit(dsn).password is not None:
+        raise ConfigError(
+            f"setting clickhouse.dsn = {redact_dsn(dsn)!r} in the config file {path} carries a password; fix: remove "
+            "it from the DSN and give it with RTRL_CLICKHOUSE__PASSWORD or clickhouse.password_file (a mounted "
+            "Secret)"
+        )
+
+
+def _secret_file(var: str, path: str) -> str:
+    """The secret in the file ``path`` named by the environment variable ``var`` (``RTRL_..._FILE``), stripped."""
+    try:
+        return Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(
+            f"{var} = {path!r} cannot be read ({getattr(e, 'strerror', None) or e}); fix: point it at the file "
+            "holding the secret (e.g. a mounted Kubernetes Secret) or unset it"
+        ) from None
 
 
 def as_env(settings: Settings) -> dict[str, str]:

@@ -173,6 +173,10 @@ RULES = (
     Rule(r"rtrl broker (up\|down\|status|up|down|status)", "test_service_commands_in_order"),
     Rule(r"rtrl (topics|migrate)", "test_service_commands_in_order"),
     Rule(r"rtrl clickhouse serve( \[--port P\]| --port \d+)?", "test_service_commands_in_order"),
+    Rule(
+        r"rtrl clickhouse serve --certfile \S+ --keyfile \S+",
+        "tests/test_secure_connections.py::test_rtrl_clickhouse_serve_over_tls",
+    ),
     Rule(r"rtrl part (rewards\|batches\|serve\|train|rewards|batches)( --to-end)?", "test_service_commands_in_order"),
     Rule(r"rtrl part (serve|train)", "test_processes_mode_shortened"),
     Rule(r"rtrl simulate( \[--policy-version N\])?", "test_service_commands_in_order"),

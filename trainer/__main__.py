@@ -27,9 +27,10 @@ def main(argv: list[str] | None = None) -> int:
                 "kafka.bootstrap is empty; fix: set kafka.bootstrap (RTRL_KAFKA__BOOTSTRAP) to the "
                 "cluster, or use `rtrl train`, which starts the local broker"
             )
+        from rtrl.kafka import connection
         from trainer.run import run
 
-        run(settings, settings.kafka.bootstrap)
+        run(settings, connection(settings.kafka))
     except RtrlError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

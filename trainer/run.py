@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rtrl import clickhouse, metrics
+from rtrl.kafka import connection
 from rtrl.settings import Settings
 from schemas.records import TrainStep
 from trainer import checkpoint
@@ -44,6 +45,7 @@ def run(settings: Settings, bootstrap: str, console: Console | None = None) -> l
     """Train on ``rtrl.batches`` with the model, layout and precision of the settings (``model``,
     ``parallel``, ``precision``) and the optimizer and loss of ``train`` and ``loss``."""
     console = console or Console()
+    bootstrap = connection(settings.kafka, bootstrap)  # the cluster's security travels with the address
     ts = settings.train
     torch.set_num_threads(torch_threads(ts.torch_threads))
     cfg, precision = model_config(settings)
