@@ -5,9 +5,11 @@ The behaviour alerts mirror the promotion gate's monitors (:data:`monitors.alert
 stream: the same metrics, directions, thresholds and floors, computed from the reward flow's
 ``rtrl_trajectory_behaviour_total`` counters over the last hour against the six hours before it (a promoted
 candidate that starts a reward hack shows there before the next gate). The operational alerts cover what the
-runbook (``deploy/RUNBOOK.md``) tells an on-call engineer to do: consumer lag growing, a dead-letter spike, a
-trainer that stopped, a training-inference mismatch, a rollback, a part down. ``python -m app.deploy`` writes the
-files; ``tests/test_deploy.py`` fails when they differ from what this module makes.
+runbook (``deploy/RUNBOOK.md``) tells an on-call engineer to do: consumer lag growing, a flow that stopped
+polling, a dead-letter spike, a trainer that stopped, a training-inference mismatch, a rollback, a part down (its
+scrape job named ``rtrl-<part>``). The mismatch limit is :class:`monitors.alerts.MismatchRule`'s default, as
+``loop.mismatch_log_ratio_max``'s is: a deployment that changes that setting edits the rule.
+``python -m app.deploy`` writes the files; ``tests/test_deploy.py`` fails when they differ from what this module makes.
 """
 
 from __future__ import annotations
@@ -75,9 +77,10 @@ def prometheus_rules() -> dict[str, Any]:
             {
                 "alert": name,
                 # the gate's rule: the move in the bad direction over max(baseline, floor) beyond the threshold,
-                # with at least min_samples trajectories in the last hour
+                # with at least min_samples trajectories on both sides
                 "expr": f"({bad}) > {rule.threshold:g} * clamp_min({base}, {rule.floor:g})\n"
-                f"and sum(increase(rtrl_trajectories_total[1h])) >= {rule.min_samples}",
+                f"and sum(increase(rtrl_trajectories_total[1h])) >= {rule.min_samples}\n"
+                f"and sum(increase(rtrl_trajectories_total[6h] offset 1h)) >= {rule.min_samples}",
                 "for": "15m",
                 "labels": {"severity": "page", "monitor": rule.metric},
                 "annotations": {
@@ -103,24 +106,37 @@ def prometheus_rules() -> dict[str, Any]:
         },
         {
             "alert": "RtrlDeadLetterSpike",
-            "expr": "sum by (flow) (rate(rtrl_dead_letters_total[10m]))\n"
+            # duplicates, late and future events come with at-least-once delivery and clocks: not a producer bug
+            "expr": 'sum by (flow) (rate(rtrl_dead_letters_total{kind!~"duplicate|too_late|future"}[10m]))\n'
             "/ sum by (flow) (rate(rtrl_events_total[10m])) > 0.05",
             "for": "10m",
             "labels": {"severity": "ticket"},
             "annotations": {
-                "summary": "more than 5% of what {{ $labels.flow }} reads is dead-lettered",
+                "summary": "more than 5% of what {{ $labels.flow }} reads is dead-lettered as malformed or invalid",
                 "runbook_url": _anchor("RtrlDeadLetterSpike"),
             },
         },
         {
             "alert": "RtrlTrainerStopped",
-            "expr": 'time() - max(rtrl_trainer_last_step_timestamp_seconds{adapter=""}) > 1800\n'
-            "and sum(rate(rtrl_batches_total[30m])) > 0",
+            # no step in an hour while batches come (a trainer never started counts: its series starts at 0); an hour
+            # leaves room for the eval gate and the live A/B between a cycle's steps
+            "expr": "sum(rate(rtrl_batches_total[1h])) > 0\n"
+            'unless sum(increase(rtrl_trainer_steps_total{adapter=""}[1h])) > 0',
+            "for": "15m",
+            "labels": {"severity": "page"},
+            "annotations": {
+                "summary": "micro-batches keep coming but the shared policy's trainer has not stepped for an hour",
+                "runbook_url": _anchor("RtrlTrainerStopped"),
+            },
+        },
+        {
+            "alert": "RtrlFlowStalled",
+            "expr": "time() - max by (flow) (rtrl_consumer_last_poll_timestamp_seconds) > 300",
             "for": "5m",
             "labels": {"severity": "page"},
             "annotations": {
-                "summary": "micro-batches keep coming but the shared policy's trainer has not stepped for 30 minutes",
-                "runbook_url": _anchor("RtrlTrainerStopped"),
+                "summary": "{{ $labels.flow }} has not polled Kafka for 5 minutes: it is hung (its lag is stale)",
+                "runbook_url": _anchor("RtrlFlowStalled"),
             },
         },
         {
@@ -136,7 +152,11 @@ def prometheus_rules() -> dict[str, Any]:
         },
         {
             "alert": "RtrlRollback",
-            "expr": 'sum by (org) (increase(rtrl_gate_decisions_total{status="rolled_back"}[1h])) > 0',
+            # a rollback in the last hour; the second part catches an org's first one (a new series, which
+            # increase() cannot see)
+            "expr": 'sum by (org) (increase(rtrl_gate_decisions_total{status="rolled_back"}[1h])) > 0\n'
+            'or (sum by (org) (rtrl_gate_decisions_total{status="rolled_back"}) > 0\n'
+            'unless sum by (org) (rtrl_gate_decisions_total{status="rolled_back"} offset 1h))',
             "labels": {"severity": "ticket"},
             "annotations": {
                 "summary": "a promoted version was rolled back (org '{{ $labels.org }}'; '' is the shared policy)",
@@ -193,7 +213,14 @@ def grafana_dashboard() -> dict[str, Any]:
         ),
         ("Open windows", {"partition {{partition}}": "rtrl_open_windows"}, "short"),
         ("Window state in memory", {"partition {{partition}}": "rtrl_window_state_bytes"}, "bytes"),
-        ("Batch staleness: samples per second by policy lag", {"lag {{lag}}": "sum by (lag) (rate(rtrl_batch_samples_total[5m]))"}, "ops"),
+        (
+            "Batch staleness: samples per second by policy lag",
+            {
+                "packed, lag {{lag}}": "sum by (lag) (rate(rtrl_batch_samples_total[5m]))",
+                "dropped as stale, lag {{lag}}": "sum by (lag) (rate(rtrl_batch_samples_dropped_total[5m]))",
+            },
+            "ops",
+        ),
         ("Trainer tokens/s", {"{{adapter}}": "rtrl_trainer_tokens_per_second"}, "short"),
         ("Loss", {"{{adapter}}": "rtrl_trainer_loss"}, "short"),
         ("KL to the reference", {"{{adapter}}": "rtrl_trainer_kl"}, "short"),
@@ -207,8 +234,9 @@ def grafana_dashboard() -> dict[str, Any]:
             "short",
         ),
         ("On-policy fraction", {"{{adapter}}": "rtrl_trainer_on_policy_fraction"}, "percentunit"),
-        ("Gate decisions", {"{{status}} {{org}}": "sum by (status, org) (increase(rtrl_gate_decisions_total[1h]))"}, "short"),
-        ("Serving version", {"serving": "rtrl_serving_version"}, "short"),
+        # the trainer part counts its decisions, the policy server those it sees: the larger is every one
+        ("Gate decisions", {"{{status}} {{org}}": "max by (status, org) (increase(rtrl_gate_decisions_total[1h]))"}, "short"),
+        ("Serving version", {"{{part}}": "max by (part) (rtrl_serving_version)"}, "short"),
         ("Behaviour, live (the gate's rates)", {m: live_rate(m, "1h") for m in LIVE_RATES}, "percentunit"),
     ]  # fmt: skip
     return {

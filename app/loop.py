@@ -540,6 +540,7 @@ class Loop:
         self.weights = Path(st["weights"])
         checkpoint.load(self.weights, self.model, restore_rng=False)
         self.version, self.serving, self.offsets = st["version"], st["serving"], st["offsets"]
+        metrics.SERVING_VERSION.labels(part="train").set(self.serving)
         self.evals = {int(v): e for v, e in st["evals"].items()}
         self.trained = TrainedSet(st["trained"])
         self.cycle_reward = st.get("cycle_reward")
@@ -914,9 +915,7 @@ def announce(settings: Settings, ch, producer: Producer, ck: Checkpoint) -> None
     producer.produce(settings.topic("deployments"), key=key.encode(), value=codec.encode(ck))
     if producer.flush(30):
         raise RuntimeError("deployment announcement not acknowledged")
-    metrics.GATE_DECISIONS.labels(status=ck.status, org=ck.org).inc()
-    if ck.status == "promoted" and not ck.org:
-        metrics.SERVING_VERSION.set(ck.version)
+    metrics.observe_decision(ck.status, ck.org, ck.version, "train")
 
 
 def run_loop(settings: Settings, console: Console | None = None, resume: bool = False) -> list[dict]:
@@ -938,12 +937,11 @@ def run_loop(settings: Settings, console: Console | None = None, resume: bool = 
     torch.set_num_threads(1)  # the policy server, the flows and the broker share the cores
     t0 = time.monotonic()
     services = Services(settings)
-    endpoint = metrics.serve_part(settings, "run")  # one process: every part's metrics on one endpoint
-    endpoint.ready()
-    try:  # the local broker stops whatever ends the run (Ctrl-C included)
-        return _run_in_process(settings, services, console, resume, t0)
+    try:  # the local broker stops whatever ends the run (Ctrl-C included, a metrics port in use too)
+        with metrics.serve_part(settings, "run") as endpoint:  # one process: every part's metrics on one endpoint
+            endpoint.ready()
+            return _run_in_process(settings, services, console, resume, t0)
     finally:
-        endpoint.close()
         services.close()
 
 

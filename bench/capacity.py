@@ -10,7 +10,8 @@ model (parameters, layers, hidden size, mean packed sequence length). Output, as
 derived:
 
 * the stream side: events/s at peak, Kafka partitions of the events topic, reward-flow workers, window state,
-  the ClickHouse insert rate (rows/s and inserts/s per table) and storage per day;
+  the ClickHouse insert rate (rows/s and inserts/s per table) and storage per day, the batches topic's
+  partitions;
 * the trainer side: FLOPs per cycle, trainer GPUs for the model (compute and memory bound, whole nodes of 8),
   from a published MFU or one this project measured (``--mfu``), and whether the trainer's input path keeps up.
 
@@ -126,6 +127,8 @@ class Target:
     flush_s: float = 1.0  # the flow sinks' flush interval (flow.batch_seconds)
     partition_mb_s: float = 5.0  # what one partition of the events topic should carry at most
     rows: int = 8  # rows per micro-batch (batching.rows)
+    min_partitions: int = 8  # partitions of the events topic at least, to add workers later without re-keying
+    model_parallel: int = 8  # tp x pp of the trainer (the data-parallel ranks are the GPUs over it)
 
 
 @dataclass(frozen=True)
@@ -147,11 +150,18 @@ def _bytes(x: float) -> str:
     return f"{x:.0f} B"
 
 
+def attention_span(t: Target) -> float:
+    """Tokens a token attends over: its sample's, not the packed row's (the trainer masks attention per sample)."""
+    return min(t.seq_len, t.tokens_per_trajectory)
+
+
 def flops_per_token(t: Target) -> float:
     """Training FLOPs per trained token: forward and backward (6N plus attention, 12 L d s, as Megatron's papers
-    count it) per update, plus the reference model's forward (2N + 4 L d s) for the KL term."""
-    train = 6 * t.params + 12 * t.layers * t.hidden * t.seq_len
-    ref = 2 * t.params + 4 * t.layers * t.hidden * t.seq_len if t.kl_reference else 0.0
+    count it, s the sample's length) per update, plus the reference model's forward (2N + 4 L d s) for the KL
+    term."""
+    s = attention_span(t)
+    train = 6 * t.params + 12 * t.layers * t.hidden * s
+    ref = 2 * t.params + 4 * t.layers * t.hidden * s if t.kl_reference else 0.0
     return t.updates_per_step * train + ref
 
 
@@ -162,8 +172,9 @@ def trainer_gpus(t: Target) -> tuple[int, int, int]:
     per_gpu = gpu.bf16_tflops * 1e12 * t.mfu * seconds
     compute = math.ceil(t.tokens_per_cycle * flops_per_token(t) / per_gpu)
     # bf16 weights, fp32 gradients (Megatron's DDP accumulates in fp32), fp32 master weights and two Adam moments:
-    # 18 bytes a parameter, sharded over the data-parallel ranks (Megatron's distributed optimizer), and 2 of the
-    # bf16 reference model; in 60% of a GPU's memory, the rest for activations
+    # 18 bytes a parameter, and 2 of the bf16 reference model, in 60% of a GPU's memory (the rest for activations,
+    # not modelled). A lower bound: it assumes every byte sharded, where Megatron's distributed optimizer shards
+    # the 12 of master weights and moments over the data-parallel ranks and tensor/pipeline parallelism the rest
     state = t.params * (STATE_BYTES + (2 if t.kl_reference else 0))
     memory = math.ceil(state / (gpu.memory_gb * 1e9 * 0.6))
 
@@ -191,14 +202,16 @@ def plan(t: Target, measured: dict[str, Figure] = MEASURED) -> list[Line]:
     )
     mb_s = peak * m["event_json_bytes"] / 1e6
     by_bytes = math.ceil(mb_s / t.partition_mb_s)
-    partitions = max(workers, by_bytes)
+    # adding partitions later re-keys trajectories and breaks the windows' per-partition state: start with room
+    partitions = max(workers, by_bytes, t.min_partitions)
     partitions = workers * math.ceil(partitions / workers)  # each worker the same number of partitions
     out.append(
         Line(
             "stream",
             "events topic partitions",
             str(partitions),
-            f"max(workers, {mb_s:,.1f} MB/s at peak / {t.partition_mb_s:g} MB/s a partition), a multiple of workers",
+            f"max(workers, {mb_s:,.1f} MB/s at peak / {t.partition_mb_s:g} MB/s a partition, {t.min_partitions} to "
+            "grow into: adding some later re-keys open windows), a multiple of workers",
         )
     )
     out.append(
@@ -225,7 +238,7 @@ def plan(t: Target, measured: dict[str, Figure] = MEASURED) -> list[Line]:
         "trajectories": traj_s,
         "rollouts": traj_s,
     }
-    inserts = workers / t.flush_s
+    inserts = 1 / t.flush_s  # the flow's ClickHouse sink is one partition: one writer, whatever the workers
     for table, r in rows.items():
         out.append(
             Line(
@@ -244,7 +257,8 @@ def plan(t: Target, measured: dict[str, Figure] = MEASURED) -> list[Line]:
             "clickhouse",
             "inserts/s per table (flow sinks)",
             f"{_n(inserts)}",
-            f"workers / flow.batch_seconds {t.flush_s:g}; keep under ~10/s a table, else raise the interval",
+            f"1 / flow.batch_seconds {t.flush_s:g}: the flow's ClickHouse sink is one writer (it caps a flow's "
+            "rows/s, not the workers' reading); keep it under ~10/s a table",
         )
     )
     per_day = {
@@ -271,11 +285,13 @@ def plan(t: Target, measured: dict[str, Figure] = MEASURED) -> list[Line]:
             "FLOPs per trained token / per cycle",
             f"{flops_per_token(t):.3g} / {flops:.3g}",
             f"{t.updates_per_step} x (6N + 12 L d s)"
-            + (" + reference forward (2N + 4 L d s)" if t.kl_reference else ""),
+            + (" + reference forward (2N + 4 L d s)" if t.kl_reference else "")
+            + f", s = {attention_span(t):,.0f} (a sample's tokens: attention is masked per sample)",
         )
     )
     gpus, compute, memory = trainer_gpus(t)
     gpu = GPUS[t.gpu]
+    dp = max(1, gpus // t.model_parallel)
     out.append(
         Line(
             "trainer",
@@ -285,6 +301,15 @@ def plan(t: Target, measured: dict[str, Figure] = MEASURED) -> list[Line]:
             f"{t.cycle_hours:g} h cycle; memory: {memory} ({STATE_BYTES} B/param of model states"
             + (" + 2 of the reference" if t.kl_reference else "")
             + f" in 60% of {gpu.memory_gb:g} GB)",
+        )
+    )
+    out.append(
+        Line(
+            "trainer",
+            "batches topic partitions",
+            str(dp),
+            f"at least the trainer's data-parallel ranks: {gpus} GPUs / tp x pp {t.model_parallel} (kafka.partitions "
+            "sets every keyed topic: take the larger of the two)",
         )
     )
     train_s = t.cycle_hours * 3600 * t.train_share
@@ -419,7 +444,10 @@ def plot(t: Target, path: Path) -> None:
         axis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_xlabel("trained tokens per cycle (billions)")
     ax.set_ylabel(f"trainer GPUs ({GPUS[t.gpu].name})")
-    ax.set_title(f"{t.cycle_hours:g} h cycle, {t.train_share:g} of it training, MFU {t.mfu:g}, seq {t.seq_len:,}")
+    ax.set_title(
+        f"{t.cycle_hours:g} h cycle, {t.train_share:g} of it training, MFU {t.mfu:g}, "
+        f"{attention_span(t):,.0f}-token samples"
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -182,7 +182,8 @@ class _CohortLogic(StatefulBatchLogic):
         self.builders: dict[str, BatchBuilder] = {trained: self.bb, **state["others"]}
         self.quiet_since: datetime | None = None
         self.counted = _builder_totals(self.bb)  # a resumed cohort's totals so far belong to earlier runs
-        self.lags_seen: Counter[int] = Counter(self.bb.lag_counts)  # as counted, for the staleness metric
+        # as counted so far, for the staleness metrics (a resumed cohort's belong to earlier runs)
+        self.lags_seen, self.dropped_seen = Counter(self.bb.lag_counts), Counter(self.bb.dropped_lag)
 
     def _out(self, batches: list[MicroBatch]) -> list:
         # what is counted (batch_stats, the summary) is the trained version's; other versions' batches go out too
@@ -196,9 +197,12 @@ class _CohortLogic(StatefulBatchLogic):
             tally["batches"], tally["sent"] = len(mine), sent
             self.counts.add(tally)
             self.counted = totals
-        lags = Counter(self.bb.lag_counts)
-        metrics.observe_lags({str(lag): n for lag, n in (lags - self.lags_seen).items()})
-        self.lags_seen = lags
+        lags, dropped = Counter(self.bb.lag_counts), Counter(self.bb.dropped_lag)
+        metrics.observe_lags(
+            {str(lag): n for lag, n in (lags - self.lags_seen).items()},
+            {str(lag): n for lag, n in (dropped - self.dropped_seen).items()},
+        )
+        self.lags_seen, self.dropped_seen = lags, dropped
         metrics.BATCHES.inc(len(mine))
         stats = stats_row(self.state["cohort"], self.bb, self.state["samples"], self.state["batches"])
         return [(batches, stats, self.org)]

@@ -89,8 +89,11 @@ class _PacedPartition(_BytewaxPartition):
         self._paused = False
         self._empty_since: float | None = None
         self._awake: datetime | None = None
+        # the flow's name as the other metrics give it: "rewards" for the step rtrl_rewards.events_in
         step = str(self._metrics_labels["step_id"])
-        self._lag = metrics.CONSUMER_LAG.labels(flow=step, topic=self._topic, partition=str(self._part_idx))
+        flow = step.split(".", 1)[0].removeprefix("rtrl_") if "." in step else step
+        where = {"flow": flow, "topic": self._topic, "partition": str(self._part_idx)}
+        self._lag, self._polled = metrics.CONSUMER_LAG.labels(**where), metrics.CONSUMER_POLLED.labels(**where)
         self._lag_at = 0.0
 
     def next_awake(self) -> datetime | None:
@@ -113,6 +116,7 @@ class _PacedPartition(_BytewaxPartition):
         if now - self._lag_at < 0.5:
             return
         self._lag_at = now
+        self._polled.set_to_current_time()  # a reader that stops polling (a stuck worker) shows as stale
         try:
             _, high = self._consumer.get_watermark_offsets(self._tp[0], cached=True)
         except Exception:  # noqa: BLE001 - no fetch response yet

@@ -16,21 +16,24 @@ What is recorded where (rates are for Prometheus to take: ``rate(rtrl_events_tot
 
 ========================================  =========================================================================
 ``rtrl_events_total{flow}``                 events (reward flow) or rollouts and rewards (batch flow) read
-``rtrl_dead_letters_total{flow,kind}``      inputs dead-lettered, by kind (duplicate, too_late, invalid_json, ...)
+``rtrl_dead_letters_total{flow,kind}``      inputs dead-lettered, by kind (duplicate, too_late, invalid, ...)
 ``rtrl_consumer_lag{flow,topic,partition}`` messages behind the partition's end, per partition read
+``rtrl_consumer_last_poll_timestamp_seconds`` when that reader last polled (a stuck flow stops refreshing its lag)
 ``rtrl_open_windows{partition}``            trajectory windows open in the reward flow's memory
 ``rtrl_window_state_bytes{partition}``      estimated bytes of the reward flow's windows in memory
 ``rtrl_event_to_reward_seconds``            wall time from a trajectory's last event to its reward (histogram)
 ``rtrl_rewards_total{reward_version}``      rewards emitted
-``rtrl_trajectories_total{policy_version}`` trajectories closed
-``rtrl_trajectory_behaviour_total{..,what}``  tool_calls, broken_tool_calls, edited, clarified, dissatisfied: the
+``rtrl_trajectories_total``                 trajectories closed
+``rtrl_trajectory_behaviour_total{what}``   tool_calls, broken_tool_calls, edited, clarified, dissatisfied: the
                                             behaviour view's rates live, for alert rules that mirror the monitors
-``rtrl_batch_samples_total{lag}``           samples packed into micro-batches, by policy lag (staleness)
+``rtrl_batch_samples_total{lag}``           samples packed into micro-batches, by policy lag (staleness);
+``rtrl_batch_samples_dropped_total{lag}``   those dropped as too stale
 ``rtrl_batches_total``                      micro-batches sent
 ``rtrl_trainer_*``                          per optimizer step: tokens/s, loss, KL, gradient norm, mismatch, on-policy
                                             fraction, steps, the last step's time
 ``rtrl_gate_decisions_total{status,org}``   decisions announced (promoted, rejected, rolled_back; org '' = shared)
-``rtrl_serving_version``                    the policy version serving now
+``rtrl_serving_version{part}``              the policy version serving now, as the trainer part (its decisions) and
+                                            the policy server (what it follows on ``rtrl.deployments``) know it
 ========================================  =========================================================================
 """
 
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter as Tally
 from collections.abc import Iterable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -54,24 +58,33 @@ DEAD_LETTERS = Counter("rtrl_dead_letters", "Inputs dead-lettered, by kind.", ["
 CONSUMER_LAG = Gauge(
     "rtrl_consumer_lag", "Messages behind the end of a partition a flow reads.", ["flow", "topic", "partition"]
 )
+CONSUMER_POLLED = Gauge(
+    "rtrl_consumer_last_poll_timestamp_seconds",
+    "When a flow's reader of a partition last polled (at most every half second): its lag is that old.",
+    ["flow", "topic", "partition"],
+)
 OPEN_WINDOWS = Gauge("rtrl_open_windows", "Trajectory windows open in the reward flow's memory.", ["partition"])
 WINDOW_STATE_BYTES = Gauge(
     "rtrl_window_state_bytes", "Estimated bytes of the reward flow's windows in memory.", ["partition"]
 )
 EVENT_TO_REWARD = Histogram(
     "rtrl_event_to_reward_seconds",
-    "Wall time from a trajectory's last event to its reward.",
+    "Wall time from a trajectory's last event (its producer's clock) to its first reward (the flow's clock): the "
+    "grace, or the window's deadline for a trajectory that never ended, plus the flow's own delay.",
     buckets=(0.25, 0.5, 1, 1.5, 2, 3, 5, 10, 30, 60, 300, 1800, 3600, 6 * 3600, 24 * 3600),
 )
 REWARDS = Counter("rtrl_rewards", "Rewards the reward flow emitted.", ["reward_version"])
-TRAJECTORIES = Counter("rtrl_trajectories", "Trajectories closed (first close only).", ["policy_version"])
+TRAJECTORIES = Counter("rtrl_trajectories", "Trajectories closed (first close only).")
+#: what rtrl_trajectory_behaviour counts (the behaviour view's inputs; app.deploy.LIVE_RATES makes rates of them)
+BEHAVIOUR_COUNTS = ("tool_calls", "broken_tool_calls", "edited", "clarified", "dissatisfied")
 BEHAVIOUR = Counter(
     "rtrl_trajectory_behaviour",
     "What closed trajectories did, summed (first close only): tool_calls, broken_tool_calls, and trajectories that "
     "edited, clarified, or had a dissatisfied follow-up: the behaviour view's rates, live.",
-    ["policy_version", "what"],
+    ["what"],
 )
 BATCH_SAMPLES = Counter("rtrl_batch_samples", "Samples packed into micro-batches, by policy lag.", ["lag"])
+BATCH_DROPPED = Counter("rtrl_batch_samples_dropped", "Samples dropped as too stale, by policy lag.", ["lag"])
 BATCHES = Counter("rtrl_batches", "Micro-batches the batch flow sent.")
 TRAINER_STEPS = Counter("rtrl_trainer_steps", "Optimizer steps trained.", ["adapter"])
 TRAINER_TOKENS_PER_S = Gauge("rtrl_trainer_tokens_per_second", "Trained tokens/s of the last step.", ["adapter"])
@@ -95,8 +108,17 @@ GATE_DECISIONS = Counter(
     "Eval-gate decisions announced, by status and org ('' = the shared policy).",
     ["status", "org"],
 )
-SERVING_VERSION = Gauge("rtrl_serving_version", "The policy version serving now.")
+SERVING_VERSION = Gauge(
+    "rtrl_serving_version", "The policy version serving now, as this part knows it (-1: not known here).", ["part"]
+)
 PART = Info("rtrl_part", "Which rtrl part this process runs.")
+#: the decisions an operator alerts on (a candidate's own announcement is not one)
+DECISIONS = ("promoted", "rejected", "rolled_back")
+for _status in DECISIONS:  # present at 0 from the start, so increase() sees the first one
+    GATE_DECISIONS.labels(status=_status, org="")
+for _what in BEHAVIOUR_COUNTS:
+    BEHAVIOUR.labels(what=_what)
+TRAINER_STEPS.labels(adapter="")
 
 
 def count_flow(flow: str, read: int, dead_kinds: Iterable[str]) -> None:
@@ -108,29 +130,38 @@ def count_flow(flow: str, read: int, dead_kinds: Iterable[str]) -> None:
 
 
 def observe_rewards(rewards: Iterable[Any], now_ms: int) -> None:
-    """Rewards emitted now: counted per version; each first emission's delay since its last event observed."""
+    """Rewards emitted now: counted per version (one call per version a batch); the delay since its last event of
+    each trajectory's first reward, once per trajectory (whichever version came first)."""
+    per_version: Tally[str] = Tally()
+    timed: set[str] = set()
     for r in rewards:
-        REWARDS.labels(reward_version=r.reward_version).inc()
-        if r.revision == 0:
+        per_version[r.reward_version] += 1
+        if r.revision == 0 and r.trajectory_id not in timed:
+            timed.add(r.trajectory_id)
             EVENT_TO_REWARD.observe(max(0.0, (now_ms - r.last_event_ts) / 1000))
+    for version, n in per_version.items():
+        REWARDS.labels(reward_version=version).inc(n)
 
 
 def observe_trajectories(summaries: Iterable[Any]) -> None:
     """Closed trajectories (:class:`schemas.records.TrajectorySummary`; re-closes by late events not counted
     again): per policy version, the counts the behaviour view's rates are made of."""
-    for t in summaries:
+    closed, calls, broken, edited, clarified, dissatisfied = 0, 0, 0, 0, 0, 0
+    for t in summaries:  # summed first: one counter call per figure a batch (the flow's hot path)
         if t.revision:
             continue
-        v = str(t.policy_version)
-        TRAJECTORIES.labels(policy_version=v).inc()
-        for what, n in (
-            ("tool_calls", t.tool_calls),
-            ("broken_tool_calls", t.broken_tool_calls),
-            ("edited", t.edits_proposed > 0),
-            ("clarified", t.clarifying_questions > 0),
-            ("dissatisfied", t.dissatisfied_followups > 0),
-        ):
-            BEHAVIOUR.labels(policy_version=v, what=what).inc(int(n))
+        closed += 1
+        calls += t.tool_calls
+        broken += t.broken_tool_calls
+        edited += t.edits_proposed > 0
+        clarified += t.clarifying_questions > 0
+        dissatisfied += t.dissatisfied_followups > 0
+    if not closed:
+        return
+    TRAJECTORIES.inc(closed)
+    for what, n in zip(BEHAVIOUR_COUNTS, (calls, broken, edited, clarified, dissatisfied), strict=True):
+        if n:
+            BEHAVIOUR.labels(what=what).inc(n)
 
 
 def observe_step(step: Any) -> None:
@@ -147,11 +178,21 @@ def observe_step(step: Any) -> None:
     TRAINER_LAST_STEP.labels(adapter=a).set(step.at / 1000)
 
 
-def observe_lags(lags: Mapping[str, int]) -> None:
-    """Samples packed per policy lag (``{"0": 12, "1": 3}``)."""
-    for lag, n in lags.items():
-        if n:
-            BATCH_SAMPLES.labels(lag=lag).inc(n)
+def observe_lags(lags: Mapping[str, int], dropped: Mapping[str, int] | None = None) -> None:
+    """Samples packed per policy lag (``{"0": 12, "1": 3}``), and those dropped as too stale."""
+    for counter, counts in ((BATCH_SAMPLES, lags), (BATCH_DROPPED, dropped or {})):
+        for lag, n in counts.items():
+            if n:
+                counter.labels(lag=lag).inc(n)
+
+
+def observe_decision(status: str, org: str, version: int, part: str) -> None:
+    """A decision announced or seen on ``rtrl.deployments``: counted (:data:`DECISIONS` only), and a promotion of
+    the shared policy is the serving version ``part`` reports."""
+    if status in DECISIONS:
+        GATE_DECISIONS.labels(status=status, org=org).inc()
+    if status == "promoted" and not org:
+        SERVING_VERSION.labels(part=part).set(version)
 
 
 class Endpoint:
@@ -175,6 +216,12 @@ class Endpoint:
     @property
     def is_ready(self) -> bool:
         return self._ready.is_set()
+
+    def __enter__(self) -> Endpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         if self.server is not None:

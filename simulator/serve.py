@@ -38,6 +38,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from client.fleet import adapter_model_name
 from client.rollouts import CompletionsClient, RolloutCollector
 from client.sdk import RtrlClient
+from rtrl import metrics
 from rtrl.kafka import base_config, produce, producer_config
 from schemas.codec import Invalid, JsonCodec
 from schemas.records import Checkpoint, Experiment, Rollout
@@ -113,6 +114,8 @@ class PolicyServer:
                 self.api.close()
             raise
         self.rollouts_topic = prefix + "rollouts"
+        # decisions made before this server started are re-read on rtrl.deployments, not new to the metrics
+        self.started_ms = time.time_ns() // 1_000_000
         self.producer = Producer(producer_config(bootstrap, compression))
         self.deployments = Consumer(
             base_config(bootstrap) | {"group.id": f"policy-server-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False}
@@ -200,6 +203,8 @@ class PolicyServer:
                 ck = self.codec.decode(msg.value())
             except Invalid:
                 continue
+            if ck.created_at >= self.started_ms:  # a rollback by `rtrl rollback` is seen here, in a long-lived part
+                metrics.observe_decision(ck.status, ck.org, ck.version, "serve")
             if ck.org:  # an org's adapter decision: followed apart from the shared policy's
                 self.adapter_status[(ck.org, ck.version)] = ck.status
                 if ck.status == "promoted":
@@ -216,6 +221,7 @@ class PolicyServer:
         if latest is not None and (latest.version, latest.path) != (self.version, self.path):
             self._load(load, self.model, latest.path)
             self.version, self.path = latest.version, latest.path
+            metrics.SERVING_VERSION.labels(part="serve").set(latest.version)
         if decided:  # a new cycle: the serving version (new, or the same after a rejection) gets a new quota
             self.window_base = self.served_by(self.version)
         self._follow_experiments(load)

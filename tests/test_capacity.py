@@ -54,8 +54,12 @@ def test_the_documented_worked_example_is_what_the_model_prints(capsys):
     assert capsys.readouterr().out.rstrip("\n") == shown.rstrip("\n")
     # and what the prose says of it
     lines = capacity.plan(Target())
-    assert _value(lines, "trainer GPUs (H200 SXM)").startswith("248 ") and "248 H200s" in section
+    gpus = _value(lines, "trainer GPUs (H200 SXM)").split()[0]
+    assert f"{gpus} H200s" in section and capacity.trainer_gpus(Target())[0] == int(gpus)
     assert _value(lines, "reward-flow workers") == "1"
+    # the batches topic holds a partition per data-parallel rank; one ClickHouse writer per flow
+    assert int(_value(lines, "batches topic partitions")) == int(gpus) // Target().model_parallel
+    assert float(_value(lines, "inserts/s per table (flow sinks)")) == 1 / Target().flush_s
 
 
 def test_flops_per_token_count_forward_backward_per_update_and_the_reference_forward():
@@ -63,6 +67,9 @@ def test_flops_per_token_count_forward_backward_per_update_and_the_reference_for
     assert capacity.flops_per_token(t) == 6e9 + 12 * 2 * 10 * 100
     both = replace(t, kl_reference=True, updates_per_step=3)
     assert capacity.flops_per_token(both) == 3 * (6e9 + 24_000) + 2e9 + 4 * 2 * 10 * 100
+    # attention spans a sample, not the packed row (masked per sample): 40 tokens of a 100-token row
+    short = replace(t, tokens_per_trajectory=40)
+    assert capacity.flops_per_token(short) == 6e9 + 12 * 2 * 10 * 40
 
 
 @pytest.mark.parametrize(

@@ -231,8 +231,8 @@ def test_the_consumer_lag_is_what_a_partition_reader_has_left_to_read(broker, to
         producer.produce(topic, value=b"{}", key=str(i).encode(), partition=0)
     assert producer.flush(10) == 0
     source = PacedKafkaSource([broker.bootstrap], [topic], tail=True, batch_size=3)
-    part = source.build_part("lag_test", f"0-{topic}", None)
-    labels = {"flow": "lag_test", "topic": topic, "partition": "0"}
+    part = source.build_part("rtrl_lagtest.events_in", f"0-{topic}", None)  # a flow's step id
+    labels = {"flow": "lagtest", "topic": topic, "partition": "0"}  # named as the flow's other metrics
     try:
         read: list = []
         deadline = time.monotonic() + 30

@@ -724,8 +724,20 @@ def test_the_batch_flow_sends_a_wanted_orgs_batches_to_its_adapter_topic_after_i
         "RTRL_ADAPTERS__MIN_SAMPLES": "6",
         "RTRL_DATA_DIR": str(tmp_path),
     }
+    from prometheus_client import REGISTRY
+
+    def metric(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    before = {k: metric(k) for k in ("rtrl_batches_total",)} | {"read": metric("rtrl_events_total", flow="batches")}
+    lag0 = metric("rtrl_batch_samples_total", lag="0")
     counts = FlowCounts()
     run_main(build_flow(load_settings(env=env), counts=counts))
+    # its metrics moved as the summary's counters did: inputs read, micro-batches sent, samples by policy lag
+    c = counts.snapshot()
+    assert metric("rtrl_events_total", flow="batches") - before["read"] == len(rollouts) + len(rewards)
+    assert metric("rtrl_batches_total") - before["rtrl_batches_total"] == c["batches"] > 0
+    assert metric("rtrl_batch_samples_total", lag="0") - lag0 == c["sent"]  # ro(): policy version 1, serving 1
 
     adapter_msgs = list(read_topic(broker.bootstrap, topic_prefix + "adapter-batches"))
     shared = [decode_batch(m.value()) for m in read_topic(broker.bootstrap, topic_prefix + "batches")]

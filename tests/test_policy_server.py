@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from confluent_kafka import Producer
+from prometheus_client import REGISTRY
 
 from app.loop import SEQ_LEN, end_running_experiments
 from client.sdk import RtrlClient
@@ -55,6 +56,11 @@ def test_follows_deployments_and_serves_a_quota_per_decision(broker, topic_prefi
         loads.append(path)
 
     deployments = topic_prefix + "deployments"
+
+    def decisions(status: str) -> float:  # rtrl_gate_decisions_total as this process's metrics hold it
+        return REGISTRY.get_sample_value("rtrl_gate_decisions_total", {"status": status, "org": ""}) or 0.0
+
+    before = {s: decisions(s) for s in ("promoted", "rejected", "rolled_back")}
     with RtrlClient.from_settings(settings, bootstrap=broker.bootstrap) as client:
         server = PolicyServer(broker.bootstrap, topic_prefix, client, build_model(cfg), ["org-0", "org-1"], seed=3)
         _announce(broker.bootstrap, deployments, 0, "promoted")
@@ -76,6 +82,10 @@ def test_follows_deployments_and_serves_a_quota_per_decision(broker, topic_prefi
         _announce(broker.bootstrap, deployments, 0, "promoted")  # the rollback re-promotes v0
         assert _refresh(server, load) == 0 and loads[-1] == "/ckpt/v0"
         server.close()
+    # the metrics: every decision it saw counted once (a candidate is none), and the version it serves now
+    seen = {s: decisions(s) - n for s, n in before.items()}
+    assert seen == {"promoted": 3, "rejected": 1, "rolled_back": 1}
+    assert REGISTRY.get_sample_value("rtrl_serving_version", {"part": "serve"}) == 0
 
     rollouts = [JsonCodec(Rollout).decode(m.value()) for m in read_topic(broker.bootstrap, topic_prefix + "rollouts")]
     assert len(rollouts) == quota and {r.policy_version for r in rollouts} == {0}
