@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from confluent_kafka import Producer
@@ -53,16 +54,31 @@ def total(samples: Samples, name: str, **labels: str) -> float:
     return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
 
 
-def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
+def wait_for(check: Callable[[], bool], timeout: float, what: str, proc: Child | None = None) -> None:
+    """Until ``check()``; fails at once, with the child's output, when the part under test has exited."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the part exited ({proc.poll()}) while waiting for {what}:\n{proc.output()}")
         try:
             if check():
                 return
         except (urllib.error.URLError, ConnectionError, AssertionError):
             pass
         time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}" + (f":\n{proc.output()}" if proc else ""))
+
+
+class Child(subprocess.Popen):
+    """A part as a process of its own, its output in a file (a pipe nobody reads would block it once full)."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log: Path):
+        self.log = log
+        with open(log, "wb") as out:
+            super().__init__(args, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
 
 
 def test_the_endpoint_serves_metrics_health_and_readiness():
@@ -89,8 +105,13 @@ def test_the_endpoint_serves_metrics_health_and_readiness():
     assert metrics.serve(0).port == 0  # metrics.port 0: no endpoint
 
 
+#: a torchrun rank's variables, should an earlier test have left them here: the trainer would serve on port + rank
+_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 def _env(**extra: str) -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")} | extra
+    keep = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_") and k not in _RANK_VARS}
+    return keep | extra
 
 
 @pytest.mark.slow
@@ -112,15 +133,9 @@ def test_a_running_reward_flow_reports_what_flows_through_it(broker, tmp_path):
         RTRL_REWARDS__VERSIONS=VERSIONS,
         RTRL_METRICS__PORT=str(port),
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "flow", "rewards"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = Child([sys.executable, "-m", "app.cli", "flow", "rewards"], env, tmp_path / "flow.log")
     try:
-        wait_for(lambda: _get(port, "/readyz")[0] == 200, 120, "the flow's readiness")
+        wait_for(lambda: _get(port, "/readyz")[0] == 200, 120, "the flow's readiness", proc)
         before = scrape(port)
         assert total(before, "rtrl_events_total", flow="rewards") == 0
         first = _payloads(300, seed=41, duplicate_rate=0.05)
@@ -129,8 +144,9 @@ def test_a_running_reward_flow_reports_what_flows_through_it(broker, tmp_path):
             lambda: total(scrape(port), "rtrl_events_total", flow="rewards") == len(first),
             120,
             f"{len(first)} events counted",
+            proc,
         )
-        wait_for(lambda: total(scrape(port), "rtrl_rewards_total") > 0, 60, "rewards")
+        wait_for(lambda: total(scrape(port), "rtrl_rewards_total") > 0, 60, "rewards", proc)
         mid = scrape(port)
         assert total(mid, "rtrl_dead_letters_total", flow="rewards", kind="duplicate") > 0
         assert total(mid, "rtrl_event_to_reward_seconds_count") > 0
@@ -151,15 +167,17 @@ def test_a_running_reward_flow_reports_what_flows_through_it(broker, tmp_path):
             lambda: total(scrape(port), "rtrl_events_total", flow="rewards") == len(first) + len(second),
             120,
             "the second batch of events counted",
+            proc,
         )
         after = scrape(port)
         assert total(after, "rtrl_rewards_total") > total(mid, "rtrl_rewards_total")
         # caught up: every partition's lag back to 0 (the gauge is refreshed at most every half second)
-        wait_for(lambda: all(v == 0 for (n, _), v in scrape(port).items() if n == "rtrl_consumer_lag"), 30, "lag 0")
+        caught_up = lambda: all(v == 0 for (n, _), v in scrape(port).items() if n == "rtrl_consumer_lag")  # noqa: E731
+        wait_for(caught_up, 30, "lag 0", proc)
     finally:
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err[-3000:]
+        proc.wait(timeout=60)
+    assert proc.returncode == 0, proc.output()
 
 
 @pytest.mark.slow
@@ -190,16 +208,14 @@ def test_a_running_trainer_reports_each_step(broker, topic_prefix, tmp_path):
             )
         assert producer.flush(10) == 0
 
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "train"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    proc = Child([sys.executable, "-m", "app.cli", "train"], env, tmp_path / "train.log")
     try:
-        wait_for(lambda: _get(port, "/readyz")[0] == 200, 180, "the trainer's readiness")
+        wait_for(lambda: _get(port, "/readyz")[0] == 200, 180, "the trainer's readiness", proc)
         assert total(scrape(port), "rtrl_trainer_steps_total") == 0
         seen = []
         for step in (1, 2):
             send(batches[2 * (step - 1) : 2 * step])  # one step's micro-batches (train.micro_batches_per_step 2)
-            wait_for(lambda s=step: total(scrape(port), "rtrl_trainer_steps_total") == s, 120, f"step {step}")
+            wait_for(lambda s=step: total(scrape(port), "rtrl_trainer_steps_total") == s, 120, f"step {step}", proc)
             got = scrape(port)
             seen.append(got)
             assert total(got, "rtrl_trainer_tokens_per_second", adapter="") > 0
@@ -209,13 +225,13 @@ def test_a_running_trainer_reports_each_step(broker, topic_prefix, tmp_path):
         # the gauges are each step's own: the second step's loss is not the first's
         assert total(seen[0], "rtrl_trainer_loss") != total(seen[1], "rtrl_trainer_loss")
         send(batches[4:])
-        out, err = proc.communicate(timeout=180)
+        proc.wait(timeout=180)
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate(timeout=30)
-    assert proc.returncode == 0, out[-2000:] + err[-3000:]
-    assert "trained 3 steps" in out
+            proc.wait(timeout=30)
+    assert proc.returncode == 0, proc.output()
+    assert "trained 3 steps" in proc.output()
 
 
 def test_the_consumer_lag_is_what_a_partition_reader_has_left_to_read(broker, topic_prefix):
