@@ -1459,11 +1459,35 @@ def example_toml() -> str:
     return "\n".join(lines) + "\n"
 
 
+def settings_toml(settings: Settings) -> str:
+    """The settings that differ from their defaults, as a TOML file ``load_settings`` reads back to the same
+    settings: what a deployment's ConfigMap holds. Secrets (:data:`SECRETS`) are left out: they come only
+    from ``RTRL_*`` variables or ``RTRL_*_FILE`` (a mounted Secret)."""
+    defaults = Settings.model_construct()
+    lines = [
+        "# rtrl settings (generated): every setting that differs from its default; secrets come from the",
+        "# environment or a mounted Secret (RTRL_<SECTION>__<KEY>_FILE), never from this file",
+    ]
+    if settings.data_dir != defaults.data_dir:
+        lines.append(f"data_dir = {_toml(settings.data_dir)}")
+    for sec in SECTIONS:
+        obj, base = getattr(settings, sec), getattr(defaults, sec)
+        changed = [
+            (key, getattr(obj, key))
+            for key in _fields(type(obj))
+            if f"{sec}.{key}" not in SECRETS and getattr(obj, key) != getattr(base, key)
+        ]
+        if changed:
+            lines.append(f"\n[{sec}]")
+            lines += [f"{key} = {_toml(value)}" for key, value in changed]
+    return "\n".join(lines) + "\n"
+
+
 def _toml(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):
-        return f'"{v}"'
+        return json.dumps(v)  # a TOML basic string: quotes, backslashes and controls escaped
     if isinstance(v, list):
         return "[" + ", ".join(_toml(x) for x in v) + "]"
     if isinstance(v, BaseModel):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rtrl.settings import ConfigError, as_env, describe, load_settings
+from rtrl.settings import ConfigError, Settings, as_env, describe, load_settings
 
 
 def test_defaults_are_valid_and_embedded():
@@ -192,3 +192,30 @@ def test_shipped_example_configs_load(tmp_path):
         load_settings(deploy / "production.example.toml", env={})
     prod = load_settings(deploy / "production.example.toml", env={"RTRL_SDK__SALT": "the-production-secret"})
     assert prod.kafka.bootstrap.count(",") == 2 and prod.clickhouse.dsn.startswith("https://")
+
+
+def test_settings_toml_reads_back_to_the_same_settings_without_its_secrets(tmp_path):
+    """What a deployment's ConfigMap holds: the changed settings, read back equal; the secrets left out."""
+    from rtrl.settings import settings_toml
+
+    s = Settings().updated(
+        {
+            "kafka.bootstrap": "kafka-0.kafka:9092",
+            "clickhouse.dsn": "https://ch.example:8443",
+            "clickhouse.password": "s3cret",
+            "flow.grace_s": 123.5,
+            "sdk.salt": 'a "quoted" \\ salt',
+            "rewards.versions": ["v1", "v2"],
+            "rewards.train_schedule": {3: "v1"},
+            "data_dir": "/var/lib/rtrl",
+        }
+    )
+    text = settings_toml(s)
+    assert "s3cret" not in text and "quoted" not in text
+    f = tmp_path / "rtrl.toml"
+    f.write_text(text)
+    # the secrets arrive as a Secret would bring them: in the environment
+    back = load_settings(f, env={"RTRL_SDK__SALT": s.sdk.salt, "RTRL_CLICKHOUSE__PASSWORD": "s3cret"})
+    assert back == s
+    assert back.kafka.bootstrap == "kafka-0.kafka:9092" and back.flow.grace_s == 123.5
+    assert settings_toml(Settings()).count("=") == 0  # the defaults: nothing to say
