@@ -10,6 +10,8 @@ polling, a dead-letter spike, a trainer that stopped, a training-inference misma
 scrape job named ``rtrl-<part>``). The mismatch limit is :class:`monitors.alerts.MismatchRule`'s default, as
 ``loop.mismatch_log_ratio_max``'s is: a deployment that changes that setting edits the rule.
 ``python -m app.deploy`` writes the files; ``tests/test_deploy.py`` fails when they differ from what this module makes.
+It also writes the Kubernetes manifests and the docker-compose file of :mod:`app.manifests`, made from a settings
+file (``--config``; the committed ones from ``deploy/production.example.toml``).
 """
 
 from __future__ import annotations
@@ -21,12 +23,18 @@ from typing import Any
 
 import yaml
 
+from app import manifests
 from monitors.alerts import DEFAULT_RULES, MismatchRule
+from rtrl.settings import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES_FILE = ROOT / "deploy" / "prometheus" / "rtrl-alerts.yml"
 DASHBOARD_FILE = ROOT / "deploy" / "grafana" / "rtrl-dashboard.json"
 RUNBOOK = "deploy/RUNBOOK.md"
+K8S_DIR = ROOT / "deploy" / "k8s"
+COMPOSE_FILE = ROOT / "deploy" / "compose" / "docker-compose.yml"
+#: the settings the committed manifests are made from
+SOURCE = ROOT / "deploy" / "production.example.toml"
 
 #: the behaviour view's rate metrics as (numerator, denominator) of ``rtrl_trajectory_behaviour_total{what}``
 #: (``trajectories``: ``rtrl_trajectories_total``); edit persistence and latency come later than a trajectory's
@@ -255,7 +263,10 @@ def grafana_dashboard() -> dict[str, Any]:
 
 
 class _Dumper(yaml.SafeDumper):
-    """Multi-line strings (the alert expressions) as literal blocks, nothing folded."""
+    """Multi-line strings (the alert expressions) as literal blocks, nothing folded, no anchors."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
 
 
 _Dumper.add_representer(
@@ -264,13 +275,38 @@ _Dumper.add_representer(
 )
 
 
-def render() -> dict[Path, str]:
-    """Each file's text."""
+def source_settings(path: Path = SOURCE) -> Settings:
+    """The settings the manifests are made from. Loaded as a container would, but without its secrets: those
+    are left out of every file made here (they come from the Secret), so a stand-in satisfies the check that a
+    deployment has a salt of its own."""
+    import tomllib
+
+    kafka = tomllib.loads(path.read_text(encoding="utf-8")).get("kafka", {})
+    stand_ins = {"RTRL_SDK__SALT": "stand-in"}
+    if kafka.get("sasl_mechanism") == "OAUTHBEARER":
+        stand_ins["RTRL_KAFKA__OAUTH_CLIENT_SECRET"] = "stand-in"
+    elif kafka.get("sasl_mechanism"):
+        stand_ins["RTRL_KAFKA__SASL_PASSWORD"] = "stand-in"
+    return load_settings(path, env=stand_ins)
+
+
+def _yaml(docs: list[dict]) -> str:
+    return yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False, width=10_000)
+
+
+def render(settings: Settings | None = None, shape: manifests.Shape = manifests.Shape()) -> dict[Path, str]:
+    """Each file's text; the manifests from ``settings`` (default: :data:`SOURCE`'s)."""
     header = "# Made by `python -m app.deploy` from app/deploy.py (tests/test_deploy.py checks it); do not edit.\n"
-    return {
+    settings = settings if settings is not None else source_settings()
+    made = f"# Made by `python -m app.deploy` from {SOURCE.relative_to(ROOT)} (app/manifests.py); do not edit.\n"
+    out = {
         RULES_FILE: header + yaml.dump(prometheus_rules(), Dumper=_Dumper, sort_keys=False, width=10_000),
         DASHBOARD_FILE: json.dumps(grafana_dashboard(), indent=2) + "\n",
+        COMPOSE_FILE: header + yaml.dump(manifests.compose(None, shape), Dumper=_Dumper, sort_keys=False, width=10_000),
     }
+    for name, docs in manifests.kubernetes(settings, shape).items():
+        out[K8S_DIR / name] = made + _yaml(docs)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,8 +315,14 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m app.deploy", description=__doc__.split("\n\n", 1)[0])
     ap.add_argument("--out", type=Path, default=ROOT, help="root to write deploy/... under (default: the repository)")
+    ap.add_argument(
+        "--config",
+        type=Path,
+        default=SOURCE,
+        help=f"settings file the manifests are made from (default: {SOURCE.relative_to(ROOT)})",
+    )
     args = ap.parse_args(argv)
-    for path, text in render().items():
+    for path, text in render(source_settings(args.config)).items():
         target = args.out / path.relative_to(ROOT)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text)

@@ -1391,12 +1391,18 @@ def _refuse_file_secrets(doc: Mapping[str, Any], path: Path) -> None:
 def _secret_file(var: str, path: str) -> str:
     """The secret in the file ``path`` named by the environment variable ``var`` (``RTRL_..._FILE``), stripped."""
     try:
-        return Path(path).read_text(encoding="utf-8").strip()
+        secret = Path(path).read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(
             f"{var} = {path!r} cannot be read ({getattr(e, 'strerror', None) or e}); fix: point it at the file "
             "holding the secret (e.g. a mounted Kubernetes Secret) or unset it"
         ) from None
+    if not secret:  # an unfilled Secret (deploy/k8s ships its keys empty) must not pass for "no secret"
+        raise ConfigError(
+            f"{var} = {path!r} is empty; fix: put the secret in it (for deploy/k8s: fill in the rtrl-secrets "
+            "Secret) or unset the variable"
+        )
+    return secret
 
 
 def as_env(settings: Settings) -> dict[str, str]:

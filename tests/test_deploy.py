@@ -11,19 +11,24 @@ Grafana (Dashboards > Import); docs/production.md says how.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import kubernetes_validate
 import promql_parser
+import pytest
 import yaml
 from prometheus_client import REGISTRY
 
-from app import deploy
+from app import deploy, manifests
 from monitors.alerts import DEFAULT_RULES, MismatchRule
 from rtrl import metrics
+from rtrl.errors import ConfigError
+from rtrl.settings import load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,7 +67,9 @@ def test_the_files_are_what_app_deploy_makes(tmp_path):
         [sys.executable, "-m", "app.deploy", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True
     )
     assert run.returncode == 0, run.stderr
-    for path in (deploy.RULES_FILE, deploy.DASHBOARD_FILE):
+    made_files = deploy.render()
+    assert {deploy.RULES_FILE, deploy.DASHBOARD_FILE, deploy.COMPOSE_FILE} < set(made_files)
+    for path in made_files:
         made = tmp_path / path.relative_to(ROOT)
         assert made.read_text() == path.read_text(), f"{path} is stale: run `python -m app.deploy`"
 
@@ -141,3 +148,274 @@ def test_the_dashboard_shows_every_figure_the_issue_names():
         "rtrl_serving_version",
     ):
         assert name in shown, name
+
+
+# ---------------------------------------------------------------- manifests (app.manifests)
+
+#: Kubernetes versions the manifests are checked against: an old supported one and the newest schemas shipped
+K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
+
+
+def _k8s() -> dict[str, list[dict]]:
+    return {p.name: [d for d in yaml.safe_load_all(p.read_text()) if d] for p in sorted(deploy.K8S_DIR.glob("*.yaml"))}
+
+
+def _all_k8s() -> list[dict]:
+    return [d for docs in _k8s().values() for d in docs]
+
+
+def _kind(kind: str) -> list[dict]:
+    return [d for d in _all_k8s() if d["kind"] == kind]
+
+
+def _check_model(value: object, type_name: str, where: str, problems: list[str]) -> None:
+    """``value`` against the Kubeflow SDK's OpenAPI model ``type_name``, strictly (no unknown field); a pod
+    template goes to Kubernetes' own schema (kubernetes-validate) as a PodTemplate."""
+    import kubeflow.training.models as models
+
+    if type_name == "V1PodTemplateSpec":
+        doc = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": value}
+        for version in K8S_VERSIONS:
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                problems.append(f"{where} (Kubernetes {version}): {e.message}")
+        return
+    if m := re.fullmatch(r"dict\(str, (.+)\)", type_name):
+        assert isinstance(value, dict), where
+        for k, v in value.items():
+            _check_model(v, m.group(1), f"{where}.{k}", problems)
+        return
+    if m := re.fullmatch(r"list\[(.+)\]", type_name):
+        assert isinstance(value, list), where
+        for i, v in enumerate(value):
+            _check_model(v, m.group(1), f"{where}[{i}]", problems)
+        return
+    scalars = {"str": str, "int": int, "bool": bool, "float": (int, float), "object": object}
+    if type_name in scalars:
+        if not isinstance(value, scalars[type_name]):  # type: ignore[arg-type]
+            problems.append(f"{where} is {type(value).__name__}, the model says {type_name}")
+        return
+    cls = getattr(models, type_name)
+    if not isinstance(value, dict):
+        problems.append(f"{where} is not an object ({type_name})")
+        return
+    by_json = {j: a for a, j in cls.attribute_map.items()}
+    for key, v in value.items():
+        if key not in by_json:
+            problems.append(f"{where}.{key} is not a field of {type_name}")
+            continue
+        _check_model(v, cls.openapi_types[by_json[key]], f"{where}.{key}", problems)
+
+
+def test_the_kubernetes_manifests_validate_against_kubernetes_schemas():
+    """Every core resource, strictly (an unknown or misspelt field fails), against an old and the newest
+    Kubernetes schemas kubernetes-validate ships; the PyTorchJob against the Kubeflow SDK's models, its pod
+    templates against Kubernetes' own."""
+    docs = _all_k8s()
+    kinds = sorted({d["kind"] for d in docs})
+    assert kinds == [
+        "ConfigMap",
+        "Job",
+        "Namespace",
+        "PersistentVolumeClaim",
+        "PyTorchJob",
+        "Secret",
+        "Service",
+        "StatefulSet",
+    ]
+    problems: list[str] = []
+    for d in docs:
+        if d["kind"] == "PyTorchJob":
+            assert d["apiVersion"] == "kubeflow.org/v1"
+            _check_model(d["spec"], "KubeflowOrgV1PyTorchJobSpec", "PyTorchJob.spec", problems)
+            _check_model(d["metadata"], "V1ObjectMeta", "PyTorchJob.metadata", problems)
+            continue
+        for version in K8S_VERSIONS:
+            try:
+                kubernetes_validate.validate(d, version, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                problems.append(f"{d['kind']}/{d['metadata']['name']} (Kubernetes {version}): {e.message}")
+    assert not problems, "\n".join(problems)
+    # the validators catch what they are here for
+    bad = copy.deepcopy(_kind("StatefulSet")[0])
+    bad["spec"]["template"]["spec"]["containers"][0]["livenesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSIONS[-1], strict=True)
+    job = copy.deepcopy(_kind("PyTorchJob")[0])
+    job["spec"]["pytorchReplicaSpecs"]["Master"]["replica"] = 1
+    caught: list[str] = []
+    _check_model(job["spec"], "KubeflowOrgV1PyTorchJobSpec", "spec", caught)
+    assert caught == ["spec.pytorchReplicaSpecs.Master.replica is not a field of KubeflowOrgV1ReplicaSpec"]
+
+
+def test_the_flows_are_bytewax_clusters_with_recovery_volumes_and_probes():
+    """Each flow: a StatefulSet started in parallel (a Bytewax cluster starts whole), a volume per process for its
+    recovery folder, the addressing bytewax.run reads (pod name, StatefulSet name, every process's address on the
+    headless Service, which publishes not-ready pods), and probes on the metrics endpoint."""
+    services = {d["metadata"]["name"]: d for d in _kind("Service")}
+    for sts in _kind("StatefulSet"):
+        name, spec = sts["metadata"]["name"], sts["spec"]
+        assert spec["podManagementPolicy"] == "Parallel" and spec["serviceName"] == name
+        svc = services[name]["spec"]
+        assert svc["clusterIP"] == "None" and svc["publishNotReadyAddresses"] is True
+        (c,) = spec["template"]["spec"]["containers"]
+        env = {e["name"]: e for e in c["env"]}
+        assert env["BYTEWAX_POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        assert env["BYTEWAX_STATEFULSET_NAME"]["value"] == name
+        port = next(p["port"] for p in svc["ports"] if p["name"] == "bytewax")
+        assert env["BYTEWAX_ADDRESSES"]["value"].split(";") == [
+            f"{name}-{i}.{name}:{port}" for i in range(spec["replicas"])
+        ]
+        assert c["command"][:3] == ["rtrl", "flow", "rewards" if "reward" in name else "batches"]
+        (claim,) = spec["volumeClaimTemplates"]
+        mount = next(m for m in c["volumeMounts"] if m["name"] == claim["metadata"]["name"])
+        assert mount["mountPath"] == manifests.DATA_DIR  # data_dir: the recovery folder and window state on it
+        assert (
+            c["livenessProbe"]["httpGet"]["path"] == "/healthz" and c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        )
+        assert sts["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(manifests.METRICS_PORT)
+    assert next(s for s in _kind("StatefulSet") if "reward" in s["metadata"]["name"])["spec"]["replicas"] == 2
+
+
+def test_the_trainer_is_a_multi_node_torchrun_job():
+    (job,) = _kind("PyTorchJob")
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    shape = manifests.Shape()
+    assert specs["Master"]["replicas"] + specs["Worker"]["replicas"] == shape.trainer_nodes
+    assert job["spec"]["nprocPerNode"] == str(shape.gpus_per_node)
+    for spec in specs.values():
+        (c,) = spec["template"]["spec"]["containers"]
+        assert c["name"] == "pytorch" and c["command"] == ["torchrun", "-m", "trainer"]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == str(shape.gpus_per_node)
+        assert {m["mountPath"] for m in c["volumeMounts"]} >= {f"{manifests.DATA_DIR}/checkpoints", "/dev/shm"}
+    (claim,) = _kind("PersistentVolumeClaim")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # every node writes its shards of a checkpoint
+
+
+def test_settings_go_in_a_configmap_and_secrets_only_in_the_secret(tmp_path):
+    """The ConfigMap's rtrl.toml is the source settings as a container sees them; it reads back (with the secrets
+    from the Secret's files) to exactly those settings; no secret appears in any manifest; every container that
+    reads settings mounts both and names each secret's file."""
+    source = deploy.source_settings()
+    (cm,) = _kind("ConfigMap")
+    toml_text = cm["data"]["rtrl.toml"]
+    (secret,) = _kind("Secret")
+    keys = set(secret["stringData"])
+    assert keys == {"sdk-salt", "clickhouse-password"} and not any(secret["stringData"].values())
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    for k in keys:
+        (secrets / k).write_text(f"value-of-{k}\n")
+    (tmp_path / "rtrl.toml").write_text(toml_text)
+    env = {
+        manifests.SECRET_KEYS[s][1]: str(secrets / manifests.SECRET_KEYS[s][0])
+        for s in manifests.secrets_needed(source)
+    }
+    back = load_settings(tmp_path / "rtrl.toml", env=env)
+    # the salt is read from its file; the ClickHouse password's file is named, and connect() reads it
+    assert back.sdk.salt == "value-of-sdk-salt"
+    assert back.clickhouse.password_file == str(secrets / "clickhouse-password")
+    expected = manifests.deployed_settings(source).updated(
+        {"sdk.salt": back.sdk.salt, "clickhouse.password_file": back.clickhouse.password_file}
+    )
+    assert back == expected
+    assert back.kafka.bootstrap == source.kafka.bootstrap and back.model == source.model
+    text = "\n".join(p.read_text() for p in deploy.K8S_DIR.glob("*.yaml"))
+    assert "stand-in" not in text and "password_file" not in toml_text and "salt" not in toml_text
+    for d in _all_k8s():
+        pod = d.get("spec", {}).get("template", {}).get("spec") or {}
+        if d["kind"] == "PyTorchJob":
+            pod = d["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+        for c in pod.get("containers", []) + pod.get("initContainers", []):
+            names = {e["name"]: e.get("value") for e in c["env"]}
+            assert names["RTRL_CONFIG"] == f"{manifests.CONFIG_DIR}/rtrl.toml"
+            assert {k: v for k, v in names.items() if k.endswith("_FILE")} == {
+                k: v.replace(str(secrets), manifests.SECRET_DIR) for k, v in env.items()
+            }
+            assert not [k for k in names if k in ("RTRL_SDK__SALT", "RTRL_CLICKHOUSE__PASSWORD")]
+
+
+def test_an_empty_secret_file_is_refused_naming_the_fix(tmp_path):
+    """The Secret ships with empty values: a deployment that forgot one fails at start, saying which and how."""
+    (tmp_path / "sdk-salt").write_text("\n")
+    with pytest.raises(ConfigError, match=r"RTRL_SDK__SALT_FILE.*empty.*fix"):
+        load_settings(None, env={"RTRL_SDK__SALT_FILE": str(tmp_path / "sdk-salt")})
+
+
+def test_manifests_are_made_from_any_settings_file(tmp_path):
+    """`python -m app.deploy --config FILE` renders a team's own settings: SASL adds its secret, the flows' and
+    trainer's shape follows the Shape."""
+    cfg = tmp_path / "mine.toml"
+    cfg.write_text(
+        deploy.SOURCE.read_text()
+        .replace('# security_protocol = "SASL_SSL"', 'security_protocol = "SASL_SSL"')
+        .replace('# sasl_mechanism = "SCRAM-SHA-512"', 'sasl_mechanism = "SCRAM-SHA-512"')
+        .replace('# sasl_username = "rtrl"', 'sasl_username = "rtrl"')
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "app.deploy", "--config", str(cfg), "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr
+    docs = list(yaml.safe_load_all((tmp_path / "deploy/k8s/00-config.yaml").read_text()))
+    secret = next(d for d in docs if d["kind"] == "Secret")
+    assert set(secret["stringData"]) == {"sdk-salt", "clickhouse-password", "kafka-sasl-password"}
+    cm = next(d for d in docs if d["kind"] == "ConfigMap")
+    assert 'security_protocol = "SASL_SSL"' in cm["data"]["rtrl.toml"]
+    flows = manifests.kubernetes(deploy.source_settings(cfg), manifests.Shape(reward_processes=4))
+    sts = next(d for d in flows["20-reward-flow.yaml"] if d["kind"] == "StatefulSet")
+    env = {e["name"]: e.get("value") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert sts["spec"]["replicas"] == 4 and len(env["BYTEWAX_ADDRESSES"].split(";")) == 4
+    assert env["RTRL_KAFKA__SASL_PASSWORD_FILE"] == f"{manifests.SECRET_DIR}/kafka-sasl-password"
+
+
+def test_the_compose_file_validates_against_the_compose_spec(tmp_path):
+    """The compose spec's own JSON schema (vendored by check-jsonschema) accepts the file; it runs the real
+    engines' images; its rtrl settings read back and point at them; secrets come from the environment."""
+    run = subprocess.run(
+        [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec", str(deploy.COMPOSE_FILE)],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    doc = yaml.safe_load(deploy.COMPOSE_FILE.read_text())
+    services = doc["services"]
+    assert services["kafka"]["image"].startswith("apache/kafka:")
+    assert services["clickhouse"]["image"].startswith("clickhouse/clickhouse-server:")
+    assert services["loop"]["depends_on"] == {"setup": {"condition": "service_completed_successfully"}}
+    settings_text = doc["configs"]["rtrl-settings"]["content"]
+    (tmp_path / "rtrl.toml").write_text(settings_text)  # read back as the container would, secrets from env
+    back = load_settings(
+        tmp_path / "rtrl.toml", env={"RTRL_SDK__SALT": "salt-for-the-test", "RTRL_CLICKHOUSE__PASSWORD": "y"}
+    )
+    assert back.kafka.bootstrap == "kafka:9092" and back.clickhouse.dsn.startswith("http://rtrl@clickhouse:8123")
+    assert back.kafka.replication_factor == 1  # one broker
+    from app.loop_config import loop_settings
+
+    loop_settings(back)  # the main job takes these settings as they are (it refuses any it would have to change)
+    assert set(doc["secrets"]) == {"sdk-salt", "clickhouse-password"}
+    assert all("environment" in v for v in doc["secrets"].values())
+    assert "${RTRL_CLICKHOUSE_PASSWORD:?" in services["clickhouse"]["environment"]["CLICKHOUSE_PASSWORD"]
+    # the schema catches what it is here for
+    bad = copy.deepcopy(doc)
+    bad["services"]["kafka"]["healthchek"] = {}
+    bad_file = tmp_path / "bad.yml"
+    bad_file.write_text(yaml.safe_dump(bad))
+    run = subprocess.run(
+        [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec", str(bad_file)],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode != 0 and "healthchek" in run.stdout + run.stderr
+
+
+def test_the_dockerfile_copies_every_package_the_project_installs():
+    """The image installs the project from the copied folders: each package pyproject.toml finds must be copied."""
+    import tomllib
+
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    copied = set(re.findall(r"^COPY (\w+) \1$", (ROOT / "deploy" / "Dockerfile").read_text(), re.M))
+    assert {p.rstrip("*") for p in include} <= copied

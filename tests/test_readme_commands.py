@@ -193,6 +193,10 @@ RULES = (
     Rule(r"make docs", "tests/test_docs_current.py::test_make_docs_writes_every_page_and_the_diagram"),
     Rule(r"\.venv/bin/python -m app\.deploy", "tests/test_deploy.py::test_the_files_are_what_app_deploy_makes"),
     Rule(
+        r"\.venv/bin/python -m app\.deploy --config \S+ --out \S+",
+        "tests/test_deploy.py::test_manifests_are_made_from_any_settings_file",
+    ),
+    Rule(
         r"\.venv/bin/python bench/capacity\.py",
         "tests/test_capacity.py::test_the_documented_worked_example_is_what_the_model_prints",
     ),
