@@ -7,8 +7,8 @@ stream: the same metrics, directions, thresholds and floors, computed from the r
 candidate that starts a reward hack shows there before the next gate). The operational alerts cover what the
 runbook (``deploy/RUNBOOK.md``) tells an on-call engineer to do: consumer lag growing, a flow that stopped
 polling, a dead-letter spike, a trainer that stopped, a training-inference mismatch, a rollback, a part down (its
-scrape job named ``rtrl-<part>``). The mismatch limit is :class:`monitors.alerts.MismatchRule`'s default, as
-``loop.mismatch_log_ratio_max``'s is: a deployment that changes that setting edits the rule.
+scrape job named ``rtrl-<part>``). The mismatch limits are the rendered settings' (``loop.mismatch_log_ratio_max``,
+``loop.mismatch_k3_max``), the gate's own.
 ``python -m app.deploy`` writes the files; ``tests/test_deploy.py`` fails when they differ from what this module makes.
 It also writes the Kubernetes manifests and the docker-compose file of :mod:`app.manifests`, made from a settings
 file (``--config``; the committed ones from ``deploy/production.example.toml``).
@@ -72,8 +72,9 @@ def _anchor(alert: str) -> str:
     return f"{RUNBOOK}#{alert.lower()}"
 
 
-def prometheus_rules() -> dict[str, Any]:
-    """The alert rules, as Prometheus' rule-file structure."""
+def prometheus_rules(settings: Settings | None = None) -> dict[str, Any]:
+    """The alert rules, as Prometheus' rule-file structure; the mismatch limits are ``settings``' (the gate's:
+    ``loop.mismatch_log_ratio_max`` and, when set, ``loop.mismatch_k3_max``), else :class:`MismatchRule`'s."""
     behaviour = []
     for rule in DEFAULT_RULES:
         if rule.metric not in LIVE_RATES:
@@ -98,7 +99,15 @@ def prometheus_rules() -> dict[str, Any]:
                 },
             }
         )
-    mismatch = MismatchRule().max_abs_log_ratio
+    limits = (
+        MismatchRule(settings.loop.mismatch_k3_max, settings.loop.mismatch_log_ratio_max) if settings else MismatchRule()
+    )
+    mismatch = limits.max_abs_log_ratio
+    mismatch_expr = f"max by (adapter) (rtrl_trainer_mismatch_max_abs_log_ratio) > {mismatch:g}"
+    mismatch_text = f"by more than e^{mismatch:g} on some token (loop.mismatch_log_ratio_max)"
+    if limits.k3 > 0:
+        mismatch_expr = f"({mismatch_expr})\nor\n(max by (adapter) (rtrl_trainer_mismatch_k3) > {limits.k3:g})"
+        mismatch_text += f", or by a mean k3 over {limits.k3:g} (loop.mismatch_k3_max)"
     ops = [
         {
             "alert": "RtrlConsumerLagGrowing",
@@ -149,12 +158,11 @@ def prometheus_rules() -> dict[str, Any]:
         },
         {
             "alert": "RtrlTrainingInferenceMismatch",
-            "expr": f"max by (adapter) (rtrl_trainer_mismatch_max_abs_log_ratio) > {mismatch:g}",
+            "expr": mismatch_expr,
             "for": "10m",
             "labels": {"severity": "page"},
             "annotations": {
-                "summary": "the trainer's log-probs and the inference fleet's disagree by more than e^"
-                f"{mismatch:g} on some token (loop.mismatch_log_ratio_max)",
+                "summary": f"the trainer's log-probs and the inference fleet's disagree {mismatch_text}",
                 "runbook_url": _anchor("RtrlTrainingInferenceMismatch"),
             },
         },
@@ -300,7 +308,7 @@ def render(settings: Settings | None = None, shape: manifests.Shape = manifests.
     settings = settings if settings is not None else source_settings()
     made = f"# Made by `python -m app.deploy` from {SOURCE.relative_to(ROOT)} (app/manifests.py); do not edit.\n"
     out = {
-        RULES_FILE: header + yaml.dump(prometheus_rules(), Dumper=_Dumper, sort_keys=False, width=10_000),
+        RULES_FILE: header + yaml.dump(prometheus_rules(settings), Dumper=_Dumper, sort_keys=False, width=10_000),
         DASHBOARD_FILE: json.dumps(grafana_dashboard(), indent=2) + "\n",
         COMPOSE_FILE: header + yaml.dump(manifests.compose(None, shape), Dumper=_Dumper, sort_keys=False, width=10_000),
     }

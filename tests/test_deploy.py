@@ -419,3 +419,15 @@ def test_the_dockerfile_copies_every_package_the_project_installs():
     include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
     copied = set(re.findall(r"^COPY (\w+) \1$", (ROOT / "deploy" / "Dockerfile").read_text(), re.M))
     assert {p.rstrip("*") for p in include} <= copied
+
+
+def test_the_mismatch_alert_follows_the_rendered_settings(tmp_path):
+    """A deployment that tightens the gate's mismatch limits gets the same limits in its alert, k3 included."""
+    cfg = tmp_path / "mine.toml"
+    cfg.write_text(deploy.SOURCE.read_text() + "\n[loop]\nmismatch_log_ratio_max = 6.5\nmismatch_k3_max = 0.25\n")
+    rules = deploy.prometheus_rules(deploy.source_settings(cfg))
+    (rule,) = [r for g in rules["groups"] for r in g["rules"] if r["alert"] == "RtrlTrainingInferenceMismatch"]
+    assert "> 6.5" in rule["expr"] and "rtrl_trainer_mismatch_k3) > 0.25" in rule["expr"]
+    promql_parser.parse(rule["expr"])
+    (default,) = [r for r in _rules() if r["alert"] == "RtrlTrainingInferenceMismatch"]
+    assert f"> {MismatchRule().max_abs_log_ratio:g}" in default["expr"] and "k3" not in default["expr"]
