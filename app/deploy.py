@@ -100,7 +100,9 @@ def prometheus_rules(settings: Settings | None = None) -> dict[str, Any]:
             }
         )
     limits = (
-        MismatchRule(settings.loop.mismatch_k3_max, settings.loop.mismatch_log_ratio_max) if settings else MismatchRule()
+        MismatchRule(settings.loop.mismatch_k3_max, settings.loop.mismatch_log_ratio_max)
+        if settings
+        else MismatchRule()
     )
     mismatch = limits.max_abs_log_ratio
     mismatch_expr = f"max by (adapter) (rtrl_trainer_mismatch_max_abs_log_ratio) > {mismatch:g}"
