@@ -29,6 +29,7 @@ import clickhouse_connect
 import pyarrow as pa
 
 from rtrl.clickhouse_cluster import LOCAL, SYNC_INSERT, Cluster, render
+from rtrl.clickhouse_cluster import cluster_of as cluster_of  # for setup's callers: cluster_of(settings.clickhouse)
 from rtrl.errors import ConfigError, SchemaMismatch, ServiceUnavailable
 from rtrl.files import private_dir
 from rtrl.settings import redact_dsn
@@ -436,17 +437,15 @@ def migrate(client: Any, database: str, folder: Path = MIGRATIONS_DIR, cluster: 
     With ``cluster`` each statement is rendered for it (:func:`rtrl.clickhouse_cluster.render`) and runs from
     this one node: DDL ON CLUSTER reaches every node, ``schema_migrations`` is itself replicated and read and
     written through its Distributed table, so every node sees the same applied versions. A database laid out
-    for the other kind (cluster vs single node) is a ConfigError naming the setting."""
+    for the other kind is a ConfigError naming the setting: single node on a cluster's database only when
+    migrations are pending (a job that does not know the cluster may still verify and use it)."""
     db = _check_name(database)
     if cluster is None:
         for stmt in bookkeeping(db):
             client.command(stmt)
-        if _engine(client, db, "schema_migrations") == "Distributed":
-            raise ConfigError(
-                f"ClickHouse database {db} was migrated for a cluster (its tables are Distributed) but "
-                "clickhouse.cluster is empty; fix: set clickhouse.cluster (RTRL_CLICKHOUSE__CLUSTER) to that cluster"
-            )
+        on_cluster = _engine(client, db, "schema_migrations") == "Distributed"
     else:
+        on_cluster = False
         engine = _engine(client, db, "schema_migrations")
         if engine not in ("", "Distributed"):
             raise ConfigError(
@@ -462,6 +461,13 @@ def migrate(client: Any, database: str, folder: Path = MIGRATIONS_DIR, cluster: 
         int(v): (n, c)
         for v, n, c in client.query(f"SELECT version, name, checksum FROM {db}.schema_migrations FINAL").result_rows
     }
+    pending = [m.name for m in migrations(folder) if m.version not in applied]
+    if on_cluster and pending:  # applied, they would make single-node tables on this node only
+        raise ConfigError(
+            f"ClickHouse database {db} was migrated for a cluster (its tables are Distributed) and migrations "
+            f"{', '.join(pending)} are pending, but this migration runs without clickhouse.cluster; fix: set "
+            "clickhouse.cluster (RTRL_CLICKHOUSE__CLUSTER) to that cluster's name and run `rtrl migrate`"
+        )
     done = []
     for m in migrations(folder):
         if m.version in applied:
