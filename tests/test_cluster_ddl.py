@@ -167,7 +167,7 @@ _ENGINE_SCRIPT = textwrap.dedent(
     import clickhouse_connect
 
     from rtrl import clickhouse
-    from rtrl.clickhouse_cluster import Cluster
+    from rtrl.clickhouse_cluster import Cluster, render
     from rtrl.errors import ConfigError, SchemaMismatch
     from schemas.records import Reward
 
@@ -175,6 +175,8 @@ _ENGINE_SCRIPT = textwrap.dedent(
     config = folder / "cluster.xml"
     config.write_text(f'''<clickhouse><tcp_port>19000</tcp_port>
       <remote_servers><{name}><shard><replica><host>localhost</host><port>19000</port></replica></shard></{name}>
+      <two_shards><shard><replica><host>127.0.0.1</host><port>1</port></replica></shard>
+      <shard><replica><host>127.0.0.2</host><port>1</port></replica></shard></two_shards>
       </remote_servers><macros><shard>01</shard><replica>r1</replica></macros></clickhouse>''')
     client = clickhouse_connect.get_client(
         interface="chdb", path=str(folder / "data"), chdb_options={"config-file": str(config)}
@@ -205,7 +207,7 @@ _ENGINE_SCRIPT = textwrap.dedent(
             self.client = client
 
         def command(self, sql, *args, **kwargs):
-            sql = re.sub(rf" ON CLUSTER {name}\b", "", sql)
+            sql = re.sub(r" ON CLUSTER \w+", "", sql)
             sql = re.sub(r"\bReplicated(\w*MergeTree)\('[^']*', '[^']*'(, )?", r"\1(", sql)
             return self.client.command(sql, *args, **kwargs)
 
@@ -261,6 +263,21 @@ _ENGINE_SCRIPT = textwrap.dedent(
     out["provisional_vs_final"] = client.query(
         "SELECT final_rewards, revised_from_provisional FROM rtrl.provisional_vs_final"
     ).result_rows
+
+    # two shards nobody serves: a query is analysed (where a double-distributed JOIN is refused), then it fails
+    # to connect. The rendered view (GLOBAL JOIN) gets to connecting; without GLOBAL it is refused.
+    wide = Cluster("two_shards")
+    statements = clickhouse.bookkeeping("wide") + [s for m in clickhouse.migrations() for s in m.statements("wide")]
+    for sql in (sql for stmt in statements for sql in render(stmt, "wide", wide)):
+        if not sql.startswith("INSERT"):  # the seed reads the cluster: nothing answers
+            ch.command(sql)
+    view = client.query(
+        "SELECT as_select FROM system.tables WHERE database = 'wide' AND name = 'user_rewards_between'"
+    ).result_rows[0][0]
+    client.command("CREATE VIEW wide.without_global AS " + view.replace("GLOBAL ", ""))
+    args = "(reward_version = 'v2', since_ms = 0, until_ms = 1)"
+    out["two_shards_global"] = attempt(f"SELECT * FROM wide.user_rewards_between{args} FORMAT Null")
+    out["two_shards_without_global"] = attempt(f"SELECT * FROM wide.without_global{args} FORMAT Null")
     print("RESULT " + json.dumps(out, default=str))
     """
 )
@@ -272,7 +289,8 @@ def test_the_cluster_ddl_runs_on_a_real_engine(tmp_path):
     no Keeper in an embedded engine); the same DDL with only those two parts taken out migrates all 22
     migrations, verify passes on the Distributed tables of today's names and their _local tables (all but
     the engine), inserts through the Distributed tables collapse with FINAL, the materialized view fills the
-    local table and every view answers."""
+    local table and every view answers. On two shards nobody serves, a rendered view's GLOBAL JOIN passes
+    ClickHouse's analysis and fails only connecting, and the same view without GLOBAL is refused."""
     extra = tmp_path / "migrations"
     extra.mkdir()
     for m in migrations():
@@ -308,3 +326,8 @@ def test_the_cluster_ddl_runs_on_a_real_engine(tmp_path):
     assert out["provisional"] == [["t1", 1]]
     assert out["views"] == dict.fromkeys(out["views"], "ran") and len(out["views"]) == 8
     assert out["provisional_vs_final"] == [[2, 1]]
+    # on two shards the rendered view's GLOBAL JOIN passes analysis (then nothing answers); without it, refused
+    assert out["two_shards_global"].startswith("Code: 279. DB::Exception: All connection tries failed")
+    assert out["two_shards_without_global"].startswith(
+        "Code: 288. DB::Exception: Double-distributed IN/JOIN subqueries is denied"
+    ), out["two_shards_without_global"]
