@@ -8,7 +8,7 @@
     rtrl ab                  two simulated policy profiles through the reward flow, compared (app.ab)
     rtrl broker up|down|status   the local Kafka-protocol broker under data_dir/broker
     rtrl topics              create the Kafka topics (idempotent)
-    rtrl migrate             apply ClickHouse migrations and verify the tables
+    rtrl migrate             apply ClickHouse migrations and verify the tables (--print: the DDL, no server)
     rtrl clickhouse serve    the embedded ClickHouse folder behind ClickHouse's HTTP interface (for many processes)
     rtrl part NAME           one part of the loop as its own process: rewards, batches, serve, train
     rtrl simulate            send simulated users' events through the SDK
@@ -124,10 +124,15 @@ def cmd_topics(settings: Settings, args: argparse.Namespace, console: Console) -
 
 def cmd_migrate(settings: Settings, args: argparse.Namespace, console: Console) -> int:
     from rtrl import clickhouse
+    from rtrl.clickhouse_cluster import cluster_of
 
+    cluster = cluster_of(settings.clickhouse)
+    if args.print:  # no server: what migrate would run on an empty database, for review
+        sys.stdout.write(clickhouse.ddl(settings.clickhouse.database, cluster))
+        return 0
     client = clickhouse.connect(settings.clickhouse_dsn, settings.clickhouse.timeout_s)
-    applied = clickhouse.migrate(client, settings.clickhouse.database)
-    clickhouse.verify(client, settings.clickhouse.database)
+    applied = clickhouse.migrate(client, settings.clickhouse.database, cluster=cluster)
+    clickhouse.verify(client, settings.clickhouse.database, cluster)
     console.print(f"applied migrations: {applied or 'none pending'}; schema verified")
     return 0
 
@@ -520,7 +525,13 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--port", type=_port, default=None, help="port to bind (default: a free one)")
     b.set_defaults(fn=cmd_broker)
     command("topics", "create Kafka topics (idempotent)").set_defaults(fn=cmd_topics)
-    command("migrate", "apply ClickHouse migrations and verify").set_defaults(fn=cmd_migrate)
+    mg = command("migrate", "apply ClickHouse migrations and verify")
+    mg.add_argument(
+        "--print",
+        action="store_true",
+        help="print the DDL it would run on an empty database (for clickhouse.cluster when set) and touch no server",
+    )
+    mg.set_defaults(fn=cmd_migrate)
     chs = command("clickhouse", "serve the embedded ClickHouse folder over ClickHouse's HTTP interface")
     chs.add_argument("action", choices=["serve"], help="serve: the folder of clickhouse.dsn = chdb://FOLDER")
     chs.add_argument("--port", type=_port, default=8123, help="HTTP port to listen on (default: %(default)s)")

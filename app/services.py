@@ -90,7 +90,10 @@ class Services:
         try:
             ensure_topics_for(settings, self.bootstrap)
             self.ch = clickhouse.setup(
-                settings.clickhouse_dsn, settings.clickhouse.database, settings.clickhouse.timeout_s
+                settings.clickhouse_dsn,
+                settings.clickhouse.database,
+                settings.clickhouse.timeout_s,
+                clickhouse.cluster_of(settings.clickhouse),
             )
             # the reward versions this run scores, registered before anything starts (refuses changed weights
             # under a name that has scored: a one-line error now, not a reward flow failing later)

@@ -71,7 +71,12 @@ def register_settings(settings: Settings, names: Sequence[str] | None = None, cl
     chosen = reg.select(list(settings.rewards.versions if names is None else names))
     own = client is None
     if own:
-        client = clickhouse.setup(settings.clickhouse_dsn, settings.clickhouse.database, settings.clickhouse.timeout_s)
+        client = clickhouse.setup(
+            settings.clickhouse_dsn,
+            settings.clickhouse.database,
+            settings.clickhouse.timeout_s,
+            clickhouse.cluster_of(settings.clickhouse),
+        )
     try:
         register(client, settings.clickhouse.database, chosen)
     finally:

@@ -1,7 +1,8 @@
 """ClickHouse access by DSN: embedded chdb (``chdb:///dir``, the real engine in-process) or a server.
 
 - :func:`connect` opens a client with bounded waits and errors that name the address and setting.
-- :func:`migrate` applies ``schemas/migrations/*.sql`` once each, recorded in ``schema_migrations``.
+- :func:`migrate` applies ``schemas/migrations/*.sql`` once each, recorded in ``schema_migrations``; on a
+  cluster (``clickhouse.cluster``) as rendered by :mod:`rtrl.clickhouse_cluster`, and :func:`ddl` prints that.
 - :func:`verify` checks every table against the columns derived from schemas.records.
 - :func:`insert` / :func:`select` move records as Arrow.
 
@@ -27,6 +28,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import clickhouse_connect
 import pyarrow as pa
 
+from rtrl.clickhouse_cluster import LOCAL, SYNC_INSERT, Cluster, render
+from rtrl.clickhouse_cluster import cluster_of as cluster_of  # for setup's callers: cluster_of(settings.clickhouse)
 from rtrl.errors import ConfigError, SchemaMismatch, ServiceUnavailable
 from rtrl.files import private_dir
 from rtrl.settings import redact_dsn
@@ -386,19 +389,85 @@ def migrations(folder: Path = MIGRATIONS_DIR) -> list[Migration]:
     return out
 
 
-def migrate(client: Any, database: str, folder: Path = MIGRATIONS_DIR) -> list[int]:
-    """Apply pending migrations once each; return the versions applied now (idempotent)."""
+def bookkeeping(database: str) -> list[str]:
+    """The statements that make the database and its ``schema_migrations`` table (before any migration)."""
     db = _check_name(database)
-    client.command(f"CREATE DATABASE IF NOT EXISTS {db}")
-    client.command(
+    return [
+        f"CREATE DATABASE IF NOT EXISTS {db}",
         f"CREATE TABLE IF NOT EXISTS {db}.schema_migrations "
         "(version UInt32, name String, checksum String, applied_at DateTime64(3, 'UTC')) "
-        "ENGINE = ReplacingMergeTree ORDER BY version"
-    )
+        "ENGINE = ReplacingMergeTree ORDER BY version",
+    ]
+
+
+def ddl(database: str, cluster: Cluster | None, folder: Path = MIGRATIONS_DIR) -> str:
+    """Every statement :func:`migrate` runs on an empty database, as one SQL script (``rtrl migrate --print``):
+    the bookkeeping, then each migration's statements, each followed by its ``schema_migrations`` row."""
+    db = _check_name(database)
+    where = f"on cluster {cluster.name}" if cluster else "on a single node"
+    out = [
+        f"-- rtrl's ClickHouse schema for database {db} {where}: what `rtrl migrate` runs on an empty database",
+        "-- (generated from schemas/migrations by rtrl.clickhouse.ddl; a migration already applied is skipped).",
+    ]
+    for stmt in bookkeeping(db):
+        out += [s + ";" for s in render(stmt, db, cluster)]
+    for m in migrations(folder):
+        out.append(f"\n-- {m.name}")
+        out += [s + ";" for stmt in m.statements(db) for s in render(stmt, db, cluster)]
+        out.append(_record(db, m, cluster) + ";")
+    return "\n".join(out) + "\n"
+
+
+def _record(db: str, m: Migration, cluster: Cluster | None) -> str:
+    sync = f" {SYNC_INSERT}" if cluster else ""  # visible through the Distributed table when the call returns
+    return f"INSERT INTO {db}.schema_migrations{sync} VALUES ({m.version}, '{m.name}', '{m.checksum}', now64(3))"
+
+
+def _engine(client: Any, db: str, table: str) -> str:
+    rows = client.query(
+        "SELECT engine FROM system.tables WHERE database = {db:String} AND name = {t:String}",
+        parameters={"db": db, "t": table},
+    ).result_rows
+    return str(rows[0][0]) if rows else ""
+
+
+def migrate(client: Any, database: str, folder: Path = MIGRATIONS_DIR, cluster: Cluster | None = None) -> list[int]:
+    """Apply pending migrations once each; return the versions applied now (idempotent).
+
+    With ``cluster`` each statement is rendered for it (:func:`rtrl.clickhouse_cluster.render`) and runs from
+    this one node: DDL ON CLUSTER reaches every node, ``schema_migrations`` is itself replicated and read and
+    written through its Distributed table, so every node sees the same applied versions. A database laid out
+    for the other kind is a ConfigError naming the setting: single node on a cluster's database only when
+    migrations are pending (a job that does not know the cluster may still verify and use it)."""
+    db = _check_name(database)
+    if cluster is None:
+        for stmt in bookkeeping(db):
+            client.command(stmt)
+        on_cluster = _engine(client, db, "schema_migrations") == "Distributed"
+    else:
+        on_cluster = False
+        engine = _engine(client, db, "schema_migrations")
+        if engine not in ("", "Distributed"):
+            raise ConfigError(
+                f"ClickHouse database {db} was migrated for a single node ({db}.schema_migrations is {engine}) but "
+                f"clickhouse.cluster = {cluster.name!r}; fix: empty clickhouse.cluster, or migrate into a new "
+                "clickhouse.database and copy the data (a layout change is a data migration, not DDL)"
+            )
+        if engine == "":  # only then: ON CLUSTER needs every node up, and this runs at every job's start
+            for stmt in bookkeeping(db):
+                for s in render(stmt, db, cluster):
+                    client.command(s)
     applied = {
         int(v): (n, c)
         for v, n, c in client.query(f"SELECT version, name, checksum FROM {db}.schema_migrations FINAL").result_rows
     }
+    pending = [m.name for m in migrations(folder) if m.version not in applied]
+    if on_cluster and pending:  # applied, they would make single-node tables on this node only
+        raise ConfigError(
+            f"ClickHouse database {db} was migrated for a cluster (its tables are Distributed) and migrations "
+            f"{', '.join(pending)} are pending, but this migration runs without clickhouse.cluster; fix: set "
+            "clickhouse.cluster (RTRL_CLICKHOUSE__CLUSTER) to that cluster's name and run `rtrl migrate`"
+        )
     done = []
     for m in migrations(folder):
         if m.version in applied:
@@ -409,8 +478,9 @@ def migrate(client: Any, database: str, folder: Path = MIGRATIONS_DIR) -> list[i
                 )
             continue
         for stmt in m.statements(db):
-            client.command(stmt)
-        client.command(f"INSERT INTO {db}.schema_migrations VALUES ({m.version}, '{m.name}', '{m.checksum}', now64(3))")
+            for s in render(stmt, db, cluster):
+                client.command(s)
+        client.command(_record(db, m, cluster))
         done.append(m.version)
     return done
 
@@ -424,22 +494,21 @@ def live_columns(client: Any, database: str, table: str) -> list[tuple[str, str]
     return [(n, t) for n, t in rows]
 
 
-def verify(client: Any, database: str) -> None:
-    """Raise SchemaMismatch naming every table/column that differs from schemas.records."""
+def verify(client: Any, database: str, cluster: Cluster | None = None) -> None:
+    """Raise SchemaMismatch naming every table/column that differs from schemas.records; on a ``cluster``
+    the tables of those names must be Distributed and their ``_local`` tables (on this node) replicated,
+    both with the same columns."""
     problems = []
     for table, cls in TABLES.items():
-        live = dict(live_columns(client, database, table))
-        if not live:
-            problems.append(f"table {database}.{table} does not exist")
-            continue
         expected = {c.name: c.clickhouse for c in columns(cls)}
-        for name, typ in expected.items():
-            if name not in live:
-                problems.append(f"{database}.{table}.{name} is missing (code expects {typ})")
-            elif live[name] != typ:
-                problems.append(f"{database}.{table}.{name} is {live[name]} but code expects {typ}")
-        for name in live.keys() - expected.keys():
-            problems.append(f"{database}.{table}.{name} exists in ClickHouse but not in schemas/records.py")
+        for name in (table, table + LOCAL) if cluster else (table,):
+            problems += _differences(client, database, name, expected)
+        if cluster:
+            kinds = (_engine(client, database, table), _engine(client, database, table + LOCAL))
+            if kinds[0] and kinds[0] != "Distributed":
+                problems.append(f"{database}.{table} is {kinds[0]}, not Distributed over {table}{LOCAL}")
+            if kinds[1] and not kinds[1].startswith("Replicated"):
+                problems.append(f"{database}.{table}{LOCAL} is {kinds[1]}, not a Replicated*MergeTree")
     if problems:
         raise SchemaMismatch(
             "ClickHouse schema differs from schemas/: "
@@ -448,11 +517,27 @@ def verify(client: Any, database: str) -> None:
         )
 
 
-def setup(dsn: str, database: str, timeout_s: float = 10.0) -> Any:
-    """Connect, migrate and verify: what every job does before touching ClickHouse."""
+def _differences(client: Any, database: str, table: str, expected: dict[str, str]) -> list[str]:
+    live = dict(live_columns(client, database, table))
+    if not live:
+        return [f"table {database}.{table} does not exist"]
+    problems = []
+    for name, typ in expected.items():
+        if name not in live:
+            problems.append(f"{database}.{table}.{name} is missing (code expects {typ})")
+        elif live[name] != typ:
+            problems.append(f"{database}.{table}.{name} is {live[name]} but code expects {typ}")
+    for name in live.keys() - expected.keys():
+        problems.append(f"{database}.{table}.{name} exists in ClickHouse but not in schemas/records.py")
+    return problems
+
+
+def setup(dsn: str, database: str, timeout_s: float = 10.0, cluster: Cluster | None = None) -> Any:
+    """Connect, migrate and verify: what every job does before touching ClickHouse (``cluster``: the
+    ``clickhouse.cluster`` settings, :func:`rtrl.clickhouse_cluster.cluster_of`)."""
     client = connect(dsn, timeout_s)
-    migrate(client, database)
-    verify(client, database)
+    migrate(client, database, cluster=cluster)
+    verify(client, database, cluster)
     return client
 
 

@@ -269,6 +269,21 @@ class ClickHouseSettings(Section):
     )
     client_cert: str = _s("", "https DSN: PEM file of this client's certificate (mutual TLS)")
     client_cert_key: str = _s("", "https DSN: PEM file of client_cert's private key, if not in client_cert")
+    cluster: str = _s(
+        "",
+        "name of the ClickHouse cluster (the servers' <remote_servers>) to lay rtrl's tables out on: `rtrl migrate` "
+        "then runs every DDL ON CLUSTER, makes each table a Replicated*MergeTree <table>_local on every node and a "
+        "Distributed table <table> over it (what rtrl reads and writes); `rtrl migrate --print` shows the DDL; "
+        "empty = a single node",
+    )
+    replica_path: str = _s(
+        "/clickhouse/tables/{shard}/{database}/{table}",
+        "with clickhouse.cluster: Keeper path of each replicated table; {shard} is each server's macro, "
+        "{database} and {table} ClickHouse fills in",
+    )
+    replica_name: str = _s(
+        "{replica}", "with clickhouse.cluster: replica name of each replicated table ({replica}: each server's macro)"
+    )
 
     @field_validator("dsn")
     @classmethod
@@ -284,6 +299,27 @@ class ClickHouseSettings(Section):
         raise ValueError(
             "must be empty (embedded chdb under data_dir), chdb:///abs/path, chdb://memory or http(s)://host:port"
         )
+
+    @field_validator("cluster")
+    @classmethod
+    def _cluster(cls, v: str) -> str:
+        if v and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
+            raise ValueError(
+                "is not a cluster name (letters, digits and _, not starting with a digit): the name of a cluster "
+                "in the servers' <remote_servers>, or empty for a single node"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _replicas(self) -> ClickHouseSettings:
+        if self.cluster:
+            from rtrl.clickhouse_cluster import check
+
+            try:
+                check(self.cluster, self.replica_path, self.replica_name)
+            except ConfigError as e:
+                raise ValueError(str(e)) from None
+        return self
 
     @model_validator(mode="after")
     def _credentials(self) -> ClickHouseSettings:

@@ -63,6 +63,7 @@ PURE = [
     "monitors.alerts",
     "monitors.reward_compare",
     "evalgate",
+    "rtrl.clickhouse_cluster",
 ]
 #: project modules whose job is I/O: a pure module may not reach them
 IO_MODULES = {"rtrl.kafka", "rtrl.clickhouse", "flows.sinks", "flows.kafka_io", "trainer.data", "app", "devservices"}

@@ -172,6 +172,10 @@ RULES = (
     Rule(r"rtrl ab", "test_service_commands_in_order"),
     Rule(r"rtrl broker (up\|down\|status|up|down|status)", "test_service_commands_in_order"),
     Rule(r"rtrl (topics|migrate)", "test_service_commands_in_order"),
+    Rule(
+        r"(RTRL_CLICKHOUSE__CLUSTER=\S+ )?rtrl migrate --print( > \S+)?",
+        "tests/test_cluster_ddl.py::test_the_committed_cluster_sql_is_what_rtrl_migrate_print_makes",
+    ),
     Rule(r"rtrl clickhouse serve( \[--port P\]| --port \d+)?", "test_service_commands_in_order"),
     Rule(
         r"rtrl clickhouse serve --certfile \S+ --keyfile \S+",

@@ -73,7 +73,12 @@ def run(settings: Settings, bootstrap: str, console: Console | None = None) -> l
             + (f"; initial weights from {cfg.hf_path}" if cfg.hf_path else "")
         )
     ch = (
-        clickhouse.setup(settings.clickhouse_dsn, settings.clickhouse.database, settings.clickhouse.timeout_s)
+        clickhouse.setup(
+            settings.clickhouse_dsn,
+            settings.clickhouse.database,
+            settings.clickhouse.timeout_s,
+            clickhouse.cluster_of(settings.clickhouse),
+        )
         if lead
         else None
     )
