@@ -58,6 +58,7 @@ from flows.sinks import ClickHouseSink, KafkaSink
 from flows.wiring import injected, require_bootstrap
 from rewards.versions import registry
 from rtrl import metrics
+from rtrl.clickhouse_cluster import cluster_of
 from rtrl.settings import Settings, load_settings
 from schemas.codec import Invalid, JsonCodec, dead_letter, encode_batch
 from schemas.records import BatchStats, DeadLetter, MicroBatch, Reward, Rollout
@@ -298,6 +299,7 @@ def service_outputs(settings: Settings, bootstrap: str | None = None) -> dict[st
             settings.flow.batch_rows,
             settings.flow.batch_seconds,
             settings.clickhouse.timeout_s,
+            cluster=cluster_of(settings.clickhouse),
         ),
     }
 

@@ -46,6 +46,7 @@ from flows.windowing import KindRules, PartitionWindows, WindowConfig
 from flows.wiring import injected, require_bootstrap
 from rewards.versions import registry
 from rtrl import metrics
+from rtrl.clickhouse_cluster import cluster_of
 from rtrl.errors import ConfigError
 from rtrl.settings import Settings, load_settings
 from schemas.codec import JsonCodec
@@ -192,6 +193,7 @@ def service_outputs(settings: Settings, bootstrap: str | None = None) -> dict[st
             archive=archive_root,
             # registered before the first write (refused: other weights under a name that has scored)
             reward_versions=registry(settings).select(settings.rewards.versions),
+            cluster=cluster_of(settings.clickhouse),
         ),
         "kafka": KafkaSink(
             require_bootstrap(settings, bootstrap), settings.sdk.delivery_timeout_s, settings.kafka.compression

@@ -33,6 +33,7 @@ from confluent_kafka import Producer
 from flows.reward_versions import RewardVersionImmutable, register
 from rewards.versions import RewardVersion
 from rtrl import clickhouse
+from rtrl.clickhouse_cluster import Cluster
 from rtrl.files import private_dir
 from rtrl.kafka import produce, producer_config
 from schemas.records import EventBase
@@ -123,9 +124,11 @@ class _StoragePart(_Buffered):
         batch_seconds: float,
         timeout_s: float,
         reward_versions: Sequence[RewardVersion] = (),
+        cluster: Cluster | None = None,
     ):
         super().__init__(batch_rows, batch_seconds)
         self.dsn, self.database, self.archive, self.timeout_s = dsn, database, archive, timeout_s
+        self.cluster = cluster
         self.reward_versions = reward_versions
         self.client = None  # set up (migrate + verify) on first write, again after any failure
         if reward_versions:  # registered before the first reward is written; a changed definition of a used
@@ -139,7 +142,7 @@ class _StoragePart(_Buffered):
         self.pending: deque[Future] = deque()
 
     def _connect(self) -> None:
-        client = clickhouse.setup(self.dsn, self.database, self.timeout_s)
+        client = clickhouse.setup(self.dsn, self.database, self.timeout_s, self.cluster)
         register(client, self.database, self.reward_versions)
         self.client = client
 
@@ -243,10 +246,11 @@ class ClickHouseSink(FixedPartitionedSink):
         timeout_s: float = 10.0,
         archive: str | Path | None = None,
         reward_versions: Sequence[RewardVersion] = (),
+        cluster: Cluster | None = None,
     ):
         self.args = (
             dsn, database, None if archive is None else Path(archive), batch_rows, batch_seconds, timeout_s,
-            tuple(reward_versions),
+            tuple(reward_versions), cluster,
         )  # fmt: skip
 
     def list_parts(self) -> list[str]:

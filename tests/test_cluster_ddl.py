@@ -331,3 +331,16 @@ def test_the_cluster_ddl_runs_on_a_real_engine(tmp_path):
     assert out["two_shards_without_global"].startswith(
         "Code: 288. DB::Exception: Double-distributed IN/JOIN subqueries is denied"
     ), out["two_shards_without_global"]
+
+
+def test_the_flows_clickhouse_sinks_migrate_for_the_configured_cluster():
+    """The reward and batch flows' ClickHouse sinks set up (migrate, verify) with the cluster the settings name."""
+    from flows import batch_flow, reward_flow
+    from rtrl.clickhouse_cluster import Cluster
+    from rtrl.settings import Settings
+
+    s = Settings().updated({"clickhouse.cluster": "rtrl_cluster"})
+    for outputs in (reward_flow.service_outputs(s, "127.0.0.1:9"), batch_flow.service_outputs(s, "127.0.0.1:9")):
+        cluster = outputs["clickhouse"].args[-1]
+        assert isinstance(cluster, Cluster) and cluster.name == "rtrl_cluster"
+    assert reward_flow.service_outputs(Settings(), "127.0.0.1:9")["clickhouse"].args[-1] is None
