@@ -273,3 +273,83 @@ def test_two_reward_flow_processes_write_what_one_does(broker, tmp_path):
     key = lambda r: (r["trajectory_id"], r["reward_version"], r["revision"])  # noqa: E731
     assert not [k for k, n in Counter(map(key, got)).items() if n > 1], "a reward written twice"
     assert sorted(got, key=key) == sorted(expected, key=key)
+
+
+# ---------------------------------------------------------------- slow: the whole cluster's shape
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Live processes whose command line names ``text``."""
+    found = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit() and int(p.name) != os.getpid():
+            try:
+                if text in (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    found.append(int(p.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_local_cluster_ends_with_rewards_and_a_trained_step(tmp_path):
+    """`python -m app.local_cluster`: every process from the generated settings file, the reward flow as two Bytewax
+    processes (each reading its own Kafka partitions), the trainer as torchrun DP=2; afterwards ClickHouse, read by
+    SQL over its front, holds rewards (none twice) and a step whose micro-batches came from both ranks; no process
+    of the run is left."""
+    from app.services import spawn_embedded_clickhouse
+    from rtrl import clickhouse
+
+    data, port = tmp_path / "data", free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RTRL_", "BYTEWAX_"))}
+    env |= {"PYTHONPATH": str(ROOT), "RTRL_DATA_DIR": str(data), "RTRL_METRICS__PORT": str(port)}
+    log = tmp_path / "local_cluster.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "app.local_cluster", "--steps", "1", "--timeout-s", "480"],
+            env=env,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        proc.wait(540)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text(errors="replace")
+    assert proc.returncode == 0, text[-5000:]
+
+    conf = data / "cluster" / "rtrl.toml"
+    generated = load_settings(conf, env={})  # the file alone: the services' addresses, no secret
+    assert (
+        generated.kafka.bootstrap and generated.clickhouse.dsn.startswith("http://") and "salt" not in conf.read_text()
+    )
+    assert not _processes_naming(str(conf)), "a process of the run is still running"
+    # both reward flow processes read Kafka partitions of their own, all of them between them
+    shares = re.search(r"process 0 read partitions ([\d,]+) .*; process 1 read partitions ([\d,]+) ", text)
+    assert shares, text[-3000:]
+    p0, p1 = (set(g.split(",")) for g in shares.groups())
+    assert p0 and p1 and not p0 & p1 and p0 | p1 == {str(i) for i in range(generated.kafka.partitions)}
+    logs = data / "logs"
+    for i in (0, 1):
+        assert f"rewards flow, process {i} of 2" in (logs / f"rewards-{i}.log").read_text()
+    assert sorted(p.name for p in (data / "recovery" / "rewards").iterdir()) == ["process-0", "process-1"]
+    assert "dp 2" in (logs / "trainer.log").read_text()  # torchrun's two ranks, one data-parallel replica each
+    assert re.search(r"local cluster: [\d,]+ rewards in ClickHouse .* 1 step trained by 2 ranks", text), text[-2000:]
+
+    front, dsn = spawn_embedded_clickhouse(str(data / "clickhouse"), log=tmp_path / "front.log")
+    try:
+        ch, db = clickhouse.connect(dsn), generated.clickhouse.database
+        rewards = ch.query(f"SELECT count(), uniqExact(trajectory_id, reward_version, revision) FROM {db}.rewards")
+        n, distinct = rewards.result_rows[0]
+        assert n > 0 and n == distinct, (n, distinct)  # rewards written, none twice
+        steps = ch.query(f"SELECT step, length(batch_ids), tokens FROM {db}.train_metrics ORDER BY step").result_rows
+        per_rank = generated.train.micro_batches_per_step
+        # a step of two ranks: each trained micro_batches_per_step micro-batches, gathered into the step's row
+        assert [(s, b) for s, b, _ in steps] == [(1, 2 * per_rank)] and steps[0][2] > 0, steps
+    finally:
+        front.terminate()
+        front.wait(30)
