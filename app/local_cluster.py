@@ -106,6 +106,15 @@ class LocalCluster:
             end_group(p.popen.pid, timeout_s=2.0)  # whatever it forked (torchrun's ranks) goes with it
 
 
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago (a Bytewax process's or torchrun's rendezvous address)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def generated_settings(settings: Any, bootstrap: str, dsn: str, steps: int) -> Any:
     """The settings every process is started with: the loop's (its tiny tasks), the local services' addresses
     and the trainer's run (``steps`` steps, its checkpoints under ``<data_dir>/cluster``)."""
@@ -175,7 +184,6 @@ def run(config: str | None, steps: int, timeout_s: float, out=print) -> int:
     from app.loop import fresh_start
     from app.loop_config import loop_settings
     from app.supervisor import Supervisor
-    from devservices.broker import free_port
     from rtrl.files import write_private
     from rtrl.settings import load_settings, settings_toml
 
