@@ -43,6 +43,7 @@ import argparse
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -188,7 +189,11 @@ def run(config: str | None, steps: int, timeout_s: float, out=print) -> int:
     from rtrl.settings import load_settings, settings_toml
 
     settings = loop_settings(load_settings(config), trains=False)
-    fresh_start(settings)  # a run of its own: no earlier recovery state, checkpoints or topics
+    doomed = fresh_start(settings)  # a run of its own: no earlier recovery state, checkpoints or topics
+    if (settings.data_path / "cluster").exists():  # this launcher's own: settings file, v0, the trainer's checkpoints
+        shutil.rmtree(settings.data_path / "cluster")
+        doomed.append(settings.data_path / "cluster")
+    out(f"fresh start: deleted {', '.join(map(str, doomed))}" if doomed else f"fresh start in {settings.data_path}")
     sup = Supervisor(settings)
     cluster = LocalCluster(sup.log_dir)
     t0 = time.monotonic()
