@@ -12,7 +12,7 @@
     rtrl clickhouse serve    the embedded ClickHouse folder behind ClickHouse's HTTP interface (for many processes)
     rtrl part NAME           one part of the loop as its own process: rewards, batches, serve, train
     rtrl simulate            send simulated users' events through the SDK
-    rtrl flow rewards        the reward flow with Bytewax recovery (always-on)
+    rtrl flow rewards        the reward flow with Bytewax recovery (always-on); -i/-a: one process of a cluster
     rtrl flow batches        the batch flow (rollouts + rewards -> micro-batches) with recovery
     rtrl train               the trainer on rtrl.batches (torchrun --nproc_per_node N -m trainer for DP/TP/PP)
     rtrl fleet follow        next to an inference server: load each promotion's hash-checked registry export into it
@@ -197,14 +197,20 @@ def simulated(s: dict, policy_version: int) -> list[str]:
 
 
 def cmd_flow(settings: Settings, args: argparse.Namespace, console: Console) -> int:
-    from app.parts import recovery_path, run_flow
+    from app.parts import cluster_from, process_recovery_path, run_flow
 
+    # one process of a Bytewax cluster with -i/-a (or bytewax.run's environment: a StatefulSet's pod name)
+    cluster = cluster_from(args.process_id, args.addresses)
     tail = settings.flow.tail if args.name == "rewards" else settings.batching.tail
     console.print(
-        f"{args.name} flow: recovery in {recovery_path(settings, args.name)}, snapshot "
-        f"every {settings.flow.snapshot_s:g}s ({'following the topics' if tail else 'until the end of the topics'})"
+        f"{args.name} flow, {cluster.describe(args.workers)}: recovery in "
+        f"{process_recovery_path(settings, args.name, cluster)}, snapshot every {settings.flow.snapshot_s:g}s "
+        f"({'following the topics' if tail else 'until the end of the topics'})",
+        highlight=False,
+        soft_wrap=True,
     )
-    line = run_flow(settings, args.name, _bootstrap(settings, clickhouse_too=True), workers=args.workers)
+    bootstrap = _bootstrap(settings, clickhouse_too=True)
+    line = run_flow(settings, args.name, bootstrap, workers=args.workers, cluster=cluster)
     console.print(line, highlight=False, soft_wrap=True)
     return 0
 
@@ -556,6 +562,21 @@ def parser() -> argparse.ArgumentParser:
     f = command("flow", "run a streaming flow with Bytewax recovery")
     f.add_argument("name", choices=["rewards", "batches"], help="rewards: the reward flow; batches: micro-batches")
     f.add_argument("-w", "--workers", type=_count, default=1, help="worker threads in this process")
+    f.add_argument(
+        "-i",
+        "--process-id",
+        type=int,
+        default=None,
+        help="this process's place in a Bytewax cluster, from 0 (default: $BYTEWAX_PROCESS_ID, else the ordinal of "
+        "$BYTEWAX_POD_NAME after $BYTEWAX_STATEFULSET_NAME-); needs --addresses",
+    )
+    f.add_argument(
+        "-a",
+        "--addresses",
+        default=None,
+        help="every cluster process's host:port, in process-id order, separated by ';' (default: $BYTEWAX_ADDRESSES, "
+        "else the lines of $BYTEWAX_HOSTFILE_PATH)",
+    )
     f.set_defaults(fn=cmd_flow)
     command("train", "train on rtrl.batches (torchrun -m trainer for DP/TP/PP)").set_defaults(fn=cmd_train)
     bf = command(

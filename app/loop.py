@@ -159,7 +159,7 @@ def loop_model_config(settings: Settings) -> tuple[ModelConfig, PrecisionConfig]
     """The policy every part of the loop builds (trainer, reference, policy server): the settings'
     ``model`` and ``precision`` sections (the tiny fp32 CPU model by default) over the simulator's
     vocabulary."""
-    cfg, precision = model_config(loop_settings(settings))
+    cfg, precision = model_config(loop_settings(settings, trains=False))  # train.* is not the model's
     if cfg.vocab_size != VOCAB:  # only with model.hf_path: otherwise LOOP_FIXED set it
         raise ConfigError(
             f"model.hf_path {settings.model.hf_path} has a vocabulary of {cfg.vocab_size:,} tokens; the closed loop's "

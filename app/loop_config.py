@@ -48,10 +48,13 @@ LOOP_OWNS: dict[str, str] = {
 }
 
 
-def loop_settings(settings: Settings) -> Settings:
+def loop_settings(settings: Settings, trains: bool = True) -> Settings:
     """The settings the loop runs with: rows, sequence length and waits fitted to its tiny tasks
-    (:data:`LOOP_FIXED`). A setting the user gave another value is refused with the reason."""
-    refuse_user_set(settings, LOOP_OWNS, "the closed loop (rtrl run)")
+    (:data:`LOOP_FIXED`). A setting the user gave another value is refused with the reason. ``trains`` off: for a
+    part that never trains (a flow, the policy server), whose settings file may hold a separate trainer's ``train``
+    section (:mod:`app.local_cluster`): :data:`LOOP_OWNS` is not its to refuse."""
+    if trains:
+        refuse_user_set(settings, LOOP_OWNS, "the closed loop (rtrl run)")
     fixed = LOOP_FIXED
     if settings.model.hf_path:  # the checkpoint decides the vocabulary: loop_model_config checks it fits the tasks
         fixed = {k: v for k, v in LOOP_FIXED.items() if k != "model.vocab_size"}

@@ -3,6 +3,10 @@
     python -m app.parts rewards|batches|serve|train      (settings from RTRL_* / RTRL_CONFIG)
     python -m app.parts rewards|batches --to-end         (a flow until the end of its topics, then exit)
 
+A flow part is one process of a Bytewax cluster when the environment says so, as for ``python -m bytewax.run``:
+``BYTEWAX_PROCESS_ID`` (or a StatefulSet pod's ``BYTEWAX_POD_NAME`` and ``BYTEWAX_STATEFULSET_NAME``) and
+``BYTEWAX_ADDRESSES`` (``host:port;host:port``, or a ``BYTEWAX_HOSTFILE_PATH``): :func:`cluster_from`.
+
 ``rewards``, ``batches``  the reward and batch flows under Bytewax with recovery (a restart after
                           kill -9 resumes from the last snapshot; sinks are at-least-once and
                           ClickHouse replaces replayed rows, the trainer skips replayed micro-batches)
@@ -25,10 +29,13 @@ sinks retry, and the trainer's calls are retried (:class:`PatientClickHouse`).
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -48,14 +55,164 @@ def recovery_path(settings: Settings, name: str) -> Path:
     return Path(setting or settings.data_path / "recovery" / name)
 
 
-def recovery_config(settings: Settings, name: str) -> Any:
-    """Bytewax's RecoveryConfig for flow ``name``, its folder created (owner-only) and initialised once."""
+@dataclass(frozen=True)
+class Cluster:
+    """Where this flow process stands in a Bytewax cluster: process ``process_id`` of ``addresses`` (every
+    process's ``host:port``, this one's included, in process-id order), as ``python -m bytewax.run -i/-a`` takes
+    them. A lone process is ``Cluster()``: process 0 of 1, no addresses."""
+
+    process_id: int = 0
+    addresses: tuple[str, ...] = ()
+
+    @property
+    def processes(self) -> int:
+        return max(1, len(self.addresses))
+
+    def describe(self, workers: int) -> str:
+        each = f"{workers} worker{'s' if workers != 1 else ''}"
+        if not self.addresses:
+            return f"one process, {each}"
+        return f"process {self.process_id} of {self.processes} ({each} each; addresses {';'.join(self.addresses)})"
+
+
+#: the environment ``bytewax.run`` reads its cluster from (and its Helm chart's StatefulSet sets)
+CLUSTER_ENV = (
+    "BYTEWAX_PROCESS_ID",
+    "BYTEWAX_ADDRESSES",
+    "BYTEWAX_POD_NAME",
+    "BYTEWAX_STATEFULSET_NAME",
+    "BYTEWAX_HOSTFILE_PATH",
+)
+
+
+def cluster_from(
+    process_id: int | None = None, addresses: str | None = None, env: Mapping[str, str] | None = None
+) -> Cluster:
+    """The cluster as ``python -m bytewax.run`` resolves it: ``process_id`` (``-i``), else ``BYTEWAX_PROCESS_ID``,
+    else the ordinal of ``BYTEWAX_POD_NAME`` after ``BYTEWAX_STATEFULSET_NAME-`` (a StatefulSet's pod); ``addresses``
+    (``-a``, ``host:port;host:port``), else ``BYTEWAX_ADDRESSES``, else the lines of ``BYTEWAX_HOSTFILE_PATH``.
+    Neither set: a lone process. Anything inconsistent is a ConfigError naming the option and the fix."""
+    env = os.environ if env is None else env
+    fix_a = "fix: pass -a/--addresses 'host0:port;host1:port' (or set BYTEWAX_ADDRESSES), one per process"
+    if process_id is None and env.get("BYTEWAX_PROCESS_ID", "").strip():
+        text = env["BYTEWAX_PROCESS_ID"].strip()
+        if not text.isdigit():
+            raise ConfigError(f"BYTEWAX_PROCESS_ID = {text!r} is not a process id; fix: set it to 0, 1, 2, ...")
+        process_id = int(text)
+    if process_id is None and env.get("BYTEWAX_POD_NAME") and env.get("BYTEWAX_STATEFULSET_NAME"):
+        pod, sts = env["BYTEWAX_POD_NAME"], env["BYTEWAX_STATEFULSET_NAME"]
+        ordinal = pod.removeprefix(sts + "-")
+        if not pod.startswith(sts + "-") or not ordinal.isdigit():
+            raise ConfigError(
+                f"BYTEWAX_POD_NAME = {pod!r} is not a pod of StatefulSet BYTEWAX_STATEFULSET_NAME = {sts!r} "
+                f"(<statefulset>-<ordinal>); fix: set BYTEWAX_POD_NAME from metadata.name and "
+                "BYTEWAX_STATEFULSET_NAME to the StatefulSet's name"
+            )
+        process_id = int(ordinal)
+    if addresses is None and env.get("BYTEWAX_ADDRESSES", "").strip():
+        addresses = env["BYTEWAX_ADDRESSES"]
+    if addresses is None and process_id is not None and env.get("BYTEWAX_HOSTFILE_PATH"):
+        path = Path(env["BYTEWAX_HOSTFILE_PATH"])
+        try:
+            addresses = ";".join(line.strip() for line in path.read_text().splitlines() if line.strip())
+        except OSError as e:
+            raise ConfigError(
+                f"BYTEWAX_HOSTFILE_PATH {path} cannot be read ({e.strerror or e}); fix: name a file with one "
+                "host:port per line, or set BYTEWAX_ADDRESSES"
+            ) from None
+    if process_id is None and addresses is None:
+        return Cluster()
+    if process_id is None:
+        raise ConfigError(
+            "cluster addresses were given (-a/--addresses or BYTEWAX_ADDRESSES) without this process's id; fix: pass "
+            "-i/--process-id N (or set BYTEWAX_PROCESS_ID, or BYTEWAX_POD_NAME and BYTEWAX_STATEFULSET_NAME)"
+        )
+    if process_id < 0:
+        raise ConfigError(f"process id {process_id} is negative; fix: pass -i/--process-id 0, 1, 2, ...")
+    if not addresses or not addresses.strip():
+        raise ConfigError(f"process id {process_id} was given without the cluster's addresses; {fix_a}")
+    found = tuple(a.strip() for a in addresses.split(";") if a.strip())
+    for a in found:
+        host, sep, port = a.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"cluster address {a!r} is not host:port; {fix_a}")
+    if len(set(found)) != len(found):
+        raise ConfigError(f"cluster addresses {';'.join(found)} name a process twice; {fix_a}")
+    if process_id >= len(found):
+        raise ConfigError(
+            f"process id {process_id} is out of range of the {len(found)} cluster address"
+            f"{'es' if len(found) != 1 else ''} ({';'.join(found)}: ids 0..{len(found) - 1}); fix: give every "
+            "process's address in -a/--addresses (BYTEWAX_ADDRESSES), or this process's right id"
+        )
+    return Cluster(process_id, found)
+
+
+def _partitions_in(folder: Path) -> list[tuple[int, int]]:
+    """(index, count) of the Bytewax recovery partitions in ``folder``."""
+    import sqlite3
+
+    found = []
+    for f in sorted(folder.glob("part-*.sqlite3")):
+        db = sqlite3.connect(f)  # read only; no flow runs on it yet
+        try:
+            found += [(int(i), int(n)) for i, n in db.execute("SELECT part_index, part_count FROM parts")]
+        except sqlite3.Error:
+            pass  # not a partition: Bytewax names it when it refuses the folder
+        finally:
+            db.close()
+    return found
+
+
+def process_recovery_path(settings: Settings, name: str, cluster: Cluster) -> Path:
+    """The recovery folder of this process: the flow's folder for a lone process, else its ``process-<id>``
+    subfolder, which holds this process's recovery partition only (a StatefulSet's pod has its own volume)."""
+    base = recovery_path(settings, name)
+    return base if cluster.processes == 1 else base / f"process-{cluster.process_id}"
+
+
+def recovery_config(settings: Settings, name: str, cluster: Cluster | None = None) -> Any:
+    """Bytewax's RecoveryConfig for flow ``name``, its folder created (owner-only) and initialised once.
+
+    A lone process keeps one partition in the flow's folder. In a cluster of N processes, process i keeps
+    partition i of N in ``process-<i>`` under it: Bytewax finds the partitions across all processes, so each
+    inits only its own, whether the processes share a volume or each has its own; a restart resumes from them.
+    A folder made for another number of processes is refused (ConfigError with the fix): resuming it would lose
+    or mix state."""
     from bytewax.recovery import RecoveryConfig, init_db_dir
 
-    recovery = recovery_path(settings, name)
+    cluster = cluster or Cluster()
+    base, n, i = recovery_path(settings, name), cluster.processes, cluster.process_id
+    recovery = process_recovery_path(settings, name, cluster)
+    setting = "flow.recovery_dir" if name == "rewards" else "batching.recovery_dir"
+    fresh = f"or start the {name} flow afresh (delete {base} and replay the topics)"
+    if n > 1 and base.is_dir() and _partitions_in(base):
+        raise ConfigError(
+            f"the {name} flow's recovery folder {base} ({setting}) holds a lone process's state, and this is process "
+            f"{i} of a cluster of {n}; fix: run it as one process again, {fresh}"
+        )
+    if n == 1 and base.is_dir() and any(base.glob("process-*")):
+        raise ConfigError(
+            f"the {name} flow's recovery folder {base} ({setting}) holds a cluster's state (process-* folders), and "
+            f"this is a lone process; fix: run it with the cluster's -i/-a again, {fresh}"
+        )
     if not recovery.exists() or not any(recovery.iterdir()):
         private_dir(recovery)
-        init_db_dir(recovery, 1)
+        if n == 1:
+            init_db_dir(recovery, 1)
+        else:  # partition i of n only: the other processes make theirs
+            import tempfile
+
+            with tempfile.TemporaryDirectory(dir=recovery) as tmp:
+                init_db_dir(Path(tmp), n)
+                os.replace(Path(tmp) / f"part-{i}.sqlite3", recovery / f"part-{i}.sqlite3")
+    held = _partitions_in(recovery)
+    if held and held != [(i, n)]:
+        made = ", ".join(f"{j} of {m}" for j, m in held)
+        raise ConfigError(
+            f"the {name} flow's recovery folder {recovery} ({setting}) holds partition {made}, not {i} of {n} "
+            f"(this process {i} of a cluster of {n}); fix: run the cluster with the number of processes the state "
+            f"was made with, {fresh}"
+        )
     return RecoveryConfig(str(recovery), backup_interval=timedelta(0))
 
 
@@ -75,38 +232,51 @@ def check_state_volume(settings: Settings) -> None:
 
 
 def run_flow(
-    settings: Settings, name: str, bootstrap: str, workers: int = 1, stop: threading.Event | None = None
+    settings: Settings,
+    name: str,
+    bootstrap: str,
+    workers: int = 1,
+    stop: threading.Event | None = None,
+    cluster: Cluster | None = None,
 ) -> str:
     """A flow under ``bytewax.run``'s driver with recovery in ``<data_dir>/recovery/<name>`` (or the setting).
     It runs until the end of its topics (``tail`` off), or until ``stop`` - by default SIGTERM or SIGINT
     (:func:`flows.kafka_io.stop_on_signals`): a clean stop with a final snapshot, then a normal return.
-    Returns the one-line summary of what this run read and wrote (:mod:`flows.counts`)."""
+    With ``cluster`` this process is one of a Bytewax cluster (``-i/-a``): the Kafka partitions are split over
+    every process's workers, state is exchanged between them, each process serves its metrics on
+    ``metrics.port`` + its process id, and a clean stop needs every process stopped.
+    Returns the one-line summary of what this process read and wrote (:mod:`flows.counts`)."""
     from bytewax.run import cli_main
 
     from flows import batch_flow, reward_flow
     from flows.counts import FlowCounts
     from flows.kafka_io import stop_on_signals
 
+    cluster = cluster or Cluster()
     counts, t0 = FlowCounts(), time.monotonic()
     if name == "rewards":
         check_state_volume(settings)
+    recovery = recovery_config(settings, name, cluster)  # refused before anything starts when it does not fit
     build = reward_flow.build_flow if name == "rewards" else batch_flow.build_flow
-    endpoint = metrics.serve_part(settings, f"flow-{name}")
+    endpoint = metrics.serve_part(settings, f"flow-{name}", cluster.process_id)
     try:
         flow = build(settings, bootstrap=bootstrap, stop=stop if stop is not None else stop_on_signals(), counts=counts)
         endpoint.ready()  # its broker and topics checked, its sinks configured: it reads from here on
         cli_main(
             flow,
             workers_per_process=workers,
+            process_id=cluster.process_id if cluster.addresses else None,
+            addresses=list(cluster.addresses) if cluster.addresses else None,
             epoch_interval=timedelta(seconds=settings.flow.snapshot_s),
-            recovery_config=recovery_config(settings, name),
+            recovery_config=recovery,
         )
     finally:
         endpoint.close()
     seconds = time.monotonic() - t0
+    where = f"process {cluster.process_id} of {cluster.processes}: " if cluster.addresses else ""
     if name == "rewards":
-        return reward_flow.summary(counts, settings.rewards.versions, seconds)
-    return batch_flow.summary(counts, seconds)
+        return where + reward_flow.summary(counts, settings.rewards.versions, seconds)
+    return where + batch_flow.summary(counts, seconds)
 
 
 def _stop_on_term() -> threading.Event:
@@ -119,8 +289,6 @@ def _stop_on_term() -> threading.Event:
 def serve(settings: Settings, bootstrap: str) -> None:
     """The policy server until SIGTERM or SIGINT (which flushes its rollouts and the SDK's events)."""
     stop = _stop_on_term()  # before the slow start: a signal during it is a clean stop too
-    import os
-    import time
 
     import torch
 
@@ -237,8 +405,6 @@ SUPERVISOR_PID = "_RTRL_SUPERVISOR_PID"
 def _stop_with_supervisor(poll_s: float = 1.0) -> None:
     """A part started by a supervisor that then dies (kill -9, OOM) would otherwise run on, orphaned, for
     ever: it signals itself SIGTERM - the clean stop - once its parent is no longer that supervisor."""
-    import os
-
     pid = os.environ.get(SUPERVISOR_PID)
     if not pid or not pid.isdigit():
         return
@@ -263,7 +429,7 @@ def main(argv: list[str] | None = None, settings: Settings | None = None) -> int
 
     name = argv[0]
     try:  # settings and services checked before the long work (a warm start, a flow's recovery)
-        settings = loop_settings(settings or load_settings())
+        settings = loop_settings(settings or load_settings(), trains=name == "train")
         if to_end:
             settings = settings.updated({"flow.tail": False, "batching.tail": False})
         bootstrap = preflight(settings, clickhouse_too=name != "serve")
@@ -272,7 +438,12 @@ def main(argv: list[str] | None = None, settings: Settings | None = None) -> int
         return 2
     _stop_with_supervisor()
     if name in ("rewards", "batches"):
-        print(run_flow(settings, name, bootstrap), flush=True)
+        try:  # one of a Bytewax cluster when BYTEWAX_PROCESS_ID (or a StatefulSet's pod name) and addresses are set
+            cluster = cluster_from()
+            print(run_flow(settings, name, bootstrap, cluster=cluster), flush=True)
+        except ConfigError as e:
+            print(f"error: part {name}: {e}", file=sys.stderr)
+            return 2
     elif name == "serve":
         try:  # serving.url unreachable, or not serving serving.model: one line naming it
             serve(settings, bootstrap)

@@ -191,6 +191,14 @@ RULES = (
     Rule(r"python -m app\.parts", "test_processes_mode_shortened"),
     Rule(r"rtrl flow NAME", "test_service_commands_in_order"),
     Rule(
+        r"python -m app\.local_cluster",
+        "tests/test_local_cluster.py::test_the_local_cluster_ends_with_rewards_and_a_trained_step",
+    ),
+    Rule(
+        r"rtrl flow rewards -w (W|\d+)( -i (N|\d+) -a \S+)?",
+        "tests/test_local_cluster.py::test_two_reward_flow_processes_write_what_one_does",
+    ),
+    Rule(
         r"(\.venv/bin/)?python -m docs\.generate( --check)?",
         "tests/test_docs_current.py::test_make_docs_writes_every_page_and_the_diagram",
     ),
