@@ -68,6 +68,17 @@ class Cluster:
     def processes(self) -> int:
         return max(1, len(self.addresses))
 
+    @property
+    def local_index(self) -> int:
+        """This process's place among the cluster's processes on its own host (by the host part of the addresses):
+        what its metrics port is offset by. 0 for a lone process and for a pod alone on its host (a
+        StatefulSet's pods each have their own address, so every pod serves metrics on ``metrics.port``, where
+        its probes look); 0, 1, ... for processes that share a host, which would otherwise take the same port."""
+        if not self.addresses:
+            return 0
+        host = self.addresses[self.process_id].rpartition(":")[0]
+        return sum(1 for a in self.addresses[: self.process_id] if a.rpartition(":")[0] == host)
+
     def describe(self, workers: int) -> str:
         each = f"{workers} worker{'s' if workers != 1 else ''}"
         if not self.addresses:
@@ -244,7 +255,8 @@ def run_flow(
     (:func:`flows.kafka_io.stop_on_signals`): a clean stop with a final snapshot, then a normal return.
     With ``cluster`` this process is one of a Bytewax cluster (``-i/-a``): the Kafka partitions are split over
     every process's workers, state is exchanged between them, each process serves its metrics on
-    ``metrics.port`` + its process id, and a clean stop needs every process stopped.
+    ``metrics.port`` + its place among the processes on its host (:attr:`Cluster.local_index`), and a clean stop
+    needs every process stopped.
     Returns the one-line summary of what this process read and wrote (:mod:`flows.counts`)."""
     from bytewax.run import cli_main
 
@@ -257,10 +269,15 @@ def run_flow(
     if name == "rewards":
         check_state_volume(settings)
     recovery = recovery_config(settings, name, cluster)  # refused before anything starts when it does not fit
-    build = reward_flow.build_flow if name == "rewards" else batch_flow.build_flow
-    endpoint = metrics.serve_part(settings, f"flow-{name}", cluster.process_id)
+    endpoint = metrics.serve_part(settings, f"flow-{name}", cluster.local_index)
     try:
-        flow = build(settings, bootstrap=bootstrap, stop=stop if stop is not None else stop_on_signals(), counts=counts)
+        stop = stop if stop is not None else stop_on_signals()
+        if name == "rewards":  # its partitions' keys spread over every worker of the cluster (flows.routing)
+            flow = reward_flow.build_flow(
+                settings, bootstrap=bootstrap, stop=stop, counts=counts, workers=workers * cluster.processes
+            )
+        else:
+            flow = batch_flow.build_flow(settings, bootstrap=bootstrap, stop=stop, counts=counts)
         endpoint.ready()  # its broker and topics checked, its sinks configured: it reads from here on
         cli_main(
             flow,

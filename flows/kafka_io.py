@@ -74,12 +74,12 @@ class _PacedPartition(_BytewaxPartition):
     """One Kafka partition's reader: lean messages, paused while there is nothing to read."""
 
     def __init__(
-        self, *args, idle_s: float, timeout_s: float, keyed: bool, stop: threading.Event | None = None, **kwargs
+        self, *args, idle_s: float, timeout_s: float, key: str | None, stop: threading.Event | None = None, **kwargs
     ):
         super().__init__(*args, **kwargs)
         self._stop = stop
         self._idle_s = idle_s
-        self._key = str(self._part_idx) if keyed else None
+        self._key = key
         self._tp = [TopicPartition(self._topic, self._part_idx)]
         if self._offset < 0:  # start from a concrete offset: a logical one (beginning/end) is
             # resolved again after each pause, which held back the first fetch for seconds
@@ -172,12 +172,12 @@ class PacedKafkaSource(KafkaSource):
         *args,
         idle_s: float = 0.1,
         timeout_s: float = 10.0,
-        keyed: bool = False,
+        keys: dict[int, str] | None = None,
         stop: threading.Event | None = None,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
-        self._idle_s, self._timeout_s, self._keyed, self._stop = idle_s, timeout_s, keyed, stop
+        self._idle_s, self._timeout_s, self._keys, self._stop = idle_s, timeout_s, keys, stop
 
     def build_part(self, step_id: str, for_part: str, resume_state: int | None) -> _PacedPartition:
         idx, topic = for_part.split("-", 1)
@@ -201,7 +201,7 @@ class PacedKafkaSource(KafkaSource):
             self._raise_on_errors,
             idle_s=self._idle_s,
             timeout_s=self._timeout_s,
-            keyed=self._keyed,
+            key=None if self._keys is None else self._keys.get(int(idx), idx),
             stop=self._stop,
         )
 
@@ -214,9 +214,12 @@ def kafka_source(
     idle_s: float = 0.1,
     keyed: bool = False,
     stop: threading.Event | None = None,
+    workers: int = 1,
 ) -> PacedKafkaSource:
     """A source over ``topics`` after checking, within ``timeout_s``, that they exist. With ``keyed``
-    it emits ``(str(partition), Message)`` pairs, ready for a stateful step keyed by partition. Setting
+    it emits ``(key, Message)`` pairs, ready for a stateful step keyed by partition: the key is
+    ``str(partition)``, or with ``workers`` > 1 (the cluster's workers in all) the partition's key from
+    :func:`flows.routing.balanced_keys`, which spreads the partitions evenly over the workers. Setting
     ``stop`` ends every partition at its next poll, so a tailing flow run in-process finishes cleanly
     (its sinks flush and it returns) - Bytewax itself has no stop call."""
     meta = check_broker(bootstrap, timeout_s)
@@ -225,6 +228,12 @@ def kafka_source(
         from rtrl.errors import ServiceUnavailable
 
         raise ServiceUnavailable(f"topics {missing} do not exist on {bootstrap}; fix: run `rtrl topics` first")
+    keys = None
+    if keyed:
+        from flows.routing import balanced_keys
+
+        # one keyed step over the partitions of every topic (the reward flow reads one)
+        keys = balanced_keys(max(len(meta.topics[t].partitions) for t in topics), workers)
     return PacedKafkaSource(
         [str(bootstrap)],
         topics,
@@ -232,7 +241,7 @@ def kafka_source(
         batch_size=SOURCE_BATCH_SIZE,
         idle_s=idle_s,
         timeout_s=timeout_s,
-        keyed=keyed,
+        keys=keys,
         stop=stop,
         # base_config: the cluster's security (a KafkaConnection's) and the logger; Bytewax adds add_config to
         # its partition-listing AdminClient too, build_part to each partition's consumer

@@ -162,9 +162,10 @@ class _PartitionLogic(StatefulBatchLogic):
 
 
 def kafka_inputs(
-    settings: Settings, bootstrap: str | None = None, stop: threading.Event | None = None
+    settings: Settings, bootstrap: str | None = None, stop: threading.Event | None = None, workers: int = 1
 ) -> dict[str, Source]:
-    """The flow's default input (after a bounded broker check): rtrl.events, keyed by Kafka partition."""
+    """The flow's default input (after a bounded broker check): rtrl.events, keyed by Kafka partition (keys that
+    spread the partitions over ``workers`` workers in all)."""
     bootstrap, fs = require_bootstrap(settings, bootstrap), settings.flow
     return {
         "events": kafka_source(
@@ -175,6 +176,7 @@ def kafka_inputs(
             idle_s=settings.kafka.idle_backoff_s,
             keyed=True,
             stop=stop,
+            workers=workers,
         )
     }
 
@@ -224,8 +226,10 @@ def build_flow(
     sources: Mapping[str, Source] | None = None,
     sinks: Mapping[str, Sink] | None = None,
     counts: FlowCounts | None = None,
+    workers: int = 1,
 ) -> Dataflow:
-    """The reward flow for ``settings``.
+    """The reward flow for ``settings``, to run on ``workers`` workers in all (processes x workers per process:
+    the Kafka partitions' keys spread over them, :mod:`flows.routing`).
 
     ``sources`` maps each name of :data:`INPUTS` to a Bytewax source and ``sinks`` each name of
     :data:`OUTPUTS` to a sink; left out, they are :func:`kafka_inputs` / :func:`service_outputs`
@@ -237,7 +241,9 @@ def build_flow(
     cfg = window_config(settings)
     # every listed version is scored (shadow scoring); unknown or ill-defined ones fail here, before any I/O
     versions = registry(settings).configs(settings.rewards.versions)
-    sources = kafka_inputs(settings, bootstrap, stop) if sources is None else injected(sources, INPUTS, "sources")
+    sources = (
+        kafka_inputs(settings, bootstrap, stop, workers) if sources is None else injected(sources, INPUTS, "sources")
+    )
     sinks = service_outputs(settings, bootstrap) if sinks is None else injected(sinks, OUTPUTS, "sinks")
 
     # windows beyond the memory budget live in one SQLite file per partition (flows.spill)

@@ -102,6 +102,37 @@ def _parts(folder: Path) -> list[tuple[int, int]]:
     return found
 
 
+def test_a_flow_process_offsets_its_metrics_port_only_by_processes_on_its_host():
+    """Pods of a StatefulSet each have their own address: every one serves on metrics.port (where the probes
+    look); processes sharing a host (the local cluster) take the port plus their place among them."""
+    pods = ("rtrl-reward-flow-0.rtrl-reward-flow:2101", "rtrl-reward-flow-1.rtrl-reward-flow:2101")
+    assert [Cluster(i, pods).local_index for i in (0, 1)] == [0, 0]
+    local = ("127.0.0.1:7001", "127.0.0.1:7002", "10.0.0.2:7001", "127.0.0.1:7003")
+    assert [Cluster(i, local).local_index for i in range(4)] == [0, 1, 0, 2]
+    assert Cluster().local_index == 0
+
+
+@pytest.mark.parametrize(("partitions", "workers"), [(4, 2), (4, 4), (8, 3), (3, 2), (12, 4)])
+def test_the_reward_flows_partition_keys_spread_over_the_workers(partitions, workers):
+    """Bytewax itself (a dataflow with that many workers) places the keys: at most ceil(partitions / workers)
+    partitions a worker, every partition its own key, the plain key kept wherever it fits."""
+    import math
+
+    from flows.routing import balanced_keys, workers_of
+
+    keys = balanced_keys(partitions, workers)
+    assert sorted(keys) == list(range(partitions)) and len(set(keys.values())) == partitions
+    where = workers_of(tuple(keys.values()), workers)
+    load = Counter(where[k] for k in keys.values())
+    assert max(load.values()) <= math.ceil(partitions / workers)
+    assert len(load) == min(partitions, workers)  # no worker idle while another holds two
+    plain = workers_of(tuple(str(p) for p in range(partitions)), workers)
+    kept = [p for p in range(partitions) if keys[p] == str(p)]
+    assert kept and all(keys[p].startswith(f"{p}~") for p in set(range(partitions)) - set(kept))
+    assert all(where[str(p)] == plain[str(p)] for p in kept)
+    assert balanced_keys(4, 1) == {p: str(p) for p in range(4)}  # one worker: the keys every snapshot has
+
+
 def test_each_cluster_process_keeps_its_own_recovery_partition(tmp_path):
     """Process i of N inits partition i of N in its own folder (its own volume in a StatefulSet), once: a restart
     finds it again. A folder made for another cluster size, or a lone process's folder, is refused."""
@@ -262,8 +293,10 @@ def test_two_reward_flow_processes_write_what_one_does(broker, tmp_path):
         for p in procs:  # a clean stop of the cluster: every process
             p.send_signal(signal.SIGTERM)
     first = _wait(procs, tmp, "tail")
-    # every event windowed once, on the processes that own the partitions' keys (Bytewax routes keys by hash)
+    # every event windowed once, on the processes that own the partitions' keys; the keys spread the partitions
+    # over both workers (flows.routing: the plain keys "0".."3" would all land on one)
     assert sum(_events_read(log) for log in first) == half, first
+    assert all(_events_read(log) > 0 for log in first), first
     assert len(_values(broker.bootstrap, two + "rewards")) < len(expected)  # some windows were open at the stop
     assert sorted(p.name for p in (tmp / "recovery" / "rewards").iterdir()) == ["process-0", "process-1"]
     # the restart: each process resumes from its partition with what was open, and reads on where it stopped
@@ -333,6 +366,11 @@ def test_the_local_cluster_ends_with_rewards_and_a_trained_step(tmp_path):
     assert shares, text[-3000:]
     p0, p1 = (set(g.split(",")) for g in shares.groups())
     assert p0 and p1 and not p0 & p1 and p0 | p1 == {str(i) for i in range(generated.kafka.partitions)}
+    # and both compute rewards: the partitions' keys are spread over the two workers (flows.routing)
+    windowed = [
+        int(w.replace(",", "")) for w in re.findall(r"read partitions [\d,]+ and windowed ([\d,]+) events", text)
+    ]
+    assert len(windowed) == 2 and all(w > 0 for w in windowed), text[-3000:]
     logs = data / "logs"
     for i in (0, 1):
         assert f"rewards flow, process {i} of 2" in (logs / f"rewards-{i}.log").read_text()
