@@ -278,6 +278,23 @@ def test_the_flows_are_bytewax_clusters_with_recovery_volumes_and_probes():
     assert next(s for s in _kind("StatefulSet") if "reward" in s["metadata"]["name"])["spec"]["replicas"] == 2
 
 
+def test_each_flow_pod_finds_its_place_in_the_cluster_from_the_manifests_environment():
+    """What `rtrl flow` resolves from a pod's environment as the StatefulSet sets it: process id = the pod's
+    ordinal, every process's address, and metrics on metrics.port (where the probes look) in every pod."""
+    from app.parts import cluster_from
+
+    for sts in _kind("StatefulSet"):
+        name, n = sts["metadata"]["name"], sts["spec"]["replicas"]
+        env = {e["name"]: e.get("value") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+        for i in range(n):
+            pod_env = {k: v for k, v in env.items() if k.startswith("BYTEWAX_") and v} | {
+                "BYTEWAX_POD_NAME": f"{name}-{i}"
+            }
+            cluster = cluster_from(env=pod_env)
+            assert cluster.process_id == i and len(cluster.addresses) == n
+            assert cluster.local_index == 0  # its own address: metrics on the probed port
+
+
 def test_the_trainer_is_a_multi_node_torchrun_job():
     (job,) = _kind("PyTorchJob")
     specs = job["spec"]["pytorchReplicaSpecs"]
