@@ -2,8 +2,8 @@
 engines a team already has.
 
 - **Kubernetes** (``deploy/k8s/``): the settings as a ConfigMap (``rtrl.toml``, :func:`rtrl.settings.settings_toml`:
-  no secret in it); the salt and passwords only in a Secret, mounted read-only and named by ``RTRL_..._FILE``
-  variables; the reward flow and the batch flow as Bytewax clusters (a StatefulSet each, ``podManagementPolicy:
+  no secret in it); the salt and passwords only in a Secret (its skeleton in ``secret/``, outside the applied
+  folder), mounted read-only and named by ``RTRL_..._FILE`` variables; the reward flow and the batch flow as Bytewax clusters (a StatefulSet each, ``podManagementPolicy:
   Parallel`` so every process starts together, a recovery volume per pod, and the addressing ``bytewax.run -i/-a``
   reads: ``BYTEWAX_POD_NAME``, ``BYTEWAX_STATEFULSET_NAME``, ``BYTEWAX_ADDRESSES`` over a headless Service that
   publishes not-ready pods); the trainer as a Kubeflow PyTorchJob (``torchrun -m trainer`` on every node, the
@@ -161,8 +161,7 @@ def _container_security() -> dict:
 
 
 def config(settings: Settings, shape: Shape) -> list[dict]:
-    """The ConfigMap of the settings and the Secret's skeleton (its values are filled in by the operator)."""
-    secret_keys = {SECRET_KEYS[s][0]: "" for s in secrets_needed(settings)}
+    """The namespace and the ConfigMap of the settings."""
     return [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": shape.namespace}},
         {
@@ -171,6 +170,14 @@ def config(settings: Settings, shape: Shape) -> list[dict]:
             "metadata": _meta("rtrl-settings", shape, "settings"),
             "data": {"rtrl.toml": settings_toml(deployed_settings(settings))},
         },
+    ]
+
+
+def secret(settings: Settings, shape: Shape) -> list[dict]:
+    """The Secret's skeleton: its keys, empty. Kept out of the folder ``kubectl apply -f deploy/k8s/`` applies, so
+    applying it again never blanks the secrets an operator filled in; rtrl refuses an empty one at start."""
+    secret_keys = {SECRET_KEYS[s][0]: "" for s in secrets_needed(settings)}
+    return [
         {
             "apiVersion": "v1",
             "kind": "Secret",
@@ -182,7 +189,7 @@ def config(settings: Settings, shape: Shape) -> list[dict]:
                     "rtrl/fill-in": "every value, e.g. kubectl -n "
                     f"{shape.namespace} create secret generic rtrl-secrets "
                     + " ".join(f"--from-file={k}=./{k}" for k in secret_keys)
-                    + " --dry-run=client -o yaml | kubectl apply -f -; rtrl refuses an empty one"
+                    + "; rtrl refuses an empty one"
                 },
             ),
             "type": "Opaque",
@@ -377,9 +384,11 @@ def setup_job(settings: Settings, shape: Shape) -> list[dict]:
 
 
 def kubernetes(settings: Settings, shape: Shape = Shape()) -> dict[str, list[dict]]:
-    """File name (under deploy/k8s) -> its resources, in the order to apply them."""
+    """File name (under deploy/k8s) -> its resources, in the order to apply them (``secret/``: not applied with
+    the folder; the Secret is created once, filled, by the operator)."""
     return {
         "00-config.yaml": config(settings, shape),
+        "secret/rtrl-secrets.example.yaml": secret(settings, shape),
         "10-setup-job.yaml": setup_job(settings, shape),
         "20-reward-flow.yaml": flow(settings, shape, "rewards"),
         "30-batch-flow.yaml": flow(settings, shape, "batches"),

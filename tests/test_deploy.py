@@ -157,7 +157,10 @@ K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 
 
 def _k8s() -> dict[str, list[dict]]:
-    return {p.name: [d for d in yaml.safe_load_all(p.read_text()) if d] for p in sorted(deploy.K8S_DIR.glob("*.yaml"))}
+    return {
+        str(p.relative_to(deploy.K8S_DIR)): [d for d in yaml.safe_load_all(p.read_text()) if d]
+        for p in sorted(deploy.K8S_DIR.rglob("*.yaml"))
+    }
 
 
 def _all_k8s() -> list[dict]:
@@ -338,7 +341,9 @@ def test_settings_go_in_a_configmap_and_secrets_only_in_the_secret(tmp_path):
     )
     assert back == expected
     assert back.kafka.bootstrap == source.kafka.bootstrap and back.model == source.model
-    text = "\n".join(p.read_text() for p in deploy.K8S_DIR.glob("*.yaml"))
+    text = "\n".join(p.read_text() for p in deploy.K8S_DIR.rglob("*.yaml"))
+    # the Secret's skeleton is outside what `kubectl apply -f deploy/k8s/` applies: re-applying never blanks it
+    assert [p for p in _k8s() if any(d["kind"] == "Secret" for d in _k8s()[p])] == ["secret/rtrl-secrets.example.yaml"]
     assert "stand-in" not in text and "password_file" not in toml_text and "salt" not in toml_text
     for d in _all_k8s():
         pod = d.get("spec", {}).get("template", {}).get("spec") or {}
@@ -377,7 +382,8 @@ def test_manifests_are_made_from_any_settings_file(tmp_path):
         text=True,
     )
     assert run.returncode == 0, run.stderr
-    docs = list(yaml.safe_load_all((tmp_path / "deploy/k8s/00-config.yaml").read_text()))
+    docs = list(yaml.safe_load_all((tmp_path / "deploy/k8s/secret/rtrl-secrets.example.yaml").read_text()))
+    docs += list(yaml.safe_load_all((tmp_path / "deploy/k8s/00-config.yaml").read_text()))
     secret = next(d for d in docs if d["kind"] == "Secret")
     assert set(secret["stringData"]) == {"sdk-salt", "clickhouse-password", "kafka-sasl-password"}
     cm = next(d for d in docs if d["kind"] == "ConfigMap")
