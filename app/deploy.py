@@ -16,6 +16,7 @@ file (``--config``; the committed ones from ``deploy/production.example.toml``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -331,8 +332,17 @@ def main(argv: list[str] | None = None) -> int:
         default=SOURCE,
         help=f"settings file the manifests are made from (default: {SOURCE.relative_to(ROOT)})",
     )
+    base = manifests.Shape()
+    for field in dataclasses.fields(manifests.Shape):  # every part of the cluster's shape as an option
+        ap.add_argument(
+            "--" + field.name.replace("_", "-"),
+            type=type(getattr(base, field.name)),
+            default=getattr(base, field.name),
+            help=f"(default: {getattr(base, field.name)!r})",
+        )
     args = ap.parse_args(argv)
-    for path, text in render(source_settings(args.config)).items():
+    shape = manifests.Shape(**{f.name: getattr(args, f.name) for f in dataclasses.fields(manifests.Shape)})
+    for path, text in render(source_settings(args.config), shape).items():
         target = args.out / path.relative_to(ROOT)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text)

@@ -5,7 +5,8 @@
 It writes the generated settings (:func:`rtrl.settings.settings_toml` of the effective settings, with
 ``kafka.bootstrap`` and ``clickhouse.dsn`` naming the local services) to ``<data_dir>/cluster/rtrl.toml`` - what a
 ConfigMap holds - and starts, each process in its own process group with ``--config`` that file and nothing else but
-its identity and the secrets in its environment (``RTRL_SDK__SALT``, as a Kubernetes Secret gives it):
+its identity, its metrics port and the secrets in its environment (``RTRL_SDK__SALT``, as a Kubernetes Secret gives
+it):
 
 ===================  ================================================  ============================================
 process              command                                           in Kubernetes
@@ -14,11 +15,11 @@ broker, topics       the local broker (:mod:`devservices.broker`)      the Kafka
 ClickHouse, schema   the embedded folder behind its HTTP front         the ClickHouse server
                      (:func:`app.services.spawn_embedded_clickhouse`)
                      and the migrations
-rewards-0, -1        ``rtrl flow rewards -w 1``, with                  StatefulSet ``rtrl-rewards``, 2 replicas,
-                     ``BYTEWAX_POD_NAME=rtrl-rewards-<i>``,            ``podManagementPolicy: Parallel``, each pod
-                     ``BYTEWAX_STATEFULSET_NAME=rtrl-rewards``,        its volume (its recovery partition); the
+rewards-0, -1        ``rtrl flow rewards -w 1``, with                  StatefulSet ``rtrl-reward-flow``, 2 replicas,
+                     ``BYTEWAX_POD_NAME=rtrl-reward-flow-<i>``,        ``podManagementPolicy: Parallel``, each pod
+                     ``BYTEWAX_STATEFULSET_NAME=rtrl-reward-flow``,    its volume (its recovery partition); the
                      ``BYTEWAX_ADDRESSES=host:port;host:port``         addresses the headless Service's pod names
-batches              ``rtrl flow batches``                             StatefulSet ``rtrl-batches``, 1 replica
+batches              ``rtrl flow batches``                             StatefulSet ``rtrl-batch-flow``, 1 replica
 serve                ``rtrl part serve``: the policy server and the    the inference fleet and the users
                      simulated users (rollouts and events)
 trainer              ``torchrun --nproc_per_node 2 -m trainer``        the training job (DP=2)
@@ -30,8 +31,8 @@ checkpoint in ``<data_dir>/cluster/v0``), as the loop's trainer does after its w
 (SIGTERM: the policy server first, then the flows with a final snapshot), the ClickHouse front and the broker
 last, and no process of the run is left. The last line says what the run did::
 
-    local cluster: 1,234 rewards in ClickHouse (reward flow: 2 processes, 2 + 2 Kafka partitions), 2 steps
-    trained by 2 ranks (8 micro-batches a step), every process stopped
+    local cluster: 2,147 rewards in ClickHouse (reward flow: 2 processes, 6,236 + 6,170 events windowed), 1 step
+    trained by 2 ranks (8 micro-batches a step), every process stopped in 73s
 
 Logs are in ``<data_dir>/logs/<process>.log``. With ``metrics.port`` set each process serves its metrics on a port
 of its own on this host (in Kubernetes every pod uses the same port on its own address).
@@ -57,7 +58,7 @@ from rtrl.quiet import quiet_known_warnings
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the reward flow's StatefulSet: its pods are <name>-0, <name>-1, ...
-REWARDS_STATEFULSET = "rtrl-rewards"
+REWARDS_STATEFULSET = "rtrl-reward-flow"  # the StatefulSet of deploy/k8s/20-reward-flow.yaml
 FLOW_PROCESSES = 2
 TRAIN_RANKS = 2
 

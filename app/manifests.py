@@ -30,7 +30,7 @@ from rtrl.settings import Settings, settings_toml
 
 #: where a container finds the settings (the ConfigMap) and the secrets (the Secret's files)
 CONFIG_DIR = "/etc/rtrl"
-SECRET_DIR = "/etc/rtrl/secrets"
+SECRET_DIR = "/etc/rtrl-secrets"  # a sibling of the ConfigMap's mount, not inside it
 DATA_DIR = "/var/lib/rtrl"
 METRICS_PORT = 9400
 BYTEWAX_PORT = 2101
@@ -51,7 +51,10 @@ class Shape:
     """What the settings do not say about a cluster: names, sizes and the image."""
 
     namespace: str = "rtrl"
-    image: str = "rtrl:0.1.0"  # built from deploy/Dockerfile
+    image: str = "rtrl:0.1.0"  # built from deploy/Dockerfile (CPU torch): the flows and the setup Job
+    trainer_image: str = (
+        "rtrl-gpu:0.1.0"  # deploy/Dockerfile with the GPU build arguments (CUDA torch, Transformer Engine)
+    )
     reward_processes: int = 2  # Bytewax processes (pods) of the reward flow
     batch_processes: int = 1
     workers_per_process: int = 1
@@ -120,7 +123,8 @@ def _mounts() -> list[dict]:
 def _config_volumes() -> list[dict]:
     return [
         {"name": "settings", "configMap": {"name": "rtrl-settings"}},
-        {"name": "secrets", "secret": {"secretName": "rtrl-secrets", "defaultMode": 0o400}},
+        # owner root, group fsGroup (the containers run as that group): readable by the group only
+        {"name": "secrets", "secret": {"secretName": "rtrl-secrets", "defaultMode": 0o440}},
     ]
 
 
@@ -239,6 +243,9 @@ def flow(settings: Settings, shape: Shape, name: str) -> list[dict]:
                 "replicas": processes,
                 # a Bytewax cluster starts (and resumes) with all its processes: never one at a time
                 "podManagementPolicy": "Parallel",
+                # ... and is upgraded whole: a rolling update would stop one process while its peers go on (it
+                # cannot finish a clean stop alone) and mix two images in one cluster. Delete the pods together.
+                "updateStrategy": {"type": "OnDelete"},
                 "selector": {"matchLabels": labels},
                 "template": {
                     "metadata": {"labels": labels, "annotations": _scrape()},
@@ -299,7 +306,7 @@ def trainer(settings: Settings, shape: Shape) -> list[dict]:
                     "containers": [
                         {
                             "name": "pytorch",  # the name the training operator looks for
-                            "image": shape.image,
+                            "image": shape.trainer_image,
                             "command": ["torchrun", "-m", "trainer"],
                             "env": _env(settings),
                             "ports": [{"name": "metrics", "containerPort": METRICS_PORT}],
@@ -464,6 +471,7 @@ def compose(settings: Settings | None = None, shape: Shape = Shape()) -> dict:
         "KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR": "1",
         "KAFKA_TRANSACTION_STATE_LOG_MIN_ISR": "1",
         "KAFKA_AUTO_CREATE_TOPICS_ENABLE": "false",  # rtrl topics makes them, with their partitions
+        "KAFKA_LOG_DIRS": "/var/lib/kafka/data",  # on the named volume (the image's default is under /tmp)
     }
     return {
         "name": "rtrl",
@@ -471,7 +479,6 @@ def compose(settings: Settings | None = None, shape: Shape = Shape()) -> dict:
             "kafka": {
                 "image": KAFKA_IMAGE,
                 "environment": kafka_env,
-                "ports": ["9092:9092"],
                 "volumes": ["kafka-data:/var/lib/kafka/data"],
                 "healthcheck": {
                     "test": [

@@ -227,6 +227,46 @@ def recovery_config(settings: Settings, name: str, cluster: Cluster | None = Non
     return RecoveryConfig(str(recovery), backup_interval=timedelta(0))
 
 
+#: the reward flow's partition keys a recovery folder's state was made under (flows.routing), beside its partitions
+KEYS_FILE = "rtrl-partition-keys.json"
+
+
+def partition_keys(settings: Settings, bootstrap: str, workers: int, recovery: Path, fresh: bool) -> dict[int, str]:
+    """The reward flow's key for each partition of the events topic, spread over ``workers`` workers in all
+    (:func:`flows.routing.balanced_keys`), and the same keys the state in ``recovery`` was made under: the first
+    run records them (``rtrl-partition-keys.json``); a later run whose keys differ - another number of workers
+    or of partitions - is refused with the fix, since its windows open under the old keys would never close.
+    A folder with state from before the record (not ``fresh``) kept the plain keys: taken when they still are."""
+    import json
+
+    from flows.routing import balanced_keys
+    from rtrl.kafka import check_broker
+
+    topic = settings.topic("events")
+    meta = check_broker(bootstrap, settings.kafka.timeout_s).topics.get(topic)
+    if meta is None:
+        raise ServiceUnavailable(f"topic {topic} does not exist on {bootstrap}; fix: run `rtrl topics` first")
+    keys = balanced_keys(len(meta.partitions), workers)
+    record = recovery / KEYS_FILE
+    now = {str(p): k for p, k in keys.items()}
+    if record.exists():
+        then = json.loads(record.read_text())
+    elif not fresh and any(k != str(p) for p, k in keys.items()):
+        then = {str(p): str(p) for p in range(len(keys))}  # state from before the record: the plain keys
+    else:
+        then = now
+    if then != now:
+        raise ConfigError(
+            f"the reward flow's recovery folder {recovery} holds windows keyed for {len(then)} partitions of {topic} "
+            f"spread over the workers it ran with; with {workers} worker(s) in all and {len(keys)} partitions the "
+            "keys differ, and the windows open under the old ones would never close. Fix: run with the workers "
+            "(processes x -w) and partitions it ran with, or let it reach the end of its topics (flow.tail = false) "
+            "and start it afresh (delete the recovery folders and replay the topics)"
+        )
+    record.write_text(json.dumps(now, sort_keys=True) + "\n")
+    return keys
+
+
 def check_state_volume(settings: Settings) -> None:
     """With spilled window state (``flow.state_memory_mb`` > 0), ``flow.state_dir`` must be on the reward flow's
     recovery folder's volume: the snapshots there refer to the files there, so they are backed up, restored and
@@ -268,14 +308,15 @@ def run_flow(
     counts, t0 = FlowCounts(), time.monotonic()
     if name == "rewards":
         check_state_volume(settings)
+    folder = process_recovery_path(settings, name, cluster)
+    fresh = not (folder.is_dir() and _partitions_in(folder))
     recovery = recovery_config(settings, name, cluster)  # refused before anything starts when it does not fit
     endpoint = metrics.serve_part(settings, f"flow-{name}", cluster.local_index)
     try:
         stop = stop if stop is not None else stop_on_signals()
         if name == "rewards":  # its partitions' keys spread over every worker of the cluster (flows.routing)
-            flow = reward_flow.build_flow(
-                settings, bootstrap=bootstrap, stop=stop, counts=counts, workers=workers * cluster.processes
-            )
+            keys = partition_keys(settings, bootstrap, workers * cluster.processes, folder, fresh)
+            flow = reward_flow.build_flow(settings, bootstrap=bootstrap, stop=stop, counts=counts, keys=keys)
         else:
             flow = batch_flow.build_flow(settings, bootstrap=bootstrap, stop=stop, counts=counts)
         endpoint.ready()  # its broker and topics checked, its sinks configured: it reads from here on

@@ -29,6 +29,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 
 from bytewax.connectors.kafka import KafkaSource
@@ -172,7 +173,7 @@ class PacedKafkaSource(KafkaSource):
         *args,
         idle_s: float = 0.1,
         timeout_s: float = 10.0,
-        keys: dict[int, str] | None = None,
+        keys: Mapping[int, str] | None = None,
         stop: threading.Event | None = None,
         **kwargs,
     ):
@@ -214,12 +215,12 @@ def kafka_source(
     idle_s: float = 0.1,
     keyed: bool = False,
     stop: threading.Event | None = None,
-    workers: int = 1,
+    keys: Mapping[int, str] | None = None,
 ) -> PacedKafkaSource:
     """A source over ``topics`` after checking, within ``timeout_s``, that they exist. With ``keyed``
-    it emits ``(key, Message)`` pairs, ready for a stateful step keyed by partition: the key is
-    ``str(partition)``, or with ``workers`` > 1 (the cluster's workers in all) the partition's key from
-    :func:`flows.routing.balanced_keys`, which spreads the partitions evenly over the workers. Setting
+    it emits ``(key, Message)`` pairs, ready for a stateful step keyed by partition: the key is ``keys[partition]``
+    (a cluster's, from :func:`flows.routing.balanced_keys`, spreads the partitions over its workers), else
+    ``str(partition)``. Setting
     ``stop`` ends every partition at its next poll, so a tailing flow run in-process finishes cleanly
     (its sinks flush and it returns) - Bytewax itself has no stop call."""
     meta = check_broker(bootstrap, timeout_s)
@@ -228,12 +229,6 @@ def kafka_source(
         from rtrl.errors import ServiceUnavailable
 
         raise ServiceUnavailable(f"topics {missing} do not exist on {bootstrap}; fix: run `rtrl topics` first")
-    keys = None
-    if keyed:
-        from flows.routing import balanced_keys
-
-        # one keyed step over the partitions of every topic (the reward flow reads one)
-        keys = balanced_keys(max(len(meta.topics[t].partitions) for t in topics), workers)
     return PacedKafkaSource(
         [str(bootstrap)],
         topics,
@@ -241,7 +236,7 @@ def kafka_source(
         batch_size=SOURCE_BATCH_SIZE,
         idle_s=idle_s,
         timeout_s=timeout_s,
-        keys=keys,
+        keys=(dict(keys) if keys else {}) if keyed else None,
         stop=stop,
         # base_config: the cluster's security (a KafkaConnection's) and the logger; Bytewax adds add_config to
         # its partition-listing AdminClient too, build_part to each partition's consumer

@@ -162,10 +162,13 @@ class _PartitionLogic(StatefulBatchLogic):
 
 
 def kafka_inputs(
-    settings: Settings, bootstrap: str | None = None, stop: threading.Event | None = None, workers: int = 1
+    settings: Settings,
+    bootstrap: str | None = None,
+    stop: threading.Event | None = None,
+    keys: Mapping[int, str] | None = None,
 ) -> dict[str, Source]:
-    """The flow's default input (after a bounded broker check): rtrl.events, keyed by Kafka partition (keys that
-    spread the partitions over ``workers`` workers in all)."""
+    """The flow's default input (after a bounded broker check): rtrl.events, keyed by Kafka partition (``keys``:
+    each partition's key; default ``str(partition)``)."""
     bootstrap, fs = require_bootstrap(settings, bootstrap), settings.flow
     return {
         "events": kafka_source(
@@ -176,7 +179,7 @@ def kafka_inputs(
             idle_s=settings.kafka.idle_backoff_s,
             keyed=True,
             stop=stop,
-            workers=workers,
+            keys=keys,
         )
     }
 
@@ -226,10 +229,11 @@ def build_flow(
     sources: Mapping[str, Source] | None = None,
     sinks: Mapping[str, Sink] | None = None,
     counts: FlowCounts | None = None,
-    workers: int = 1,
+    keys: Mapping[int, str] | None = None,
 ) -> Dataflow:
-    """The reward flow for ``settings``, to run on ``workers`` workers in all (processes x workers per process:
-    the Kafka partitions' keys spread over them, :mod:`flows.routing`).
+    """The reward flow for ``settings``; ``keys`` maps each Kafka partition to the key its windows live under
+    (default: ``str(partition)``; a cluster's from :func:`flows.routing.balanced_keys`, which spreads them over the
+    workers).
 
     ``sources`` maps each name of :data:`INPUTS` to a Bytewax source and ``sinks`` each name of
     :data:`OUTPUTS` to a sink; left out, they are :func:`kafka_inputs` / :func:`service_outputs`
@@ -241,9 +245,7 @@ def build_flow(
     cfg = window_config(settings)
     # every listed version is scored (shadow scoring); unknown or ill-defined ones fail here, before any I/O
     versions = registry(settings).configs(settings.rewards.versions)
-    sources = (
-        kafka_inputs(settings, bootstrap, stop, workers) if sources is None else injected(sources, INPUTS, "sources")
-    )
+    sources = kafka_inputs(settings, bootstrap, stop, keys) if sources is None else injected(sources, INPUTS, "sources")
     sinks = service_outputs(settings, bootstrap) if sinks is None else injected(sinks, OUTPUTS, "sinks")
 
     # windows beyond the memory budget live in one SQLite file per partition (flows.spill)

@@ -64,7 +64,11 @@ SHARD_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_COLUMN_CHANGE = re.compile(r"^(ADD|DROP|MODIFY|RENAME|COMMENT|CLEAR)\s+COLUMN\b", re.I)
+#: column changes a Distributed table takes too (CLEAR COLUMN clears data: only the local tables hold any)
+_COLUMN_CHANGE = re.compile(r"^(ADD|DROP|MODIFY|RENAME|COMMENT)\s+COLUMN\b", re.I)
+#: the JOIN forms the GLOBAL rewrite knows; others (ARRAY JOIN, ANY/ALL/ASOF/SEMI/ANTI, CROSS, PASTE) are refused
+_JOINS = re.compile(r"\b(?:(?:INNER|LEFT|RIGHT|FULL)\s+)?(?:OUTER\s+)?JOIN\b", re.I)
+_OTHER_JOINS = re.compile(r"\b(?:ARRAY|ANY|ALL|ASOF|SEMI|ANTI|CROSS|PASTE|LEFT\s+ARRAY)\s+(?:\w+\s+)?JOIN\b", re.I)
 #: the synchronous-insert setting (its old name, which servers from 23.10 on keep as an alias)
 SYNC_INSERT = "SETTINGS insert_distributed_sync = 1"
 
@@ -189,7 +193,11 @@ def render(stmt: str, database: str, cluster: Cluster | None) -> list[str]:
     m = re.match(rf"CREATE\s+VIEW\s+(IF\s+NOT\s+EXISTS\s+)?{db}\.(\w+)\s+AS\s", stmt, re.I)
     if m:
         body = stmt[m.end() :]
-        body = re.sub(r"(?<!GLOBAL )\b((?:(?:INNER|LEFT|RIGHT|FULL)\s+)?(?:OUTER\s+)?JOIN)\b", r"GLOBAL \1", body)
+        if _OTHER_JOINS.search(body):
+            raise _not_understood(stmt, "a view's joins on a cluster: [INNER|LEFT|RIGHT|FULL] [OUTER] JOIN only")
+        body = _JOINS.sub(
+            lambda j: j[0] if body[: j.start()].rstrip().upper().endswith("GLOBAL") else f"GLOBAL {j[0]}", body
+        )
         return [f"CREATE VIEW {m[1] or ''}{database}.{m[2]} {on} AS {body}"]
 
     m = re.match(

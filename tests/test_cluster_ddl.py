@@ -344,3 +344,25 @@ def test_the_flows_clickhouse_sinks_migrate_for_the_configured_cluster():
         cluster = outputs["clickhouse"].args[-1]
         assert isinstance(cluster, Cluster) and cluster.name == "rtrl_cluster"
     assert reward_flow.service_outputs(Settings(), "127.0.0.1:9")["clickhouse"].args[-1] is None
+
+
+def test_join_forms_the_rewrite_does_not_know_are_refused_and_clear_column_stays_local():
+    """GLOBAL goes before a plain join (once); ARRAY JOIN and the ANY/ALL/ASOF/SEMI/ANTI kinds are refused rather
+    than rewritten into invalid SQL; CLEAR COLUMN (data) goes to the local tables only."""
+    from rtrl.clickhouse_cluster import Cluster, render
+    from rtrl.errors import SchemaMismatch
+
+    c = Cluster("c")
+    view = "CREATE VIEW rtrl.v AS SELECT * FROM rtrl.a {} rtrl.b USING (x)"
+    for join in ("LEFT JOIN", "GLOBAL LEFT JOIN"):
+        assert render(view.format(join), "rtrl", c) == [
+            "CREATE VIEW rtrl.v ON CLUSTER c AS SELECT * FROM rtrl.a GLOBAL LEFT JOIN rtrl.b USING (x)"
+        ]
+    for join in ("LEFT ANY JOIN", "ANY LEFT JOIN", "ASOF JOIN", "CROSS JOIN"):
+        with pytest.raises(SchemaMismatch, match="joins on a cluster"):
+            render(view.format(join), "rtrl", c)
+    with pytest.raises(SchemaMismatch, match="joins on a cluster"):
+        render("CREATE VIEW rtrl.v AS SELECT * FROM rtrl.a ARRAY JOIN arr", "rtrl", c)
+    assert render("ALTER TABLE rtrl.rewards CLEAR COLUMN x", "rtrl", c) == [
+        "ALTER TABLE rtrl.rewards_local ON CLUSTER c CLEAR COLUMN x"
+    ]

@@ -260,6 +260,7 @@ def test_the_flows_are_bytewax_clusters_with_recovery_volumes_and_probes():
     for sts in _kind("StatefulSet"):
         name, spec = sts["metadata"]["name"], sts["spec"]
         assert spec["podManagementPolicy"] == "Parallel" and spec["serviceName"] == name
+        assert spec["updateStrategy"] == {"type": "OnDelete"}  # upgraded whole, never one process at a time
         svc = services[name]["spec"]
         assert svc["clusterIP"] == "None" and svc["publishNotReadyAddresses"] is True
         (c,) = spec["template"]["spec"]["containers"]
@@ -307,6 +308,7 @@ def test_the_trainer_is_a_multi_node_torchrun_job():
     for spec in specs.values():
         (c,) = spec["template"]["spec"]["containers"]
         assert c["name"] == "pytorch" and c["command"] == ["torchrun", "-m", "trainer"]
+        assert c["image"] == shape.trainer_image != shape.image  # the GPU build
         assert c["resources"]["limits"]["nvidia.com/gpu"] == str(shape.gpus_per_node)
         assert {m["mountPath"] for m in c["volumeMounts"]} >= {f"{manifests.DATA_DIR}/checkpoints", "/dev/shm"}
     (claim,) = _kind("PersistentVolumeClaim")
@@ -349,6 +351,9 @@ def test_settings_go_in_a_configmap_and_secrets_only_in_the_secret(tmp_path):
         pod = d.get("spec", {}).get("template", {}).get("spec") or {}
         if d["kind"] == "PyTorchJob":
             pod = d["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+        if pod:  # the Secret's files: owner root, group fsGroup, readable by the group the containers run as
+            volume = next(v for v in pod["volumes"] if "secret" in v)
+            assert volume["secret"]["defaultMode"] == 0o440 and pod["securityContext"]["fsGroup"] == 10001
         for c in pod.get("containers", []) + pod.get("initContainers", []):
             names = {e["name"]: e.get("value") for e in c["env"]}
             assert names["RTRL_CONFIG"] == f"{manifests.CONFIG_DIR}/rtrl.toml"
@@ -366,8 +371,8 @@ def test_an_empty_secret_file_is_refused_naming_the_fix(tmp_path):
 
 
 def test_manifests_are_made_from_any_settings_file(tmp_path):
-    """`python -m app.deploy --config FILE` renders a team's own settings: SASL adds its secret, the flows' and
-    trainer's shape follows the Shape."""
+    """`python -m app.deploy --config FILE` renders a team's own settings (SASL adds its secret) and shape (four
+    reward flow processes: four addresses)."""
     cfg = tmp_path / "mine.toml"
     cfg.write_text(
         deploy.SOURCE.read_text()
@@ -376,7 +381,7 @@ def test_manifests_are_made_from_any_settings_file(tmp_path):
         .replace('# sasl_username = "rtrl"', 'sasl_username = "rtrl"')
     )
     run = subprocess.run(
-        [sys.executable, "-m", "app.deploy", "--config", str(cfg), "--out", str(tmp_path)],
+        [sys.executable, "-m", "app.deploy", "--config", str(cfg), "--out", str(tmp_path), "--reward-processes", "4"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -388,8 +393,8 @@ def test_manifests_are_made_from_any_settings_file(tmp_path):
     assert set(secret["stringData"]) == {"sdk-salt", "clickhouse-password", "kafka-sasl-password"}
     cm = next(d for d in docs if d["kind"] == "ConfigMap")
     assert 'security_protocol = "SASL_SSL"' in cm["data"]["rtrl.toml"]
-    flows = manifests.kubernetes(deploy.source_settings(cfg), manifests.Shape(reward_processes=4))
-    sts = next(d for d in flows["20-reward-flow.yaml"] if d["kind"] == "StatefulSet")
+    flows = list(yaml.safe_load_all((tmp_path / "deploy/k8s/20-reward-flow.yaml").read_text()))
+    sts = next(d for d in flows if d["kind"] == "StatefulSet")
     env = {e["name"]: e.get("value") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert sts["spec"]["replicas"] == 4 and len(env["BYTEWAX_ADDRESSES"].split(";")) == 4
     assert env["RTRL_KAFKA__SASL_PASSWORD_FILE"] == f"{manifests.SECRET_DIR}/kafka-sasl-password"
@@ -409,6 +414,8 @@ def test_the_compose_file_validates_against_the_compose_spec(tmp_path):
     assert services["kafka"]["image"].startswith("apache/kafka:")
     assert services["clickhouse"]["image"].startswith("clickhouse/clickhouse-server:")
     assert services["loop"]["depends_on"] == {"setup": {"condition": "service_completed_successfully"}}
+    kafka = services["kafka"]  # the broker writes on its volume (apache/kafka's default log dir is under /tmp)
+    assert kafka["environment"]["KAFKA_LOG_DIRS"] == kafka["volumes"][0].split(":", 1)[1]
     settings_text = doc["configs"]["rtrl-settings"]["content"]
     (tmp_path / "rtrl.toml").write_text(settings_text)  # read back as the container would, secrets from env
     back = load_settings(

@@ -253,6 +253,33 @@ def _events_read(log: str) -> int:
     return int(m.group(1).replace(",", ""))
 
 
+def test_a_recovery_folder_keeps_the_partition_keys_its_windows_were_made_under(broker, tmp_path):
+    """The first run records its keys; the same workers resume; another number of workers is refused (its windows
+    under the old keys would never close); a folder from before the record resumes only where the keys are plain."""
+    from bytewax.recovery import init_db_dir
+
+    from app.parts import KEYS_FILE, partition_keys
+
+    prefix = f"keys{free_port()}."
+    ensure_topics(broker.bootstrap, prefix, 4)
+    settings = load_settings(env={"RTRL_KAFKA__TOPIC_PREFIX": prefix, "RTRL_DATA_DIR": str(tmp_path)})
+    folder = tmp_path / "recovery"
+    folder.mkdir()
+    keys = partition_keys(settings, broker.bootstrap, 2, folder, fresh=True)
+    assert (folder / KEYS_FILE).exists() and len(set(keys.values())) == 4
+    assert partition_keys(settings, broker.bootstrap, 2, folder, fresh=False) == keys  # a restart: the same keys
+    with pytest.raises(ConfigError, match=r"keys differ.*Fix: run with the workers"):
+        partition_keys(settings, broker.bootstrap, 1, folder, fresh=False)
+    legacy = tmp_path / "legacy"  # state from before the record: its windows are under the plain keys
+    legacy.mkdir()
+    init_db_dir(legacy, 1)
+    assert partition_keys(settings, broker.bootstrap, 1, legacy, fresh=False) == {p: str(p) for p in range(4)}
+    (legacy / KEYS_FILE).unlink()
+    if keys != {p: str(p) for p in range(4)}:  # two workers re-key some partitions: refused
+        with pytest.raises(ConfigError, match="keys differ"):
+            partition_keys(settings, broker.bootstrap, 2, legacy, fresh=False)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_two_reward_flow_processes_write_what_one_does(broker, tmp_path):
@@ -289,6 +316,10 @@ def test_two_reward_flow_processes_write_what_one_does(broker, tmp_path):
         # the Kafka partitions are split between the processes: each reads its own (its lag gauges), none both
         owned = [{dict(ls)["partition"] for (n, ls) in scrape(port + i) if n == "rtrl_consumer_lag"} for i in (0, 1)]
         assert owned[0] and owned[1] and not owned[0] & owned[1] and owned[0] | owned[1] == {"0", "1", "2", "3"}
+        # and the partitions' windows are spread over the two workers: two a process (flows.routing), whichever
+        # process reads them (rtrl_open_windows is set by the worker that holds a partition's windows)
+        held = [{dict(ls)["partition"] for (n, ls) in scrape(port + i) if n == "rtrl_open_windows"} for i in (0, 1)]
+        assert [len(h) for h in held] == [2, 2] and held[0] | held[1] == {"0", "1", "2", "3"}, held
     finally:
         for p in procs:  # a clean stop of the cluster: every process
             p.send_signal(signal.SIGTERM)

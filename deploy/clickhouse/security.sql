@@ -10,8 +10,11 @@
 -- engine and that its analyst grants are the front's (rtrl.clickhouse.ANALYST_TABLES).
 
 -- Settings profiles: bounds on every query of each user.
+-- insert_distributed_sync: on a cluster (clickhouse.cluster) an insert into a Distributed table returns once the
+-- rows are stored on their shards, not queued on the node the writer talks to: a flow's snapshot after a flush then
+-- means the rows are in the replicated tables (no effect on one node, where nothing is Distributed).
 CREATE SETTINGS PROFILE IF NOT EXISTS rtrl_writer_profile
-    SETTINGS max_execution_time = 600, max_memory_usage = 20000000000;
+    SETTINGS max_execution_time = 600, max_memory_usage = 20000000000, insert_distributed_sync = 1;
 CREATE SETTINGS PROFILE IF NOT EXISTS rtrl_analyst_profile
     SETTINGS readonly = 1, max_execution_time = 60, max_memory_usage = 10000000000, max_result_rows = 10000000;
 
