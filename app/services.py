@@ -89,12 +89,7 @@ class Services:
             self.bootstrap = self.local_broker.up(timeout_s=max(30.0, settings.kafka.timeout_s))
         try:
             ensure_topics_for(settings, self.bootstrap)
-            self.ch = clickhouse.setup(
-                settings.clickhouse_dsn,
-                settings.clickhouse.database,
-                settings.clickhouse.timeout_s,
-                clickhouse.cluster_of(settings.clickhouse),
-            )
+            self.ch = clickhouse.setup_from(settings)
             # the reward versions this run scores, registered before anything starts (refuses changed weights
             # under a name that has scored: a one-line error now, not a reward flow failing later)
             register_settings(settings, client=self.ch)

@@ -494,12 +494,7 @@ def backfill(
         chosen.config, window, out, since_ms, until_ms, settings.sdk.max_event_bytes, stamp, verdict_kinds(settings)
     )
     if client is None:
-        client = clickhouse.setup(
-            settings.clickhouse_dsn,
-            settings.clickhouse.database,
-            settings.clickhouse.timeout_s,
-            clickhouse.cluster_of(settings.clickhouse),
-        )
+        client = clickhouse.setup_from(settings)
     register(client, settings.clickhouse.database, [chosen])  # refuses changed weights under a used name, first
     local = not options.view_as(StandardOptions).runner and options.view_as(DirectOptions).direct_num_workers > 1
     start = time.monotonic()

@@ -71,12 +71,7 @@ def register_settings(settings: Settings, names: Sequence[str] | None = None, cl
     chosen = reg.select(list(settings.rewards.versions if names is None else names))
     own = client is None
     if own:
-        client = clickhouse.setup(
-            settings.clickhouse_dsn,
-            settings.clickhouse.database,
-            settings.clickhouse.timeout_s,
-            clickhouse.cluster_of(settings.clickhouse),
-        )
+        client = clickhouse.setup_from(settings)
     try:
         register(client, settings.clickhouse.database, chosen)
     finally:

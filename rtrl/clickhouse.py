@@ -28,11 +28,10 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import clickhouse_connect
 import pyarrow as pa
 
-from rtrl.clickhouse_cluster import LOCAL, SYNC_INSERT, Cluster, render
-from rtrl.clickhouse_cluster import cluster_of as cluster_of  # for setup's callers: cluster_of(settings.clickhouse)
+from rtrl.clickhouse_cluster import LOCAL, SYNC_INSERT, Cluster, cluster_of, render
 from rtrl.errors import ConfigError, SchemaMismatch, ServiceUnavailable
 from rtrl.files import private_dir
-from rtrl.settings import redact_dsn
+from rtrl.settings import Settings, redact_dsn
 from schemas.records import (
     BatchStats,
     Checkpoint,
@@ -539,6 +538,12 @@ def setup(dsn: str, database: str, timeout_s: float = 10.0, cluster: Cluster | N
     migrate(client, database, cluster=cluster)
     verify(client, database, cluster)
     return client
+
+
+def setup_from(settings: Settings) -> Any:
+    """:func:`setup` as ``settings`` configure it: the DSN, database, timeout and cluster (``clickhouse.*``)."""
+    ch = settings.clickhouse
+    return setup(settings.clickhouse_dsn, ch.database, ch.timeout_s, cluster_of(ch))
 
 
 # ---------------------------------------------------------------- records in and out

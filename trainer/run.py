@@ -72,16 +72,7 @@ def run(settings: Settings, bootstrap: str, console: Console | None = None) -> l
             f"{sum(x.numel() for x in model.parameters()):,} parameters on this rank"
             + (f"; initial weights from {cfg.hf_path}" if cfg.hf_path else "")
         )
-    ch = (
-        clickhouse.setup(
-            settings.clickhouse_dsn,
-            settings.clickhouse.database,
-            settings.clickhouse.timeout_s,
-            clickhouse.cluster_of(settings.clickhouse),
-        )
-        if lead
-        else None
-    )
+    ch = clickhouse.setup_from(settings) if lead else None
     streams: list[BatchStream] = []
 
     def make_source(offsets):
