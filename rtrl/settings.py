@@ -300,18 +300,9 @@ class ClickHouseSettings(Section):
             "must be empty (embedded chdb under data_dir), chdb:///abs/path, chdb://memory or http(s)://host:port"
         )
 
-    @field_validator("cluster")
-    @classmethod
-    def _cluster(cls, v: str) -> str:
-        if v and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
-            raise ValueError(
-                "is not a cluster name (letters, digits and _, not starting with a digit): the name of a cluster "
-                "in the servers' <remote_servers>, or empty for a single node"
-            )
-        return v
-
     @model_validator(mode="after")
-    def _replicas(self) -> ClickHouseSettings:
+    def _cluster(self) -> ClickHouseSettings:
+        """The cluster's name and replica settings, by the check that makes its DDL (rtrl.clickhouse_cluster)."""
         if self.cluster:
             from rtrl.clickhouse_cluster import check
 
