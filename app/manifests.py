@@ -97,13 +97,13 @@ def deployed_settings(settings: Settings) -> Settings:
     )
 
 
+def _labels(component: str) -> dict[str, str]:
+    """A resource's labels, and its pods' selector."""
+    return {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": component}
+
+
 def _meta(name: str, shape: Shape, component: str, **extra: Any) -> dict:
-    return {
-        "name": name,
-        "namespace": shape.namespace,
-        "labels": {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": component},
-        **extra,
-    }
+    return {"name": name, "namespace": shape.namespace, "labels": _labels(component), **extra}
 
 
 def _env(settings: Settings) -> list[dict]:
@@ -212,7 +212,7 @@ def flow(settings: Settings, shape: Shape, name: str) -> list[dict]:
         {"name": "BYTEWAX_STATEFULSET_NAME", "value": sts},
         {"name": "BYTEWAX_ADDRESSES", "value": addresses},
     ]
-    labels = {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": sts}
+    labels = _labels(sts)
     claim: dict[str, Any] = {
         "metadata": {"name": "state"},
         "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": shape.recovery_storage}}},
@@ -293,7 +293,7 @@ def trainer(settings: Settings, shape: Shape) -> list[dict]:
     }
     if shape.storage_class:
         claim["spec"]["storageClassName"] = shape.storage_class
-    labels = {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": "trainer"}
+    labels = _labels("trainer")
 
     def replica(n: int) -> dict:
         return {
@@ -376,7 +376,7 @@ def setup_job(settings: Settings, shape: Shape) -> list[dict]:
                 "backoffLimit": 6,
                 "ttlSecondsAfterFinished": 86400,
                 "template": {
-                    "metadata": {"labels": {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": "setup"}},
+                    "metadata": {"labels": _labels("setup")},
                     "spec": {
                         "restartPolicy": "OnFailure",
                         "securityContext": _security(),
