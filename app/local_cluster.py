@@ -86,10 +86,6 @@ class LocalCluster:
         self.procs[name] = Proc(name, popen, log)
         return self.procs[name]
 
-    def tail(self, name: str, lines: int = 20) -> str:
-        log = self.procs[name].log
-        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else ""
-
     def stop(self, names: list[str], timeout_s: float = 60.0) -> None:
         """SIGTERM to each (a clean stop), a bounded wait, then every process group ended."""
         from app.supervisor import end_group
@@ -109,7 +105,8 @@ class LocalCluster:
 
 
 def free_port() -> int:
-    """A loopback TCP port that was free a moment ago (a Bytewax process's or torchrun's rendezvous address)."""
+    """A loopback TCP port that was free a moment ago (a Bytewax process's or torchrun's rendezvous address); not
+    devservices.broker's: production code does not import the dev-only services (tests/test_architecture.py)."""
     import socket
 
     with socket.socket() as sock:
@@ -243,10 +240,12 @@ def run(config: str | None, steps: int, timeout_s: float, out=print) -> int:
         while trainer.popen.poll() is None:
             for name, p in cluster.procs.items():
                 if p.popen.poll() is not None:
-                    raise ServiceUnavailable(f"{name} exited ({p.popen.returncode}); {p.log}:\n{cluster.tail(name)}")
+                    raise ServiceUnavailable(
+                        f"{name} exited ({p.popen.returncode}); {p.log}:\n{sup.log_tail(name, 20)}"
+                    )
             if time.monotonic() > deadline:
                 raise ServiceUnavailable(
-                    f"the trainer did not finish within {timeout_s:g}s:\n{cluster.tail('trainer')}"
+                    f"the trainer did not finish within {timeout_s:g}s:\n{sup.log_tail('trainer', 20)}"
                 )
             now = (
                 _count(sup.ch, f"SELECT count() FROM {db}.rewards"),
@@ -257,7 +256,7 @@ def run(config: str | None, steps: int, timeout_s: float, out=print) -> int:
                 out(f"{time.monotonic() - t0:5.0f}s  rewards {now[0]:,} · trained steps {now[1]}")
             time.sleep(2)
         if trainer.popen.returncode != 0:
-            raise ServiceUnavailable(f"the trainer exited {trainer.popen.returncode}:\n{cluster.tail('trainer')}")
+            raise ServiceUnavailable(f"the trainer exited {trainer.popen.returncode}:\n{sup.log_tail('trainer', 20)}")
         cluster.stop(["serve"])  # the policy server first: it flushes its rollouts and the users' events
         # each reward flow process's Kafka partitions and windowed events, from its metrics (metrics.port + its id)
         shares = [flow_share(port + i) for i in range(FLOW_PROCESSES)] if port else []
