@@ -44,15 +44,23 @@ def run(settings: Settings, console: Console | None = None) -> list[dict]:
             f" (database {db}) · topics {settings.topic('*')} · reward versions {settings.rewards.versions}"
         )
         sim = settings.simulator
-        start_ms = sim.start_ms or time.time_ns() // 1_000_000
-        emissions = []
-        for v in SIMULATED_VERSIONS:  # versions served side by side, as in an A/B test
-            part = generate(
+
+        def traffic(v: int, start_ms: int) -> list:
+            return generate(
                 sim.model_copy(update={"seed": sim.seed + v, "start_ms": start_ms}),
                 settings.sdk.salt,
                 policy_version=v,
                 arm="control" if v == SIMULATED_VERSIONS[0] else "candidate",
             )
+
+        start_ms = sim.start_ms
+        if not start_ms:  # the traffic ends now: no event is stamped ahead of the broker's clock
+            probe = 1_000_000_000_000
+            span = max(e.at_ms for v in SIMULATED_VERSIONS for e in traffic(v, probe)) - probe
+            start_ms = time.time_ns() // 1_000_000 - span
+        emissions = []
+        for v in SIMULATED_VERSIONS:  # versions served side by side, as in an A/B test
+            part = traffic(v, start_ms)
             s = stats(part)
             console.print(
                 f"policy v{v}: {s['trajectories']:,} trajectories, {s['emissions']:,} events "

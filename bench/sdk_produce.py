@@ -60,7 +60,10 @@ def main() -> None:
     args = ap.parse_args()
 
     trajectories = max(1, args.events // 10)
-    events = [e.event for e in generate(SimulatorSettings(trajectories=trajectories, seed=1), SALT)][: args.events]
+    # stamped a day back: inside the SDK's window around its clock (sdk.max_past_s, sdk.max_future_s)
+    start_ms = time.time_ns() // 1_000_000 - 86_400_000
+    sim = SimulatorSettings(trajectories=trajectories, seed=1, start_ms=start_ms)
+    events = [e.event for e in generate(sim, SALT)][: args.events]
     codec = event_codec()
     payloads = [(e.trajectory_id.encode(), codec.encode(e)) for e in events]
     n = len(events)

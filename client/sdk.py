@@ -10,6 +10,10 @@ Guarantees to the caller:
   down, events wait in the producer and are retried until ``delivery_timeout_s``.
 - ``close()`` drains the queue and flushes; what could not be delivered is reported in the stats.
 - Invalid events raise :class:`InvalidEvent` (a programming error in the caller), naming the field.
+  An event time outside the sane window around the SDK's clock (``max_future_s`` ahead,
+  ``max_past_s`` behind) is invalid: a stamp far ahead would otherwise reach the reward flow as a
+  hostile clock. A replay of recorded traffic passes its own clock (``record(event, now_ms=...)``),
+  which is also the record's Kafka timestamp.
 """
 
 from __future__ import annotations
@@ -84,6 +88,8 @@ class RtrlClient:
         compression: str = "zstd",
         producer_overrides: dict[str, Any] | None = None,
         security: Mapping[str, str] | None = None,
+        max_future_s: float = 600.0,
+        max_past_s: float = 7 * 86400.0,
     ):
         """``bootstrap``: the brokers; a :class:`rtrl.kafka.KafkaConnection` (what :meth:`from_settings` passes)
         brings its cluster's security. ``security``: librdkafka security properties for a secured cluster
@@ -93,9 +99,10 @@ class RtrlClient:
             raise ValueError("salt must be at least 8 characters (setting sdk.salt)")
         self.topic = topic
         self.salt = salt
+        self.max_future_ms, self.max_past_ms = int(max_future_s * 1000), int(max_past_s * 1000)
         self.queue_size = queue_size
         self._codec = event_codec(max_event_bytes)
-        self._queue: collections.deque[tuple[bytes, bytes]] = collections.deque()
+        self._queue: collections.deque[tuple[bytes, bytes, int]] = collections.deque()  # key, value, CreateTime
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._closing = False
@@ -132,6 +139,8 @@ class RtrlClient:
             delivery_timeout_s=s.delivery_timeout_s,
             max_event_bytes=s.max_event_bytes,
             compression=settings.kafka.compression,
+            max_future_s=s.max_future_s,
+            max_past_s=s.max_past_s,
         )
 
     # ------------------------------------------------------------ recording
@@ -155,9 +164,21 @@ class RtrlClient:
         traj._emit(TrajectoryStarted, ts, task_kind=task_kind)
         return traj
 
-    def record(self, event: EventBase) -> bool:
-        """Validate and enqueue one event. False when it was dropped because the queue is full."""
+    def record(self, event: EventBase, *, now_ms: int | None = None) -> bool:
+        """Validate and enqueue one event. False when it was dropped because the queue is full.
+
+        ``now_ms`` is the producer's clock (default: the wall clock). Its event time must lie within the sane
+        window around it, and it becomes the record's Kafka timestamp."""
+        now = _now_ms() if now_ms is None else now_ms
         try:
+            if not now - self.max_past_ms <= event.ts <= now + self.max_future_ms:
+                ahead = event.ts > now
+                raise Invalid(
+                    "$.ts",
+                    f"event time {event.ts} is {abs(event.ts - now)} ms {'ahead of' if ahead else 'behind'} the "
+                    f"producer's clock {now}; the SDK accepts at most {self.max_future_ms} ms ahead and "
+                    f"{self.max_past_ms} ms behind (sdk.max_future_s, sdk.max_past_s)",
+                )
             data = self._codec.encode(event)
             self._codec.decode(data)
         except Invalid as e:
@@ -173,7 +194,7 @@ class RtrlClient:
                     self._last_drop_log = now
                     log.warning("rtrl client queue full (%d events): dropped %d so far", self.queue_size, self._dropped)
                 return False
-            self._queue.append((event.trajectory_id.encode(), data))
+            self._queue.append((event.trajectory_id.encode(), data, 0 if now_ms is None else now_ms))
             self._accepted += 1
         if not self._wake.is_set():
             self._wake.set()
@@ -199,9 +220,9 @@ class RtrlClient:
             self._wake.clear()
             queue, topic, on_delivery, n = self._queue, self.topic, self._on_delivery, 0
             while queue:
-                key, value = queue[0]
+                key, value, stamp = queue[0]
                 # waits while the producer's own queue is full (e.g. broker down), never drops
-                produce(producer, topic, value, key, on_delivery, poll_s=0.05)
+                produce(producer, topic, value, key, on_delivery, poll_s=0.05, timestamp=stamp)
                 queue.popleft()
                 self._in_producer += 1
                 n += 1

@@ -71,9 +71,11 @@ from schemas.types import from_arrow, to_arrow
 
 DAY_MS = 86_400_000
 NAMESPACE = "rtrl.backfill"
+#: the column archives written before rtrl kept record timestamps lack: read as unknown (-1), not as drift
+RECORD_TS = "kafka_timestamp"
 #: the columns a file must have: the event envelope and where the event was read from
 REQUIRED = ("event_id", "trajectory_id", "ts", "org_id", "user_hash", "policy_version", "arm", "type") + tuple(
-    f.name for f in ARCHIVE_COORDS
+    f.name for f in ARCHIVE_COORDS if f.name != RECORD_TS
 )
 
 log = logging.getLogger("rtrl.backfill")
@@ -122,7 +124,8 @@ def _dead(spec: Spec, kind: Any, field_: str, reason: str, path: str, row: int, 
 
 
 class ReadFile(beam.DoFn):
-    """A Parquet file of the archive -> ``(partition, (offset, event))`` and dead letters (tag ``dead``)."""
+    """A Parquet file of the archive -> ``(partition, (offset, event, record timestamp))`` and dead letters
+    (tag ``dead``)."""
 
     def __init__(self, spec: Spec):
         self.spec = spec
@@ -151,6 +154,7 @@ class ReadFile(beam.DoFn):
             yield beam.pvalue.TaggedOutput("dead", _dead(self.spec, "invalid", field_, why, path, row, payload))
         parts = table.column("kafka_partition").to_pylist()
         offsets = table.column("kafka_offset").to_pylist()
+        stamps = table.column(RECORD_TS).to_pylist()
         located = []
         for row, event in events:
             p, o = parts[row], offsets[row]
@@ -164,7 +168,7 @@ class ReadFile(beam.DoFn):
             yield beam.pvalue.TaggedOutput("dead", _dead(self.spec, "invalid", "$.kafka_offset", why, path, row, None))
         self.events.inc(len(located))
         for row, event in located:
-            yield parts[row], (offsets[row], event)
+            yield parts[row], (offsets[row], event, -1 if stamps[row] is None else stamps[row])
 
 
 def conform(table: pa.Table) -> tuple[pa.Table | None, list[tuple[str, str]]]:
@@ -175,7 +179,8 @@ def conform(table: pa.Table) -> tuple[pa.Table | None, list[tuple[str, str]]]:
     arrays = []
     for f in schema:
         if f.name not in table.column_names:
-            problems.append((f.name, f"column {f.name} is missing"))
+            if f.name != RECORD_TS:  # an older archive's layout, not drift
+                problems.append((f.name, f"column {f.name} is missing"))
             arrays.append(pa.nulls(table.num_rows, f.type))
             continue
         col = table.column(f.name)
@@ -222,13 +227,15 @@ class WindowPartition(beam.DoFn):
             for n in ("replayed", "trajectories", "rewards", "discarded", "out_of_range")
         }
 
-    def process(self, kv: tuple[int, Iterable[tuple[int, EventBase]]]) -> Iterator[Any]:
+    def process(self, kv: tuple[int, Iterable[tuple[int, EventBase, int]]]) -> Iterator[Any]:
         partition, items = kv
         spec = self.spec
         by_offset: dict[int, EventBase] = {}
+        stamps: dict[int, int] = {}
         clashes: list[DeadLetter] = []
-        for offset, event in items:
+        for offset, event, record_ts in items:
             kept = by_offset.setdefault(offset, event)  # an event archived twice (a replayed flow) counts once
+            stamps.setdefault(offset, record_ts)
             if kept.event_id != event.event_id:  # two Kafka histories in one archive (a topic made anew)
                 why = (
                     f"partition {partition} offset {offset} holds event {kept.event_id} and event {event.event_id}: "
@@ -244,7 +251,7 @@ class WindowPartition(beam.DoFn):
         proc = RewardProcessor(
             spec.source, spec.window, [spec.version], spec.max_event_bytes, verdict_kinds=spec.verdict_kinds
         )
-        located = ((by_offset[o], partition, o) for o in sorted(by_offset))
+        located = ((by_offset[o], partition, o, stamps[o]) for o in sorted(by_offset))
         out = proc.process_events(located, now_ms=spec.now_ms)
         out.dead_letters.extend(clashes)
         out.extend(proc.finish(now_ms=spec.now_ms))

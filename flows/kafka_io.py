@@ -7,7 +7,7 @@ within ``kafka.timeout_s``.
 :class:`PacedKafkaSource` is Bytewax's ``KafkaSource`` (same partitions, same recovery state: the
 next offset per partition) with two changes to each partition's reader:
 
-* it emits :class:`flows.processor.Message` tuples (key, value, partition, offset) instead of
+* it emits :class:`flows.processor.Message` tuples (key, value, partition, offset, record timestamp) instead of
   building a ``KafkaSourceMessage`` dataclass per message — a third of the source's cost — and,
   when asked, pairs them with their partition as the key (no ``key_on`` call per message);
 * a partition with nothing to read pauses its consumer for ``idle_s`` and tells Bytewax when to
@@ -34,7 +34,7 @@ from datetime import UTC, datetime, timedelta
 
 from bytewax.connectors.kafka import KafkaSource
 from bytewax.connectors.kafka import _KafkaSourcePartition as _BytewaxPartition
-from confluent_kafka import OFFSET_BEGINNING, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, TIMESTAMP_NOT_AVAILABLE, TopicPartition
 from confluent_kafka import KafkaError as ConfluentKafkaError
 
 from flows.processor import Message
@@ -157,7 +157,9 @@ class _PacedPartition(_BytewaxPartition):
                     raise RuntimeError(f"error consuming from Kafka topic {self._topic!r}: {error}")
                 continue
             last = msg.offset()
-            batch.append(_new_message(Message, (msg.key(), msg.value(), self._part_idx, last)))
+            kind, stamp = msg.timestamp()  # kind 0: the record has none
+            record_ts = stamp if kind != TIMESTAMP_NOT_AVAILABLE else None
+            batch.append(_new_message(Message, (msg.key(), msg.value(), self._part_idx, last, record_ts)))
         if self._key is not None:  # already keyed for a stateful step: saves a key_on call per message
             batch = [(self._key, m) for m in batch]
         if last is not None:

@@ -30,6 +30,7 @@ class Message(NamedTuple):
     value: bytes | None
     partition: int
     offset: int
+    timestamp: int | None = None  # the record's timestamp in ms (broker append time or producer time); None: unknown
 
 
 @dataclass
@@ -37,7 +38,8 @@ class FlowOutput:
     """Everything one batch of input produced, grouped by destination."""
 
     events: list[EventBase] = field(default_factory=list)
-    coords: list[tuple[int, int]] = field(default_factory=list)  # (Kafka partition, offset) of each of ``events``
+    #: (Kafka partition, offset, record timestamp or -1) of each of ``events``
+    coords: list[tuple[int, int, int]] = field(default_factory=list)
     rewards: list[Reward] = field(default_factory=list)
     summaries: list[TrajectorySummary] = field(default_factory=list)
     dead_letters: list[DeadLetter] = field(default_factory=list)
@@ -136,21 +138,25 @@ class RewardProcessor:
                     self._dead(e.kind, e.field, e.reason, m.partition, m.offset, m.key, m.value, now)
                 )
                 continue
+            ts = -1 if m.timestamp is None else m.timestamp
             out.events.append(event)
-            out.coords.append((m.partition, m.offset))
-            self._apply(self.windows.ingest(event, m.offset), m.partition, out, now)
+            out.coords.append((m.partition, m.offset, ts))
+            self._apply(self.windows.ingest(event, m.offset, ts), m.partition, out, now)
         return out
 
-    def process_events(self, located: Iterable[tuple[EventBase, int, int]], now_ms: int | None = None) -> FlowOutput:
-        """Already-decoded ``(event, partition, offset)`` in partition order (the backfill's input, read back
-        from the archive): the same windows and rewards as :meth:`process` gives for their messages."""
+    def process_events(
+        self, located: Iterable[tuple[EventBase, int, int, int]], now_ms: int | None = None
+    ) -> FlowOutput:
+        """Already-decoded ``(event, partition, offset, record timestamp or -1)`` in partition order (the backfill's
+        input, read back from the archive): the same windows and rewards as :meth:`process` gives for their
+        messages."""
         now = _now_ms() if now_ms is None else now_ms
         out = FlowOutput()
-        for event, partition, offset in located:
+        for event, partition, offset, record_ts in located:
             self.windows.partition = partition
             out.events.append(event)
-            out.coords.append((partition, offset))
-            self._apply(self.windows.ingest(event, offset), partition, out, now)
+            out.coords.append((partition, offset, record_ts))
+            self._apply(self.windows.ingest(event, offset, record_ts), partition, out, now)
         return out
 
     def finish(self, now_ms: int | None = None) -> FlowOutput:

@@ -80,6 +80,7 @@ def window_config(settings: Settings) -> WindowConfig:
         allowed_lateness_ms=int(f.allowed_lateness_s * 1000),
         max_future_ms=int(f.max_future_s * 1000),
         kinds=kinds,
+        max_skew_ms=int(f.max_clock_skew_s * 1000),
     )
 
 
@@ -213,7 +214,7 @@ def reconfigure(windows: PartitionWindows, cfg: WindowConfig) -> None:
     if windows.store is not None and len(windows.store):
         raise ConfigError(
             "the reward flow's recovery state was made under other window rules (flow.deadline_s, flow.grace_s, "
-            "flow.allowed_lateness_s, flow.max_future_s or flow.task_kinds) and holds windows spilled to "
+            "flow.allowed_lateness_s, flow.max_future_s, flow.max_clock_skew_s or flow.task_kinds) and holds windows spilled to "
             "flow.state_dir, which would keep the old rules; fix: restore the settings the state was made with, "
             "or start the flow afresh (delete flow.recovery_dir and flow.state_dir, and replay the topic)"
         )
@@ -278,7 +279,8 @@ def build_flow(
     def to_clickhouse(kv: tuple[str, FlowOutput]) -> list[tuple[str, tuple[str, list]]]:
         o = kv[1]
         parts: list[tuple[str, list]] = [
-            ("events", list(zip(o.events, o.coords))),  # the archive keeps each event's Kafka partition and offset
+            # the archive keeps each event's Kafka partition, offset and record timestamp
+            ("events", list(zip(o.events, o.coords))),
             ("rewards", o.rewards),
             ("trajectories", o.summaries),
             ("dead_letters", o.dead_letters),

@@ -154,7 +154,7 @@ class _StoragePart(_Buffered):
     def _drop_client(self) -> None:
         self.client = None
 
-    def _store(self, table: str, data: pa.Table, coords: list[tuple[int, int]] | None) -> None:
+    def _store(self, table: str, data: pa.Table, coords: list[tuple[int, ...]] | None) -> None:
         retry_forever(
             f"insert {data.num_rows} rows into {self.database}.{table} at {clickhouse.redact(self.dsn)}",
             lambda: self._insert(table, data),
@@ -170,7 +170,7 @@ class _StoragePart(_Buffered):
 
     def write(self, table: str, rows: list) -> None:
         coords = None
-        if table == "events" and rows and isinstance(rows[0], tuple):  # (event, (partition, offset)) pairs
+        if table == "events" and rows and isinstance(rows[0], tuple):  # (event, (partition, offset, ts)) pairs
             rows, coords = [r[0] for r in rows], [r[1] for r in rows]
         data = to_arrow(rows, clickhouse.TABLES[table])  # once, for ClickHouse and the archive
         self._wait(self.MAX_IN_FLIGHT - 1)
@@ -186,8 +186,13 @@ class _StoragePart(_Buffered):
         self.writer.shutdown()
 
 
-#: the archive's columns after the event's own: where the event was read from (-1 when not from Kafka)
-ARCHIVE_COORDS = (pa.field("kafka_partition", pa.int32()), pa.field("kafka_offset", pa.int64()))
+#: the archive's columns after the event's own: where the event was read from and its record's timestamp
+#: (-1 when not from Kafka or unknown); the backfill bounds event time by that timestamp as the stream did
+ARCHIVE_COORDS = (
+    pa.field("kafka_partition", pa.int32()),
+    pa.field("kafka_offset", pa.int64()),
+    pa.field("kafka_timestamp", pa.int64()),
+)
 
 
 def archive_schema() -> pa.Schema:
@@ -198,14 +203,16 @@ def archive_schema() -> pa.Schema:
     return schema
 
 
-def with_coords(events: pa.Table, coords: list[tuple[int, int]] | None) -> pa.Table:
-    """``events`` with their Kafka partition and offset appended (``-1`` for both when unknown)."""
+def with_coords(events: pa.Table, coords: list[tuple[int, ...]] | None) -> pa.Table:
+    """``events`` with their Kafka partition, offset and record timestamp appended. Each of ``coords`` is
+    ``(partition, offset)`` or ``(partition, offset, timestamp)``; what is unknown is ``-1``."""
     if coords is None:
         coords = [(-1, -1)] * events.num_rows
-    parts, offsets = zip(*coords) if coords else ((), ())
-    return events.append_column(ARCHIVE_COORDS[0], pa.array(parts, pa.int32())).append_column(
-        ARCHIVE_COORDS[1], pa.array(offsets, pa.int64())
-    )
+    full = [(c[0], c[1], c[2] if len(c) > 2 else -1) for c in coords]
+    columns = list(zip(*full)) if full else [(), (), ()]
+    for f, values in zip(ARCHIVE_COORDS, columns):
+        events = events.append_column(f, pa.array(values, f.type))
+    return events
 
 
 def write_archive(root: Path, events: pa.Table) -> None:

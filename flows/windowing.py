@@ -1,11 +1,19 @@
 """Per-trajectory windows for one Kafka partition: a pure, deterministic state machine.
 
-**The clock.** Each partition has its own event-time watermark: the largest event time seen on it.
+**The clock.** Each partition has its own event-time watermark: the largest event time seen on it,
+but never past the partition's *record clock*, the largest Kafka record timestamp seen on it.
+That timestamp is the broker's append time (``rtrl.events`` is created with ``LogAppendTime``) or
+the producer's clock. So an event stamped ahead cannot move the clock for the honest events after
+it: one more than ``max_skew_ms`` ahead of its record's timestamp is rejected as ``future``, and
+one within the skew opens its own window but advances the clock only to the record clock. Input
+without record timestamps (in-process runs, archives written before they were kept) falls back to
+the old bound: ``max_future_ms`` ahead of the watermark.
 Nothing reads the wall clock, so the output is a function of the partition's message sequence
-alone — stopping the flow for hours and restarting it (or replaying after a crash) changes no
-result, and neither does how Bytewax batches messages or how many workers run. A trajectory's
-events share its Kafka key, so they all live on one partition and see one clock. The price: an
-idle partition's windows close only when newer data arrives on it, or at end of input.
+alone (record timestamps are part of it). Stopping the flow for hours and restarting it, or
+replaying after a crash, changes no result, and neither does how Bytewax batches messages or how
+many workers run. A trajectory's events share its Kafka key, so they all live on one partition
+and see one clock. The price: an idle partition's windows close only when newer data arrives on
+it, or at end of input.
 
 **When a window closes** (per trajectory, from its first event ``first_ts``):
 
@@ -77,8 +85,9 @@ class WindowConfig:
     deadline_ms: int = 3_600_000
     grace_ms: int = 10_000
     allowed_lateness_ms: int = 86_400_000
-    max_future_ms: int = 86_400_000
+    max_future_ms: int = 86_400_000  # ahead of the watermark, for input without record timestamps
     kinds: tuple[tuple[str, KindRules], ...] = ()
+    max_skew_ms: int = 600_000  # ahead of the Kafka record's timestamp (the broker's or producer's clock)
 
     @property
     def retention_ms(self) -> int:
@@ -259,6 +268,7 @@ class PartitionWindows:
     config: WindowConfig = field(default_factory=WindowConfig)
     partition: int = -1  # the Kafka partition these windows belong to (for dead letters)
     watermark: int | None = None
+    record_clock: int | None = None  # the largest Kafka record timestamp seen: the watermark never passes it
     open: dict[str, _Window] = field(default_factory=dict)
     closed: dict[str, _Window] = field(default_factory=dict)
     tombstones: dict[str, int] = field(default_factory=dict)
@@ -273,20 +283,20 @@ class PartitionWindows:
 
     # ------------------------------------------------------------ input
 
-    def ingest(self, event: EventBase, offset: int) -> list[Closed | Rejected]:
-        """Apply one event; return the windows it closed and whether it was rejected."""
-        cfg, tid, wm = self.config, event.trajectory_id, self.watermark
-        if wm is not None and event.ts > wm + cfg.max_future_ms:
-            return [
-                Rejected(
-                    "future",
-                    f"event time {event.ts} is more than {cfg.max_future_ms} ms ahead of the "
-                    f"partition's watermark {wm}",
-                    tid,
-                    offset,
-                    event,
-                )
-            ]
+    def ingest(self, event: EventBase, offset: int, record_ts: int | None = None) -> list[Closed | Rejected]:
+        """Apply one event; return the windows it closed and whether it was rejected. ``record_ts`` is its Kafka
+        record's timestamp in ms (None or negative: unknown)."""
+        cfg, tid = self.config, event.trajectory_id
+        if record_ts is not None and record_ts >= 0:
+            if self.record_clock is None or record_ts > self.record_clock:
+                self.record_clock = record_ts
+            if self.watermark is not None and self.watermark > self.record_clock:
+                self.watermark = self.record_clock  # a clock a hostile event moved before this bound existed
+            if event.ts > record_ts + cfg.max_skew_ms:
+                return [self._future(event, offset, f"its Kafka record's timestamp {record_ts}", cfg.max_skew_ms)]
+        elif self.watermark is not None and event.ts > self.watermark + cfg.max_future_ms:
+            return [self._future(event, offset, f"the partition's watermark {self.watermark}", cfg.max_future_ms)]
+        wm = self.watermark
         spilling = self.store is not None
         if spilling:
             self._reload(tid)
@@ -330,8 +340,9 @@ class PartitionWindows:
             self._schedule(tid, w)
         if spilling:
             self._touch(tid)
-        if wm is None or event.ts > wm:
-            self.watermark = event.ts
+        clock = event.ts if self.record_clock is None else min(event.ts, self.record_clock)
+        if wm is None or clock > wm:
+            self.watermark = clock
         out.extend(self._advance())
         if spilling:
             self._evict_if_over()
@@ -347,6 +358,10 @@ class PartitionWindows:
         return out
 
     # ------------------------------------------------------------ internals
+
+    def _future(self, event: EventBase, offset: int, clock: str, bound_ms: int) -> Rejected:
+        why = f"event time {event.ts} is more than {bound_ms} ms ahead of {clock}"
+        return Rejected("future", why, event.trajectory_id, offset, event)
 
     def _deadline(self, w: _Window) -> int:
         return w.first_ts + self.config.rules(w.kind).deadline_ms

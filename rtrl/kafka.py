@@ -262,10 +262,22 @@ def _topic_mismatches(
                 f"{replication_factor}; fix: set kafka.replication_factor to {factors[0]}, change the topic's "
                 "replicas with kafka-reassign-partitions.sh, or delete and recreate it"
             )
-    if min_insync_replicas > 1 and names:
-        resources = [ConfigResource("topic", name) for name in names]
+    # the topics whose spec wants the broker's clock, and every topic when min.insync.replicas is checked
+    described = [n for n in names if min_insync_replicas > 1 or specs[n[len(prefix) :]].timestamp_type != "CreateTime"]
+    if described:
+        resources = [ConfigResource("topic", name) for name in described]
         for res, fut in admin.describe_configs(resources, request_timeout=timeout_s).items():
             cfg = fut.result(timeout=timeout_s)
+            want = specs[res.name[len(prefix) :]].timestamp_type
+            found = cfg["message.timestamp.type"].value if "message.timestamp.type" in cfg else want
+            if want != "CreateTime" and found != want:
+                problems.append(
+                    f"topic {res.name} has message.timestamp.type {found}, rtrl wants {want} (the reward flow bounds "
+                    f"event time by the broker's clock); fix: kafka-configs.sh --alter --entity-type topics "
+                    f"--entity-name {res.name} --add-config message.timestamp.type={want}"
+                )
+            if min_insync_replicas <= 1:
+                continue
             if "min.insync.replicas" in cfg and int(cfg["min.insync.replicas"].value) < min_insync_replicas:
                 problems.append(
                     f"topic {res.name} has min.insync.replicas {cfg['min.insync.replicas'].value}, "
@@ -292,7 +304,11 @@ def describe_topic(bootstrap: str, topic: str, timeout_s: float = 10.0) -> dict[
     return {
         "partitions": len(parts),
         "replication_factor": min((len(p.replicas) for p in parts.values()), default=0),
-        **{k: cfg[k].value for k in ("retention.ms", "cleanup.policy", "min.insync.replicas") if k in cfg},
+        **{
+            k: cfg[k].value
+            for k in ("retention.ms", "cleanup.policy", "min.insync.replicas", "message.timestamp.type")
+            if k in cfg
+        },
     }
 
 
@@ -304,6 +320,7 @@ def produce(
     on_delivery: Callable[[Any, Any], None] | None = None,
     poll_s: float = 0.05,
     stop: Callable[[], bool] | Any | None = None,
+    timestamp: int = 0,
 ) -> bool:
     """Hand one message to ``producer``, waiting while its local queue is full; never drops it.
 
@@ -314,11 +331,13 @@ def produce(
     ``threading.Event``, is asked before each wait: when true this gives up and returns False, the
     message not produced. Returns True once the producer took the message (its delivery is reported to
     ``on_delivery`` later, from a ``poll``/``flush``); the fast path costs one ``produce`` call.
+    ``timestamp`` is the record's CreateTime in ms (0: the producer's clock now); a topic with
+    ``LogAppendTime`` replaces it with the broker's.
     """
     stopped = getattr(stop, "is_set", stop)
     while True:
         try:
-            producer.produce(topic, value=value, key=key, on_delivery=on_delivery)
+            producer.produce(topic, value=value, key=key, on_delivery=on_delivery, timestamp=timestamp)
             return True
         except BufferError:
             if stopped is not None and stopped():

@@ -18,13 +18,21 @@ class TopicSpec:
     partitions: int | None = None
     cleanup_policy: str = "delete"
     encoding: str = "json"
+    #: whose clock stamps a record: "CreateTime" (the producer's) or "LogAppendTime" (the broker's)
+    timestamp_type: str = "CreateTime"
 
     def configs(self) -> dict[str, str]:
-        return {"retention.ms": str(self.retention_ms), "cleanup.policy": self.cleanup_policy}
+        return {
+            "retention.ms": str(self.retention_ms),
+            "cleanup.policy": self.cleanup_policy,
+            "message.timestamp.type": self.timestamp_type,
+        }
 
 
 TOPICS: tuple[TopicSpec, ...] = (
-    TopicSpec("events", "Event", "trajectory_id", 7 * DAY_MS),
+    # The broker stamps each event's record: the reward flow bounds event time by that clock, which no producer
+    # can forge (flows.windowing).
+    TopicSpec("events", "Event", "trajectory_id", 7 * DAY_MS, timestamp_type="LogAppendTime"),
     TopicSpec("rollouts", "Rollout", "trajectory_id", 7 * DAY_MS),
     TopicSpec("rewards", "Reward", "trajectory_id", 30 * DAY_MS),
     TopicSpec("batches", "MicroBatch", "batch_id", 1 * DAY_MS, encoding="arrow-ipc"),

@@ -40,7 +40,8 @@ def drive(client: RtrlClient, emissions: list[Emission], rate: float = 0.0, prog
                 ahead = start + i / rate - time.monotonic()
                 if ahead > 0:
                     time.sleep(ahead)
-            if client.record(em.event):
+            # a replay lives in simulated time: the emission's send time is the producer's clock
+            if client.record(em.event, now_ms=em.at_ms):
                 accepted += 1
             else:
                 dropped += 1

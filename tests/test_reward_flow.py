@@ -152,7 +152,10 @@ def _hostile(sample: bytes) -> dict[str, bytes | None]:
             | {"type": "clarifying_question", "trajectory_id": "ghost", "event_id": "g1"}
         ),
         "too_late": msgspec.json.encode(base | {"trajectory_id": "ancient", "event_id": "old-1", "ts": 1_000}),
-        "future": msgspec.json.encode(base | {"event_id": "future-1", "ts": base["ts"] + 10 * 86_400_000}),
+        # ten days ahead of the wall clock: ahead of the broker's record timestamp and of the partition's watermark
+        "future": msgspec.json.encode(
+            base | {"event_id": "future-1", "ts": time.time_ns() // 1_000_000 + 10 * 86_400_000}
+        ),
     }
 
 
