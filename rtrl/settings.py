@@ -358,6 +358,14 @@ class SdkSettings(Section):
     linger_ms: int = _s(5, "producer linger: how long to wait to fill a batch", ge=0)
     delivery_timeout_s: float = _s(300.0, "how long the producer retries an event before reporting it failed", gt=0)
     max_event_bytes: int = _s(64 * 1024, "largest encoded event accepted anywhere in rtrl", gt=0)
+    max_future_s: float = _s(
+        600.0, "the SDK refuses an event stamped further ahead of its clock (clock skew allowed)", gt=0
+    )
+    max_past_s: float = _s(
+        7 * 86400.0,
+        "the SDK refuses an event stamped further behind its clock (older than the events topic keeps)",
+        gt=0,
+    )
 
 
 # ---------------------------------------------------------------- data plane: streams
@@ -390,7 +398,17 @@ class FlowSettings(Section):
     deadline_s: float = _s(3600.0, "event time from a trajectory's first event to a forced close", gt=0)
     grace_s: float = _s(10.0, "event time to wait after a trajectory ends for overtaken events", ge=0)
     allowed_lateness_s: float = _s(86400.0, "how long after its deadline a late event still revises a reward", ge=0)
-    max_future_s: float = _s(86400.0, "events further ahead of the partition watermark are rejected", gt=0)
+    max_clock_skew_s: float = _s(
+        600.0,
+        "events further ahead of their Kafka record's timestamp (the broker's or producer's clock) are rejected; "
+        "one within it cannot move the partition's clock past that timestamp",
+        gt=0,
+    )
+    max_future_s: float = _s(
+        86400.0,
+        "for input without record timestamps: events further ahead of the partition watermark are rejected",
+        gt=0,
+    )
     task_kinds: dict[str, TaskKindSettings] = Field(
         default_factory=_default_task_kinds,
         description="window rules per task kind [flow.task_kinds.NAME] (deadline, allowed lateness, whether a "
