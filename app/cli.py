@@ -48,13 +48,15 @@ def _bootstrap(settings: Settings, clickhouse_too: bool = False) -> str:
 
 
 def cmd_run(settings: Settings, args: argparse.Namespace, console: Console) -> int:
-    from app.loop import fresh_start_plan, loop_settings, run_loop
+    from app.loop import fresh_start_plan, preflight, run_loop
 
-    loop_settings(settings)  # refuses (one line) settings the loop cannot use, before anything is announced
+    # refuses (one line) settings, a model or a data folder the run cannot use, before anything is announced,
+    # deleted or started
     if args.resume:
+        preflight(settings)
         console.print(f"keeping {settings.data_path}: nothing is deleted (--resume/--keep-data)", highlight=False)
     else:
-        doomed = fresh_start_plan(settings)  # refuses (one line) a folder rtrl did not mark as its own
+        doomed = fresh_start_plan(settings)
         console.print(
             f"fresh start: deleting {', '.join(str(d) for d in doomed)} (keep them: --keep-data)"
             if doomed

@@ -187,7 +187,7 @@ def run(config: str | None, steps: int, timeout_s: float, out=print) -> int:
     from rtrl.settings import load_settings, settings_toml
 
     settings = loop_settings(load_settings(config), trains=False)
-    doomed = fresh_start(settings)  # a run of its own: no earlier recovery state, checkpoints or topics
+    doomed = fresh_start(settings, trains=False)  # a run of its own: no earlier recovery state, checkpoints or topics
     if (settings.data_path / "cluster").exists():  # this launcher's own: settings file, v0, the trainer's checkpoints
         shutil.rmtree(settings.data_path / "cluster")
         doomed.append(settings.data_path / "cluster")

@@ -932,7 +932,9 @@ def run_loop(settings: Settings, console: Console | None = None, resume: bool = 
 
         return run_processes(settings, console, resume=resume)
     console.rule("[bold]rtrl main job: the closed loop")
-    if not resume:
+    if resume:
+        preflight(settings)
+    else:
         fresh_start(settings)
     torch.set_num_threads(1)  # the policy server, the flows and the broker share the cores
     t0 = time.monotonic()
@@ -992,20 +994,34 @@ def _run_in_process(settings: Settings, services: Services, console: Console, re
     return final_report(settings, services.ch, console, t0, ab)
 
 
-def fresh_start_plan(settings: Settings) -> list[Path]:
+def preflight(settings: Settings, trains: bool = True) -> None:
+    """Refuse (ConfigError, one line) what would stop the main job, before anything is deleted or started.
+
+    It checks the settings (:func:`loop_settings`; ``trains`` as there) and the model. With ``model.hf_path`` the
+    checkpoint's family, vocabulary, shape settings and parallel layout are checked, and its tensors' shapes from
+    the files' headers. It checks the data folder too: rtrl's own, and a folder."""
+    cfg, _ = loop_model_config(loop_settings(settings, trains=trains))
+    if cfg.hf_path:
+        from trainer.hf import check_hf
+
+        check_hf(cfg)
+    check_cleanable(settings.data_path)
+
+
+def fresh_start_plan(settings: Settings, trains: bool = True) -> list[Path]:
     """The folders :func:`fresh_start` deletes (those that exist): a previous run's loop state, flow recovery
     and logs; on the embedded defaults its broker, ClickHouse and event archive too (with a cluster and a server
     configured, those are theirs; the archive's Kafka offsets belong to the broker's history, which a backfill
-    replays, so it goes with the broker). Refuses (ConfigError) a data folder rtrl did not mark as its own."""
-    check_cleanable(settings.data_path)  # never a folder rtrl did not mark as its own
+    replays, so it goes with the broker). First :func:`preflight`: a run that cannot start deletes nothing."""
+    preflight(settings, trains)
     embedded = not settings.kafka.bootstrap and not settings.clickhouse.dsn
     parts = [p for p in RUN_PARTS if embedded or p not in ("broker", "clickhouse", "archive")]
     return [settings.data_path / p for p in parts if (settings.data_path / p).exists()]
 
 
-def fresh_start(settings: Settings) -> list[Path]:
+def fresh_start(settings: Settings, trains: bool = True) -> list[Path]:
     """The main job starts afresh: deletes :func:`fresh_start_plan`'s folders, returned."""
-    doomed = fresh_start_plan(settings)
+    doomed = fresh_start_plan(settings, trains)
     for folder in doomed:
         shutil.rmtree(folder, ignore_errors=True)
     data_folder(settings.data_path)

@@ -362,10 +362,12 @@ class Supervisor:
 def run_processes(settings: Settings, console, resume: bool = False) -> list[dict]:
     """The main job with every part in its own process: progress from ClickHouse, then the same table and
     plots. With ``resume`` the data folder of a crashed run is kept and every part continues from it."""
-    from app.loop import cycle_progress, final_report, fresh_start
+    from app.loop import cycle_progress, final_report, fresh_start, preflight
 
     console.rule("[bold]rtrl main job: the closed loop, one process per part")
-    if not resume:
+    if resume:
+        preflight(settings)
+    else:
         fresh_start(settings)
     t0 = time.monotonic()
     sup = Supervisor(settings)

@@ -83,8 +83,11 @@ def data_folder(path: str | os.PathLike) -> Path:
 
 
 def check_cleanable(path: str | os.PathLike) -> None:
-    """Refuse (ConfigError) to clean :data:`RUN_PARTS` of a folder rtrl did not mark as its own."""
+    """Refuse (ConfigError) a data folder that is a file, or to clean :data:`RUN_PARTS` of a folder rtrl did not
+    mark as its own."""
     p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"data_dir {p} is a file, not a folder; fix: set data_dir (RTRL_DATA_DIR) to a folder")
     present = [name for name in RUN_PARTS if (p / name).exists()]
     if present and not any((p / sign).exists() for sign in _SIGNS):
         raise ConfigError(

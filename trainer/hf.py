@@ -552,6 +552,43 @@ def _shard(ck: _Checkpoint, rule: Rule, cfg: ModelConfig, tp: int, r: int) -> to
     return interleave_qkv(q, k, v, groups)
 
 
+def _check_tensors(ck: _Checkpoint, cfg: ModelConfig, path: Path) -> None:
+    """Every tensor of ``cfg`` is in the checkpoint with its shape, and nothing else is: ConfigError otherwise.
+    Reads only the files' headers."""
+    known = {h for rule in name_table(cfg).values() for h in rule.hf}
+    ignorable = {"lm_head.weight"} if cfg.tie_embeddings else set()  # some tied checkpoints store the copy
+    extra = sorted(n for n in ck.where if n not in known and n not in ignorable and "rotary_emb.inv_freq" not in n)
+    if extra:
+        raise ConfigError(
+            f"Hugging Face checkpoint {path}: {len(extra)} tensors have no place in this model "
+            f"({', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}); is config.json the checkpoint's own?"
+        )
+    missing = sorted(known - set(ck.where))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ConfigError(
+            f"Hugging Face checkpoint {path}: tensor {missing[0]} is missing{more}; fix: give the whole checkpoint"
+        )
+    want = hf_shapes(cfg)
+    wrong = [f"{n} {ck.shape(n)} (config: {want[n]})" for n in ck.where if n in want and ck.shape(n) != want[n]]
+    if wrong:
+        raise ConfigError(
+            f"Hugging Face checkpoint {path}: tensors do not fit its config.json: {'; '.join(wrong[:4])}"
+            f"{' ...' if len(wrong) > 4 else ''}"
+        )
+
+
+def check_hf(cfg: ModelConfig, path: str | os.PathLike | None = None) -> None:
+    """Refuse (ConfigError) a Hugging Face checkpoint folder ``path`` (default ``cfg.hf_path``) that :func:`load_hf`
+    would refuse for ``cfg``: no safetensors, a missing or extra tensor, a shape its config does not give. Reads
+    only the files' headers, so a job can check its model before it deletes or starts anything."""
+    path = Path(path or cfg.hf_path)
+    if not str(path) or not path.is_dir():
+        raise ConfigError(f"Hugging Face checkpoint {path} is not a folder")
+    with ExitStack() as stack:
+        _check_tensors(_Checkpoint(path, stack, LoadReport()), cfg, path)
+
+
 def load_hf(model, cfg: ModelConfig, path: str | os.PathLike | None = None) -> LoadReport:
     """Fill ``model`` (this rank's megatron GPTModel, any tp/pp, local or TE spec) with the weights of the
     Hugging Face checkpoint folder ``path`` (default ``cfg.hf_path``). Each rank reads only its own shards
@@ -570,21 +607,7 @@ def load_hf(model, cfg: ModelConfig, path: str | os.PathLike | None = None) -> L
     report = LoadReport()
     with ExitStack() as stack:
         ck = _Checkpoint(path, stack, report)
-        known = {h for rule in name_table(cfg).values() for h in rule.hf}
-        ignorable = {"lm_head.weight"} if cfg.tie_embeddings else set()  # some tied checkpoints store the copy
-        extra = sorted(n for n in ck.where if n not in known and n not in ignorable and "rotary_emb.inv_freq" not in n)
-        if extra:
-            raise ConfigError(
-                f"Hugging Face checkpoint {path}: {len(extra)} tensors have no place in this model "
-                f"({', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}); is config.json the checkpoint's own?"
-            )
-        want = hf_shapes(cfg)
-        wrong = [f"{n} {ck.shape(n)} (config: {want[n]})" for n in ck.where if n in want and ck.shape(n) != want[n]]
-        if wrong:
-            raise ConfigError(
-                f"Hugging Face checkpoint {path}: tensors do not fit its config.json: {'; '.join(wrong[:4])}"
-                f"{' ...' if len(wrong) > 4 else ''}"
-            )
+        _check_tensors(ck, cfg, path)
         report.elements_in_checkpoint = sum(math.prod(ck.shape(n)) for n in ck.where)
         for key, gname in names.items():
             param = params[key]
