@@ -189,9 +189,9 @@ class RtrlClient:
         with self._lock:
             if len(self._queue) >= self.queue_size:
                 self._dropped += 1
-                now = time.monotonic()
-                if now - self._last_drop_log > 10.0:
-                    self._last_drop_log = now
+                since = time.monotonic()
+                if since - self._last_drop_log > 10.0:
+                    self._last_drop_log = since
                     log.warning("rtrl client queue full (%d events): dropped %d so far", self.queue_size, self._dropped)
                 return False
             self._queue.append((event.trajectory_id.encode(), data, 0 if now_ms is None else now_ms))

@@ -203,7 +203,7 @@ def archive_schema() -> pa.Schema:
     return schema
 
 
-def with_coords(events: pa.Table, coords: list[tuple[int, ...]] | None) -> pa.Table:
+def with_coords(events: pa.Table, coords: Sequence[tuple[int, ...]] | None) -> pa.Table:
     """``events`` with their Kafka partition, offset and record timestamp appended. Each of ``coords`` is
     ``(partition, offset)`` or ``(partition, offset, timestamp)``; what is unknown is ``-1``."""
     if coords is None:

@@ -268,13 +268,13 @@ def _topic_mismatches(
         resources = [ConfigResource("topic", name) for name in described]
         for res, fut in admin.describe_configs(resources, request_timeout=timeout_s).items():
             cfg = fut.result(timeout=timeout_s)
-            want = specs[res.name[len(prefix) :]].timestamp_type
-            found = cfg["message.timestamp.type"].value if "message.timestamp.type" in cfg else want
-            if want != "CreateTime" and found != want:
+            stamp = specs[res.name[len(prefix) :]].timestamp_type
+            found = cfg["message.timestamp.type"].value if "message.timestamp.type" in cfg else stamp
+            if stamp != "CreateTime" and found != stamp:
                 problems.append(
-                    f"topic {res.name} has message.timestamp.type {found}, rtrl wants {want} (the reward flow bounds "
+                    f"topic {res.name} has message.timestamp.type {found}, rtrl wants {stamp} (the reward flow bounds "
                     f"event time by the broker's clock); fix: kafka-configs.sh --alter --entity-type topics "
-                    f"--entity-name {res.name} --add-config message.timestamp.type={want}"
+                    f"--entity-name {res.name} --add-config message.timestamp.type={stamp}"
                 )
             if min_insync_replicas <= 1:
                 continue
