@@ -17,8 +17,11 @@ bodies compressed with lz4/zstd/gzip/deflate, chunked bodies, ``INSERT … FORMA
 the data in the body or inline (written to a private file and inserted ``FROM INFILE``; small ``VALUES``
 data runs as ``INSERT … SELECT * FROM values(<data>)``, so its expressions are checked like any statement's,
 and larger data is read as literals only), ``/ping``, errors with ``X-ClickHouse-Exception-Code`` and
-ClickHouse's message. Statements run one at a time; a request waits at most ``queue_timeout_s`` for the
-engine (then 503, code 202).
+ClickHouse's message (400 for the engine's syntax and query-parameter errors, as a server sends them).
+Statements run one at a time; a request waits at most ``queue_timeout_s`` for the engine (then 503, code 202).
+A waiting writer goes before every waiting analyst, so ingestion waits at most for the statement running now.
+A request line that is not ``METHOD PATH HTTP/1.x`` (HTTP/0.9, bytes that are not HTTP) gets a 400 with a
+status line, or the connection closes.
 
 Safe by default (each point tested in tests/test_chserver_security.py):
 
@@ -41,12 +44,20 @@ Safe by default (each point tested in tests/test_chserver_security.py):
 - Each request runs in a fresh engine session with its own database and settings: one client's
   ``USE`` or ``SET`` ends with its request.
 - A read-only request's tables are checked in the tree (or EXPLAIN AST's text for DESCRIBE, SHOW CREATE,
-  EXISTS); a CTE named like a real table, or holding a dot, is refused.
+  EXISTS); a CTE named like a real table, or holding a dot, is refused. Its query parameters of type
+  ``Identifier`` are refused (code 497): they could name a table or database around that check. No other
+  type can stand where a name goes (the engine's parser refuses it), and the functions that take a table,
+  database or dictionary name as a string (``merge``, ``remote``, ``cluster``, ``joinGet``, ``dict*``, …)
+  are refused by name. A statement without a JSON tree is explained with its parameters substituted.
 - Caps (:class:`Limits`): body size, decompressed size (inflated in steps, refused as soon as it
-  passes the cap; at most ``max_inflating`` bodies at once), the time to read the headers and then the
-  body (a byte-a-second client is cut off), concurrent connections (bounded worker threads; the excess
-  get 503 at once), the wait for the engine and ``max_execution_time``: no ``SETTINGS`` or ``SET`` may
-  lift or change it (code 452), only lower it.
+  passes the cap; at most ``max_inflating`` bodies at once), the inflated bodies held at once across all
+  requests (``max_inflated_bytes``: a body reserves the most it may reach before inflating, keeps its size
+  until its request ends, and waits at most ``queue_timeout_s`` for room, then 503), the time to read the
+  headers and then the body (a byte-a-second client is cut off), concurrent connections (bounded worker
+  threads; the excess get 503 at once), the wait for the engine and ``max_execution_time``: no ``SETTINGS``
+  or ``SET`` may lift or change it (code 452), only lower it. The analyst's cap is lower
+  (``analyst_max_execution_time_s``, 20 s, under the 30 s a writer waits for the engine); an analyst asking
+  for more in the URL gets 452.
 """
 
 from __future__ import annotations
@@ -68,7 +79,9 @@ import threading
 import time
 import uuid
 import zlib
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, cast
@@ -94,7 +107,8 @@ ENGINES = frozenset(
 )
 #: functions refused everywhere besides the engines' and table functions' names (they read files)
 FUNCTIONS = frozenset({"file", "catboostevaluate"})
-#: further functions a read-only request may not use (they read tables by name, around the table check)
+#: further functions a read-only request may not use (they read tables by name, around the table check;
+#: so do all ``dict*`` functions, which read dictionaries by name)
 ANALYST_FUNCTIONS = frozenset({"merge", "loop", "joinget", "joingetornull", "dictionary", "hascolumnintable"})
 #: system tables a read-only request may read (what clients ask on connecting)
 ANALYST_SYSTEM_TABLES = frozenset({"one", "numbers", "numbers_mt", "zeros", "settings", "functions", "formats"})
@@ -125,9 +139,15 @@ _IN_FUNCTIONS = frozenset(
 _NAMED_TABLE_KINDS = frozenset({"ShowCreateTableQuery", "ShowCreateViewQuery", "ExistsTableQuery", "ExistsViewQuery"})
 
 _CODE = re.compile(r"Code:\s*(\d+)")
+#: the engine's errors a server answers with 400: SYNTAX_ERROR, UNKNOWN_QUERY_PARAMETER, BAD_QUERY_PARAMETER
+_CLIENT_ERRORS = frozenset({62, 456, 457})
 _DATA_START = re.compile(rb"\bVALUES\b|\bFORMAT\s+[A-Za-z0-9_]+", re.IGNORECASE)
+_SEPARATOR = re.compile(rb"[ \t]*\r?\n?")  # always matches (maybe empty)
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_PARAMETER = re.compile(r"\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*:\s*([^{}]+)\}")
 _CHUNK = 1 << 20
+#: a request body: as read (bytes) or as inflated (bytearray)
+Body = bytes | bytearray
 
 
 @dataclass(frozen=True)
@@ -143,6 +163,10 @@ class Limits:
     header_timeout_s: float = 10.0  #: to read a request's line and headers (at most read_timeout_s)
     queue_timeout_s: float = 30.0  #: to wait for the engine (statements run one at a time); then 503
     max_inflating: int = 2  #: compressed request bodies inflated at once (the others wait, then 503)
+    #: inflated request bodies held at once, server-wide (while inflating and while waiting for the engine)
+    max_inflated_bytes: int = 1 << 30
+    #: the analyst's default and ceiling of max_execution_time (below queue_timeout_s: a writer outwaits it)
+    analyst_max_execution_time_s: float = 20.0
 
 
 class RequestError(Exception):
@@ -231,9 +255,10 @@ class _Inflate:
         raise RequestError(400, 354, "CANNOT_DECOMPRESS", "the compressed request body is malformed")
 
 
-def decompress(data: bytes, encoding: str, limit: int = Limits.max_decompressed_bytes) -> bytes:
+def decompress(data: bytes, encoding: str, limit: int = Limits.max_decompressed_bytes) -> Body:
     """``data`` decoded per Content-Encoding, inflated a MiB at a time and refused (413, code 307) as
-    soon as it passes ``limit`` bytes: a small bomb never inflates further than the limit."""
+    soon as it passes ``limit`` bytes: a small bomb never inflates further than the limit.
+    The inflated bytes come back as they were built (no second copy of them)."""
     encoding = encoding.strip().lower()
     if encoding in ("", "identity"):
         return data
@@ -254,7 +279,7 @@ def decompress(data: bytes, encoding: str, limit: int = Limits.max_decompressed_
     for _ in range(limit // _CHUNK + 2):  # each read adds up to a MiB; one more than the limit is refused
         piece = reader.read(min(_CHUNK, limit + 1 - len(out)))
         if not piece:
-            return bytes(out)
+            return out
         out += piece
         if len(out) > limit:
             break
@@ -283,8 +308,9 @@ class Statement:
     sql: str  #: the engine's canonical text of it (what runs)
     ast: dict | None  #: parseQueryToJSON's tree (None for the few statements it cannot serialise)
     functions: set[str]  #: every function / table function / engine name in it, lower-case
-    data: bytes | None = None  #: an INSERT's data (from the body or inline)
+    data: Body | None = None  #: an INSERT's data (from the body or inline)
     explain: list[str] | None = None  #: EXPLAIN AST's lines when ``ast`` is None
+    parameters: dict[str, str] = field(default_factory=dict)  #: its query parameters: name -> type
 
 
 def _explain_tree(lines: list[str]) -> dict:
@@ -366,9 +392,15 @@ class Policy:
             st.kind == "ExplainQuery" and (st.ast or {}).get("query", {}).get("type") not in READ_KINDS
         ):
             raise _readonly(user, f"{st.kind} is not a read")
-        bad = sorted(st.functions & ANALYST_FUNCTIONS)
+        bad = sorted(n for n in st.functions if n in ANALYST_FUNCTIONS or n.startswith("dict"))
         if bad:
             raise _readonly(user, f"{bad[0]} is not available to read-only users")
+        names = sorted(n for n, t in st.parameters.items() if t.strip().lower() == "identifier")
+        if names:
+            raise _denied(
+                f"{user}: the query parameter {{{names[0]}:Identifier}} is refused for read-only users (it could "
+                "name a table or database, around the table check); write the name in the statement"
+            )
         if st.ast is not None:
             tables = self._tables(st.ast, database, user, existing)
         else:
@@ -445,7 +477,10 @@ class Policy:
                 args = node.get("arguments", {}).get("children", [])
                 if len(args) == 2 and args[1].get("type") == "Identifier":
                     ref = args[1]  # x IN t reads table t
-            if ref is None or not ref.get("name"):
+            if ref is None:
+                continue
+            if not ref.get("name"):  # a name the tree does not carry (a query parameter's): refused
+                found.add(f"{database}.?")
                 continue
             bare = not (isinstance(ref.get("name_parts"), list) and len(ref["name_parts"]) == 2)
             if bare and ref["name"] in ctes:
@@ -492,6 +527,65 @@ class Policy:
 # ---------------------------------------------------------------- the engine
 
 
+class Gate:
+    """The engine, one request at a time. A waiting writer goes before every waiting analyst.
+    Each kind waits in arrival order. A wait is bounded: past its timeout the request gives up its place."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._busy = False
+        self._queues: tuple[deque[object], deque[object]] = (deque(), deque())  # writers, analysts
+
+    def _head(self) -> object | None:
+        return next((q[0] for q in self._queues if q), None)
+
+    def acquire(self, writer: bool, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for the engine; True once it is this caller's."""
+        ticket, queue = object(), self._queues[0 if writer else 1]
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            queue.append(ticket)
+            try:
+                while self._busy or self._head() is not ticket:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(left)
+                self._busy = True
+                return True
+            finally:
+                queue.remove(ticket)
+                self._cond.notify_all()  # a new head of the queue (or the one after a caller that gave up)
+
+    def release(self) -> None:
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
+
+
+class ByteBudget:
+    """Bytes held at once, server-wide: a reservation waits (bounded) until it fits in ``total``.
+    No holder waits for more budget, so holders always release (no deadlock)."""
+
+    def __init__(self, total: int):
+        self.total, self.held, self.peak = max(1, total), 0, 0
+        self._cond = threading.Condition()
+
+    def reserve(self, n: int, timeout: float) -> bool:
+        """Hold ``n`` bytes (at most ``total``) once they fit, waiting at most ``timeout`` seconds."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.held + n <= self.total, timeout):
+                return False
+            self.held += n
+            self.peak = max(self.peak, self.held)
+            return True
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.held -= n
+            self._cond.notify_all()
+
+
 class Engine:
     """The chdb folder; every call runs on the process's one chdb thread
     (:func:`rtrl.clickhouse.on_engine_thread`: chdb wants Python-created threads, one at a time)."""
@@ -506,7 +600,7 @@ class Engine:
         self.spool = Path(self.path) / "rtrl-spool"
         shutil.rmtree(self.spool, ignore_errors=True)
         private_dir(self.spool)
-        self.gate = threading.Lock()  # one request on the engine at a time; the others wait, bounded
+        self.gate = Gate()  # one request on the engine at a time (writers first); the others wait, bounded
         names = on_engine_thread(self._names)
         self.policy = Policy(names["table_functions"], names["table_engines"] | names["database_engines"], database)
 
@@ -521,24 +615,32 @@ class Engine:
         res = self.conn.query(f"SELECT {fn}({{q:String}})", "TabSeparatedRaw", params={"q": _escape_param(text)})
         return res.bytes().decode().removesuffix("\n")
 
-    def _parse(self, text: str) -> Statement:
-        """The one statement in ``text`` (SYNTAX_ERROR if there are several), parsed by the engine."""
+    def _parse(self, text: str, params: dict[str, str] | None = None) -> Statement:
+        """The one statement in ``text`` (SYNTAX_ERROR if there are several), parsed by the engine.
+        Its query parameters are listed with their types. A statement without a JSON tree is explained
+        with ``params`` substituted (as it runs), so the policy sees the names they fill in."""
         canonical = self._call("formatQuerySingleLine", text)  # refuses multi-statements
         try:
             ast = json.loads(self._call("parseQueryToJSON", canonical))
         except Exception as e:  # noqa: BLE001 - a statement the JSON form does not cover: EXPLAIN AST's tree
             if "does not support JSON" not in str(e) and "not supported by parseQueryToJSON" not in str(e):
                 raise
-            lines = self.conn.query(f"EXPLAIN AST {canonical}", "TabSeparatedRaw").bytes().decode().splitlines()
+            explained = self.conn.query(f"EXPLAIN AST {canonical}", "TabSeparatedRaw", params=params or {})
+            lines = explained.bytes().decode().splitlines()
             kind = lines[0].split()[0] if lines else "?"
             functions = {
                 ln.split()[1].lower() for ln in lines if ln.strip().startswith("Function ") and len(ln.split()) > 1
             }
-            return Statement(kind, canonical, None, functions, explain=lines)
+            # the text's {name:Type} (one inside a string literal too: only ever a stricter check)
+            parameters = {m[0]: m[1].strip() for m in _PARAMETER.findall(canonical)}
+            return Statement(kind, canonical, None, functions, explain=lines, parameters=parameters)
         functions = {str(n["name"]).lower() for n in _walk(ast) if n.get("type") == "Function" and "name" in n}
-        return Statement(str(ast.get("type")), canonical, ast, functions)
+        parameters = {
+            str(n.get("name")): str(n.get("param_type")) for n in _walk(ast) if n.get("type") == "QueryParameter"
+        }
+        return Statement(str(ast.get("type")), canonical, ast, functions, parameters=parameters)
 
-    def _data_insert(self, text: bytes) -> tuple[Statement, int] | None:
+    def _data_insert(self, text: Body) -> tuple[Statement, int] | None:
         """An ``INSERT … FORMAT F`` / ``VALUES`` at the head of ``text`` whose data follows it: the statement
         and where the data starts. The engine decides: the first candidate prefix it parses as a complete
         INSERT with a format and no SELECT is the head (a keyword inside a comment or string never is)."""
@@ -556,11 +658,17 @@ class Engine:
             return st, m.end()
         return None
 
-    def execute(self, query: str, body: bytes, user: str, readonly: bool, database: str, run_args: dict) -> Any:
+    def time_cap(self, user: str) -> float:
+        """The ceiling (and default) of ``user``'s max_execution_time: the analyst's is the lower one."""
+        cap = self.limits.max_execution_time_s
+        return min(cap, self.limits.analyst_max_execution_time_s) if user == ANALYST else cap
+
+    def execute(self, query: str, body: Body, user: str, readonly: bool, database: str, run_args: dict) -> Any:
         """Parse, check and run one request's statement, waiting at most ``limits.queue_timeout_s`` for the
-        engine (it runs one statement at a time); 503 / code 202 once that wait is over."""
+        engine (it runs one statement at a time); 503 / code 202 once that wait is over. A writer waits
+        for the statement running now, never for queued analysts' (their statements are capped too)."""
         wait = self.limits.queue_timeout_s
-        if not self.gate.acquire(timeout=wait):
+        if not self.gate.acquire(user != ANALYST, wait):
             raise RequestError(
                 503,
                 202,
@@ -569,9 +677,9 @@ class Engine:
                 "a time (try again later)",
             )
         try:
-            st = self.prepare(query, body)
+            st = self.prepare(query, body, run_args["params"])
             existing = self.tables() if readonly else frozenset()
-            self.policy.check(st, user, readonly, database, self.limits.max_execution_time_s, existing)
+            self.policy.check(st, user, readonly, database, self.time_cap(user), existing)
             return self.run(st, database=database, readonly=readonly, **run_args)
         finally:
             self.gate.release()
@@ -589,8 +697,10 @@ class Engine:
         then parsed, checked by the policy and run as any statement's are. Larger data, or data that does
         not parse so, stays data and is read as literals only (the session never evaluates VALUES data)."""
         ast = st.ast or {}
+        if str(ast.get("format", "")).lower() != "values" or set(ast) - _DATA_INSERT_KEYS:
+            return st
         data = (st.data or b"").strip().removesuffix(b";").strip()
-        if str(ast.get("format", "")).lower() != "values" or set(ast) - _DATA_INSERT_KEYS or not data:
+        if not data:
             return st
         if len(data) > self.limits.max_query_bytes or not data.startswith(b"("):
             return st
@@ -610,25 +720,24 @@ class Engine:
             target += " (" + ", ".join(_quote_ident(c["name"]) for c in cols) + ")"
         return target
 
-    def prepare(self, url_query: str, body: bytes) -> Statement:
-        return cast(Statement, on_engine_thread(self._prepare, url_query, body))
+    def prepare(self, url_query: str, body: Body, params: dict[str, str] | None = None) -> Statement:
+        return cast(Statement, on_engine_thread(self._prepare, url_query, body, params))
 
-    def _prepare(self, url_query: str, body: bytes) -> Statement:
+    def _prepare(self, url_query: str, body: Body, params: dict[str, str] | None = None) -> Statement:
         if url_query and body:
             found = self._data_insert(url_query.encode())
             if found and not url_query.encode()[found[1] :].strip():
                 found[0].data = body  # the statement in the URL, the data in the body
                 return self._values_as_sql(found[0])
-            text = url_query.encode() + b"\n" + body  # ClickHouse concatenates them
+            text: Body = url_query.encode() + b"\n" + body  # ClickHouse concatenates them
         else:
             text = url_query.encode() or body
         found = self._data_insert(text)
         if found is not None:
             st, start = found
-            data = text[start:]
             if st.ast and st.ast.get("format", "").lower() != "values":
-                data = re.sub(rb"^[ \t]*\r?\n?", b"", data, count=1)  # the separator after FORMAT F
-            st.data = data
+                start = _SEPARATOR.match(text, start).end()  # type: ignore[union-attr]  # the one after FORMAT F
+            st.data = text[start:]  # one copy of the data
             return self._values_as_sql(st)
         if len(text) > self.limits.max_query_bytes:
             raise RequestError(
@@ -638,7 +747,7 @@ class Engine:
             sql = text.decode()
         except UnicodeDecodeError:
             raise RequestError(400, 62, "SYNTAX_ERROR", "the statement is not valid UTF-8") from None
-        return self._parse(sql)
+        return self._parse(sql, params)
 
     def run(self, st: Statement, fmt: str, params: dict[str, str], database: str, readonly: bool, max_time: float):
         return on_engine_thread(self._run, st, fmt, params, database, readonly, max_time)
@@ -706,8 +815,31 @@ class Handler(BaseHTTPRequestHandler):
     limits: Limits
     server: Server
 
+    default_request_version = "HTTP/1.1"  # a request line refused before its version is read: a status line
+    held = 0  #: bytes of the inflated-body budget this request holds
+
     def log_message(self, *args) -> None:  # no access log on stderr
         pass
+
+    def parse_request(self) -> bool:
+        """The request line and headers. Anything but ``METHOD PATH HTTP/x.y`` gets a 400 with a status
+        line: HTTP/0.9 (``GET /``) and bytes that are not HTTP at all are refused, never served."""
+        raw: bytes = getattr(self, "raw_requestline", b"")
+        words = raw.split()
+        if len(words) in (1, 2):
+            self.command, self.request_version, self.close_connection = "", "HTTP/1.1", True
+            self.requestline = str(raw, "iso-8859-1").rstrip("\r\n")
+            self.send_error(400, "Bad request: not an HTTP/1.x request line")
+            return False
+        return super().parse_request()
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """An error of the HTTP layer (bad request line, headers, method) as ClickHouse's, with a status line
+        (Python's HTTP/0.9 replies have none); the connection closes."""
+        if self.request_version == "HTTP/0.9":
+            self.request_version = "HTTP/1.1"
+        self.close_connection = True
+        self._error(RequestError(code, 1000, "BAD_REQUEST", message or HTTPStatus(code).phrase))
 
     def setup(self) -> None:
         super().setup()
@@ -770,9 +902,11 @@ class Handler(BaseHTTPRequestHandler):
             raise ConnectionError("the request body ended early")
         return data
 
-    def _body(self) -> bytes:
-        """The request body, read within ``limits.read_timeout_s`` and inflated per Content-Encoding (at most
-        ``limits.max_inflating`` bodies at once, server-wide)."""
+    def _body(self) -> Body:
+        """The request body, read within ``limits.read_timeout_s`` and inflated per Content-Encoding.
+        At most ``limits.max_inflating`` bodies inflate at once, server-wide.
+        An inflated body holds its bytes of the server's budget (``limits.max_inflated_bytes``) until its
+        request ends: while inflating it holds the most it may reach, then its size."""
         self.server.arm(self.connection, self.limits.read_timeout_s)
         try:
             data = self._raw_body()
@@ -781,14 +915,35 @@ class Handler(BaseHTTPRequestHandler):
         encoding = self.headers.get("Content-Encoding", "")
         if encoding.strip().lower() in ("", "identity"):
             return data
-        if not self.server.inflating.acquire(timeout=self.limits.queue_timeout_s):
+        budget, wait = self.server.inflated, self.limits.queue_timeout_s
+        cap = min(self.limits.max_decompressed_bytes, budget.total)
+        deadline = time.monotonic() + wait
+        if not budget.reserve(cap, wait):
+            raise RequestError(
+                503,
+                202,
+                "TOO_MANY_SIMULTANEOUS_QUERIES",
+                f"the server holds too many inflated request bodies (at most {budget.total} bytes at once): "
+                f"waited {wait:g} s (try again later)",
+            )
+        self.held = cap
+        if not self.server.inflating.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise RequestError(
                 503, 202, "TOO_MANY_SIMULTANEOUS_QUERIES", "too many compressed request bodies at once (try again)"
             )
         try:
-            return decompress(data, encoding, self.limits.max_decompressed_bytes)
+            out = decompress(data, encoding, cap)
         finally:
             self.server.inflating.release()
+        budget.release(cap - len(out))  # what it did not need, at once
+        self.held = len(out)
+        return out
+
+    def _release_body(self) -> None:
+        """Give back the request's share of the inflated-body budget (its request has ended)."""
+        held, self.held = self.held, 0
+        if held:
+            self.server.inflated.release(held)
 
     def _has_body(self) -> bool:
         return bool(self.headers.get("Transfer-Encoding")) or self.headers.get("Content-Length", "0").strip() != "0"
@@ -825,6 +980,13 @@ class Handler(BaseHTTPRequestHandler):
         """Authenticate from the request line and headers (where ClickHouse's HTTP credentials are), then
         read the body: an unauthenticated client never gets a byte of its body read or inflated."""
         self.server.disarm(self.connection)  # the headers are in
+        self.held = 0
+        try:
+            self._serve(read_body)
+        finally:
+            self._release_body()  # always, whatever became of the request
+
+    def _serve(self, read_body: bool) -> None:
         url = urlsplit(self.path)
         args = dict(parse_qsl(url.query, keep_blank_values=True))
         if not read_body and self._has_body():
@@ -870,7 +1032,7 @@ class Handler(BaseHTTPRequestHandler):
             )
         return user
 
-    def _handle(self, body: bytes, args: dict[str, str], user: str) -> None:
+    def _handle(self, body: Body, args: dict[str, str], user: str) -> None:
         query_id = args.get("query_id") or uuid.uuid4().hex
         base = {
             "X-ClickHouse-Query-Id": query_id,
@@ -878,7 +1040,7 @@ class Handler(BaseHTTPRequestHandler):
             "X-ClickHouse-Server-Display-Name": "rtrl-chserver",
         }
         query = args.get("query", "")
-        if not query.strip() and not body.strip():
+        if not query.strip() and (not body or body.isspace()):  # isspace: no copy of a large body
             return self._reply(200, b"Ok.\n", base | {"Content-Type": "text/plain"})
         fmt = args.get("default_format") or "TabSeparated"
         params = {k[6:]: v for k, v in args.items() if k.startswith("param_")}
@@ -888,7 +1050,18 @@ class Handler(BaseHTTPRequestHandler):
             wanted = float(args.get("max_execution_time") or 0)
         except ValueError as e:
             return self._error(RequestError(400, 72, "CANNOT_PARSE_NUMBER", f"bad setting in the URL: {e}"), base)
-        cap = self.limits.max_execution_time_s
+        cap = self.engine.time_cap(user)
+        if user == ANALYST and wanted > cap:
+            return self._error(
+                RequestError(
+                    400,
+                    452,
+                    "SETTING_CONSTRAINT_VIOLATION",
+                    f"{user}: max_execution_time = {wanted:g} is above the analyst's cap of {cap:g} s on the "
+                    "embedded ClickHouse front (analysts may not hold the engine the writers share)",
+                ),
+                base,
+            )
         max_time = min(wanted, cap) if wanted > 0 else cap
         if not _IDENT.match(database):
             return self._error(RequestError(400, 81, "UNKNOWN_DATABASE", f"Database {database!r} does not exist"), base)
@@ -901,7 +1074,7 @@ class Handler(BaseHTTPRequestHandler):
             text = str(e)
             code = _CODE.search(text)
             return self._reply(
-                500,
+                400 if code and int(code.group(1)) in _CLIENT_ERRORS else 500,
                 (text if text.startswith("Code:") else f"Code: 1000. DB::Exception: {text}").encode(),
                 base
                 | {
@@ -943,6 +1116,7 @@ class Server(ThreadingHTTPServer):
         self.deadlines_lock = threading.Lock()
         self.stopping = threading.Event()
         self.inflating = threading.BoundedSemaphore(max(1, limits.max_inflating))
+        self.inflated = ByteBudget(limits.max_inflated_bytes)  # inflated bodies held at once, server-wide
         super().__init__(address, handler)
         self.reaper = threading.Thread(target=self._reap, name="chserver-reaper", daemon=True)
         self.reaper.start()
@@ -956,7 +1130,7 @@ class Server(ThreadingHTTPServer):
         return sock, addr
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        if isinstance(sys.exc_info()[1], ssl.SSLError):  # a client that failed the handshake: its own error
+        if isinstance(sys.exc_info()[1], (ssl.SSLError, ConnectionError)):  # a client's failed handshake or exit
             return
         super().handle_error(request, client_address)
 
@@ -1154,6 +1328,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--header-timeout-s", type=float, default=d.header_timeout_s)
     p.add_argument("--queue-timeout-s", type=float, default=d.queue_timeout_s, help="wait for the engine; then 503")
     p.add_argument("--max-inflating", type=int, default=d.max_inflating)
+    p.add_argument("--max-inflated-bytes", type=int, default=d.max_inflated_bytes, help="all inflated bodies at once")
+    p.add_argument("--analyst-max-execution-time-s", type=float, default=d.analyst_max_execution_time_s)
     a = p.parse_args(argv)
     limits = Limits(
         max_body_bytes=a.max_body_bytes,
@@ -1164,6 +1340,8 @@ def main(argv: list[str] | None = None) -> int:
         header_timeout_s=a.header_timeout_s,
         queue_timeout_s=a.queue_timeout_s,
         max_inflating=a.max_inflating,
+        max_inflated_bytes=a.max_inflated_bytes,
+        analyst_max_execution_time_s=a.analyst_max_execution_time_s,
     )
     try:
         server = ClickHouseServer(
@@ -1192,6 +1370,8 @@ def main(argv: list[str] | None = None) -> int:
     while not stop.wait(1.0):
         pass
     server.close()
+    budget = server.httpd.inflated
+    print(f"stopped; inflated request bodies held at most {budget.peak} bytes at once (of {budget.total})", flush=True)
     return 0
 
 

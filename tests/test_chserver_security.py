@@ -689,3 +689,262 @@ def test_a_stopped_front_leaves_no_temporary_folder(tmp_path, monkeypatch):
         proc.terminate()
         assert proc.wait(30) == 0
     assert not [p for p in tmp.iterdir() if p.name.startswith("rtrl-chserver")], list(tmp.iterdir())
+
+
+# ---------------------------------------------------------------- query parameters (issue 40, point 2)
+
+# (statement, its parameters): an Identifier parameter names a table, a database or a column around the check
+IDENTIFIER_PARAMETERS = [
+    ("SELECT event_id, user_hash, org_id FROM rtrl.{t:Identifier}", {"t": "events"}),
+    ("SELECT name FROM system.{t:Identifier}", {"t": "tables"}),
+    ("SELECT count() FROM {d:Identifier}.{t:Identifier}", {"d": "rtrl", "t": "events"}),
+    ("SELECT count() FROM {d:Identifier}.events", {"d": "rtrl"}),
+    ("SELECT count() FROM {t:Identifier}", {"t": "events"}),  # in the request's database (rtrl below)
+    ("SELECT count() FROM {t:Identifier} FINAL", {"t": "rollouts"}),
+    ("SELECT count() FROM rtrl.checkpoints JOIN rtrl.{t:Identifier} USING (version)", {"t": "batches"}),
+    ("SELECT 1 WHERE 'e' IN rtrl.{t:Identifier}", {"t": "events"}),
+    ("SELECT * FROM view(SELECT event_id FROM rtrl.{t:Identifier})", {"t": "events"}),
+    ("EXPLAIN SELECT * FROM rtrl.{t:Identifier}", {"t": "events"}),
+    ("DESCRIBE TABLE rtrl.{t:Identifier}", {"t": "events"}),
+    ("SHOW CREATE TABLE rtrl.{t:Identifier}", {"t": "events"}),
+    ("EXISTS TABLE {d:Identifier}.{t:Identifier}", {"d": "rtrl", "t": "events"}),
+    ("SHOW TABLES FROM {d:Identifier}", {"d": "system"}),
+    ("SELECT {c:Identifier} FROM rtrl.checkpoints", {"c": "version"}),
+    ("SELECT count() FROM rtrl.{t:Identifier}", {"t": "checkpoints"}),  # even an analyst table: no exception
+]
+# every other type ClickHouse knows, where a name goes: the engine's parser refuses it (a syntax error, 400)
+OTHER_TYPES_AS_NAMES = [
+    (f"SELECT count() FROM {where}{{t:{kind}}}", {"t": name})
+    for kind in ("String", "LowCardinality(String)", "Nullable(String)", "FixedString(6)", "Nullable(Identifier)")
+    for where, name in (("", "rtrl.events"), ("rtrl.", "events"))
+]
+# String parameters read by functions that take a table, database or dictionary name: refused by the name
+NAMING_FUNCTIONS = [
+    ("SELECT count() FROM merge({d:String}, {r:String})", {"d": "rtrl", "r": "^events$"}),
+    ("SELECT count() FROM remote({h:String}, rtrl.events)", {"h": "127.0.0.1"}),
+    ("SELECT count() FROM cluster({c:String}, {d:String}, {t:String})", {"c": "default", "d": "rtrl", "t": "events"}),
+    ("SELECT dictGet({d:String}, 'org_id', 1)", {"d": "rtrl.events"}),
+    ("SELECT dictHas({d:String}, 1)", {"d": "rtrl.events"}),
+    ("SELECT joinGet({t:String}, 'org_id', 'e')", {"t": "rtrl.events"}),
+    ("SELECT hasColumnInTable({d:String}, {t:String}, 'user_hash')", {"d": "rtrl", "t": "events"}),
+]
+
+
+def _with_params(params: dict[str, str]) -> dict[str, str]:
+    return {"database": "rtrl"} | {f"param_{k}": v for k, v in params.items()}
+
+
+@pytest.mark.parametrize("sql,params", IDENTIFIER_PARAMETERS)
+def test_an_identifier_query_parameter_is_refused_for_the_analyst(front, sql, params):
+    """The analyst's Identifier parameters are refused before the engine substitutes them."""
+    _, dsn, _ = front
+    status, code, out = request(analyst(dsn), sql, user=chserver.ANALYST, params=_with_params(params))
+    assert (status, code) == (403, "497") and b"query parameter {" in out and b":Identifier} is refused" in out, out
+
+
+def test_the_writer_may_use_identifier_query_parameters(front):
+    """The same statements are real ones: the writer (who may read every table) runs them."""
+    _, dsn, _ = front
+    for sql, params in IDENTIFIER_PARAMETERS[:5] + IDENTIFIER_PARAMETERS[10:11]:
+        status, code, out = request(dsn, sql, params=_with_params(params))
+        assert status == 200, (sql, code, out)
+
+
+@pytest.mark.parametrize("sql,params", OTHER_TYPES_AS_NAMES + NAMING_FUNCTIONS)
+def test_no_other_query_parameter_names_a_table_for_the_analyst(front, sql, params):
+    """A parameter of another type cannot stand where a name goes, and naming functions are refused."""
+    _, dsn, _ = front
+    status, code, out = request(analyst(dsn), sql, user=chserver.ANALYST, params=_with_params(params))
+    if "FROM {t:" in sql or "FROM rtrl.{t:" in sql:
+        assert (status, code) == (400, "62") and b"Syntax error" in out, out
+    else:
+        assert status == 403 and code in ("164", "497"), out
+        assert b"is not available to read-only users" in out or b"is refused by the embedded" in out, out
+    assert b"user_hash" not in out
+
+
+def test_honest_parameterised_analyst_queries_still_work(front):
+    """Parameters that carry values work for the analyst, on the analyst's tables and views."""
+    _, dsn, _ = front
+    a = analyst(dsn)
+    got = rows(
+        a,
+        "SELECT count() FROM rtrl.checkpoints WHERE version = {v:UInt32}",
+        user=chserver.ANALYST,
+        params={"param_v": "1"},
+    )
+    assert got == b"1\n"
+    got = rows(
+        a,
+        "SELECT count() FROM rtrl.behaviour WHERE org_id = {o:String}",
+        user=chserver.ANALYST,
+        params={"param_o": "o1"},
+    )
+    assert got == b"0\n"
+    params = {"param_rv": "v2", "param_o": "*"}
+    sql = "SELECT count() FROM rtrl.reward_stats(rv = {rv:String}) WHERE org_id = {o:String}"
+    assert rows(a, sql, user=chserver.ANALYST, params=params).strip().isdigit()
+    sql = "SELECT {s:String} AS s, {n:Array(UInt8)} AS n, '{t:Identifier}' AS text"
+    got = rows(a, sql, user=chserver.ANALYST, params={"param_s": "a", "param_n": "[1,2]"})
+    assert got == b"a\t[1,2]\t{t:Identifier}\n"  # a parameter's text inside a string literal is only text
+    c = clickhouse.connect(a, 10)  # clickhouse-connect's own client binds its parameters the same way
+    assert c.query(
+        "SELECT version FROM rtrl.checkpoints WHERE status = {s:String}", parameters={"s": "promoted"}
+    ).result_rows == [(1,)]
+
+
+# ---------------------------------------------------------------- writers before analysts (issue 40, point 4)
+
+SCAN = "SELECT count() FROM numbers(1e12)"  # runs until the analyst's time cap stops it (code 159)
+
+
+@pytest.fixture(scope="module")
+def roomy(tmp_path_factory):
+    """A front whose queue outwaits several analyst scans (3 s each at most)."""
+    folder = tmp_path_factory.mktemp("roomy") / "ch"
+    proc, dsn = chserver.spawn(folder, extra_args=["--queue-timeout-s", "30", "--analyst-max-execution-time-s", "3"])
+    clickhouse.setup(dsn, "rtrl", 10)
+    yield dsn
+    proc.kill()
+    proc.wait(30)
+
+
+def test_the_analysts_time_cap_is_short_and_cannot_be_raised(roomy):
+    """The analyst's statements get the analyst's cap by default; asking for more is refused."""
+    a = analyst(roomy)
+    assert chserver.Limits().analyst_max_execution_time_s <= 30 < chserver.Limits().queue_timeout_s + 1
+    assert rows(a, "SELECT getSetting('max_execution_time')", user=chserver.ANALYST) == b"3\n"
+    assert rows(roomy, "SELECT getSetting('max_execution_time')") == b"300\n"  # the writer's is the server's
+    low = {"max_execution_time": "1"}
+    assert rows(a, "SELECT getSetting('max_execution_time')", user=chserver.ANALYST, params=low) == b"1\n"
+    status, code, out = request(a, "SELECT 1", user=chserver.ANALYST, params={"max_execution_time": "600"})
+    assert (status, code) == (400, "452") and b"above the analyst's cap of 3 s" in out, out
+    status, code, out = request(a, "SELECT 1 SETTINGS max_execution_time = 60", user=chserver.ANALYST)
+    assert (status, code) == (400, "452") and b"caps max_execution_time at 3 s" in out, out
+    status, code, _ = request(a, SCAN, user=chserver.ANALYST)
+    assert (status, code) == (500, "159")  # stopped at the cap (the engine's TIMEOUT_EXCEEDED)
+
+
+def test_a_writer_goes_before_queued_analyst_scans(roomy):
+    """With one analyst scan running and two queued, the writer's statements run right after the running one."""
+    done: list[tuple[str, int, str | None]] = []
+    lock = threading.Lock()
+
+    def run(name: str, dsn: str, sql: str, **kw) -> None:
+        status, code, _ = request(dsn, sql, timeout=60, **kw)
+        with lock:
+            done.append((name, status, code))
+
+    a = analyst(roomy)
+    rows(roomy, "CREATE TABLE IF NOT EXISTS default.ingest (a Int32) ENGINE = MergeTree ORDER BY a")
+    threads = [
+        threading.Thread(target=run, args=(f"scan{i}", a, SCAN), kwargs={"user": chserver.ANALYST}) for i in range(3)
+    ]
+    threads.append(threading.Thread(target=run, args=("insert", roomy, "INSERT INTO default.ingest VALUES (1)")))
+    threads.append(threading.Thread(target=run, args=("select", roomy, "SELECT 1")))
+    for i, t in enumerate(threads):
+        t.start()
+        time.sleep(0.6 if i == 0 else 0.3)  # scan0 holds the engine; scan1 and scan2 queue before the writer
+    for t in threads:
+        t.join(60)
+    order = [name for name, _, _ in done]
+    assert len(order) == 5 and order[0] == "scan0" and set(order[1:3]) == {"insert", "select"}, done
+    assert order[3:] == ["scan1", "scan2"], done  # the analysts keep their own order
+    assert all(status == 200 for name, status, _ in done if name in ("insert", "select")), done
+    assert all((status, code) == (500, "159") for name, status, code in done if name.startswith("scan")), done
+    assert rows(roomy, "SELECT count() FROM default.ingest") == b"1\n"
+
+
+# ---------------------------------------------------------------- the inflated-body budget (issue 40, point 3)
+
+
+def _status_kib(pid: int, field: str) -> int:
+    m = re.search(rf"^{field}:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text(), re.M)
+    assert m
+    return int(m.group(1))
+
+
+def test_inflated_bodies_waiting_for_the_engine_stay_within_the_byte_budget(tmp_path):
+    """Bombs queued behind a slow statement hold at most the budget, inflated; the rest wait or get 503.
+    Each bomb is a 48 MiB statement from a few KiB: the engine refuses it (too long) once its turn comes."""
+    budget, cap, each = 128 << 20, 64 << 20, 48 << 20
+    log = tmp_path / "front.log"
+    args = ["--max-decompressed-bytes", str(cap), "--max-inflated-bytes", str(budget), "--queue-timeout-s", "20"]
+    proc, dsn = chserver.spawn(tmp_path / "ch", log=log, extra_args=args + ["--analyst-max-execution-time-s", "4"])
+    try:
+        bomb = gzip.compress(b"SELECT 1" + b" " * (each - 8), 6)
+        assert len(bomb) < 1 << 20
+        Path(f"/proc/{proc.pid}/clear_refs").write_text("5")  # resets the front's peak resident set (VmHWM)
+        before = _status_kib(proc.pid, "VmRSS")
+        slow = threading.Thread(target=request, args=(analyst(dsn), SCAN), kwargs={"user": chserver.ANALYST})
+        slow.start()  # holds the engine for 4 s
+        time.sleep(0.5)
+        got: list[tuple[int, str | None, bytes]] = []
+
+        def send() -> None:
+            got.append(request(dsn, "", body=bomb, headers={"Content-Encoding": "gzip"}, timeout=90))
+
+        bombs = [threading.Thread(target=send) for _ in range(12)]
+        for t in bombs:
+            t.start()
+        for t in bombs + [slow]:
+            t.join(90)
+        grew = (_status_kib(proc.pid, "VmHWM") - before) << 10
+        assert len(got) == 12 and {(s, c) for s, c, _ in got} <= {(400, "62"), (503, "202")}, got
+        assert any(b"Max query size exceeded" in out for _, _, out in got)  # the engine's turn came: refused
+        # all 12 inflated at once would be 576 MiB; the budget holds 128 MiB of them (plus the allocator's slack)
+        assert grew < budget + 2 * cap, grew >> 20
+        # every reservation came back: a body needing the whole per-body cap still finds room at once
+        status, code, out = request(dsn, "", body=gzip.compress(b"SELECT 7"), headers={"Content-Encoding": "gzip"})
+        assert (status, out) == (200, b"7\n"), (code, out)
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+    m = re.search(rb"held at most (\d+) bytes at once \(of (\d+)\)", log.read_bytes())
+    assert m and int(m.group(2)) == budget and each <= int(m.group(1)) <= budget, log.read_bytes()[-500:]
+
+
+def test_the_byte_budget_waits_bounded_and_always_balances():
+    """A reservation that does not fit waits at most its timeout; releases wake the waiters."""
+    b = chserver.ByteBudget(100)
+    assert b.reserve(60, 1) and not b.reserve(60, 0.2) and b.held == 60
+    t = threading.Timer(0.2, b.release, args=(60,))
+    t.start()
+    assert b.reserve(100, 10)  # woken by the release
+    t.join()
+    b.release(100)
+    assert (b.held, b.peak) == (0, 100)
+
+
+# ---------------------------------------------------------------- not HTTP (issue 40)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"hello\r\n\r\n",
+        b"GET /\r\n\r\n",
+        b"GET /?query=SELECT%201\r\n\r\n",
+        b"\x16\x03\x01\x00\xa5 \xff\xfe garbage\r\n\r\n",
+    ]
+    + [b"a b c d e\r\n\r\n", b"SELECT 1 FORMAT TSV\r\n\r\n", b"GET / HTTP/2.0\r\n\r\n", b"\r\n"],
+)
+def test_a_request_that_is_not_http_gets_a_status_line_or_a_clean_close(front, raw):
+    """Whatever comes in, the reply starts with a status line, or the connection just closes."""
+    _, dsn, _ = front
+    s = socket.create_connection(address(dsn), timeout=10)
+    try:
+        s.sendall(raw)
+        reply = b""
+        for _ in range(20):
+            piece = s.recv(4096)
+            if not piece:
+                break
+            reply += piece
+    finally:
+        s.close()
+    assert reply == b"" or re.match(rb"HTTP/1\.1 (400|505) ", reply), reply[:200]
+    if raw.strip():
+        assert reply.startswith(b"HTTP/1.1 "), reply[:200]
+        assert b"\r\nConnection: close\r\n" in reply and b"X-ClickHouse-Exception-Code: 1000" in reply
+    assert rows(dsn, "SELECT 1") == b"1\n"
