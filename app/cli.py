@@ -36,7 +36,7 @@ from rich.text import Text
 
 from rtrl.errors import ConfigError, RtrlError
 from rtrl.quiet import quiet_known_warnings
-from rtrl.settings import Settings, describe, load_settings
+from rtrl.settings import Settings, describe, load_settings, redact_dsn
 
 
 def _bootstrap(settings: Settings, clickhouse_too: bool = False) -> str:
@@ -144,8 +144,6 @@ def cmd_clickhouse(settings: Settings, args: argparse.Namespace, console: Consol
 
     dsn = settings.clickhouse_dsn
     if not dsn.startswith("chdb://"):
-        from rtrl.clickhouse import redact_dsn
-
         raise ConfigError(
             f"clickhouse.dsn is already a server ({redact_dsn(dsn)}); nothing to serve: `rtrl clickhouse serve` "
             "serves the embedded folder (clickhouse.dsn empty or chdb:///folder)"
@@ -313,7 +311,7 @@ def cmd_fleet(settings: Settings, args: argparse.Namespace, console: Console) ->
     bootstrap, topic = _bootstrap(settings), settings.topic("deployments")
     follower = FleetFollower(bootstrap, topic, engine, model_name=sv.model)
     console.print(
-        f"following {topic} on {bootstrap}: each promotion's export, hash-checked, loaded through {engine.endpoint}",
+        f"following {topic} on {bootstrap}: each promotion's export, hash-checked, loaded through {redact_dsn(engine.endpoint)}",
         highlight=False,
         soft_wrap=True,
     )
@@ -703,7 +701,8 @@ def main(argv: list[str] | None = None) -> int:
     except RtrlError as e:
         from rich.markup import escape
 
-        console.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)  # "[loop]" is text
+        # "[loop]" is text; a DSN's password or ?token= that reached a message from anywhere is ***
+        console.print(f"[red]error:[/] {escape(redact_dsn(str(e)))}", highlight=False, soft_wrap=True)
         return 2
     except KeyboardInterrupt:  # Ctrl-C of a foreground job: its finally blocks stopped what it started
         console.print("interrupted", highlight=False)

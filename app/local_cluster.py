@@ -184,7 +184,7 @@ def run(config: str | None, steps: int, timeout_s: float, out=print) -> int:
     from app.loop_config import loop_settings
     from app.supervisor import Supervisor
     from rtrl.files import write_private
-    from rtrl.settings import load_settings, settings_toml
+    from rtrl.settings import load_settings, redact_dsn, settings_toml
 
     settings = loop_settings(load_settings(config), trains=False)
     doomed = fresh_start(settings, trains=False)  # a run of its own: no earlier recovery state, checkpoints or topics
@@ -203,7 +203,7 @@ def run(config: str | None, steps: int, timeout_s: float, out=print) -> int:
         write_private(conf, settings_toml(gen).encode())
         db = gen.clickhouse.database
         out(
-            f"settings: {conf} · broker {sup.bootstrap} · ClickHouse front {sup.dsn.split('?')[0]} · logs {sup.log_dir}"
+            f"settings: {conf} · broker {sup.bootstrap} · ClickHouse front {redact_dsn(sup.dsn.split('?')[0])} · logs {sup.log_dir}"
         )
         announce_v0(gen, sup.ch)
 

@@ -693,7 +693,7 @@ def reward_comparison(
     except Exception as e:  # noqa: BLE001 - a missing view or grant: say which and what to do
         raise ConfigError(
             f"cannot read {db}.reward_pairs at {clickhouse.redact(settings.clickhouse_dsn)} "
-            f"({str(e).splitlines()[0][:300]}); fix: run `rtrl migrate` as the writer, or check clickhouse.dsn "
+            f"({clickhouse.redact(str(e).splitlines()[0][:300])}); fix: run `rtrl migrate` as the writer, or check clickhouse.dsn "
             "and clickhouse.database"
         ) from None
     if not pairs:

@@ -91,7 +91,8 @@ ANALYST_TABLES = (
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-#: the DSN without its password, for messages (the one rule lives with the settings)
+#: the DSN (or a message) without its secrets: its password, ``?password=``, ``?token=`` ... (the one rule lives
+#: with the settings)
 redact = redact_dsn
 
 
@@ -187,7 +188,9 @@ def connect(dsn: str, timeout_s: float = 10.0) -> Any:
                     "one process can open a chdb folder; stop that process, or serve the folder to many "
                     "processes with `rtrl clickhouse serve` and set clickhouse.dsn to the http:// DSN it prints"
                 ) from None
-            raise ServiceUnavailable(f"embedded ClickHouse at {dsn} could not be opened: {text}") from None
+            raise ServiceUnavailable(
+                f"embedded ClickHouse at {redact(dsn)} could not be opened: {redact(text)}"
+            ) from None
     if dsn.startswith(("http://", "https://")):
         deadline = time.monotonic() + timeout_s
         ping(dsn, timeout_s)  # bounded: the client's own first query would wait send_receive_timeout, twice
@@ -217,7 +220,7 @@ def connect(dsn: str, timeout_s: float = 10.0) -> Any:
                 f"ClickHouse server at {redact(dsn)} did not answer within {timeout_s:g}s ({type(e).__name__}); "
                 "fix: start it or point clickhouse.dsn (RTRL_CLICKHOUSE__DSN) at a reachable server"
             ) from None
-    raise ConfigError(f"clickhouse.dsn {dsn!r} must start with chdb:// or http(s)://")
+    raise ConfigError(f"clickhouse.dsn {redact(dsn)!r} must start with chdb:// or http(s)://")
 
 
 #: TLS parameters of an https DSN (what ``Settings.clickhouse_dsn`` adds from the ``clickhouse`` section)
@@ -345,7 +348,7 @@ def ping(dsn: str, timeout_s: float) -> None:
     except Exception as e:  # noqa: BLE001 - any failure of the probe is the server not answering
         why = f"{type(e).__name__}: {e}"
     raise ServiceUnavailable(
-        f"ClickHouse server at {redact(dsn)} did not answer within {timeout_s:g}s ({why}); "
+        f"ClickHouse server at {redact(dsn)} did not answer within {timeout_s:g}s ({redact(why)}); "
         "fix: start it or point clickhouse.dsn (RTRL_CLICKHOUSE__DSN) at a reachable server"
     )
 

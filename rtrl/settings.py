@@ -7,8 +7,9 @@ section (``trainer.config.model_config``, ``trainer.train.TrainConfig.from_setti
 ``flows.batch_flow.batch_config`` ...), so no mapping from settings to a component is written twice.
 
 Errors name the setting, where its value came from, and the fix. Unknown keys are errors (a typo
-never silently falls back to a default). Secrets (``sdk.salt``, passwords in DSNs) are redacted
-whenever settings are shown (:func:`describe`, ``repr``).
+never silently falls back to a default). Secrets (``sdk.salt``, a DSN's password, its ``?password=`` or
+``?token=`` ...) are redacted whenever settings are shown (:func:`describe`, ``repr``, errors: :func:`redact_dsn`).
+A boolean is never a number: ``true`` for a count, port or duration is an error, not 1.
 
 Why pydantic-settings: typed coercion of TOML and environment strings, nested ``__`` variables,
 constraints, and source priority are what it does; this module only adds the wording of errors
@@ -26,7 +27,8 @@ import tomllib
 from collections.abc import Mapping
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Annotated, Any, Literal, cast
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, cast, get_args, get_origin
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 from pydantic import (
@@ -74,16 +76,106 @@ def _s(default: Any, help: str, **constraints: Any) -> Any:
     return Field(default, description=help, **constraints)
 
 
+#: words of a query parameter's name that make its value a secret (``password``, ``access_token``, ``api-key`` ...)
+_SECRET_WORDS = frozenset(
+    "password passwd pwd pass passphrase token secret key apikey auth authorization credential credentials "
+    "signature sig jwt".split()
+)
+#: parts of a run-together name that make its value a secret (``sasl.password`` and ``ApiKey`` as well)
+_SECRET_PARTS = (
+    "password",
+    "passwd",
+    "passphrase",
+    "secret",
+    "token",
+    "apikey",
+    "accesskey",
+    "privatekey",
+    "credential",
+)
+#: rtrl's own DSN parameters: each names a file or a switch, never a secret (``client_cert_key`` is a path)
+_PLAIN_PARAMS = frozenset(("password_file", "ca_cert", "verify", "client_cert", "client_cert_key"))
+_PARAM = re.compile(r"(?<=[?&;#])([^=&;#?\s'\"]+)=([^&;#\s]*)")
+
+
+def _secret_param(name: str) -> bool:
+    """Whether a query parameter called ``name`` carries a credential (case and percent-encoding ignored)."""
+    n = unquote(name.replace("+", " ")).lower()
+    words = [w for w in re.split(r"[^a-z0-9]+", n) if w]
+    if n in _PLAIN_PARAMS or not words or words[-1] in ("file", "path", "location", "dir"):
+        return False  # a path to a secret is not one
+    compact = "".join(words)
+    return any(w in _SECRET_WORDS or w.endswith("key") for w in words) or any(p in compact for p in _SECRET_PARTS)
+
+
+def _redact_userinfo(token: str) -> str:
+    """``token`` with the password of its ``user:password@`` part (with or without a scheme) as ``***``."""
+    if "://" not in token and "," in token:  # a broker list: each host on its own
+        return ",".join(_redact_userinfo(t) for t in token.split(","))
+    start = token.find("://")
+    start = start + 3 if start >= 0 else len(token) - len(token.lstrip("'\"([{<="))
+    rest = token[start:]
+    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    at = rest.rfind("@", 0, end)
+    colon = rest.find(":", rest.find("]") + 1 if rest.startswith("[") else 0, end)  # past an IPv6 address
+    if at < 0 and colon >= 0 and not rest[colon + 1 : end].isdigit():
+        at = rest.find("@", colon)  # a password with an unescaped / ? or # in it: never half shown
+    user, sep, password = rest[: max(at, 0)].partition(":")
+    if at < 0 or not sep or not password:
+        return token
+    return f"{token[:start]}{user}:***{rest[at:]}"
+
+
 def redact_dsn(dsn: str) -> str:
-    """A DSN with any password replaced by ``***`` (``https://user:***@host:8443``)."""
-    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", dsn)
+    """``dsn`` (or any text holding DSNs) with every secret in it replaced by ``***``.
+
+    The password of a ``user:password@`` part goes, with or without a scheme.
+    So do the values of credential-like query parameters (``password``, ``token``, ``access_token``, ``key``,
+    ``secret``, ``api_key``, ``sasl.password`` ...), matched case-insensitively, also after a ``#``.
+    The rest stays readable: ``https://user:***@host:8443/?token=***&database=rtrl``.
+    """
+
+    def param(m: re.Match[str]) -> str:
+        value = m[2].rstrip("'\")]}>,.:")  # the quote or bracket around a DSN in a message stays
+        return f"{m[1]}=***{m[2][len(value) :]}" if value and _secret_param(m[1]) else m[0]
+
+    text = _PARAM.sub(param, dsn)
+    return re.sub(r"\S+", lambda m: _redact_userinfo(m[0]) if "@" in m[0] else m[0], text)
+
+
+def _numeric(annotation: Any) -> bool:
+    """Whether a setting of type ``annotation`` holds numbers (``int``, ``float | None``, ``list[float]`` ...)."""
+    if annotation in (int, float):
+        return True
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    return get_origin(annotation) in (list, tuple, set, Union, UnionType) and any(map(_numeric, args))
+
+
+def _boolean(value: Any) -> bool:
+    """Whether ``value`` is a boolean: TOML's ``true`` / ``false``, or the same word from the environment."""
+    if isinstance(value, list | tuple):
+        return any(map(_boolean, value))
+    return isinstance(value, bool) or (isinstance(value, str) and value.strip().lower() in ("true", "false"))
 
 
 class Section(BaseModel):
     """One component's settings: unknown keys are errors; assignments are validated too; numbers are finite
-    (an infinite timeout or a NaN rate is a typo, never a wish)."""
+    (an infinite timeout or a NaN rate is a typo, never a wish); a boolean is never a number; errors and
+    ``repr`` never show a secret in a value (:func:`redact_dsn`)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False, hide_input_in_errors=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_number(cls, v: Any, info: ValidationInfo) -> Any:
+        """Refuse ``true`` / ``false`` for a count, size, port or duration (pydantic would read them as 1 / 0)."""
+        if info.field_name is not None and _boolean(v) and _numeric(cls.model_fields[info.field_name].annotation):
+            raise ValueError("is a boolean, not a number (true is never read as 1, nor false as 0)")
+        return v
+
+    def __repr_args__(self):  # a password in a DSN or URL never reaches a log
+        for k, v in super().__repr_args__():
+            yield k, redact_dsn(v) if isinstance(v, str) else v
 
 
 # ---------------------------------------------------------------- foundation: services
@@ -173,6 +265,11 @@ class KafkaSettings(Section):
     def _bootstrap(cls, v: str) -> str:
         for part in v.split(",") if v else []:
             host, _, port = part.strip().rpartition(":")
+            if "@" in host:  # a login in the address would be printed wherever the broker is named
+                raise ValueError(
+                    f"names a login in {redact_dsn(part.strip())!r}: only host:port goes here, the user in "
+                    "kafka.sasl_username and the password in RTRL_KAFKA__SASL_PASSWORD(_FILE)"
+                )
             if not host or not port.isdigit():
                 raise ValueError(f"must be host:port[,host:port...]; {part.strip()!r} is not")
             if not 0 < int(port) < 65536:
@@ -238,7 +335,8 @@ class KafkaSettings(Section):
             raise ValueError("kafka.ssl_key_password set without kafka.ssl_key_location; fix: set both or neither")
         if self.oauth_token_endpoint_url and not self.oauth_token_endpoint_url.startswith(("https://", "http://")):
             raise ValueError(
-                f"kafka.oauth_token_endpoint_url = {self.oauth_token_endpoint_url!r} must be an http(s):// URL"
+                f"kafka.oauth_token_endpoint_url = {redact_dsn(self.oauth_token_endpoint_url)!r} must be an "
+                "http(s):// URL"
             )
         return self
 
@@ -340,10 +438,6 @@ class ClickHouseSettings(Section):
         if self.client_cert_key and not self.client_cert:
             raise ValueError("clickhouse.client_cert_key set without clickhouse.client_cert; fix: set both")
         return self
-
-    def __repr_args__(self):  # a password in the DSN never reaches a log
-        for k, v in super().__repr_args__():
-            yield k, redact_dsn(v) if k == "dsn" else v
 
 
 class SdkSettings(Section):
@@ -1093,10 +1187,10 @@ class ServingSettings(Section):
             parts = urlsplit(v)
             parts.port  # noqa: B018 - raises on a port outside 1..65535 or not a number
         except ValueError:
-            raise ValueError(f"has a bad port in {v!r}: a port is 1..65535") from None
+            raise ValueError(f"has a bad port in {redact_dsn(v)!r}: a port is 1..65535") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             form = "http(s)://host:port/v1" if info.field_name == "url" else "http(s)://host:port"
-            raise ValueError(f"must be {form}, not {v!r}")
+            raise ValueError(f"must be {form}, not {redact_dsn(v)!r}")
         return v
 
 
@@ -1125,6 +1219,7 @@ class Settings(BaseSettings):
         validate_assignment=True,
         case_sensitive=False,
         allow_inf_nan=False,
+        hide_input_in_errors=True,
     )
 
     data_dir: str = _s(".rtrl", "folder for local state: broker data, embedded ClickHouse, reports")
@@ -1327,7 +1422,7 @@ def _validate(build, source_of: Any, sources: Mapping[str, str]) -> Settings:
         if e["type"] == "extra_forbidden":
             raise _unknown(name, _all_names(), sources.get(name, str(source_of))) from None
         if e["type"] == "value_error":
-            text = str(e.get("ctx", {}).get("error", e["msg"]))
+            text = redact_dsn(str(e.get("ctx", {}).get("error", e["msg"])))  # a check's own words, secrets out
         else:
             text = _MESSAGES.get(e["type"], e["msg"]).format(**e.get("ctx", {}))
         if not loc:  # a check across sections: its message names the settings and the fix
@@ -1336,6 +1431,7 @@ def _validate(build, source_of: Any, sources: Mapping[str, str]) -> Settings:
             raise ConfigError(f"settings [{loc[0]}]: {text} (from {sources.get(loc[0], source_of)})") from None
         value = e.get("input")
         shown = "***" if name in SECRETS else redact_dsn(value) if isinstance(value, str) else value
+        shown = _toml(shown) if isinstance(shown, bool) else repr(shown)  # TOML's true, not Python's True
         helps = (
             cast("type[BaseModel]", Settings.model_fields[loc[0]].annotation).model_fields.get(loc[1])  # a model
             if loc[0] in SECTIONS
@@ -1343,7 +1439,7 @@ def _validate(build, source_of: Any, sources: Mapping[str, str]) -> Settings:
         )
         where = f"under [{loc[0]}]" if loc[1:] else "at its top"
         raise ConfigError(
-            f"setting {'.'.join(loc)} = {shown!r} {text} (from {sources.get(name, source_of)}); fix: give {name} a valid "
+            f"setting {'.'.join(loc)} = {shown} {text} (from {sources.get(name, source_of)}); fix: give {name} a valid "
             f"value in the config file {where} or with {env_name(name)}"
             + (f" ({helps.description})" if helps is not None and helps.description else "")
         ) from None
@@ -1389,7 +1485,7 @@ def load_settings(path: str | os.PathLike | None = None, env: Mapping[str, str] 
                 raise _unknown(key, known, f"file {p}")
             else:
                 sources[key] = f"file {p}"
-        _refuse_file_secrets(doc, p)
+        _refuse_file_secrets(doc, f"the config file {p}")
     ours: dict[str, str] = {}
     for var, value in env.items():
         if not var.upper().startswith(ENV_PREFIX) or var.upper() == ENV_CONFIG_FILE:
@@ -1413,24 +1509,31 @@ def load_settings(path: str | os.PathLike | None = None, env: Mapping[str, str] 
         _ENV.reset(token)
 
 
-def _refuse_file_secrets(doc: Mapping[str, Any], path: Path) -> None:
+def _refuse_file_secrets(doc: Mapping[str, Any], where: str) -> None:
     """Secrets come from the environment or a mounted Secret only, never a settings file (which is checked in,
-    copied and shown): each one found in ``doc`` is a ConfigError naming the setting and the fix."""
+    copied and shown): each one found in ``doc`` is a ConfigError naming the setting and the fix.
+    A value holds a secret when :func:`redact_dsn` would hide part of it (a DSN's password or ``?token=``)."""
     for name in SECRETS:
         sec, _, key = name.partition(".")
         if key in (doc.get(sec) or {}):
             raise ConfigError(
-                f"setting {name} is a secret but is written in the config file {path}; fix: remove it from the file "
+                f"setting {name} is a secret but is written in {where}; fix: remove it from the file "
                 f"and give it with {env_name(name)} (e.g. from a Kubernetes Secret via secretKeyRef) or as a mounted "
                 f"file named by {env_name(name)}_FILE"
             )
-    dsn = (doc.get("clickhouse") or {}).get("dsn")
-    if isinstance(dsn, str) and dsn.startswith(("http://", "https://")) and urlsplit(dsn).password is not None:
-        raise ConfigError(
-            f"setting clickhouse.dsn = {redact_dsn(dsn)!r} in the config file {path} carries a password; fix: remove "
-            "it from the DSN and give it with RTRL_CLICKHOUSE__PASSWORD or clickhouse.password_file (a mounted "
+    values = [(k, v) for k, v in doc.items() if not isinstance(v, dict)]
+    values += [(f"{sec}.{k}", v) for sec, d in doc.items() if isinstance(d, dict) for k, v in d.items()]
+    for name, value in values:
+        if not isinstance(value, str) or redact_dsn(value) == value:
+            continue
+        fix = (
+            "remove it from the DSN and give it with RTRL_CLICKHOUSE__PASSWORD or clickhouse.password_file (a "
+            "mounted Secret)"
+            if name == "clickhouse.dsn"
+            else f"remove it from the file and give the whole value with {env_name(name)} (e.g. from a Kubernetes "
             "Secret)"
         )
+        raise ConfigError(f"setting {name} = {redact_dsn(value)!r} in {where} carries a password; fix: {fix}")
 
 
 def _secret_file(var: str, path: str) -> str:
@@ -1472,7 +1575,7 @@ def as_env(settings: Settings) -> dict[str, str]:
 def _shown(name: str, value: Any) -> Any:
     if name in SECRETS:
         return "***"
-    return redact_dsn(value) if isinstance(value, str) and "://" in value else value
+    return redact_dsn(value) if isinstance(value, str) else value
 
 
 def describe(settings: Settings | None = None) -> list[tuple[str, Any, str]]:
@@ -1513,7 +1616,8 @@ def example_toml() -> str:
 def settings_toml(settings: Settings) -> str:
     """The settings that differ from their defaults, as a TOML file ``load_settings`` reads back to the same
     settings: what a deployment's ConfigMap holds. Secrets (:data:`SECRETS`) are left out: they come only
-    from ``RTRL_*`` variables or ``RTRL_*_FILE`` (a mounted Secret)."""
+    from ``RTRL_*`` variables or ``RTRL_*_FILE`` (a mounted Secret). A value with a secret in it (a DSN's
+    password or ``?token=``) is a ConfigError, as :func:`load_settings` would refuse the file."""
     defaults = Settings.model_construct()
     lines = [
         "# rtrl settings (generated): every setting that differs from its default; secrets come from the",
@@ -1528,6 +1632,7 @@ def settings_toml(settings: Settings) -> str:
             for key in _fields(type(obj))
             if f"{sec}.{key}" not in SECRETS and getattr(obj, key) != getattr(base, key)
         ]
+        _refuse_file_secrets({sec: dict(changed)}, "the generated settings file (settings_toml)")
         if changed:
             lines.append(f"\n[{sec}]")
             lines += [f"{key} = {_toml(value)}" for key, value in changed]

@@ -219,3 +219,186 @@ def test_settings_toml_reads_back_to_the_same_settings_without_its_secrets(tmp_p
     assert back == s
     assert back.kafka.bootstrap == "kafka-0.kafka:9092" and back.flow.grace_s == 123.5
     assert settings_toml(Settings()).count("=") == 0  # the defaults: nothing to say
+
+
+# ---------------------------------------------------------------- secrets in DSN parameters; booleans for numbers
+
+#: a DSN's query parameters that carry a credential: each value must show as *** (issue 40)
+SECRET_PARAMS = [
+    "password",
+    "PASSWORD",
+    "passwd",
+    "pwd",
+    "token",
+    "access_token",
+    "Access-Token",
+    "secret",
+    "client_secret",
+    "key",
+    "api_key",
+    "apiKey",
+    "sasl.password",
+    "sasl_password",
+    "x-amz-security-token",
+    "pass%77ord",  # percent-encoded: the server decodes it to password
+]
+
+
+def _cli(args, env_extra, tmp_path):
+    """``rtrl ARGS`` in a subprocess with only ``env_extra`` as its RTRL_* settings."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")} | env_extra
+    env["RTRL_DATA_DIR"] = str(tmp_path)
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+@pytest.mark.parametrize("name", SECRET_PARAMS)
+def test_dsn_query_secrets_are_redacted_when_shown(tmp_path, name):
+    """A credential in a DSN's query never shows: not in describe (what `rtrl config` prints), repr, a settings
+    file's refusal, or a generated settings file; the rest of the DSN stays readable."""
+    from rtrl.settings import redact_dsn, settings_toml
+
+    dsn = f"http://rtrl@ch.example:8123/?database=rtrl&{name}=hunter2&compress=1"
+    shown = f"http://rtrl@ch.example:8123/?database=rtrl&{name}=***&compress=1"
+    assert redact_dsn(dsn) == shown
+    assert redact_dsn(f"at {dsn!r}: refused") == f"at {shown!r}: refused"  # inside a message, quotes kept
+    s = load_settings(env={"RTRL_CLICKHOUSE__DSN": dsn, "RTRL_SDK__SALT": "a-salt-of-ours"})
+    assert s.clickhouse.dsn == dsn  # usable, just not shown
+    assert dict((n, v) for n, v, _ in describe(s))["clickhouse.dsn"] == shown
+    assert "hunter2" not in repr(s) and "hunter2" not in repr(s.clickhouse)
+    f = tmp_path / "rtrl.toml"
+    f.write_text(f'[clickhouse]\ndsn = "{dsn}"\n')
+    with pytest.raises(ConfigError) as e:  # a settings file never holds a secret
+        load_settings(f, env={})
+    assert "hunter2" not in str(e.value) and shown in str(e.value) and "RTRL_CLICKHOUSE__PASSWORD" in str(e.value)
+    with pytest.raises(ConfigError) as e:  # nor does the ConfigMap made from the settings
+        settings_toml(s)
+    assert "hunter2" not in str(e.value) and shown in str(e.value)
+
+
+def test_redaction_keeps_what_is_not_a_secret():
+    """Paths to secrets, switches and ordinary parameters stay; a password in the user part goes, however
+    it is written (an unescaped / ? or @ in it, no scheme, a broker list)."""
+    from rtrl.settings import redact_dsn
+
+    plain = "https://rtrl@ch:8443/?password_file=/run/secrets/p&client_cert_key=/k.pem&verify=false&user=bob"
+    assert redact_dsn(plain) == plain
+    assert redact_dsn("http://ch:8123/?q=a@b") == "http://ch:8123/?q=a@b"
+    assert redact_dsn("http://[::1]:8123/?q=a@b") == "http://[::1]:8123/?q=a@b"
+    assert redact_dsn("chdb:///var/lib/rtrl/clickhouse") == "chdb:///var/lib/rtrl/clickhouse"
+    for dsn in ("http://u:hun/ter2@ch:1/", "http://u:hun?ter2@ch:1/", "http://u:hun@ter2@ch:1/"):
+        assert redact_dsn(dsn) == "http://u:***@ch:1/", dsn
+    assert redact_dsn("u:hunter2@b1:9092,b2:9092") == "u:***@b1:9092,b2:9092"
+    assert redact_dsn("https://u:p@h/?a=1#access_token=hunter2") == "https://u:***@h/?a=1#access_token=***"
+
+
+def test_rtrl_config_never_prints_a_dsn_secret(tmp_path):
+    """`rtrl config` shows the DSN with its token as ***; a settings file with one is refused, redacted."""
+    env = {"RTRL_CLICKHOUSE__DSN": "http://rtrl@ch:8123/?token=hunter2", "RTRL_SDK__SALT": "a-salt-of-ours"}
+    proc = _cli(["config"], env, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "http://rtrl@ch:8123/?token=***" in proc.stdout and "hunter2" not in proc.stdout + proc.stderr
+    f = tmp_path / "rtrl.toml"
+    f.write_text(
+        '[clickhouse]\ndsn = "http://rtrl@ch.example:8123/?database=rtrl&password=hunter2&access_token=tok2"\n'
+    )
+    proc = _cli(["--config", str(f), "config"], {}, tmp_path)
+    out = proc.stdout.replace("\n", "")
+    assert proc.returncode == 2 and "Traceback" not in out + proc.stderr
+    assert "hunter2" not in out + proc.stderr and "tok2" not in out + proc.stderr
+    assert "http://rtrl@ch.example:8123/?database=rtrl&password=***&access_token=***" in out
+
+
+def test_settings_errors_never_show_a_dsn_secret():
+    """A refused DSN, serving URL or broker list is quoted in the error with its secret as ***."""
+    cases = {
+        "RTRL_CLICKHOUSE__DSN": "ch:8123/?password=hunter2",  # no scheme
+        "RTRL_SERVING__URL": "ftp://h/v1?api_key=hunter2",
+        "RTRL_SERVING__RELOAD_URL": "http://u:hunter2@h:99999",  # a bad port
+        "RTRL_KAFKA__BOOTSTRAP": "user:hunter2@b:9092",  # a login in a broker address is refused
+    }
+    for var, value in cases.items():
+        with pytest.raises(ConfigError) as e:
+            load_settings(env={var: value})
+        assert "hunter2" not in str(e.value) and "***" in str(e.value) and var in str(e.value), str(e.value)
+    s = Settings()
+    with pytest.raises(ValueError) as v:  # pydantic's own rendering (an assignment) leaves the input out
+        s.clickhouse.dsn = "mysql://u@h/?token=hunter2"
+    assert "hunter2" not in str(v.value)
+
+
+def test_clickhouse_connection_error_never_shows_a_dsn_secret(tmp_path):
+    """An unreachable server is named with its DSN's secrets as ***, by connect and by the CLI."""
+    import socket
+
+    from rtrl import clickhouse
+    from rtrl.errors import ServiceUnavailable
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dsn = f"http://rtrl:hunter1@127.0.0.1:{port}/?password=hunter2&access_token=hunter3&database=rtrl"
+    with pytest.raises(ServiceUnavailable) as e:
+        clickhouse.connect(dsn, timeout_s=1)
+    assert "hunter" not in str(e.value)
+    assert f"http://rtrl:***@127.0.0.1:{port}/?password=***&access_token=***&database=rtrl" in str(e.value)
+    env = {"RTRL_CLICKHOUSE__DSN": dsn, "RTRL_CLICKHOUSE__TIMEOUT_S": "1", "RTRL_SDK__SALT": "a-salt-of-ours"}
+    proc = _cli(["migrate"], env, tmp_path)
+    assert proc.returncode == 2 and "127.0.0.1" in proc.stdout, proc.stdout + proc.stderr
+    assert "hunter" not in proc.stdout + proc.stderr
+
+
+def _numbers() -> list[str]:
+    """Every setting that holds a number (a count, size, port, seed, rate or duration)."""
+    from rtrl.settings import SECTIONS, _numeric
+
+    return [
+        f"{sec}.{key}"
+        for sec in SECTIONS
+        for key, f in type(getattr(Settings(), sec)).model_fields.items()
+        if _numeric(f.annotation)
+    ]
+
+
+def test_booleans_are_refused_where_numbers_are_expected(tmp_path):
+    """`true` / `false` is never read as 1 / 0: from a file, the environment or updated(), for every number,
+    naming the setting and the fix; numbers from the environment still read as numbers."""
+    names = _numbers()
+    assert {"kafka.partitions", "kafka.replication_factor", "metrics.port", "train.steps", "kafka.timeout_s"} <= set(
+        names
+    )
+    f = tmp_path / "rtrl.toml"
+    for name in names:
+        sec, _, key = name.partition(".")
+        f.write_text(f"[{sec}]\n{key} = true\n")
+        with pytest.raises(ConfigError, match=rf"setting {name} = true is a boolean, not a number.*{f}") as e:
+            load_settings(f, env={})
+        assert f"fix: give {name} a valid value" in str(e.value)
+        with pytest.raises(ConfigError, match=rf"setting {name} = \[?'false'\]? is a boolean.*RTRL_{sec.upper()}__"):
+            load_settings(env={f"RTRL_{sec.upper()}__{key.upper()}": "false"})
+        with pytest.raises(ConfigError, match=rf"{name} = true is a boolean"):
+            Settings().updated({name: True})
+    f.write_text("[kafka]\npartitions = true\n")
+    with pytest.raises(ConfigError, match="kafka.partitions = true is a boolean.*RTRL_KAFKA__PARTITIONS"):
+        load_settings(f, env={})
+    with pytest.raises(ConfigError, match="kafka.partitions = 'true' is a boolean.*environment variable"):
+        load_settings(env={"RTRL_KAFKA__PARTITIONS": "true"})
+    f.write_text("[flow.task_kinds.long]\ndeadline_s = true\n[adapters]\nrevalidate_scales = [1.0, true]\n")
+    with pytest.raises(ConfigError, match="flow.task_kinds.long.deadline_s = true is a boolean"):
+        load_settings(f, env={})
+    with pytest.raises(ConfigError, match="adapters.revalidate_scales = .* is a boolean"):
+        load_settings(env={"RTRL_ADAPTERS__REVALIDATE_SCALES": "0.5,true"})
+    s = load_settings(env={"RTRL_KAFKA__PARTITIONS": "3", "RTRL_KAFKA__TIMEOUT_S": "2.5", "RTRL_MODEL__QKV_BIAS": "1"})
+    assert s.kafka.partitions == 3 and s.kafka.timeout_s == 2.5 and s.model.qkv_bias is True  # bools stay bools
+
+
+def test_cli_refuses_a_boolean_count(tmp_path):
+    """`RTRL_KAFKA__PARTITIONS=true rtrl config` stops with one line naming kafka.partitions."""
+    proc = _cli(["config"], {"RTRL_KAFKA__PARTITIONS": "true"}, tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr
+    assert "kafka.partitions = 'true' is a boolean, not a number" in proc.stdout.replace("\n", "")
