@@ -41,7 +41,7 @@ from rtrl.kafka import describe_topic, ensure_topics, producer_config, read_topi
 from rtrl.settings import SimulatorSettings, load_settings
 from schemas.codec import event_codec
 from simulator.generate import generate
-from tests.test_reward_flow import _env, _flow_cmd
+from tests.test_reward_flow import _env, _flow_cmd, run_to_end
 
 SALT = "flow-test-salt"
 VERSIONS = "v2,v1-discard-broken"
@@ -338,14 +338,7 @@ def test_the_attacks_on_the_real_flow_lose_no_honest_event_across_kill_9(broker,
     os.kill(flow.pid, signal.SIGKILL)
     flow.wait(30)
     _send(broker.bootstrap, topic, 0, later)
-    second = subprocess.run(
-        _flow_cmd(recovery),
-        env=_env(broker.bootstrap, prefix, tmp_path, tail=False),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert second.returncode == 0, second.stderr[-3000:]
+    run_to_end(recovery, broker.bootstrap, prefix, tmp_path)
     dump = subprocess.run(
         [sys.executable, "-c", DUMP, f"chdb://{tmp_path}/clickhouse"], capture_output=True, text=True, timeout=120
     )

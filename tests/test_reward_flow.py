@@ -312,6 +312,18 @@ def _run_then_kill(recovery: Path, env: dict[str, str], bootstrap: str, rewards_
     first.wait(30)
 
 
+def run_to_end(recovery: Path, bootstrap: str, prefix: str, data_dir: Path) -> None:
+    """Restart the flow from its recovery folder and run it to the end of the input: it must exit 0."""
+    done = subprocess.run(
+        _flow_cmd(recovery),
+        env=_env(bootstrap, prefix, data_dir, tail=False),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_kill_9_and_restart_equals_uninterrupted(broker, tmp_path, reference):
     """kill -9 the flow mid-stream, restart it from its recovery folder: rewards, trajectories and dead letters
     (FINAL) equal an uninterrupted run of the same input exactly."""
@@ -324,14 +336,7 @@ def test_kill_9_and_restart_equals_uninterrupted(broker, tmp_path, reference):
     _produce(broker.bootstrap, prefix + "events", phase1)
     _run_then_kill(recovery, _env(broker.bootstrap, prefix, tmp_path, tail=True), broker.bootstrap, prefix + "rewards")
     _produce(broker.bootstrap, prefix + "events", phase2)
-    second = subprocess.run(
-        _flow_cmd(recovery),
-        env=_env(broker.bootstrap, prefix, tmp_path, tail=False),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert second.returncode == 0, second.stderr[-3000:]
+    run_to_end(recovery, broker.bootstrap, prefix, tmp_path)
     assert _dump(tmp_path) == expected
 
 
