@@ -7,6 +7,8 @@ Contract pinned here:
 - the generator really reads the code: a settings tree with one more field, a parser with one more command
   (nested subcommands too), one more record, one more migration each change the page they feed, and its
   output depends on nothing of the machine (environment, COLUMNS, working folder);
+- the files page (docs/reference/files.md) has one line per file, read from the file's own docstring, leading
+  comment or opening paragraph; a file with none fails the page, named;
 - ``--check`` exits 1 naming each stale page;
 - docs/architecture.png is a 1600 x 1000 PNG;
 - every relative link (and image) in docs/**/*.md and README.md points at a file in the repository, never
@@ -27,6 +29,7 @@ from types import ModuleType
 from typing import Annotated
 
 import msgspec
+import pytest
 from pydantic import Field
 
 import app.cli
@@ -237,6 +240,57 @@ def test_every_table_and_topic_is_on_the_topics_and_tables_page():
             assert f"| `{c.name}` | {gen.code(c.clickhouse)} |" in page, f"{table}.{c.name}"
 
 
+def _tiny_repo(root: Path) -> None:
+    """A repository with one file of each kind the files page describes."""
+    (root / "app").mkdir(parents=True)
+    (root / "app" / "cli.py").write_text('"""The command line. More prose here."""\n', encoding="utf-8")
+    (root / "schemas" / "migrations").mkdir(parents=True)
+    (root / "schemas" / "migrations" / "0001_init.sql").write_text("-- The tables.\nCREATE TABLE t;\n")
+    (root / "docs").mkdir()
+    (root / "docs" / "guide.md").write_text("# Guide\n\nThis page explains it. Then more.\n", encoding="utf-8")
+
+
+def test_the_files_page_describes_each_file_from_its_own_text(tmp_path):
+    """A module's docstring, a migration's comment and a guide's opening give their first sentence; a new module
+    changes the page."""
+    _tiny_repo(tmp_path)
+    page = gen.files_page(tmp_path)
+    assert "| [`app/cli.py`](../../app/cli.py) | The command line. |" in page
+    assert "| [`schemas/migrations/0001_init.sql`](../../schemas/migrations/0001_init.sql) | The tables. |" in page
+    assert "| [`docs/guide.md`](../../docs/guide.md) | This page explains it. |" in page
+    (tmp_path / "app" / "loop.py").write_text('"""The closed loop."""\n', encoding="utf-8")
+    assert "The closed loop." in gen.files_page(tmp_path)
+
+
+def test_an_undescribed_file_fails_the_files_page_naming_it(tmp_path):
+    """A module without a docstring, or another file without a ``FILE_NOTES`` line, fails with its name."""
+    _tiny_repo(tmp_path)
+    (tmp_path / "app" / "bare.py").write_text("x = 1\n", encoding="utf-8")
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "new.png").write_bytes(b"\x89PNG")
+    with pytest.raises(gen.UndescribedFile) as e:
+        gen.files_page(tmp_path)
+    assert "app/bare.py has no module docstring" in str(e.value) and "bench/new.png" in str(e.value)
+
+
+def test_every_module_of_the_project_is_on_the_files_page():
+    page = gen.files_page()
+    for pkg in ("app", "client", "evalgate", "flows", "monitors", "rewards", "rtrl", "schemas", "simulator"):
+        for path in sorted((ROOT / pkg).glob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            assert f"| [`{rel}`](../../{rel}) |" in page, f"{rel} is not on the files page"
+    for rel in ("trainer/loss.py", "devservices/chserver.py", "tests/conftest.py", "deploy/RUNBOOK.md", "Makefile"):
+        assert f"| [`{rel}`](../../{rel}) |" in page, f"{rel} is not on the files page"
+
+
+def test_shorten_cuts_at_a_clause_outside_parentheses():
+    text = "A thing (with, commas inside), then a long tail, " + "word " * 40
+    short = gen.shorten(text, 60)
+    assert short == "A thing (with, commas inside), then a long tail ..." and len(short) <= 64
+    assert gen.shorten("short.", 60) == "short."
+    assert gen.first_sentence("One line\nwrapped. Second sentence.\n\nNext paragraph.") == "One line wrapped."
+
+
 # ---------------------------------------------------------------- the diagram and the links
 
 
@@ -267,7 +321,7 @@ def _is_external(target: str) -> bool:
 
 
 def test_markdown_files_to_check_exist():
-    for name in ("README.md", "design.md", "architecture.md", "production.md", "troubleshooting.md"):
+    for name in ("README.md", "design.md", "architecture.md", "production.md", "troubleshooting.md", "concepts.md"):
         assert (ROOT / "docs" / name).exists(), f"docs/{name} is missing"
 
 
