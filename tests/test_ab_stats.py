@@ -149,6 +149,7 @@ def _aa_looks(seed: int, looks: int, world: abworld.World, effects: dict | None 
         yield abworld.arms(pop, {m: (v[0], v[1]) for m, v in total.items()}, metric)
 
 
+@pytest.mark.slow
 def test_peeking_inflates_a_fixed_horizon_test_and_the_msprt_holds_alpha():
     """A/A, 300 experiments, 12 looks each: one planned look keeps ~5%; stopping at the first p < 0.05 of the
     fixed-horizon test does not; the always-valid p-value stays at or below 5% under the same peeking."""
@@ -170,6 +171,7 @@ def test_peeking_inflates_a_fixed_horizon_test_and_the_msprt_holds_alpha():
     print(f"A/A false alarms: one look {final / sims:.3f}, peeking {peeked / sims:.3f}, mSPRT {seq / sims:.3f}")
 
 
+@pytest.mark.slow
 def test_the_confidence_sequence_covers_a_real_effect_at_every_look_and_decides():
     """A real +25% rise in broken calls: the running confidence sequence holds the true relative change at every
     look in >= 95% of experiments (minus simulation error), and the test decides within 12 looks in most."""

@@ -79,6 +79,7 @@ def _greedy_logprob(http, server, name: str, prompt: list[int]) -> tuple[int, fl
     return choice["token_ids"][0], choice["logprobs"]["token_logprobs"][0]
 
 
+@pytest.mark.slow
 def test_requests_name_their_adapter_and_get_base_plus_adapter(model, http, tmp_path):
     paths = {org: _trained_adapter(model, org, seed, tmp_path) for seed, org in enumerate(("org-1", "org-2"), 1)}
     with CompletionServer({"rtrl-policy": model}) as server:

@@ -211,6 +211,7 @@ def test_pure_modules_do_no_io(pure):
     assert not bad, "pure logic must stay free of I/O:\n" + "\n".join(sorted(set(bad)))
 
 
+@pytest.mark.slow
 def test_production_imports_load_no_dev_service():
     """Importing the application's entry points, the flows and the trainer job (as a production run
     with a cluster and a server does) loads nothing of ``devservices``: app.services reaches it only

@@ -104,6 +104,7 @@ def streamed(broker, ch_dsn, ch_client, tmp_path_factory):
     ch_client.command(f"DROP DATABASE IF EXISTS {db}")
 
 
+@pytest.mark.slow
 def test_backfill_of_the_live_version_equals_the_stream(streamed, ch_client):
     """Every trajectory, every component: the backfill's final rewards are the stream's, loading them inserts
     nothing, and its window rules refuse the same events (duplicates, too late)."""
@@ -124,6 +125,7 @@ def test_backfill_of_the_live_version_equals_the_stream(streamed, ch_client):
     assert result.counts["events"] == result.counts["replayed"] == archived  # every archived event, each once
 
 
+@pytest.mark.slow
 def test_a_new_version_backfills_idempotently_and_by_range(streamed, ch_client):
     """A version defined as data (rewards.define) is scored over the archive: a second run changes nothing;
     a sub-range gives the same rewards for the trajectories that start in it."""
@@ -248,7 +250,10 @@ def test_corrupt_file_schema_drift_and_bad_rows_are_dead_letters(tmp_path, ch_cl
     pq.write_table(bad_rows, archive / day / "part-badrows.parquet")
     result = _backfill_v2(tmp_path, archive, ch_client, ch_db)
     dead = clickhouse.select(ch_client, ch_db, "dead_letters", "WHERE startsWith(source, 'backfill:v2 ')")
-    assert all(d.source == f"backfill:v2 {d.key}" for d in dead)  # the file: in the source and, whole, the key
+    for d in dead:  # the file: whole in the key, and in the source (its tail where the path is long)
+        assert d.source == f"backfill:v2 {d.key}" or (
+            len(d.source) == 128 and d.source.startswith("backfill:v2 …") and d.key.endswith(d.source[13:])
+        ), (d.source, d.key)
     by_file = {(d.key.rsplit("/", 1)[-1], d.offset): d for d in dead}  # the row is the offset
     assert "cannot read Parquet" in by_file[("part-corrupt.parquet", -1)].reason
     assert "trajectory_id is missing" in by_file[("part-nocolumn.parquet", -1)].reason
@@ -290,6 +295,7 @@ def event_sets(draw):
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=event_sets())
+@pytest.mark.slow
 def test_property_stream_equals_batch(data, tmp_path_factory, ch_client, ch_db):
     emissions, partitions = data
     tmp = tmp_path_factory.mktemp("prop")

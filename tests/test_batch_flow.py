@@ -3,6 +3,7 @@ packed micro-batches on rtrl.batches, counters in ClickHouse, bad input dead-let
 
 from __future__ import annotations
 
+import pytest
 from bytewax.testing import run_main
 from confluent_kafka import Producer
 
@@ -50,6 +51,7 @@ def _world():
     return rollouts, rewards
 
 
+@pytest.mark.slow
 def test_batch_flow_end_to_end(broker, topic_prefix, ch_dsn, ch_client, ch_db, tmp_path):
     """Every joined, fresh-enough sample lands in exactly one micro-batch with its advantage; the
     stale one and the unmatched ones are counted in ClickHouse; a malformed rollout and a mistyped reward

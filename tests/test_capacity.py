@@ -120,6 +120,7 @@ def test_training_more_than_a_cycle_serves_is_said():
     assert "MORE" not in next(line for line in capacity.plan(Target()) if line.what == row.what).how
 
 
+@pytest.mark.slow
 def test_storage_measured_here_on_the_real_engine_is_the_recorded_figure():
     """``--measure-storage`` as a user runs it (a process of its own: one embedded ClickHouse folder a process)."""
     run = subprocess.run(

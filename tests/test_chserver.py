@@ -52,6 +52,7 @@ def server(tmp_path):
     proc.wait()
 
 
+@pytest.mark.slow
 def test_records_round_trip_through_the_http_protocol(server):
     _, dsn, _ = server
     ch = clickhouse.setup(dsn, "rtrl", 10)  # migrations + schema verification over HTTP
@@ -97,6 +98,7 @@ def test_engine_errors_keep_their_code_and_message(server):
     assert e.value.code == 400 and e.value.headers["X-ClickHouse-Exception-Code"] == "62"
 
 
+@pytest.mark.slow
 def test_several_writer_processes_at_once(server):
     """What chdb alone cannot do: several processes writing one folder (through the server)."""
     _, dsn, _ = server
@@ -117,6 +119,7 @@ def test_several_writer_processes_at_once(server):
     assert rows == [(f"writer{w}", 200, 200) for w in range(3)]
 
 
+@pytest.mark.slow
 def test_acknowledged_inserts_survive_kill_9(server, tmp_path):
     proc, dsn, folder = server
     ch = clickhouse.setup(dsn, "rtrl", 10)

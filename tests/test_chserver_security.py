@@ -90,6 +90,7 @@ def rows(dsn, sql, **kw) -> bytes:
 # ---------------------------------------------------------------- loopback, tokens, authentication
 
 
+@pytest.mark.slow
 def test_binds_to_loopback_only(tmp_path, front):
     for host in ("0.0.0.0", "192.168.1.10", "::", "example.com", ""):
         with pytest.raises(ValueError, match="loopback only"):
@@ -361,6 +362,7 @@ def test_database_and_settings_never_leak_between_requests(front):
 # ---------------------------------------------------------------- limits
 
 
+@pytest.mark.slow
 def test_max_execution_time_is_honoured_from_the_url_and_by_default(front):
     _, dsn, _ = front
     slow = "SELECT sleepEachRow(0.5) FROM numbers(40) SETTINGS max_block_size = 1"
@@ -398,6 +400,7 @@ def test_no_statement_lifts_the_time_cap(front, sql):
     assert rows(dsn, "SELECT getSetting('max_execution_time') SETTINGS max_execution_time = 2") == b"2\n"
 
 
+@pytest.mark.slow
 def test_the_wait_for_the_engine_is_bounded(front):
     _, dsn, _ = front
     slow: list = []
@@ -461,6 +464,7 @@ def test_request_body_size_is_capped(front):
     assert rows(dsn, "SELECT 1") == b"1\n"
 
 
+@pytest.mark.slow
 def test_unauthenticated_bodies_are_never_read(front):
     proc, dsn, _ = front
     host, port = address(dsn)
@@ -551,6 +555,7 @@ def _threads(pid: int) -> int:
     return int(m.group(1))
 
 
+@pytest.mark.slow
 def test_forty_slow_clients_are_cut_off_and_do_not_starve_the_others(front):
     proc, dsn, _ = front
     host, port = address(dsn)
@@ -588,6 +593,7 @@ def test_forty_slow_clients_are_cut_off_and_do_not_starve_the_others(front):
     assert len(closed) == 40 and took < 6, (len(closed), took)
 
 
+@pytest.mark.slow
 def test_connections_are_bounded(tmp_path):
     proc, dsn = chserver.spawn(tmp_path / "ch", extra_args=["--max-connections", "4", "--read-timeout-s", "2"])
     try:
@@ -666,6 +672,7 @@ def test_the_analyst_grants_applied_where_the_embedded_engine_can(front, tmp_pat
         assert (status, code_) == (403, "164"), table
 
 
+@pytest.mark.slow
 def test_a_stopped_front_leaves_no_temporary_folder(tmp_path, monkeypatch):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
@@ -809,6 +816,7 @@ def roomy(tmp_path_factory):
     proc.wait(30)
 
 
+@pytest.mark.slow
 def test_the_analysts_time_cap_is_short_and_cannot_be_raised(roomy):
     """The analyst's statements get the analyst's cap by default; asking for more is refused."""
     a = analyst(roomy)
@@ -825,6 +833,7 @@ def test_the_analysts_time_cap_is_short_and_cannot_be_raised(roomy):
     assert (status, code) == (500, "159")  # stopped at the cap (the engine's TIMEOUT_EXCEEDED)
 
 
+@pytest.mark.slow
 def test_a_writer_goes_before_queued_analyst_scans(roomy):
     """With one analyst scan running and two queued, the writer's statements run right after the running one."""
     done: list[tuple[str, int, str | None]] = []
@@ -864,6 +873,7 @@ def _status_kib(pid: int, field: str) -> int:
     return int(m.group(1))
 
 
+@pytest.mark.slow
 def test_inflated_bodies_waiting_for_the_engine_stay_within_the_byte_budget(tmp_path):
     """Bombs queued behind a slow statement hold at most the budget, inflated; the rest wait or get 503.
     Each bomb is a 48 MiB statement from a few KiB: the engine refuses it (too long) once its turn comes."""

@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 RTRL = [sys.executable, "-m", "app.cli"]
 
 
@@ -15,6 +17,7 @@ def _run(args, env_extra, timeout=600):
     return subprocess.run(RTRL + args, capture_output=True, text=True, env=env, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_rtrl_ab_runs_end_to_end(tmp_path):
     """`rtrl ab` on the embedded defaults starts its broker, moves every simulated event through the SDK,
     Kafka and the reward flow into ClickHouse (one reward and one summary per trajectory, duplicates
@@ -56,6 +59,7 @@ def test_unreachable_broker_exits_2_naming_it(tmp_path):
     assert "127.0.0.1:9" in proc.stdout
 
 
+@pytest.mark.slow
 def test_broker_up_status_down(tmp_path):
     """`rtrl broker up` prints the address, status finds it, down stops it."""
     env = {"RTRL_DATA_DIR": str(tmp_path)}
@@ -66,6 +70,7 @@ def test_broker_up_status_down(tmp_path):
     assert _run(["broker", "status"], env).returncode == 1
 
 
+@pytest.mark.slow
 def test_simulate_then_reward_flow_with_recovery(tmp_path):
     """`rtrl simulate` then `rtrl flow rewards` (bounded with RTRL_FLOW__TAIL=false): the flow initialises its
     Bytewax recovery folder, processes the topic and exits cleanly; a rerun resumes and exits too."""

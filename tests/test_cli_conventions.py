@@ -134,6 +134,7 @@ def test_a_bad_argument_value_is_one_line(argv, capsys, monkeypatch):
     assert rc == 2 and line.startswith("rtrl"), line
 
 
+@pytest.mark.slow
 def test_rollback_of_a_version_that_does_not_exist_is_one_line(tmp_path):
     """Needs the local broker and the embedded ClickHouse of a fresh data folder: in its own process (one
     process holds one chdb folder, and the test session already holds one)."""

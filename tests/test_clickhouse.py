@@ -57,6 +57,7 @@ def test_ddl_and_arrow_schema_agree(ch_client, ch_db, table):
 @pytest.mark.parametrize("table", list(TABLES))
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
+@pytest.mark.slow
 def test_every_record_round_trips_through_clickhouse(ch_client, ch_db, table, data):
     """Records inserted as Arrow and read back with FINAL are unchanged."""
     key = KEYS[table]

@@ -284,6 +284,7 @@ _ENGINE_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow
 def test_the_cluster_ddl_runs_on_a_real_engine(tmp_path):
     """chdb with a one-shard cluster on localhost: ON CLUSTER and Replicated*MergeTree are refused (no DDL worker,
     no Keeper in an embedded engine); the same DDL with only those two parts taken out migrates all 22

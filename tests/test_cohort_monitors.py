@@ -60,6 +60,7 @@ def test_a_hack_in_one_org_is_flagged_for_that_org_only_within_one_cycle(metric)
         assert not overall.significant
 
 
+@pytest.mark.slow
 def test_no_alarm_on_an_aa_control():
     """A/A cycles: the chance of any alarm over 33 orgs x 2 metrics x 10 looks stays at or below alpha (0.05) plus
     three binomial standard errors over 40 seeded cycles."""

@@ -234,6 +234,7 @@ def test_held_out_tasks_score_a_real_model_deterministically():
     assert decide(first, first, first, suite.samples, GateRules()).promote  # a model never regresses against itself
 
 
+@pytest.mark.slow
 def test_the_loop_gates_with_the_suite_it_is_given(broker, topic_prefix, ch_client, ch_dsn, ch_db, tmp_path):
     """app.loop.Loop takes the suite (and rules) it is given: the initial policy's scores recorded in
     ClickHouse ``checkpoints`` are the injected suite's, computed on the loop's own model."""

@@ -12,6 +12,8 @@ import textwrap
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 from rewards import features, reward
 from rewards.functions import REWARD_VERSIONS
 from rtrl.kafka import read_topic
@@ -61,6 +63,7 @@ def test_sdk_integration_sends_events_the_reward_logic_scores(broker, topic_pref
         assert scored is not None and -10 < scored.reward < 10
 
 
+@pytest.mark.slow
 def test_the_readme_block_runs_as_written(tmp_path):
     """The README's two lines (a local broker, its address exported, the example) run as shown."""
     readme = (ROOT / "README.md").read_text()
@@ -77,6 +80,7 @@ def test_the_readme_block_runs_as_written(tmp_path):
     assert "for 3 sessions" in proc.stdout and "failed 0, dropped 0" in proc.stdout
 
 
+@pytest.mark.slow
 def test_sdk_integration_with_a_wrong_address_is_one_line():
     proc = _example("sdk_integration.py", {"RTRL_KAFKA__BOOTSTRAP": "127.0.0.1:9", "RTRL_KAFKA__TIMEOUT_S": "2"})
     assert proc.returncode == 2 and proc.stdout == ""

@@ -145,6 +145,7 @@ def _json_payloads(name: str) -> st.SearchStrategy[bytes]:
 @pytest.mark.parametrize("name", sorted(JSON_DECODERS))
 @FUZZ
 @given(data=st.data())
+@pytest.mark.slow
 def test_json_decoders_take_any_bytes(name, data):
     """Random bytes, random text and mutated valid payloads of the topic: a record or Invalid, never anything else."""
     payload = data.draw(
@@ -408,6 +409,7 @@ def _ipc_fuzz(last_path: str, examples: int) -> None:
     print(json.dumps(stats), flush=True)
 
 
+@pytest.mark.slow
 def test_mutated_arrow_ipc_never_crashes_the_decoder(tmp_path):
     """~300 random and mutated micro-batch payloads (plus the byte that used to segfault) through
     trainer.batch.to_batch in a child process: it exits 0 with every payload a batch or Invalid; a crash
@@ -457,6 +459,7 @@ def _reward_run(broker, ch_client, ch_dsn, tmp_path, payloads, name: str) -> tup
         ch_client.command(f"DROP DATABASE IF EXISTS {db}")
 
 
+@pytest.mark.slow
 def test_hostile_events_are_dead_lettered_and_the_reward_flow_goes_on(broker, ch_client, ch_dsn, tmp_path):
     """Deeply nested events between valid ones (the input that made the flow raise, and crash-loop on
     restart): they reach rtrl.dead_letters and the dead_letters table as malformed, the flow ends normally,

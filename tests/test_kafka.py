@@ -72,6 +72,7 @@ def _decode(topic: str, data: bytes):
 @pytest.mark.parametrize("topic", list(ON_TOPIC))
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
+@pytest.mark.slow
 def test_every_record_round_trips_through_the_broker(broker, topic, data):
     """Records produced with their codec by an idempotent producer come back from the broker unchanged
     and in order per partition."""
@@ -86,6 +87,7 @@ def test_every_record_round_trips_through_the_broker(broker, topic, data):
     assert got == recs
 
 
+@pytest.mark.slow
 def test_unreachable_broker_is_reported_with_its_address():
     """A broker nobody listens on fails within kafka.timeout_s, naming the address and the setting."""
     addr = f"127.0.0.1:{free_port()}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime
 
+import pytest
 from confluent_kafka import Producer
 
 from flows.kafka_io import kafka_source
@@ -50,6 +51,7 @@ def _produce_bursts(bootstrap: str, topic: str, bursts: int, per_burst: int, gap
     return sent
 
 
+@pytest.mark.slow
 def test_paused_readers_deliver_every_message_once_in_order(broker, topic_prefix):
     """Bursts separated by quiet spells longer than the idle backoff: the reader pauses between
     them (no fetching while idle) and still yields every message exactly once, in offset order, as

@@ -344,6 +344,7 @@ def test_views_show_time_to_verdict_late_arrivals_and_provisional_against_final(
 # ---------------------------------------------------------------- the experiment: (b) corrected beats (a) drop
 
 
+@pytest.mark.slow
 def test_training_delayed_verdicts_with_correction_beats_dropping_them():
     """A short seeded run of the long-loop experiment (app/long_loop.py: 20% background tasks whose verdict
     arrives three cycles after the rollout): the arm that trains the delayed samples with the truncated
@@ -372,6 +373,7 @@ def test_training_delayed_verdicts_with_correction_beats_dropping_them():
     assert all(math.isfinite(r.grad_norm) and math.isfinite(r.kl) for r in drop + corrected)
 
 
+@pytest.mark.slow
 def test_reward_flow_on_the_broker_stores_provisional_then_final_rewards_with_spilled_windows(
     broker, topic_prefix, ch_dsn, ch_client, ch_db, tmp_path
 ):
@@ -442,6 +444,7 @@ def test_reward_flow_on_the_broker_stores_provisional_then_final_rewards_with_sp
     assert delays[1] > 1  # a verdict comes at least an hour after the task's end
 
 
+@pytest.mark.slow
 def test_exact_solve_probability_matches_sampled_completions():
     """simulator.policy.solve_probability (the experiment's smooth measure) is what sampling gives: on a warm-started
     policy, the per-task probability averaged over tasks equals the solve rate of many sampled completions."""

@@ -96,6 +96,7 @@ def _loop(tmp_path, reward_version: str, cycles: int, **settings: str) -> list:
     return _dump(tmp_path)["checkpoints"]
 
 
+@pytest.mark.alone  # the hack's size depends on how fast the trainer keeps up with real-time traffic
 @pytest.mark.timeout(1200)  # two main-job runs of two cycles each (~5-10 min on 2 cores)
 def test_reward_hack_is_caught_with_the_buggy_reward_only(tmp_path):
     """Where failure is predictable from the prompt (the initial policy handles easy tasks, not hard

@@ -142,6 +142,7 @@ def test_secrets_are_redacted_in_rtrl_config_and_in_errors(capsys, monkeypatch):
 # ---------------------------------------------------------------- services that are not there
 
 
+@pytest.mark.slow
 def test_a_dead_broker_is_one_line_naming_it_within_its_timeout(blackhole, capsys, monkeypatch):
     dead = f"127.0.0.1:{free_port('127.0.0.1')}"
     for address in (dead, f"127.0.0.1:{blackhole}"):
@@ -155,6 +156,7 @@ def test_a_dead_broker_is_one_line_naming_it_within_its_timeout(blackhole, capsy
             assert took < 2 + 5, f"{argv} against {address} took {took:.1f}s with kafka.timeout_s = 2"
 
 
+@pytest.mark.slow
 def test_a_clickhouse_timeout_means_what_it_says(blackhole, capsys, monkeypatch):
     """A server that accepts and never answers: the error comes after clickhouse.timeout_s, not 30 s later."""
     dsn = f"http://127.0.0.1:{blackhole}"
@@ -203,6 +205,7 @@ def stalls_after_ping():
     server.server_close()
 
 
+@pytest.mark.slow
 def test_a_server_that_answers_ping_and_then_stalls_is_reported_within_the_timeout(
     stalls_after_ping, capsys, monkeypatch
 ):
@@ -227,6 +230,7 @@ def _part(name: str, env: dict[str, str], tmp_path: Path) -> subprocess.Complete
     )
 
 
+@pytest.mark.slow
 def test_parts_check_their_services_before_the_warm_start(tmp_path, blackhole):
     dead = f"127.0.0.1:{free_port('127.0.0.1')}"
     for name in ("serve", "train", "rewards"):
@@ -261,6 +265,7 @@ class _local_broker:
         LocalBroker(tmp_path / "broker").down()
 
 
+@pytest.mark.slow
 def test_simulate_exits_non_zero_when_events_were_not_delivered(tmp_path, capsys, monkeypatch):
     """The broker answers the check, then goes away while events are still being sent: the producer gives
     up after sdk.delivery_timeout_s and simulate exits 1 with the count, never 0."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from confluent_kafka import Producer
 from prometheus_client import REGISTRY
 
@@ -46,6 +47,7 @@ def _refresh(server: PolicyServer, load) -> int | None:
     return server.version
 
 
+@pytest.mark.slow
 def test_follows_deployments_and_serves_a_quota_per_decision(broker, topic_prefix):
     settings = load_settings(env={"RTRL_KAFKA__TOPIC_PREFIX": topic_prefix})
     cfg = ModelConfig.tiny(vocab_size=VOCAB, seq_length=SEQ_LEN)
@@ -115,6 +117,7 @@ def _experiment(bootstrap: str, topic: str, status: str, serving: int, key: str 
     return exp
 
 
+@pytest.mark.slow
 def test_serves_an_experiment_announced_on_rtrl_experiments(broker, topic_prefix):
     """The main job's final A/B reaches a policy server in its own process as an announcement on
     rtrl.experiments: it starts once the experiment's serving version is the one loaded (the promotion may be

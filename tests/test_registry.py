@@ -256,6 +256,7 @@ def _deployments(bootstrap: str, topic: str) -> list[Checkpoint]:
     return [codec.decode(m.value()) for m in read_topic(bootstrap, topic)]
 
 
+@pytest.mark.slow
 def test_promotion_reaches_the_fleet_and_a_rollback_repoints_it(
     cfg, source, tmp_path, broker, topic_prefix, ch_client, ch_db, monkeypatch, caplog, capsys
 ):

@@ -159,6 +159,7 @@ def _hostile(sample: bytes) -> dict[str, bytes | None]:
     }
 
 
+@pytest.mark.slow
 def test_flow_end_to_end_with_bad_input(broker, topic_prefix, ch_dsn, ch_client, ch_db, tmp_path):
     """Events -> flow -> ClickHouse events/rewards/trajectories/dead_letters, Kafka rtrl.rewards and
     rtrl.dead_letters, and the Parquet archive. Every kind of bad input is dead-lettered with its kind and
@@ -204,6 +205,7 @@ def test_flow_end_to_end_with_bad_input(broker, topic_prefix, ch_dsn, ch_client,
     assert set(archived.column("event_id").to_pylist()) >= distinct
 
 
+@pytest.mark.slow
 def test_clickhouse_outage_loses_nothing(broker, topic_prefix, ch_dsn, ch_client, ch_db, tmp_path, caplog):
     """With the ClickHouse tables detached (the engine rejects every insert) the sink retries with backoff and
     holds the flow; once they are attached again every row arrives, none twice."""
@@ -324,6 +326,7 @@ def run_to_end(recovery: Path, bootstrap: str, prefix: str, data_dir: Path) -> N
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_kill_9_and_restart_equals_uninterrupted(broker, tmp_path, reference):
     """kill -9 the flow mid-stream, restart it from its recovery folder: rewards, trajectories and dead letters
     (FINAL) equal an uninterrupted run of the same input exactly."""
@@ -340,6 +343,7 @@ def test_kill_9_and_restart_equals_uninterrupted(broker, tmp_path, reference):
     assert _dump(tmp_path) == expected
 
 
+@pytest.mark.slow
 def test_two_worker_processes_equal_one(broker, tmp_path, reference):
     """The same input through a two-process Bytewax cluster gives exactly the single-worker results."""
     phase1, phase2, expected = reference

@@ -303,6 +303,7 @@ def test_comparison_statistics_on_hand_made_pairs():
     assert {p.trajectory_id for p in flipped(rows)} == {"t2", "t3", "t4", "t6"}
 
 
+@pytest.mark.slow
 def test_compare_v1_with_v2_on_the_v1_trained_period(ch_dsn, ch_client, ch_db, tmp_path, monkeypatch, capsys):
     """The stream scored only v1-discard-broken (the seed's v1-trained period, a policy breaking many tool
     calls); v2 is backfilled over the archive; `rtrl rewards compare v1-discard-broken v2` shows the broken-call

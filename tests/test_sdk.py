@@ -78,6 +78,7 @@ def test_invalid_events_are_refused_with_the_field(broker, topic_prefix):
     assert len(_events(broker.bootstrap, topic_prefix + "events")) == 1
 
 
+@pytest.mark.slow
 def test_full_queue_drops_and_counts_without_blocking():
     """With the broker unreachable and a tiny queue, record() keeps returning at once: events beyond the
     bound are dropped and counted (accepted + dropped = recorded), never silently lost or blocking."""
@@ -126,6 +127,7 @@ def test_concurrent_callers_lose_nothing(broker, topic_prefix):
     assert len(_events(broker.bootstrap, topic)) == 400
 
 
+@pytest.mark.slow
 def test_broker_down_then_back_loses_and_duplicates_nothing(tmp_path):
     """Events recorded while the broker is stopped wait in the producer and are delivered once it is back;
     the idempotent producer adds no duplicates."""

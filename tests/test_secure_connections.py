@@ -221,6 +221,7 @@ def carries(cfg: dict, security: dict) -> bool:
 
 
 @pytest.mark.parametrize("mechanism", [None, "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"])
+@pytest.mark.slow
 def test_settings_become_the_security_of_every_client_built_from_them(pki, built, mechanism):
     """Each mechanism's settings map to librdkafka's properties, which librdkafka accepts for a producer,
     consumer and admin client; the entry points (SDK, flows, topics, the services' broker check) carry them."""
@@ -353,6 +354,7 @@ def _violations(rel: str, tree: ast.Module) -> list[str]:
     return sorted(set(bad))  # a call inside a function is seen from the module too
 
 
+@pytest.mark.slow
 def test_no_kafka_client_is_built_without_the_one_config_builder():
     """Every Producer/Consumer/AdminClient call in the project's code gets a config made by base_config or
     producer_config (directly or through a variable assigned from one in the same function); no config
@@ -542,6 +544,7 @@ def tls_front(pki, tmp_path_factory):
 
 
 @pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")  # verify=false, on purpose
+@pytest.mark.slow
 def test_clickhouse_over_tls_with_a_certificate_made_here(tls_front, pki, tmp_path):
     assert tls_front.startswith("https://rtrl_writer@127.0.0.1:")
     settings = load_settings(env={"RTRL_CLICKHOUSE__DSN": tls_front, "RTRL_CLICKHOUSE__CA_CERT": pki["ca"]})
@@ -585,6 +588,7 @@ def test_clickhouse_user_and_password_reach_the_client(tls_front, pki):
         clickhouse.connect(wrong.clickhouse_dsn, timeout_s=10)
 
 
+@pytest.mark.slow
 def test_rtrl_clickhouse_serve_over_tls(pki, tmp_path):
     """`rtrl clickhouse serve --certfile --keyfile` serves the embedded folder over https, which rtrl's own
     /ping reaches with the test CA (and plain http does not)."""

@@ -419,6 +419,7 @@ def _announce(bootstrap: str, topic: str, version: int) -> None:
 
 
 @pytest.mark.parametrize("external", [False, True], ids=["own-server", "external-url"])
+@pytest.mark.slow
 def test_policy_server_publishes_the_collected_rollouts(broker, topic_prefix, model, external):
     """The policy server samples through the completions API - its own on a loopback port, or the one
     serving.url names (then it loads no weights) - and publishes the rollouts the collector built."""
@@ -462,6 +463,7 @@ def test_policy_server_publishes_the_collected_rollouts(broker, topic_prefix, mo
         )
 
 
+@pytest.mark.slow
 def test_ab_candidate_is_served_under_its_model_name(broker, topic_prefix, model):
     """A/B mode: an announced candidate is loaded into the candidate model (under the server's lock) and served
     as ``candidate_name``; its rollouts carry its version and its own log-probs."""

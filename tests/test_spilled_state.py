@@ -86,6 +86,7 @@ def spilled(tmp: Path, budget: int, name: str = "p0.sqlite") -> PartitionWindows
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(events=streams(), budget=st.sampled_from([1, 1500, 4000]), chunk=st.sampled_from([1, 2, 512]))
+@pytest.mark.slow
 def test_spilled_windows_give_the_same_outputs(events, budget, chunk):
     """Any stream gives identical Closed/Rejected outputs (values and order, flush included) with a tiny budget
     (most windows in the SQLite file or the in-memory reference store, read back a few rows at a time)
@@ -101,6 +102,7 @@ def test_spilled_windows_give_the_same_outputs(events, budget, chunk):
         windowing.CHUNK = old
 
 
+@pytest.mark.slow
 def test_simulator_stream_spilled_equals_in_memory(tmp_path):
     """The simulator's stream (duplicates, reordering, late checks) through a 30 kB budget: the same outputs,
     with most windows on disk at any time and read back when an event or the clock needs them."""
@@ -123,6 +125,7 @@ def test_simulator_stream_spilled_equals_in_memory(tmp_path):
 
 
 @pytest.mark.parametrize("committed_later", [False, True])
+@pytest.mark.slow
 def test_restore_from_snapshot_rolls_back_and_replays_identically(tmp_path, committed_later):
     """Pickle the windows (a Bytewax snapshot) mid-stream, go on processing (and, in one case, take another
     snapshot whose commit the crash outruns), crash, restore from the first pickle: the file rolls back to it
@@ -164,6 +167,7 @@ def test_dead_rows_are_purged_only_generations_later(tmp_path):
 # ---------------------------------------------------------------- (3) kill -9 of the real flow, state spilled
 
 
+@pytest.mark.slow
 def test_kill_9_and_restart_with_spilled_state_equals_uninterrupted(broker, tmp_path, reference):  # noqa: F811
     """The reward flow with a 20 kB budget per partition (most windows in SQLite), killed with -9 mid-stream and
     restarted from its recovery folder: rewards, trajectories and dead letters equal an uninterrupted run's

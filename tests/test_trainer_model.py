@@ -242,6 +242,7 @@ def roundtrip(tmp_path_factory):
     return out, json.loads((out / "roundtrip.json").read_text())
 
 
+@pytest.mark.slow
 def test_checkpoint_round_trip(roundtrip):
     """Parameters, AdamW state (moments, step, hyper-parameters) and the extra dict come back identical, and
     training continues identically; a complete checkpoint is never overwritten."""

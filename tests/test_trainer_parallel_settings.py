@@ -401,6 +401,7 @@ def test_torchrun_pp2_from_a_settings_file_trains(broker, topic_prefix, tmp_path
     assert 0 < float(moved) < 1 and untied_output == "False" and int(fc1) == 2 * 128
 
 
+@pytest.mark.slow
 def test_fp8_on_a_cpu_machine_fails_with_the_clear_error(broker, topic_prefix, tmp_path):
     """FP8 asked for in a settings file, no Transformer Engine: the trainer job stops with the TE error
     (megatron-core would otherwise train in bf16 silently)."""

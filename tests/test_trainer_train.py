@@ -63,6 +63,7 @@ def _steps(stdout: str) -> list[dict]:
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{") and '"step"' in line]
 
 
+@pytest.mark.slow
 def test_golden_loss_curve(tmp_path):
     """A fixed seed and fixed micro-batches give the recorded loss curve (catches numeric drift).
     Regenerate deliberately with RTRL_UPDATE_GOLDEN=1."""
@@ -134,6 +135,7 @@ def test_kill_9_and_resume_trains_the_same_batches_once(broker, topic_prefix, tm
     np.testing.assert_allclose([g[2] for g in got], [e[2] for e in expected], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_rtrl_train_records_metrics_in_clickhouse(broker, topic_prefix, tmp_path):
     """`rtrl train` reads rtrl.batches, shows progress, checkpoints at the end, and writes one train_metrics
     row per step (loss, KL, clip fraction, on-policy fraction, lag histogram, batch ids) to ClickHouse."""
