@@ -1,10 +1,20 @@
-"""Chaos: a seeded random schedule of SIGKILLs by PID (not by process group) against every part of the
-process-mode loop and the embedded ClickHouse front, one part twice within 2 s. The supervisor restarts
-each (the front on the same port and token files); the loop finishes its cycles and keeps every data
-invariant: rewards equal an offline recomputation, no micro-batch or sample trained twice, every trained
-sample has its reward, the deployments topic agrees with the checkpoints table (and with adapter_checkpoints for
-the per-org adapters the loop trains too, each on its own org's samples only), and no process of the run is left
-alive afterwards - not even the helpers a killed part had forked."""
+"""The closed loop as separate processes (app.supervisor) through a clean stop and a seeded kill schedule.
+
+The trainer is first stopped with SIGTERM a few steps into cycle 1.
+It exits 0 without a decision, and its restart resumes at the next step.
+Then a seeded random schedule sends SIGKILL by PID (not by process group) to every part and to the embedded
+ClickHouse front, one part twice within 2 s.
+The supervisor restarts each, the front on the same port and token files.
+The loop finishes its cycles and keeps every data invariant:
+
+- the rewards equal an uninterrupted run of the reward logic over every event in Kafka;
+- no micro-batch or sample is trained twice, and every trained sample has its reward;
+- the deployments topic agrees with the checkpoints table, and with adapter_checkpoints for the per-org adapters;
+- each org's adapter trains on that org's samples only.
+
+At the end the parts stop on SIGTERM with exit 0, and no part's log holds a panic or a traceback.
+No process of the run is left alive afterwards, not even the helpers a killed part had forked.
+(Clean stops of the flows and of `rtrl run`: tests/test_clean_stop.py.)"""
 
 from __future__ import annotations
 
@@ -13,6 +23,7 @@ import os
 import random
 import signal
 import time
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
@@ -20,15 +31,57 @@ import pytest
 from app.loop import loop_settings
 from app.parts import PARTS
 from app.supervisor import CLICKHOUSE, Supervisor
+from flows.processor import Message, RewardProcessor
+from flows.reward_flow import window_config
 from rtrl import clickhouse
 from rtrl.kafka import read_topic
 from rtrl.settings import load_settings
-from tests.test_reliability import _reference_rewards, trained_counts, unrewarded_samples
+from trainer import checkpoint
 
-pytestmark = pytest.mark.slow  # the loop as processes under a kill schedule (minutes)
+pytestmark = pytest.mark.slow  # the loop as processes under a clean stop and a kill schedule (minutes)
 
 CYCLES = 3
 SEED = 11
+#: trainer steps of cycle 1 done before the clean stop (SIGTERM): not a multiple of loop.checkpoint_every
+#: (2), so what the stop saves is more than the periodic checkpoint
+CLEAN_STOP_STEPS = 5
+
+
+def _reference_rewards(settings, bootstrap: str) -> dict[tuple, tuple]:
+    """An uninterrupted run of the reward logic over every event in Kafka, partition by partition."""
+    topic = settings.topic("events")
+    by_partition = defaultdict(list)
+    for m in read_topic(bootstrap, topic, timeout_s=60):
+        by_partition[m.partition()].append(Message(m.key(), m.value(), m.partition(), m.offset()))
+    out = {}
+    for msgs in by_partition.values():
+        proc = RewardProcessor(topic, window_config(settings), settings.rewards.versions)
+        res = proc.process(sorted(msgs, key=lambda m: m.offset))
+        res.rewards.extend(proc.finish().rewards)
+        for r in res.rewards:
+            out[(r.trajectory_id, r.reward_version, r.revision)] = (r.reward, dict(r.components), list(r.flags))
+    return out
+
+
+def trained_counts(ch, db: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(rows, distinct) of the trained micro-batch ids and of the trained sample ids in train_metrics, per
+    trained stream (the shared policy, each org's adapter: a sample may train one of each): equal counts mean
+    nothing was trained twice."""
+    out = []
+    for column in ("batch_ids", "sample_ids"):
+        n, distinct = ch.query(
+            f"SELECT count(), uniqExact(adapter, x) FROM {db}.train_metrics FINAL ARRAY JOIN {column} AS x"
+        ).result_rows[0]
+        out.append((n, distinct))
+    return out[0], out[1]
+
+
+def unrewarded_samples(ch, db: str, reward_version: str) -> int:
+    """Trained samples with no reward of ``reward_version`` in ClickHouse."""
+    return ch.query(
+        f"SELECT count() FROM (SELECT s FROM {db}.train_metrics FINAL ARRAY JOIN sample_ids AS s) "
+        f"WHERE s NOT IN (SELECT trajectory_id FROM {db}.rewards FINAL WHERE reward_version = '{reward_version}')"
+    ).result_rows[0][0]
 
 
 def _schedule(rng: random.Random) -> list[str]:
@@ -80,11 +133,17 @@ def test_seeded_kill_schedule_keeps_every_invariant(tmp_path):
     schedule = _schedule(rng)
     double = rng.choice(PARTS)  # killed again within 2 s of its first kill
     killed: list[tuple[float, str, int]] = []  # (monotonic time, target, pid)
-    state: dict = {"next": None, "i": 0, "double_done": False}
+    # stopped: cycle 1's steps done at the SIGTERM; at_exit: (steps in ClickHouse, newest checkpoint's step)
+    # when the stopped trainer had exited; next: when the next kill is due
+    state: dict = {"stopped": None, "at_exit": None, "next": None, "i": 0, "double_done": False}
     sup = Supervisor(settings)
     sup.start_services()
     ch, db = sup.ch, settings.clickhouse.database
-    train_log = tmp_path / "logs" / "train.log"
+    cycle1_checkpoints = tmp_path / "loop" / "checkpoints" / "train" / "v1"
+
+    def cycle_steps(version: int) -> list[int]:
+        rows = ch.query(f"SELECT step FROM {db}.train_metrics FINAL WHERE run_id = 'loop-0-v{version}' ORDER BY step")
+        return [s for (s,) in rows.result_rows]
 
     def kill(target: str) -> int:
         for _ in range(100):  # bounded: a target that just died is replaced within moments
@@ -98,12 +157,23 @@ def test_seeded_kill_schedule_keeps_every_invariant(tmp_path):
             return pid
         raise AssertionError(f"{target} never came back to be killed")
 
+    def clean_stop() -> None:
+        """SIGTERM to the trainer a few steps into cycle 1; the kills start once its restart trains on."""
+        if state["stopped"] is None:
+            if len(done := cycle_steps(1)) >= CLEAN_STOP_STEPS:
+                os.kill(sup.pid("train"), signal.SIGTERM)  # to the process, not its group
+                state["stopped"] = len(done)
+        elif state["at_exit"] is None:
+            if ("train", 0) in sup.exits:  # read before the restarted trainer (seconds of imports) trains a step
+                last = checkpoint.latest(cycle1_checkpoints)
+                state["at_exit"] = (cycle_steps(1), checkpoint.read_extra(last)["step"] if last else 0)
+        elif len(cycle_steps(1)) > len(state["at_exit"][0]):
+            state["next"] = time.monotonic() + 2
+
     def tick() -> None:
         now = time.monotonic()
-        if state["next"] is None:  # the first kill once training runs (v0 made), then one every 3-7 s
-            if train_log.exists() and "v0 (warm start)" in train_log.read_text():
-                state["next"] = now + 2
-            return
+        if state["next"] is None:
+            return clean_stop()
         if now < state["next"]:
             return
         if not state["double_done"] and state["i"] == 3:
@@ -121,16 +191,38 @@ def test_seeded_kill_schedule_keeps_every_invariant(tmp_path):
 
     try:
         sup.start_all()
-        sup.wait(720, tick)  # three cycles, each with two orgs' adapters, under the kills
+        sup.wait(720, tick)  # three cycles, each with two orgs' adapters, through the stop and the kills
         sup.stop_parts()
         sup.drain_rewards()
+
+        # the clean stop: exit 0 without a decision; the stop saved every step trained, so the restarted
+        # trainer went on at the next one (cycle 1's steps 1..n once each, none lost, none trained again)
+        log = (tmp_path / "logs" / "train.log").read_text()
+        assert state["at_exit"], f"the trainer was never stopped cleanly: {state}"
+        steps_at_exit, saved = state["at_exit"]
+        assert steps_at_exit == list(range(1, saved + 1)) and saved >= state["stopped"], state
+        assert "stopped during cycle 1" in log and "stopped cleanly" in log and "resumed: 0 decisions made" in log
+        cycle1 = cycle_steps(1)
+        assert cycle1 == list(range(1, len(cycle1) + 1)) and len(cycle1) > saved
+        raw = ch.query(f"SELECT count() FROM {db}.train_metrics WHERE run_id = 'loop-0-v1'").result_rows[0][0]
+        assert raw == len(cycle1)
+        assert sup.exits.count(("train", 0)) == 2, sup.exits  # the clean stop, then the end of the run
 
         # the schedule ran: >= 8 SIGKILLs by pid, every part and the front, one part twice within 2 s
         targets = [t for _, t, _ in killed]
         assert len(killed) >= 8 and set(targets) == {*PARTS, CLICKHOUSE}, killed
         twice = [(a, b) for a, b in zip(killed, killed[1:]) if a[1] == b[1] == double and b[0] - a[0] < 2.0]
         assert twice and twice[0][0][2] != twice[0][1][2], killed
-        assert sup.restarts[CLICKHOUSE] >= 1 and all(sup.restarts[p] >= 1 for p in PARTS)
+        # each kill cost one restart, the clean stop one more; a restarted trainer resumed, never started over
+        assert sup.restarts == Counter(targets) + Counter({"train": 1}), (sup.restarts, killed)
+        assert log.count("v0 (warm start)") == 1 and log.count("resumed: ") >= 2, log[-3000:]
+
+        # the parts the supervisor stopped with SIGTERM at the end: exit 0; no part's log holds a panic or a
+        # traceback (a SIGKILL leaves none either: the process gets no chance to write one)
+        assert dict(sup.exits[-3:]) == {"serve": 0, "rewards": 0, "batches": 0}, sup.exits
+        for part in PARTS:
+            text = (tmp_path / "logs" / f"{part}.log").read_text()
+            assert "panic" not in text.lower() and "Traceback" not in text, (part, text[-2000:])
 
         # every cycle decided, and the deployments topic says what the checkpoints table says
         decided = dict(
@@ -139,6 +231,7 @@ def test_seeded_kill_schedule_keeps_every_invariant(tmp_path):
             ).result_rows
         )
         assert sorted(decided) == list(range(CYCLES + 1)), decided
+        assert all(status in ("promoted", "rejected") for status in decided.values()), decided
         announced: dict[tuple[str, int], tuple[int, str]] = {}
         for m in read_topic(sup.bootstrap, settings.topic("deployments"), timeout_s=60):
             ck = json.loads(m.value())
@@ -175,6 +268,10 @@ def test_seeded_kill_schedule_keeps_every_invariant(tmp_path):
         }
         assert len(latest) > 1000
         assert stored == {(t, v, r): expected[(t, v, r)] for (t, v), r in latest.items()}
+        raw, final = ch.query(
+            f"SELECT count(), uniqExact(trajectory_id, reward_version, revision) FROM {db}.rewards FINAL"
+        ).result_rows[0]
+        assert raw == final == len(stored)
 
         # no micro-batch or sample trained twice; every trained sample has its reward
         batches, samples = trained_counts(ch, db)

@@ -1,8 +1,8 @@
 """Clean stops: SIGTERM and SIGINT stop each always-on flow and part with exit code 0 and no Rust panic
 (the flows end their input so Bytewax takes a final snapshot, keeping open windows in it; the trainer
 checkpoints what it trained), and a restart afterwards loses and duplicates nothing. (The trainer's clean
-stop and resume under the supervisor, and the parts' exit 0 at the end of a run, are checked in the kill -9
-run of tests/test_reliability.py, to run the loop as processes once.)"""
+stop and resume under the supervisor, and the parts' exit 0 at the end of a run, are checked in the kill
+schedule of tests/test_chaos.py, to run the loop as processes once.)"""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import pytest
 from devservices.broker import free_port
 from rtrl.kafka import ensure_topics, read_topic
 from rtrl.settings import load_settings
-from tests.test_reliability import _reference_rewards
+from tests.test_chaos import _reference_rewards
 from tests.test_reward_flow import SALT, VERSIONS, _payloads, _produce
 
 pytestmark = pytest.mark.slow  # real flows and parts as subprocesses, stopped and restarted
