@@ -213,8 +213,11 @@ def test_seeded_kill_schedule_keeps_every_invariant(tmp_path):
         assert len(killed) >= 8 and set(targets) == {*PARTS, CLICKHOUSE}, killed
         twice = [(a, b) for a, b in zip(killed, killed[1:]) if a[1] == b[1] == double and b[0] - a[0] < 2.0]
         assert twice and twice[0][0][2] != twice[0][1][2], killed
-        # each kill cost one restart, the clean stop one more; a restarted trainer resumed, never started over
-        assert sup.restarts == Counter(targets) + Counter({"train": 1}), (sup.restarts, killed)
+        # each came back after each kill (the trainer after the clean stop too); a part started while the front
+        # is down exits with one error line and is restarted again, so a count may be higher
+        wanted = Counter(targets) + Counter({"train": 1})
+        assert all(sup.restarts[t] >= n for t, n in wanted.items()), (sup.restarts, killed)
+        # a restarted trainer resumed, never started over (the one after the last kill made the decisions)
         assert log.count("v0 (warm start)") == 1 and log.count("resumed: ") >= 2, log[-3000:]
 
         # the parts the supervisor stopped with SIGTERM at the end: exit 0; no part's log holds a panic or a
