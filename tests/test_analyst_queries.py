@@ -3,7 +3,9 @@ sent a few malformed events), every SQL block of monitors/ANALYST_QUERIES.md ret
 analyst runs it through the embedded ClickHouse front; the steps of its "Connect" section work as written
 (`rtrl clickhouse serve`, curl, clickhouse-connect, rtrl's DSN, chdb and its one-process rule); and
 examples/analyst.py prints its tables and writes its PNG, through the front and with chdb.
-(The same blocks on synthetic rows, with figures checked: tests/test_monitors.py.)"""
+(The same blocks on synthetic rows, with figures checked: tests/test_monitors.py.) The same run (with per-org
+adapters), once every read-only test is done, holds the per-org adapters' main-job checks and an adapter rollback
+(the last test)."""
 
 from __future__ import annotations
 
@@ -22,8 +24,9 @@ import pytest
 
 from tests.test_loop import USERS_IN_BOTH_ARMS, _dump, _small_loop
 from tests.test_monitors import analyst_queries
+from tests.test_per_org import ADAPTER_DUMP
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # one small main job (~1-3 min on 2 cores)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # one small main job (~3-4 min on 2 cores)
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "monitors" / "ANALYST_QUERIES.md"
@@ -64,15 +67,30 @@ def _free_port() -> str:
 @pytest.fixture(scope="module")
 def run_root(tmp_path_factory) -> Path:
     """A folder holding a finished small main job in ``.rtrl`` (the default data folder when run from it):
-    A/B mode, rewards v2 and v1-discard-broken, per-org adapters, and the JUNK events produced once the job had
-    started."""
+    A/B mode, rewards v2 and v1-discard-broken, per-org adapters (``adapters.shared_traffic = "served"``, the
+    default), and the JUNK events produced once the job had started; its output in ``run.out``.
+
+    Three cycles, not two: the shared policy trains through a serving adapter only on samples that adapter served
+    (app.adapters.ServedThrough), and an adapter is first promoted in the adapter cycle that follows a cycle's base
+    decision, while the policy server has already served most of the next cycle's quota (``samples_per_cycle`` per
+    base decision, simulator.serve.PolicyServer.may_serve) with the base alone: the next cycle's trainer met an
+    adapter's samples only if the one-task trickle after the quota reached it in time, which it did not under CPU
+    load (the analyst query "The shared policy trained through the serving adapters" came back empty). An adapter
+    promoted after cycle 1 on base B then serves, before cycle 3 trains, at full rate: in cycle 2's A/B phase
+    (the control arm is B with the orgs' adapters, no quota while a candidate waits), or, cycle 2 refused before
+    any A/B, in the quota after that refusal (B still serves, so its adapters do); cycle 3's trainer reads those
+    batches (within train.max_delayed_lag of any new base, and every promoted adapter version within it is loaded).
+    ``adapters.updates_per_step = 1`` keeps the third cycle's cost down (the adapter cycles after an A/B phase
+    train tens of steps; 4 updates each took over a minute); the adapters' gate, routing and announcements are
+    the same."""
     from confluent_kafka import Producer
 
     from rtrl.kafka import producer_config
 
     root = tmp_path_factory.mktemp("analyst")
     env = _env(
-        **_small_loop(root / ".rtrl"),
+        **_small_loop(root / ".rtrl")
+        | {"RTRL_LOOP__CYCLES": "3"},  # a cycle trains what the adapters promoted after cycle 1 served (see above)
         RTRL_LOOP__AB_SHARE="0.4",
         RTRL_LOOP__AB_TRAJECTORIES="60",
         RTRL_LOOP__SOLVE_TOLERANCE="1.0",
@@ -80,6 +98,7 @@ def run_root(tmp_path_factory) -> Path:
         RTRL_LOOP__SPECIALISED_ORGS="2",  # with per-org adapters for two orgs (issue 17)
         RTRL_ADAPTERS__ORGS="org-1,org-2",
         RTRL_ADAPTERS__MIN_SAMPLES="16",
+        RTRL_ADAPTERS__UPDATES_PER_STEP="1",
     )
     proc = subprocess.Popen(
         [sys.executable, "-m", "app.cli", "run"],
@@ -103,6 +122,7 @@ def run_root(tmp_path_factory) -> Path:
                 assert producer.flush(30) == 0, "the junk events were not delivered"
                 sent = True
         assert proc.wait(60) == 0, "".join(out)[-4000:]
+        (root / "run.out").write_text("".join(out))
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -209,7 +229,7 @@ def test_every_documented_query_returns_rows_as_the_analyst(front):
         )
         assert r["ci_low"] <= r["rate"] <= r["ci_high"]
     gate = results["Gate decisions and eval results per checkpoint"]
-    assert [r["version"] for r in gate] == [0, 1, 2] and all(r["solve_rate"] is not None for r in gate)
+    assert [r["version"] for r in gate] == [0, 1, 2, 3] and all(r["solve_rate"] is not None for r in gate)
     assert results["Two reward versions side by side"][0]["trajectories_v1"] > 0
 
 
@@ -246,7 +266,7 @@ def test_connect_steps_work_as_written(front):
         text=True,
         timeout=60,
     )
-    assert headers.returncode == 0 and headers.stdout.strip() == "3", headers.stdout + headers.stderr
+    assert headers.returncode == 0 and headers.stdout.strip() == "4", headers.stdout + headers.stderr
 
     snippets = [b for b in _blocks("python") if "8123" in b]
     assert len(snippets) == 2  # clickhouse-connect, rtrl's DSN
@@ -333,3 +353,83 @@ def test_ab_mode_serves_candidates_beside_control_and_decides_from_clickhouse(fr
     assert proc.returncode == 0, proc.stderr
     both, users = json.loads(proc.stdout.strip().splitlines()[-1])
     assert users > 0 and both == 0
+
+
+#: ADAPTER_DUMP, then the shared policy's decisions (one process: each start of chdb costs seconds)
+SHARED_DECISIONS = """
+print(json.dumps(ch.query("SELECT version, parent, status, reason FROM rtrl.checkpoints FINAL ORDER BY version")
+                 .result_rows))
+"""
+
+
+def _adapter_dump(data: Path) -> dict:
+    """ADAPTER_DUMP's figures, and the shared policy's decisions under "shared"."""
+    proc = _python(ADAPTER_DUMP + SHARED_DECISIONS, data, f"chdb://{data}/clickhouse")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    *_, adapters, shared = proc.stdout.strip().splitlines()
+    return json.loads(adapters) | {"shared": json.loads(shared)}
+
+
+def _rtrl(data: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", *args],
+        cwd=data.parent,
+        env=_env(RTRL_DATA_DIR=str(data)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_the_main_job_trains_gates_and_serves_each_orgs_adapter_and_rolls_one_back(front_handle):
+    """On this module's run (two specialised orgs given adapters, the shared policy trained on all traffic through
+    the adapter that served each sample: ``adapters.shared_traffic = "served"``, the default): each org's adapter
+    trains on that org's stream only (every sample id in its train_metrics rows is a trajectory of that org), is
+    gated on the org's held-out tasks plus the global guard and announced with (org, adapter version, base version)
+    and its checkpoint in adapter_checkpoints, never in the shared policy's checkpoints; after a base promotion each
+    serving adapter is re-validated on the new base (a new version whose parent is the old one); the shared
+    policy's runs train no adapter. The report has the per-org table and PNG. `rtrl rollback N --org` then rolls
+    back one org's serving adapter and leaves the other org's and the shared policy's decisions as they were;
+    rolling it back again is refused (not promoted). Last in this module: the rollback changes the run's data.
+
+    (Moved here from tests/test_per_org.py, which ran a main job of its own under ``shared_traffic = "all"``; that
+    mode's routing - every adapted org's batches to its adapter and a copy to the shared stream, an org's samples
+    only ever in its own adapter's batches - stays covered by tests/test_per_org.py::
+    test_an_orgs_samples_only_ever_reach_its_own_adapter.)"""
+    front_handle.stop()  # chdb and the rollback's writes: one process at a time
+    root = front_handle.root
+    data = root / ".rtrl"
+    out = (root / "run.out").read_text()
+    assert "Per-org adapters" in out and (data / "reports" / "adapters.png").read_bytes()[:4] == b"\x89PNG"
+
+    d = _adapter_dump(data)
+    cks = d["checkpoints"]
+    assert d["shared_with_org"] == 0  # adapter decisions never land in the shared policy's table
+    for org in ("org-1", "org-2"):
+        mine = [c for c in cks if c[0] == org]
+        assert mine and all(c[4] in ("promoted", "rejected", "rolled_back") for c in mine), mine
+        assert all(c[3] is not None and c[6] for c in mine)  # a base version and an adapter checkpoint each
+        assert {"solve_rate", "base_solve_rate", "guard_solve_rate", "eval_samples"} <= set(mine[0][7])
+    revalidated = [c for c in cks if "re-validated on base" in c[5] or "refused on base" in c[5]]
+    assert revalidated and all(c[2] is not None for c in revalidated), cks  # each has the version it re-judges
+    trained = [s for s in d["steps"] if s[0]]
+    assert {s[0] for s in trained} <= {"org-1", "org-2"} and trained
+    for adapter, _run_id, ids in trained:
+        assert ids and {d["orgs"][i] for i in ids} == {adapter}  # an org's adapter trains its org's samples only
+    assert all(not s[0] for s in d["steps"] if s[1].startswith("loop-0-v"))  # the shared runs: no adapter
+
+    # one org's newest promoted adapter rolled back (org-1's when it has one); the other org's are untouched
+    promoted = {org: [c for c in cks if c[0] == org and c[4] == "promoted"] for org in ("org-1", "org-2")}
+    org = "org-1" if promoted["org-1"] else "org-2"
+    other = "org-2" if org == "org-1" else "org-1"
+    assert promoted[org], cks
+    version = promoted[org][-1][1]
+    back = _rtrl(data, "rollback", str(version), "--org", org, "--reason", "test")
+    assert back.returncode == 0, back.stdout + back.stderr
+    d_after = _adapter_dump(data)
+    after = {(c[0], c[1]): c for c in d_after["checkpoints"]}
+    assert after[(org, version)][4] == "rolled_back" and after[(org, version)][5] == "test"
+    assert all(after[(c[0], c[1])][4] == c[4] for c in cks if c[0] == other)  # the other org is untouched
+    assert d_after["shared"] == d["shared"] and len(d["shared"]) == 4  # and so are the shared policy's decisions
+    again = _rtrl(data, "rollback", str(version), "--org", org)
+    assert again.returncode != 0 and "not promoted" in again.stdout + again.stderr

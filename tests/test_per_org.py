@@ -681,6 +681,7 @@ def test_old_payloads_without_the_adapter_field_still_decode():
     assert codec.decode(msgspec.json.encode(raw)).adapter == "" and codec.decode(codec.encode(step)) == step
 
 
+@pytest.mark.slow  # ~3 s on 2 cores: the real batch flow on the local broker
 def test_the_batch_flow_sends_a_wanted_orgs_batches_to_its_adapter_topic_after_its_threshold(
     broker, topic_prefix, ch_dsn, ch_db, tmp_path
 ):
@@ -1248,6 +1249,8 @@ def test_the_main_job_rescales_a_refused_revalidation_saves_it_and_announces_eve
     assert [ck.version for ck in announced if ck.status == "rejected"] == [4, 5, 6]
 
 
+#: what the main job recorded of its per-org adapters (tests/test_analyst_queries.py's per-org test reads its run
+#: with it): adapter decisions, train steps with their sample ids, each trajectory's org
 ADAPTER_DUMP = """
 import json, sys
 from rtrl import clickhouse
@@ -1261,78 +1264,3 @@ shared = ch.query("SELECT count() FROM rtrl.checkpoints FINAL WHERE org != ''").
 print(json.dumps({"checkpoints": [[o, v, p, b, s, r, path, dict(e)] for o, v, p, b, s, r, path, e in cks],
                   "steps": [[a, run, list(ids)] for a, run, ids in steps], "orgs": orgs, "shared_with_org": shared}))
 """
-
-
-@pytest.mark.slow  # a whole main job (about 2 minutes)
-def test_the_main_job_trains_gates_and_serves_each_orgs_adapter_and_rolls_one_back(tmp_path):
-    """`rtrl run` with two specialised orgs given adapters, the shared policy trained on all traffic on the base
-    alone (``adapters.shared_traffic = "all"``; the default "served" runs end to end in
-    tests/test_analyst_queries.py's main job, and every mode's routing in
-    test_an_orgs_samples_only_ever_reach_its_own_adapter): after each cycle each org's adapter trains on that
-    org's stream only (every sample id in its train_metrics rows is a trajectory of that org), is gated on the
-    org's held-out tasks plus the global guard and announced with (org, adapter version, base version) in
-    adapter_checkpoints; after a base promotion each serving adapter is re-validated on the new base (a new
-    version whose parent is the old one). The report has the per-org table and PNG. `rtrl rollback N --org` then
-    rolls back one org's serving adapter and leaves the other org's and the shared policy's decisions as they were."""
-    import json
-    import subprocess
-    import sys
-
-    from tests.test_cli import _run
-
-    env = {
-        "RTRL_DATA_DIR": str(tmp_path),
-        "RTRL_LOOP__CYCLES": "2",
-        "RTRL_LOOP__SAMPLES_PER_CYCLE": "256",
-        "RTRL_LOOP__EVAL_TASKS": "30",
-        "RTRL_LOOP__WARM_START_STEPS": "100",
-        "RTRL_LOOP__RATE": "40",
-        "RTRL_LOOP__FINAL_AB_TRAJECTORIES": "0",
-        "RTRL_LOOP__SPECIALISED_ORGS": "2",
-        "RTRL_ADAPTERS__ORGS": "org-1,org-2",
-        "RTRL_ADAPTERS__MIN_SAMPLES": "32",
-        "RTRL_ADAPTERS__SHARED_TRAFFIC": "all",
-    }
-    proc = _run(["run"], env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = proc.stdout
-    assert "Per-org adapters" in out and (tmp_path / "reports" / "adapters.png").read_bytes()[:4] == b"\x89PNG"
-
-    def dump() -> dict:
-        p = subprocess.run(
-            [sys.executable, "-c", ADAPTER_DUMP, f"chdb://{tmp_path}/clickhouse"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert p.returncode == 0, p.stderr
-        return json.loads(p.stdout.strip().splitlines()[-1])
-
-    d = dump()
-    cks = d["checkpoints"]
-    assert d["shared_with_org"] == 0  # adapter decisions never land in the shared policy's table
-    for org in ("org-1", "org-2"):
-        mine = [c for c in cks if c[0] == org]
-        assert mine and all(c[4] in ("promoted", "rejected", "rolled_back") for c in mine), mine
-        assert all(c[3] is not None and c[6] for c in mine)  # a base version and an adapter checkpoint each
-        assert {"solve_rate", "base_solve_rate", "guard_solve_rate", "eval_samples"} <= set(mine[0][7])
-    revalidated = [c for c in cks if "re-validated on base" in c[5] or "refused on base" in c[5]]
-    assert revalidated and all(c[2] is not None for c in revalidated)  # each has the version it re-judges
-    trained = [s for s in d["steps"] if s[0]]
-    assert {s[0] for s in trained} <= {"org-1", "org-2"} and trained
-    for adapter, _run_id, ids in trained:
-        assert ids and {d["orgs"][i] for i in ids} == {adapter}  # an org's adapter trains its org's samples only
-    assert all(not s[0] for s in d["steps"] if s[1].startswith("loop-0-v"))  # the shared runs: no adapter
-    promoted = [c for c in cks if c[0] == "org-1" and c[4] == "promoted"]
-    if not promoted:
-        return
-    version = promoted[-1][1]
-    back = _run(
-        ["rollback", str(version), "--org", "org-1", "--reason", "test"], {"RTRL_DATA_DIR": str(tmp_path)}, timeout=120
-    )
-    assert back.returncode == 0, back.stdout + back.stderr
-    after = {(c[0], c[1]): c for c in dump()["checkpoints"]}
-    assert after[("org-1", version)][4] == "rolled_back" and after[("org-1", version)][5] == "test"
-    assert all(after[(c[0], c[1])][4] == c[4] for c in cks if c[0] == "org-2")  # the other org is untouched
-    again = _run(["rollback", str(version), "--org", "org-1"], {"RTRL_DATA_DIR": str(tmp_path)}, timeout=120)
-    assert again.returncode != 0 and "not promoted" in again.stdout + again.stderr

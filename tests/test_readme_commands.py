@@ -167,7 +167,7 @@ RULES = (
     Rule(r"rtrl rollback (V|v?\d+)( \[--reason R\])?", "test_make_run_shortened_then_keep_data_and_rollback"),
     Rule(
         r"rtrl rollback (V|N|v?\d+)( \[--reason R\])? (\[--org ORG\]|--org \S+)",
-        "tests/test_per_org.py::test_the_main_job_trains_gates_and_serves_each_orgs_adapter_and_rolls_one_back",
+        "tests/test_analyst_queries.py::test_the_main_job_trains_gates_and_serves_each_orgs_adapter_and_rolls_one_back",
     ),
     Rule(r"rtrl ab", "test_service_commands_in_order"),
     Rule(r"rtrl broker (up\|down\|status|up|down|status)", "test_service_commands_in_order"),
