@@ -20,7 +20,9 @@ import pytest
 
 from devservices.broker import free_port
 
-pytestmark = pytest.mark.slow  # torchrun process groups
+#: the most one launch may take; the first test's setup makes both (pytest-timeout counts setup)
+LAUNCH_TIMEOUT_S = 600
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S + 60)]  # torchrun process groups
 
 SCRIPT = str(Path(__file__).parent / "dist" / "train_run.py")
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
@@ -74,13 +76,18 @@ def _launch(cmd: list[str], runs: dict[str, list[str]]) -> tuple[dict[str, Resul
     A launch that fails after its last run finished counts against every run in it.
     """
     groups = [a for name, args in runs.items() for a in ("--job", name, shlex.join(args))]
-    proc = subprocess.run([*cmd, SCRIPT, *groups], capture_output=True, text=True, timeout=600)
-    if proc.returncode == 0:
-        return _parse(proc.stdout), ""
-    finished = _parse(proc.stdout)
+    try:
+        proc = subprocess.run([*cmd, SCRIPT, *groups], capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+        stdout, stderr, failure = proc.stdout, proc.stderr, f"exit status {proc.returncode}" if proc.returncode else ""
+    except subprocess.TimeoutExpired as e:  # its output comes as bytes
+        stdout, stderr = (x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
+        failure = f"no end within {LAUNCH_TIMEOUT_S} s"
+    finished = _parse(stdout)
+    if not failure:
+        return finished, ""
     if finished.keys() == runs.keys():
         finished = {}
-    return finished, f"exit status {proc.returncode}: {proc.stderr[-4000:]}"
+    return finished, f"{failure}: {stderr[-4000:]}"
 
 
 @pytest.fixture(scope="module")
