@@ -14,6 +14,7 @@ and the generated pages under ``docs/reference/`` only restate the parser (``tes
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -120,7 +121,7 @@ class Rule:
 
 
 RULES = (
-    Rule(r"make run", "test_make_run_shortened_then_keep_data_and_rollback"),
+    Rule(r"make run", "test_make_run_on_a_hugging_face_model_then_keep_data_and_rollback"),
     Rule(r"make demo", "test_make_demo"),
     Rule(r"make (setup|test|test-fast|lint|bench)", "test_make_targets"),
     Rule(r"make -n \S+", "test_make_targets"),
@@ -128,10 +129,16 @@ RULES = (
         r"RTRL_REWARDS__VERSIONS=\S+ RTRL_REWARDS__TRAIN_VERSION=\S+ make run",
         "tests/test_loop.py::test_reward_hack_is_caught_with_the_buggy_reward_only",
     ),
-    Rule(r"RTRL_LOOP__PROCESSES=true (make|rtrl) run", "test_processes_mode_shortened"),
-    Rule(r"make setup && \.venv/bin/rtrl model init \S+ --family \w+", "test_the_loop_on_a_hugging_face_model"),
-    Rule(r"RTRL_MODEL__HF_PATH=\S+ make run", "test_the_loop_on_a_hugging_face_model"),
-    Rule(r"rtrl model init( DIR| \S+)?( \[--family F\]| --family \w+)?", "test_the_loop_on_a_hugging_face_model"),
+    Rule(r"RTRL_LOOP__PROCESSES=true (make|rtrl) run", "test_processes_mode_crashed_then_resumed"),
+    Rule(
+        r"make setup && \.venv/bin/rtrl model init \S+ --family \w+",
+        "test_make_run_on_a_hugging_face_model_then_keep_data_and_rollback",
+    ),
+    Rule(r"RTRL_MODEL__HF_PATH=\S+ make run", "test_make_run_on_a_hugging_face_model_then_keep_data_and_rollback"),
+    Rule(
+        r"rtrl model init( DIR| \S+)?( \[--family F\]| --family \w+)?",
+        "test_make_run_on_a_hugging_face_model_then_keep_data_and_rollback",
+    ),
     Rule(
         r"rtrl fleet follow( \[--url U\] \[--api sglang\|vllm\] \[--once\])?",
         "tests/test_registry.py::test_promotion_reaches_the_fleet_and_a_rollback_repoints_it",
@@ -162,9 +169,12 @@ RULES = (
     ),
     Rule(
         r"rtrl run( \[--resume \| --keep-data\]| --resume| --keep-data)?",
-        "test_make_run_shortened_then_keep_data_and_rollback",
+        "test_make_run_on_a_hugging_face_model_then_keep_data_and_rollback",
     ),
-    Rule(r"rtrl rollback (V|v?\d+)( \[--reason R\])?", "test_make_run_shortened_then_keep_data_and_rollback"),
+    Rule(
+        r"rtrl rollback (V|v?\d+)( \[--reason R\])?",
+        "test_make_run_on_a_hugging_face_model_then_keep_data_and_rollback",
+    ),
     Rule(
         r"rtrl rollback (V|N|v?\d+)( \[--reason R\])? (\[--org ORG\]|--org \S+)",
         "tests/test_analyst_queries.py::test_the_main_job_trains_gates_and_serves_each_orgs_adapter_and_rolls_one_back",
@@ -182,13 +192,13 @@ RULES = (
         "tests/test_secure_connections.py::test_rtrl_clickhouse_serve_over_tls",
     ),
     Rule(r"rtrl part (rewards\|batches\|serve\|train|rewards|batches)( --to-end)?", "test_service_commands_in_order"),
-    Rule(r"rtrl part (serve|train)", "test_processes_mode_shortened"),
+    Rule(r"rtrl part (serve|train)", "test_processes_mode_crashed_then_resumed"),
     Rule(r"rtrl simulate( \[--policy-version N\])?", "test_service_commands_in_order"),
     Rule(r"rtrl flow (rewards|batches)( \[-w N\]| -w \d+)?", "test_service_commands_in_order"),
     Rule(r"rtrl train", "test_service_commands_in_order"),
     Rule(r"python -m bytewax\.run flows\.reward_flow:flow", "test_service_commands_in_order"),
-    Rule(r"rtrl part NAME", "test_processes_mode_shortened"),
-    Rule(r"python -m app\.parts", "test_processes_mode_shortened"),
+    Rule(r"rtrl part NAME", "test_processes_mode_crashed_then_resumed"),
+    Rule(r"python -m app\.parts", "test_processes_mode_crashed_then_resumed"),
     Rule(r"rtrl flow NAME", "test_service_commands_in_order"),
     Rule(
         r"python -m app\.local_cluster",
@@ -450,8 +460,6 @@ def _clickhouse_counts(data_dir: Path) -> dict[str, int]:
         [sys.executable, "-c", code, f"chdb://{data_dir}/clickhouse"], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr
-    import json
-
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -578,91 +586,163 @@ def test_service_commands_in_order(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_make_run_shortened_then_keep_data_and_rollback(tmp_path):
-    """`make run` (one short cycle): v0 then one gated decision, the table per checkpoint and the PNG;
-    `rtrl run --keep-data` continues the same run for one more cycle; `rtrl rollback vN` re-promotes the
-    parent of the serving version."""
-    env = _short_loop(tmp_path, cycles=1)
-    run = sh(doc_command(r"make run"), env)
-    assert run.returncode == 0, _out(run)
-    assert [d[:2] for d in _decisions(run.stdout)] == [(1, 0)], _out(run)
-    assert "Checkpoints (reward v2)" in _flat(run.stdout)
-    assert (tmp_path / "reports" / "loop.png").read_bytes()[:4] == b"\x89PNG"
-
-    more = sh("rtrl run --keep-data", env | {"RTRL_LOOP__CYCLES": "2"})
-    assert more.returncode == 0, _out(more)
-    first = _decisions(run.stdout)[0]
-    parent = 1 if first[2] == "promoted" else 0  # what served when v2 trained: v1 if the gate promoted it
-    assert "resumed: 1 decisions made" in _flat(more.stdout)
-    assert [d[:2] for d in _decisions(more.stdout)] == [(2, parent)], _out(more)
-    counts = _clickhouse_counts(tmp_path)
-    assert counts["checkpoints"] == 3 and counts["train_metrics"] > 0, counts
-
-    promoted = [v for v, _, s, _ in _decisions(run.stdout + more.stdout) if s == "promoted"]
-    if not promoted:
-        refused = sh("rtrl rollback v0", {"RTRL_DATA_DIR": str(tmp_path)})
-        assert refused.returncode != 0 and len(refused.stdout.strip().splitlines()) == 1, _out(refused)
-        return
-    serving = max(promoted)
-    back = sh(f"rtrl rollback v{serving} --reason readme-test", {"RTRL_DATA_DIR": str(tmp_path)})
-    assert back.returncode == 0, _out(back)
-    assert "Traceback" not in back.stdout + back.stderr
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_the_loop_on_a_hugging_face_model(tmp_path):
-    """The README's Hugging Face block (one short cycle): `rtrl model init` writes a random Qwen2 of the loop's
-    shape, and the main job trains it from `model.hf_path` to a gated decision, the trainer's recomputed log-probs
-    measured against the policy server's per step (train_metrics mismatch columns). The block's `.rtrl/` folder
-    is moved to a scratch folder, as RTRL_DATA_DIR moves the data folder."""
+def test_make_run_on_a_hugging_face_model_then_keep_data_and_rollback(tmp_path):
+    """The README's Hugging Face block, whose `RTRL_MODEL__HF_PATH=... make run` is also the test of `make run`
+    (one short cycle): `rtrl model init` writes a random Qwen2 of the loop's shape, and the main job trains it
+    from `model.hf_path` to one gated decision (v1 <- v0), the trainer's recomputed log-probs measured against
+    the policy server's per step (train_metrics mismatch columns), then prints the table per checkpoint and
+    writes the PNG. `rtrl run --keep-data` (two cycles, the same model) continues that run for one more cycle
+    from what served when v2 trained; `rtrl rollback vN --reason R` then re-promotes the parent of the serving
+    version, or, with nothing promoted, is refused in one line. The block's `.rtrl/` folder is moved to a
+    scratch folder, as RTRL_DATA_DIR moves the data folder. (It holds the claims of the `make run` test it
+    replaced, which ran its own main job.)"""
     readme = (ROOT / "README.md").read_text()
     block = next(b for b in re.findall(r"```bash\n(.*?)```", readme, flags=re.S) if "model init" in b)
     block = block.replace(".rtrl/", f"{tmp_path}/models-root/")
-    run = sh(block, _short_loop(tmp_path / "data", cycles=1))
+    data = tmp_path / "data"
+    env = _short_loop(data, cycles=1)
+    run = sh(block, env)
     assert run.returncode == 0, _out(run)
-    assert f"model from {tmp_path}/models-root/models/qwen2" in _flat(run.stdout), _out(run)
+    model = f"{tmp_path}/models-root/models/qwen2"
+    assert f"model from {model}" in _flat(run.stdout), _out(run)
     decisions = _decisions(run.stdout)
     assert [d[:2] for d in decisions] == [(1, 0)] and decisions[0][3] > 0, _out(run)
+    assert "Checkpoints (reward v2)" in _flat(run.stdout)
+    assert (data / "reports" / "loop.png").read_bytes()[:4] == b"\x89PNG"
     code = (
         "import json, sys\nfrom rtrl import clickhouse\nch = clickhouse.connect(sys.argv[1])\n"
         "print(json.dumps(ch.query('SELECT count(), min(mismatch_k3), max(mismatch_max_abs_log_ratio), "
         "argMin(mismatch_max_abs_log_ratio, step) FROM rtrl.train_metrics FINAL').result_rows[0]))"
     )
     dump = subprocess.run(
-        [sys.executable, "-c", code, f"chdb://{tmp_path}/data/clickhouse"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code, f"chdb://{data}/clickhouse"], capture_output=True, text=True, timeout=120
     )
     assert dump.returncode == 0, dump.stderr
-    import json
-
     steps, k3, worst, first = json.loads(dump.stdout.strip().splitlines()[-1])
     assert steps == decisions[0][3] and -1e-6 <= k3 < 1.0 and 0.0 <= worst < 15.0, (steps, k3, worst)
     # the first step's weights are the ones the server sampled with: the engine's log-probs are the trainer's
     assert first < 1e-3, f"first step: |behaviour - trainer log-prob| up to {first} on on-policy tokens"
 
+    more = sh("rtrl run --keep-data", env | {"RTRL_LOOP__CYCLES": "2", "RTRL_MODEL__HF_PATH": model})
+    assert more.returncode == 0, _out(more)
+    parent = 1 if decisions[0][2] == "promoted" else 0  # what served when v2 trained: v1 if the gate promoted it
+    assert "resumed: 1 decisions made" in _flat(more.stdout) and f"model from {model}" in _flat(more.stdout)
+    assert "v0 (warm start)" not in more.stdout, _out(more)  # the data folder was kept, not wiped
+    assert [d[:2] for d in _decisions(more.stdout)] == [(2, parent)], _out(more)
+    counts = _clickhouse_counts(data)
+    assert counts["checkpoints"] == 3 and counts["train_metrics"] > 0, counts
+
+    promoted = [v for v, _, s, _ in _decisions(run.stdout + more.stdout) if s == "promoted"]
+    if not promoted:
+        refused = sh("rtrl rollback v0", {"RTRL_DATA_DIR": str(data)})
+        assert refused.returncode != 0 and len(refused.stdout.strip().splitlines()) == 1, _out(refused)
+        return
+    serving = max(promoted)
+    back = sh(f"rtrl rollback v{serving} --reason readme-test", {"RTRL_DATA_DIR": str(data)})
+    assert back.returncode == 0, _out(back)
+    assert "Traceback" not in back.stdout + back.stderr
+
+
+def _run_groups(pid: int) -> set[int]:
+    """The process groups of process ``pid`` and of everything it started and still runs (from /proc): the
+    supervisor's group, and one per part, each of which leads its own."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+        except OSError:
+            continue
+        _state, ppid, pgrp = stat[stat.rindex(")") + 2 :].split()[:3]
+        children.setdefault(int(ppid), []).append((int(proc.name), int(pgrp)))
+    groups, todo = set(), [pid]
+    while todo:
+        for child, pgrp in children.get(todo.pop(), []):
+            groups.add(pgrp)
+            todo.append(child)
+    return groups - {os.getpgrp()}
+
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_processes_mode_shortened(tmp_path):
-    """`RTRL_LOOP__PROCESSES=true make run` (two short cycles): the supervisor runs each part (`app.parts`,
-    what `rtrl part NAME` runs) as its own process; each cycle ends in a decision, and the run ends like the
-    in-process one: the final live A/B (announced on rtrl.experiments, served by the serve part, users split by
-    hash), the table per checkpoint from ClickHouse and the PNGs; nothing is left running."""
+@pytest.mark.timeout(1200)
+def test_processes_mode_crashed_then_resumed(tmp_path):
+    """`RTRL_LOOP__PROCESSES=true make run` (two short cycles): the supervisor runs each part (`app.parts`, what
+    `rtrl part NAME` runs) as its own process. The run crashes after its first decision (SIGKILL to every
+    process of it: the supervisor, the ClickHouse front and each part's group); `RTRL_LOOP__PROCESSES=true rtrl
+    run --resume` keeps the data folder and continues from that decision: no new warm start, v1 not made again,
+    each cycle decided once, the parent rule kept. The resumed run ends like the in-process one: the final live
+    A/B (announced on rtrl.experiments, served by the serve part, users split by hash), the table per checkpoint
+    from ClickHouse and the PNGs; a log per part; nothing is left running. (It holds the claims of the process
+    mode's own test and of tests/test_supervision.py's resume test, each of which ran its own main job.)"""
+    from app.supervisor import group_members
     from tests.test_loop import _dump
 
-    run = sh(
-        doc_command(r"RTRL_LOOP__PROCESSES=true make run"), _short_loop(tmp_path, cycles=2, final_ab=100), timeout=900
-    )
+    env = _short_loop(tmp_path, cycles=2, final_ab=100)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")} | {"COLUMNS": "140"}
+    base["PATH"] = f"{BIN}{os.pathsep}{base.get('PATH', '')}"
+    first_log = tmp_path / "first-run.log"
+    with open(first_log, "w") as log:
+        first = subprocess.Popen(
+            ["bash", "-c", doc_command(r"RTRL_LOOP__PROCESSES=true make run")],
+            cwd=ROOT,
+            env=base | env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own group: the crash below is the run's, not this test's
+        )
+    state = tmp_path / "loop" / "state.json"
+    deadline = time.monotonic() + 600
+    groups: set[int] = set()
+    try:
+        while time.monotonic() < deadline and first.poll() is None:
+            try:
+                if json.loads(state.read_text())["version"] >= 1:
+                    break
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.5)
+        assert first.poll() is None, first_log.read_text()[-3000:]
+        groups = _run_groups(first.pid) | {first.pid}
+        for group in groups:  # the crash
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        first.wait(30)
+        decided = json.loads(state.read_text())["version"]  # what the crashed run had decided when it died
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while any(group_members(g) for g in groups) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [g for g in groups if group_members(g)], "a process of the crashed run outlived its SIGKILL"
+    assert len(groups) >= 1 + 4, groups  # the supervisor's group and one per part
+    assert "one process per part" in _flat(first_log.read_text()), first_log.read_text()[-3000:]
+    assert decided == 1
+
+    run = sh("RTRL_LOOP__PROCESSES=true rtrl run --resume", env, timeout=900)
     assert run.returncode == 0, _out(run)
+    out = _flat(run.stdout)
+    assert "one process per part" in out and "resuming the run in" in out, _out(run)
     decisions = _decisions(run.stdout)
     assert [v for v, *_ in decisions] == [1, 2], _out(run)
     # each candidate's parent is what served when it trained: v1 if the gate promoted it, else still v0
     assert [p for _, p, *_ in decisions] == [0, 1 if decisions[0][2] == "promoted" else 0], _out(run)
-    out = _flat(run.stdout)
-    assert "one process per part" in out and "Checkpoints (reward v2)" in out, _out(run)
+    assert "Checkpoints (reward v2)" in out, _out(run)
     for part in ("rewards", "batches", "serve", "train"):
         assert (tmp_path / "logs" / f"{part}.log").is_file(), sorted(p.name for p in (tmp_path / "logs").iterdir())
+    # the trainer's log holds both runs: the crashed one's warm start, then the resumed one's cycles only
+    log = (tmp_path / "logs" / "train.log").read_text()
+    assert f"resumed: {decided} decisions made" in log, log[-3000:]
+    crashed, _, resumed = log.partition(f"resumed: {decided} decisions made")
+    assert "v0 (warm start)" in crashed, crashed[-3000:]
+    assert "v0 (warm start)" not in resumed, resumed[-3000:]  # the crashed run's data folder was kept, not wiped
+    assert [int(v) for v in re.findall(r"^v(\d+) <- v\d+:", resumed, flags=re.M)] == [2], resumed[-3000:]
+    assert json.loads(state.read_text())["version"] == 2
     d = _dump(tmp_path)
+    assert [c[0] for c in d["checkpoints"]] == [0, 1, 2], d["checkpoints"]
     serving = max(c[0] for c in d["checkpoints"] if c[2] == "promoted")
     if serving:
         assert f"Live A/B, v{serving} against v0: users randomised by hashed user id" in out, _out(run)

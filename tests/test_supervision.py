@@ -4,14 +4,14 @@ under a seeded random kill schedule is tests/test_chaos.py.
 - The restart budget is a rate (N restarts within a sliding window), not a count over the supervisor's life.
 - Ending a dead part ends its whole process group: a helper it forked does not outlive it.
 - The supervisor's own ClickHouse queries wait out a restart of the front, then fail as one line.
-- ``rtrl run --resume`` continues a crashed run instead of wiping it.
+- ``rtrl run --resume`` continues a crashed run instead of wiping it: the process mode's end-to-end test,
+  tests/test_readme_commands.py::test_processes_mode_crashed_then_resumed, crashes its run after the first
+  decision and resumes it.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -76,6 +76,7 @@ def test_ending_a_dead_part_ends_the_helpers_it_forked(tmp_path):
     assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
 
 
+@pytest.mark.slow  # waits 3 s for the part to be up
 def test_a_part_stops_cleanly_when_its_supervisor_is_killed(tmp_path):
     """kill -9 of the supervisor: its parts notice their parent is gone and take the clean-stop path
     (SIGTERM to themselves) instead of running on, orphaned, for ever."""
@@ -104,6 +105,7 @@ def test_a_part_stops_cleanly_when_its_supervisor_is_killed(tmp_path):
     assert done.read_text() == "clean"
 
 
+@pytest.mark.slow  # waits out its 2 s of patience
 def test_the_supervisors_queries_fail_as_one_line_when_clickhouse_is_gone():
     dsn = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
@@ -115,6 +117,7 @@ def test_the_supervisors_queries_fail_as_one_line_when_clickhouse_is_gone():
 
 
 def _small_run(tmp_path: Path, cycles: int) -> dict[str, str]:
+    """The main job's settings cut to a test's size (tests/test_clean_stop.py runs `rtrl run` with them)."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")}
     return clean | {
         "RTRL_DATA_DIR": str(tmp_path),
@@ -125,55 +128,3 @@ def _small_run(tmp_path: Path, cycles: int) -> dict[str, str]:
         "RTRL_LOOP__RATE": "40",
         "RTRL_LOOP__FINAL_AB_TRAJECTORIES": "0",  # the final live A/B: test_make_demo checks it
     }
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_run_resume_continues_a_crashed_run(tmp_path):
-    """`rtrl run` is killed (SIGKILL to its process group) after its first decision; `rtrl run --resume`
-    keeps the data folder and continues from that decision: no new warm start, v1 not made again, and
-    the run ends with every cycle decided once."""
-    env = _small_run(tmp_path, cycles=3)
-    log = open(tmp_path / "first.log", "w")  # noqa: SIM115 - the child writes it
-    first = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "run"],
-        env=env,
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    state = tmp_path / "loop" / "state.json"
-    deadline = time.monotonic() + 600
-    try:
-        while time.monotonic() < deadline and first.poll() is None:
-            try:
-                if json.loads(state.read_text())["version"] >= 1:
-                    break
-            except (OSError, ValueError, KeyError):
-                pass
-            time.sleep(0.5)
-        assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-        os.killpg(first.pid, signal.SIGKILL)  # the crash
-        first.wait(30)
-        decided = json.loads(state.read_text())  # what the crashed run had decided when it died
-    finally:
-        log.close()
-        if first.poll() is None:
-            os.killpg(first.pid, signal.SIGKILL)
-    assert 1 <= decided["version"] < 3
-    resumed = subprocess.run(
-        [sys.executable, "-m", "app.cli", "run", "--resume"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    out = resumed.stdout
-    assert resumed.returncode == 0, out[-3000:] + resumed.stderr[-3000:]
-    assert f"resumed: {decided['version']} decisions made" in out, out[-3000:]
-    assert "v0 (warm start)" not in out  # the crashed run's data folder was kept, not wiped
-    made = [int(v) for v in re.findall(r"^v(\d+) <- v\d+:", out, flags=re.M)]
-    assert made == list(range(decided["version"] + 1, 4)), out[-3000:]
-    assert json.loads(state.read_text())["version"] == 3
