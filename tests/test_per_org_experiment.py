@@ -50,6 +50,7 @@ def results() -> dict[str, list[OrgRow]]:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # the figures are torch's on both cores; one thread gives other ones
 def test_specialised_orgs_gain_with_their_adapters_and_the_others_do_not_regress(results):
     shared, adapters = results["shared"], results["adapters"]
     conventions = EXP.conventions
@@ -74,6 +75,7 @@ def test_specialised_orgs_gain_with_their_adapters_and_the_others_do_not_regress
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # the figures are torch's on both cores; one thread gives other ones
 def test_adapters_are_promoted_and_train_only_on_their_own_org(results):
     adapters = results["adapters"]
     for org in EXP.conventions:
@@ -86,6 +88,7 @@ def test_adapters_are_promoted_and_train_only_on_their_own_org(results):
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # the figures are torch's on both cores; one thread gives other ones
 def test_the_arms_are_one_computation_until_an_adapter_serves(results):
     first = {arm: [r for r in rows if r.cycle == 1] for arm, rows in results.items()}
     for a, b in zip(first["shared"], first["adapters"], strict=True):
