@@ -49,9 +49,9 @@ from rtrl.settings import Settings, as_env
 CLICKHOUSE = "clickhouse"
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of process group ``pgid``, from /proc."""
-    found = []
+def process_table() -> list[tuple[int, str, int, int]]:
+    """(pid, state, parent pid, process group) of every process, from /proc."""
+    rows = []
     for p in Path("/proc").iterdir():
         if not p.name.isdigit():
             continue
@@ -59,10 +59,14 @@ def group_members(pgid: int) -> list[int]:
             stat = (p / "stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp ...
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            found.append(int(p.name))
-    return found
+        state, ppid, pgrp = stat[stat.rindex(")") + 2 :].split()[:3]  # after "pid (comm) "
+        rows.append((int(p.name), state, int(ppid), int(pgrp)))
+    return rows
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``, from /proc."""
+    return [pid for pid, state, _, pgrp in process_table() if pgrp == pgid and state != "Z"]
 
 
 def end_group(pgid: int, timeout_s: float = 5.0) -> None:

@@ -646,16 +646,11 @@ def test_make_run_on_a_hugging_face_model_then_keep_data_and_rollback(tmp_path):
 def _run_groups(pid: int) -> set[int]:
     """The process groups of process ``pid`` and of everything it started and still runs (from /proc): the
     supervisor's group, and one per part, each of which leads its own."""
+    from app.supervisor import process_table
+
     children: dict[int, list[tuple[int, int]]] = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            stat = (proc / "stat").read_text()
-        except OSError:
-            continue
-        _state, ppid, pgrp = stat[stat.rindex(")") + 2 :].split()[:3]
-        children.setdefault(int(ppid), []).append((int(proc.name), int(pgrp)))
+    for child, _state, ppid, pgrp in process_table():
+        children.setdefault(ppid, []).append((child, pgrp))
     groups, todo = set(), [pid]
     while todo:
         for child, pgrp in children.get(todo.pop(), []):
