@@ -71,10 +71,15 @@ def test_reward_flow_stops_cleanly_and_resumes_without_loss_or_duplicates(broker
     phase2 = _payloads(200, seed=32, duplicate_rate=0.02, start_ms=1_767_226_400_000)
     env = _env(broker.bootstrap, prefix, tmp_path, tail=True)
 
-    feeding_done = threading.Event()
+    signalled, feeding_done = threading.Event(), threading.Event()
+    half = len(phase1) // 2
 
-    def feed() -> None:  # phase 1 trickles in while the flow runs (and goes on while it is stopped)
+    def feed() -> None:
+        """Half of phase 1 trickles in while the flow runs; the rest goes on while it is stopped. Waiting for the
+        signal keeps the stop mid-stream however slowly the flow starts on a loaded machine."""
         for i in range(0, len(phase1), 300):
+            if i >= half:
+                signalled.wait(180)
             _produce(broker.bootstrap, prefix + "events", phase1[i : i + 300])
             time.sleep(0.15)
         feeding_done.set()
@@ -82,11 +87,12 @@ def test_reward_flow_stops_cleanly_and_resumes_without_loss_or_duplicates(broker
     feeder = threading.Thread(target=feed, daemon=True)
     first = _flow(env)
     feeder.start()
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 180
     while time.monotonic() < deadline and sum(1 for _ in read_topic(broker.bootstrap, prefix + "rewards")) < 50:
         time.sleep(0.2)
-    assert not feeding_done.is_set(), "stop the flow mid-stream: the feed ended before the first rewards"
+    assert not feeding_done.is_set()
     first.send_signal(sig)
+    signalled.set()
     out, err = first.communicate(timeout=60)
     assert first.returncode == 0, err[-3000:]
     assert "panic" not in err.lower() and "Traceback" not in err, err[-3000:]
