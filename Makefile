@@ -37,19 +37,19 @@ lint: setup
 	$(VENV)/bin/mypy
 
 # The suite in two runs on two workers (pytest-xdist, one per core of CI's 2-core machine; JOBS=N for another).
-# A module runs on one worker, so a run its tests share happens once. Tests marked `alone` measure an effect of
+# A module with a module- or class-scoped fixture runs on one worker (tests/conftest.py), so that run happens once. Tests marked `alone` measure an effect of
 # real-time speed and run after, with the machine to themselves. pytest exits 5 when it collected no tests:
 # that is a failure here when both runs collected none, never a pass.
 JOBS ?= 2
 test: lint
-	@$(PY) -m pytest -n $(JOBS) --dist loadscope --no-loadscope-reorder -m "not alone" $(PYTEST_ARGS); a=$$?; \
+	@$(PY) -m pytest -n $(JOBS) --dist loadgroup --no-loadscope-reorder -m "not alone" $(PYTEST_ARGS); a=$$?; \
 	$(PY) -m pytest -m alone $(PYTEST_ARGS); b=$$?; \
 	if [ $$a -eq 5 ] && [ $$b -eq 5 ]; then echo "FAILED: pytest collected no tests" >&2; exit 1; fi; \
 	for rc in $$a $$b; do if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then exit $$rc; fi; done
 
 # Everything not marked slow (pure logic, in-process flows, single services): under 3 minutes on 2 cores.
 test-fast: setup
-	@$(PY) -m pytest -n $(JOBS) --dist loadscope -m "not slow and not alone" -x $(PYTEST_ARGS); rc=$$?; \
+	@$(PY) -m pytest -n $(JOBS) --dist loadgroup -m "not slow and not alone" -x $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "FAILED: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # The reference pages under docs/reference/ (and the diagram) regenerated from the code; tests/test_docs_current.py

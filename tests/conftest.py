@@ -22,6 +22,8 @@ def pytest_configure(config):
 
     With both workers' torch on every core, the in-process experiments ran six times slower than alone.
     """
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_SharedFixtureGroups(), "rtrl-shared-fixture-groups")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1:
         threads = max(1, (os.cpu_count() or 1) // workers)
@@ -32,13 +34,43 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Modules with slow tests first, each module's order kept.
+    """Slow tests first, then the other tests of modules that hold slow ones.
 
-    `make test` hands whole modules to two workers in this order. Long modules started first leave the short
-    ones to fill the end, so neither worker idles while the other finishes a long run.
+    Long units started first leave the short ones to fill the end, so neither worker idles while the other
+    finishes a long run.
     """
     slow_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_modules)
+    items.sort(key=lambda item: (not item.get_closest_marker("slow"), item.nodeid.split("::")[0] not in slow_modules))
+
+
+class _SharedFixtureGroups:
+    """`--dist loadgroup` on pytest-xdist, grouping by shared fixture.
+
+    A module that defines a module- or class-scoped fixture runs on one worker, so that fixture's expensive run
+    happens once. Every other test is its own unit, so one module's long independent tests can use both workers.
+    xdist's own loadgroup marks no longer apply under pytest 9.2, whose node ids cannot be renamed.
+    """
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_xdist_make_scheduler(self, config, log):
+        if config.getvalue("dist") != "loadgroup":
+            return None
+        from xdist.scheduler import LoadScopeScheduling
+
+        shared: dict[str, bool] = {}
+
+        def shares_a_fixture(module: str) -> bool:
+            if module not in shared:
+                text = (config.rootpath / module).read_text()
+                shared[module] = 'scope="module"' in text or 'scope="class"' in text
+            return shared[module]
+
+        class Scheduling(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                module = nodeid.split("::")[0]
+                return module if shares_a_fixture(module) else nodeid
+
+        return Scheduling(config, log)
 
 
 @pytest.fixture(scope="session")
