@@ -14,6 +14,9 @@ Guarantees to the caller:
   ``max_past_s`` behind) is invalid: a stamp far ahead would otherwise reach the reward flow as a
   hostile clock. A replay of recorded traffic passes its own clock (``record(event, now_ms=...)``),
   which is also the record's Kafka timestamp.
+- Each trajectory has a data-use class (:mod:`schemas.data_use`): the stricter of ``start_trajectory``'s
+  ``data_use`` and the org's policy (``governance``). Nothing of a ``none`` trajectory leaves the SDK, and
+  :meth:`Trajectory.rollout` publishes no tokens of a ``monitor_only`` one. Both are counted in ``stats().withheld``.
 """
 
 from __future__ import annotations
@@ -27,11 +30,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import msgspec
 from confluent_kafka import Producer
 
 from client.hashing import hash_user
 from rtrl.kafka import KafkaConnection, connection, produce, producer_config
-from schemas.codec import DEFAULT_MAX_BYTES, Invalid, event_codec
+from rtrl.settings import GovernanceSettings
+from schemas.codec import DEFAULT_MAX_BYTES, Invalid, JsonCodec, event_codec
+from schemas.data_use import DataUse, keeps_tokens
 from schemas.records import (
     ClarifyingQuestion,
     EditAccepted,
@@ -41,6 +47,7 @@ from schemas.records import (
     EventBase,
     Followup,
     Latency,
+    Rollout,
     TaskCheckin,
     TaskVerdict,
     ToolCall,
@@ -57,7 +64,8 @@ class InvalidEvent(Invalid):
 
 @dataclass(frozen=True)
 class ClientStats:
-    """Counters of one client. ``accepted = delivered + failed + pending`` once callbacks ran."""
+    """Counters of one client. ``accepted = delivered + failed + pending`` once callbacks ran. ``withheld``
+    counts the events and rollouts a trajectory's data-use class kept in the SDK."""
 
     accepted: int
     delivered: int
@@ -66,6 +74,7 @@ class ClientStats:
     invalid: int
     pending: int
     last_error: str | None
+    withheld: int = 0
 
 
 def _now_ms() -> int:
@@ -90,23 +99,29 @@ class RtrlClient:
         security: Mapping[str, str] | None = None,
         max_future_s: float = 600.0,
         max_past_s: float = 7 * 86400.0,
+        rollouts_topic: str = "rtrl.rollouts",
+        governance: GovernanceSettings | None = None,
     ):
         """``bootstrap``: the brokers; a :class:`rtrl.kafka.KafkaConnection` (what :meth:`from_settings` passes)
         brings its cluster's security. ``security``: librdkafka security properties for a secured cluster
         (``security.protocol``, ``sasl.*``, ``ssl.*``), e.g. ``rtrl.kafka.security_config(settings.kafka)``;
-        simpler, :meth:`from_settings` with ``load_settings()`` reads them from ``RTRL_KAFKA__*``."""
+        simpler, :meth:`from_settings` with ``load_settings()`` reads them from ``RTRL_KAFKA__*``.
+        ``governance``: each org's data-use policy (settings ``governance``); None lets every org's data train."""
         if len(salt) < 8:
             raise ValueError("salt must be at least 8 characters (setting sdk.salt)")
-        self.topic = topic
+        self.topic, self.rollouts_topic = topic, rollouts_topic
+        self.governance = governance or GovernanceSettings()
         self.salt = salt
         self.max_future_ms, self.max_past_ms = int(max_future_s * 1000), int(max_past_s * 1000)
         self.queue_size = queue_size
         self._codec = event_codec(max_event_bytes)
-        self._queue: collections.deque[tuple[bytes, bytes, int]] = collections.deque()  # key, value, CreateTime
+        self._rollout_codec: JsonCodec[Rollout] = JsonCodec(Rollout)
+        # topic, key, value, CreateTime (0: the producer's clock)
+        self._queue: collections.deque[tuple[str, bytes, bytes, int]] = collections.deque()
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._closing = False
-        self._accepted = self._delivered = self._failed = self._dropped = self._invalid = 0
+        self._accepted = self._delivered = self._failed = self._dropped = self._invalid = self._withheld = 0
         self._in_producer = 0
         self._last_error: str | None = None
         self._last_drop_log = 0.0
@@ -141,6 +156,8 @@ class RtrlClient:
             compression=settings.kafka.compression,
             max_future_s=s.max_future_s,
             max_past_s=s.max_past_s,
+            rollouts_topic=settings.topic("rollouts"),
+            governance=settings.governance,
         )
 
     # ------------------------------------------------------------ recording
@@ -158,11 +175,36 @@ class RtrlClient:
         arm: str = "control",
         trajectory_id: str | None = None,
         ts: int | None = None,
+        data_use: DataUse = "train",
     ) -> Trajectory:
-        """Record ``trajectory_started`` and return a handle for the trajectory's other events."""
-        traj = Trajectory(self, trajectory_id or uuid.uuid4().hex, org_id, self.hash_user(user_id), policy_version, arm)
-        traj._emit(TrajectoryStarted, ts, task_kind=task_kind)
+        """Record ``trajectory_started`` and return a handle for the trajectory's other events.
+
+        ``data_use`` is what the product allows for this trajectory. The org's policy (``governance``) may make it
+        stricter, never looser. A ``none`` trajectory's handle records nothing."""
+        use = self.governance.effective(org_id, data_use)
+        traj = Trajectory(
+            self, trajectory_id or uuid.uuid4().hex, org_id, self.hash_user(user_id), policy_version, arm, use
+        )
+        traj._emit(TrajectoryStarted, ts, task_kind=task_kind, data_use=use)
         return traj
+
+    def record_rollout(self, rollout: Rollout, *, now_ms: int | None = None, topic: str | None = None) -> bool:
+        """Validate and enqueue one rollout for ``topic`` (default: the rollouts topic), keyed by its trajectory.
+        False when the queue is full. Use :meth:`Trajectory.rollout`, which applies the trajectory's data-use
+        class."""
+        try:
+            data = self._rollout_codec.encode(rollout)
+        except Invalid as e:
+            self._invalid += 1
+            raise InvalidEvent(e.field, e.reason) from None
+        stamp = 0 if now_ms is None else now_ms
+        return self._enqueue(topic or self.rollouts_topic, rollout.trajectory_id.encode(), data, stamp)
+
+    def withhold(self) -> bool:
+        """Count one record a trajectory's data-use class keeps in the SDK; False, as nothing was sent."""
+        with self._lock:
+            self._withheld += 1
+        return False
 
     def record(self, event: EventBase, *, now_ms: int | None = None) -> bool:
         """Validate and enqueue one event. False when it was dropped because the queue is full.
@@ -184,6 +226,9 @@ class RtrlClient:
         except Invalid as e:
             self._invalid += 1
             raise InvalidEvent(e.field, e.reason) from None
+        return self._enqueue(self.topic, event.trajectory_id.encode(), data, 0 if now_ms is None else now_ms)
+
+    def _enqueue(self, topic: str, key: bytes, data: bytes, stamp: int) -> bool:
         if self._closing:
             raise RuntimeError("RtrlClient is closed")
         with self._lock:
@@ -194,7 +239,7 @@ class RtrlClient:
                     self._last_drop_log = since
                     log.warning("rtrl client queue full (%d events): dropped %d so far", self.queue_size, self._dropped)
                 return False
-            self._queue.append((event.trajectory_id.encode(), data, 0 if now_ms is None else now_ms))
+            self._queue.append((topic, key, data, stamp))
             self._accepted += 1
         if not self._wake.is_set():
             self._wake.set()
@@ -218,9 +263,9 @@ class RtrlClient:
         while True:
             self._wake.wait(0.05)
             self._wake.clear()
-            queue, topic, on_delivery, n = self._queue, self.topic, self._on_delivery, 0
+            queue, on_delivery, n = self._queue, self._on_delivery, 0
             while queue:
-                key, value, stamp = queue[0]
+                topic, key, value, stamp = queue[0]
                 # waits while the producer's own queue is full (e.g. broker down), never drops
                 produce(producer, topic, value, key, on_delivery, poll_s=0.05, timestamp=stamp)
                 queue.popleft()
@@ -243,6 +288,7 @@ class RtrlClient:
             invalid=self._invalid,
             pending=len(self._queue) + self._in_producer,
             last_error=self._last_error,
+            withheld=self._withheld,
         )
 
     def flush(self, timeout_s: float = 30.0) -> int:
@@ -282,10 +328,19 @@ class RtrlClient:
 
 
 class Trajectory:
-    """Handle for one trajectory; each method records one event (``ts`` defaults to now)."""
+    """Handle for one trajectory; each method records one event (``ts`` defaults to now).
+
+    ``data_use`` is the trajectory's class. Under ``none`` every method records nothing and returns False."""
 
     def __init__(
-        self, client: RtrlClient, trajectory_id: str, org_id: str, user_hash: str, policy_version: int, arm: str
+        self,
+        client: RtrlClient,
+        trajectory_id: str,
+        org_id: str,
+        user_hash: str,
+        policy_version: int,
+        arm: str,
+        data_use: DataUse = "train",
     ):
         self.client = client
         self.trajectory_id = trajectory_id
@@ -293,8 +348,23 @@ class Trajectory:
         self.user_hash = user_hash
         self.policy_version = policy_version
         self.arm = arm
+        self.data_use: DataUse = data_use
+
+    def rollout(self, rollout: Rollout, *, now_ms: int | None = None, topic: str | None = None) -> bool:
+        """Publish the rollout that served this trajectory, with the trajectory's data-use class.
+
+        No token of a ``monitor_only`` or ``none`` trajectory leaves the SDK: the rollout is withheld and counted.
+        False when it was withheld or dropped."""
+        if rollout.trajectory_id != self.trajectory_id or rollout.org_id != self.org_id:
+            raise InvalidEvent("$.trajectory_id", "the rollout belongs to another trajectory or org than this handle")
+        if not keeps_tokens(self.data_use):
+            return self.client.withhold()
+        ro = msgspec.structs.replace(rollout, data_use=self.data_use)
+        return self.client.record_rollout(ro, now_ms=now_ms, topic=topic)
 
     def _emit(self, cls: type[EventBase], ts: int | None, **payload: Any) -> bool:
+        if self.data_use == "none":
+            return self.client.withhold()
         event = cls(
             event_id=uuid.uuid4().hex,
             trajectory_id=self.trajectory_id,

@@ -27,7 +27,8 @@ per serving adapter version when several served it: :func:`unrouted`). The batch
     :func:`shared_copy_id` of the original's id and the version). So is such a batch of an org the flow does not
     route to an adapter (:func:`split_mixed`: not in ``adapters.orgs`` any more, or under ``min_samples``).
 
-An org's samples therefore only ever reach its own adapter. Every id is a function of the batch alone: a batch
+A batch of ``adapter_only`` samples (:mod:`schemas.data_use`) goes to the org's adapter stream alone, from the org's
+first sample on, and never to the shared stream. An org's samples therefore only ever reach its own adapter. Every id is a function of the batch alone: a batch
 redelivered after a crash routes to the same ids, which the trainers' dedup (``batch_id``) drops. The router's
 state is one counter per org (:meth:`OrgRouter.snapshot`); a resumed router takes the current settings'
 threshold and traffic policy with the snapshot's count. Which batches cross the threshold depends on the order
@@ -42,6 +43,7 @@ from typing import Literal
 
 import msgspec
 
+from schemas.data_use import trains_shared
 from schemas.records import MicroBatch
 
 SharedTraffic = Literal["all", "unadapted", "served"]
@@ -141,6 +143,10 @@ class OrgRouter:
         adapted = self.adapted
         if not self.reward_version or batch.reward_version == self.reward_version:
             self.samples += len(batch.sample_ids)
+        if batch.data_use and not all(trains_shared(u) for u in batch.data_use):
+            # adapter_only samples (schemas.data_use): the org's adapter only, from its first sample on, as the
+            # shared policy may never train them (min_samples guards the shared policy's share of an org's traffic)
+            return [msgspec.structs.replace(batch, adapter=self.org)]
         if not adapted:
             return unrouted(batch, self.shared_traffic)
         out = [msgspec.structs.replace(batch, adapter=self.org)]

@@ -81,7 +81,8 @@ def batch_configs(settings: Settings) -> dict[str, BatchConfig]:
 def batch_config(settings: Settings, reward_version: str | None = None) -> BatchConfig:
     """The ``batching`` section (with the trained reward version, or ``reward_version``, the policy-lag and
     delayed-lag limits, and the wait for the final reward of each ``flow.task_kinds`` kind that awaits a verdict)
-    as the pure builder's config: the one mapping of those settings."""
+    as the pure builder's config, with each org's data-use policy (``governance``) and the orgs that may have an
+    adapter: the one mapping of those settings."""
     if reward_version is None:
         registry(settings).check([settings.rewards.train_version], "rewards.train_version")
     b = settings.batching
@@ -102,6 +103,9 @@ def batch_config(settings: Settings, reward_version: str | None = None) -> Batch
         rows=b.rows,
         flush_ms=int(b.flush_s * 1000),
         baseline_alpha=b.baseline_alpha,
+        data_use_policy=tuple(sorted(settings.governance.orgs.items())),
+        default_data_use=settings.governance.default,
+        adapter_orgs=tuple(settings.adapters.orgs),
     )
 
 
@@ -147,6 +151,8 @@ def summary(counts: FlowCounts, seconds: float | None = None) -> str:
     unmatched = dropped.get("unmatched_rollout", 0) + dropped.get("unmatched_reward", 0)
     extra = (("too_long", "too long"), ("duplicate_rollout", "duplicate rollouts"))
     more = "".join(f", {dropped[k]:,} {label}" for k, label in extra if dropped.get(k))
+    governed = sum(n for k, n in dropped.items() if k.startswith("data_use:"))
+    more += f", {governed:,} not for training by data use" if governed else ""
     return (
         f"batch flow: {c['read:rollout']:,} rollouts, {c['read:reward']:,} rewards; {c['joined']:,} samples joined, "
         f"{c['batches']:,} micro-batches sent ({c['sent']:,} samples"

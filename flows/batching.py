@@ -31,7 +31,13 @@ join, group and baseline without talking to any other. Steps, in order:
    would bias its advantage. A group waits ``group_wait_ms`` after its first join for its
    ``group_size`` members; verdict-kind members whose final rewards arrive further apart than that
    become groups of one (the group is not held for hours: it would go stale).
-4. **Packing**: samples (prompt + completion tokens) are packed first-fit into rows of ``seq_len``
+4. **Data use** (issue 38): a joined sample's class is the strictest of its rollout's, its reward's (from the
+   trajectory's start) and its org's policy (``data_use_policy``, the settings ``governance``). A
+   ``monitor_only`` or ``none`` one is never a sample (counted ``data_use:monitor_only``, ``data_use:none``); an
+   ``adapter_only`` one is kept only for an org that may have an adapter (``adapter_orgs``; else counted
+   ``data_use:adapter_only_without_adapter``). A micro-batch holds samples of one class, so an org's router can
+   send an ``adapter_only`` batch to the org's adapter alone (:mod:`flows.adapters`).
+5. **Packing**: samples (prompt + completion tokens) are packed first-fit into rows of ``seq_len``
    tokens; a micro-batch is emitted when ``rows`` rows cannot take the next sample, or when its
    oldest sample has waited ``flush_ms``. Prompt tokens and padding have loss mask 0.
 
@@ -47,6 +53,7 @@ import heapq
 from collections import Counter
 from dataclasses import dataclass, field
 
+from schemas.data_use import DataUse, stricter
 from schemas.records import MicroBatch, Reward, Rollout
 
 
@@ -65,6 +72,13 @@ class BatchConfig:
     verdict_wait_ms: tuple[tuple[str, int], ...] = ()
     """(task kind, ms) for each kind that awaits the user's verdict: its rollouts wait this long for the final
     reward (provisional ones are never joined); kinds not listed join revision 0 within join_wait_ms."""
+    data_use_policy: tuple[tuple[str, DataUse], ...] = ()
+    """(org, class) for each org with its own data-use policy (settings governance.orgs)."""
+    default_data_use: DataUse = "train"
+    """The data-use class of every other org (settings governance.default)."""
+    adapter_orgs: tuple[str, ...] = ()
+    """Orgs that may have an adapter ('*' = every org; settings adapters.orgs): only theirs keep adapter_only
+    samples."""
 
     def __post_init__(self) -> None:
         for name in ("join_wait_ms", "group_wait_ms", "flush_ms", "max_policy_lag", "max_delayed_lag"):
@@ -76,6 +90,14 @@ class BatchConfig:
             raise ValueError("seq_len must be >= 2 and rows >= 1")
         if not 0.0 < self.baseline_alpha <= 1.0:
             raise ValueError("baseline_alpha must be in (0, 1]")
+
+    def data_use(self, org: str, *classes: DataUse) -> DataUse:
+        """The class of a sample of ``org`` whose records say ``classes``: the strictest with the org's policy."""
+        policy = next((use for o, use in self.data_use_policy if o == org), self.default_data_use)
+        return stricter(policy, *classes)
+
+    def has_adapter(self, org: str) -> bool:
+        return "*" in self.adapter_orgs or org in self.adapter_orgs
 
     def verdict_wait(self, task_kind: str) -> int | None:
         """How long a rollout of ``task_kind`` waits for its final reward; None = the kind awaits no verdict."""
@@ -91,6 +113,7 @@ class Sample:
     joined_at: int
     advantage: float = 0.0
     delayed: bool = False  # lag over max_policy_lag, within max_delayed_lag
+    data_use: DataUse = "train"  # train or adapter_only: what it may train (schemas.data_use)
 
     @property
     def tokens(self) -> int:
@@ -167,6 +190,7 @@ def pack(samples: list[Sample], seq_len: int, created_at: int, reward_version: s
     org = served_orgs[0] if served_orgs else ""
     versions = [s.rollout.adapter_version if s.rollout.org_id == org else 0 for s in samples]
     delayed = [s.delayed or (s.rollout.adapter_version != 0 and s.rollout.org_id != org) for s in samples]
+    uses = [s.data_use for s in samples]
     digest = hashlib.sha1("\n".join(ids + ([f"reward:{reward_version}"] if reward_version else [])).encode())
     batch_id = digest.hexdigest()[:32]
     return MicroBatch(
@@ -184,6 +208,7 @@ def pack(samples: list[Sample], seq_len: int, created_at: int, reward_version: s
         delayed=delayed if any(delayed) else [],
         adapter_versions=versions if any(versions) else [],
         served_org=org,
+        data_use=list(uses) if any(u != "train" for u in uses) else [],
     )
 
 
@@ -275,7 +300,14 @@ class BatchBuilder:
 
     def _join(self, r: Rollout, rw: Reward) -> None:
         self.joined.add(r.trajectory_id)
-        s = Sample(r, rw.reward, self.clock)
+        use = self.config.data_use(r.org_id, r.data_use, rw.data_use)
+        if use in ("monitor_only", "none"):
+            self.counts[f"data_use:{use}"] += 1
+            return
+        if use == "adapter_only" and not self.config.has_adapter(r.org_id):
+            self.counts["data_use:adapter_only_without_adapter"] += 1
+            return
+        s = Sample(r, rw.reward, self.clock, data_use=use)
         g = self.groups.get(r.group_id)
         if g is None:
             g = self.groups[r.group_id] = _Group(r.group_size, self.clock)
@@ -362,12 +394,24 @@ class BatchBuilder:
         return x.created_at + (self.config.join_wait_ms if verdict is None else verdict)
 
     def _full(self) -> bool:
-        return rows_needed([s.tokens for s in self.ready], self.config.seq_len) > self.config.rows
+        """Whether the ready samples of one data-use class fill more than ``rows`` rows."""
+        for use in {s.data_use for s in self.ready}:
+            same = [s.tokens for s in self.ready if s.data_use == use]
+            if rows_needed(same, self.config.seq_len) > self.config.rows:
+                return True
+        return False
 
     def _emit(self) -> MicroBatch:
-        """Pack the longest prefix of ready samples that fits in ``rows`` rows."""
-        cfg, n = self.config, 1
-        while n < len(self.ready) and rows_needed([s.tokens for s in self.ready[: n + 1]], cfg.seq_len) <= cfg.rows:
+        """Pack the longest prefix of the ready samples of the oldest one's data-use class that fits in ``rows``
+        rows: a micro-batch holds one class."""
+        cfg, n, use = self.config, 1, self.ready[0].data_use
+        same = [s for s in self.ready if s.data_use == use]
+        while n < len(same) and rows_needed([s.tokens for s in same[: n + 1]], cfg.seq_len) <= cfg.rows:
             n += 1
-        take, self.ready = self.ready[:n], self.ready[n:]
+        take = same[:n]
+        if len(same) == len(self.ready):
+            self.ready = self.ready[n:]
+        else:
+            taken = {id(s) for s in take}
+            self.ready = [s for s in self.ready if id(s) not in taken]
         return pack(take, cfg.seq_len, self.clock, cfg.reward_version)

@@ -88,6 +88,7 @@ def summary(f: TrajectoryFeatures, revision: int, close_reason: CloseReason) -> 
         first_event_ts=f.first_ts,
         last_event_ts=f.last_ts,
         user_hash=f.user_hash,
+        data_use=f.data_use,
     )
 
 
@@ -209,5 +210,6 @@ class RewardProcessor:
                         last_event_ts=f.last_ts,
                         emitted_at=now,
                         provisional=provisional,
+                        data_use=f.data_use,
                     )
                 )

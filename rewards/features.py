@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from schemas.data_use import DataUse
 from schemas.records import (
     EditAccepted,
     EditPersisted,
@@ -65,6 +66,7 @@ class TrajectoryFeatures:
     verdict: str | None = None  # the user's verdict on the whole outcome (task_verdict), None until it arrives
     verdict_fraction: float | None = None  # fraction of the work the user kept, with the verdict
     verdict_ts: int | None = None  # event time of the verdict
+    data_use: DataUse = "train"  # the data-use class its first trajectory_started gave (schemas.data_use)
 
     @property
     def started(self) -> bool:
@@ -140,6 +142,7 @@ def features(events: Iterable[EventBase]) -> TrajectoryFeatures:
         arm=head.arm,
         user_hash=head.user_hash,
         task_kind=starts[0].task_kind if starts else None,
+        data_use=starts[0].data_use if starts else "train",
         status=status,
         n_events=len(ordered),
         event_counts=dict(sorted(counts.items())),

@@ -45,6 +45,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 from rtrl.errors import ConfigError
+from schemas.data_use import DataUse, stricter
 
 ENV_PREFIX = "RTRL_"
 ENV_CONFIG_FILE = "RTRL_CONFIG"
@@ -460,6 +461,35 @@ class SdkSettings(Section):
         "the SDK refuses an event stamped further behind its clock (older than the events topic keeps)",
         gt=0,
     )
+
+
+class GovernanceSettings(Section):
+    """What rtrl may do with each organisation's data (issue 38, docs/governance.md).
+
+    A trajectory's data-use class is the stricter of the product's choice (``start_trajectory(..., data_use=...)``)
+    and its org's policy here. The SDK, the batch flow and the trainer each apply it again. A change of policy
+    applies to what is handled after it; erasure handles the past.
+    """
+
+    default: DataUse = _s(
+        "train",
+        "data-use class of every org not in governance.orgs: train (the shared policy and the org's adapter), "
+        "adapter_only (only the org's own adapter), monitor_only (events and rewards for monitoring; no token "
+        "stored or trained) or none (nothing leaves the SDK)",
+    )
+    orgs: dict[str, DataUse] = Field(
+        default_factory=dict,
+        description="data-use class per organisation [governance.orgs] (org = class); the stricter of it and the "
+        "product's choice wins",
+    )
+
+    def policy(self, org: str) -> DataUse:
+        """The org's data-use class under these settings."""
+        return self.orgs.get(org, self.default)
+
+    def effective(self, org: str, *requested: DataUse) -> DataUse:
+        """The class a trajectory of ``org`` gets: the strictest of its org's policy and ``requested``."""
+        return stricter(self.policy(org), *requested)
 
 
 # ---------------------------------------------------------------- data plane: streams
@@ -1239,6 +1269,7 @@ class Settings(BaseSettings):
     simulator: SimulatorSettings = Field(default_factory=SimulatorSettings)
     serving: ServingSettings = Field(default_factory=ServingSettings)
     adapters: AdapterSettings = Field(default_factory=AdapterSettings)
+    governance: GovernanceSettings = Field(default_factory=GovernanceSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
 
     @classmethod

@@ -16,6 +16,7 @@ from typing import Annotated, Literal, Union, cast
 import msgspec
 from msgspec import Meta
 
+from schemas.data_use import DataUse
 from schemas.fields import Float32, Id, Int32, Int64, Kind, Label, Millis, UInt8, UInt32, UInt64, UserHash, Version, doc
 
 # gc=False: records hold only scalars and containers of scalars, so they cannot form reference
@@ -31,7 +32,16 @@ MaybeLabel = Annotated[str, Meta(max_length=128), Kind("lowcard")]
 CheckpointStatus = Literal["candidate", "promoted", "rejected", "rolled_back"]
 ExperimentStatus = Literal["running", "ended"]
 DeadLetterKind = Literal[
-    "malformed", "invalid", "unknown_type", "oversize", "duplicate", "too_late", "never_started", "future", "other"
+    "malformed",
+    "invalid",
+    "unknown_type",
+    "oversize",
+    "duplicate",
+    "too_late",
+    "never_started",
+    "future",
+    "data_use",
+    "other",
 ]
 
 
@@ -54,6 +64,13 @@ class TrajectoryStarted(EventBase, tag="trajectory_started"):
     """The user gave the agent a task."""
 
     task_kind: Annotated[Label, doc("Kind of task (bugfix, feature, refactor, ...); cohort key with org_id.")]
+    data_use: Annotated[
+        DataUse,
+        doc(
+            "What rtrl may do with the trajectory (schemas.data_use): the stricter of the product's choice and the "
+            "org's policy, set by the SDK. Events written before this field read as train."
+        ),
+    ] = "train"
 
 
 class ToolCall(EventBase, tag="tool_call"):
@@ -203,6 +220,13 @@ class Rollout(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
             "their log-probs with the behaviour log-probs of that policy. Rollouts written before this field hold 0."
         ),
     ] = 0
+    data_use: Annotated[
+        DataUse,
+        doc(
+            "The trajectory's data-use class as the SDK published it (train or adapter_only: the SDK publishes no "
+            "rollout of a monitor_only or none trajectory). Rollouts written before this field read as train."
+        ),
+    ] = "train"
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -242,6 +266,9 @@ class Reward(msgspec.Struct, **_STRICT):
             "carries the verdict replaces it. A trainer trains a trajectory once, on its final reward."
         ),
     ] = False
+    data_use: Annotated[
+        DataUse, doc("The trajectory's data-use class, from its trajectory_started event (train when none said).")
+    ] = "train"
 
 
 # ---------------------------------------------------------------- micro-batches (topic rtrl.batches, Arrow IPC)
@@ -293,6 +320,14 @@ class MicroBatch(msgspec.Struct, **_STRICT):
             "an adapter served is that org's); empty when adapter_versions is."
         ),
     ] = ""
+    data_use: Annotated[
+        list[Label],
+        doc(
+            "Per sample (same order as sample_ids): its data-use class as the batch flow decided it, the "
+            "stricter of its trajectory's and its org's policy. A trainer refuses a batch holding a sample its "
+            "class forbids it. Empty = every sample train."
+        ),
+    ] = []
 
     def __post_init__(self) -> None:
         rows = len(self.token_ids)
@@ -311,6 +346,8 @@ class MicroBatch(msgspec.Struct, **_STRICT):
                 "adapter_versions must be empty (every sample served by the shared policy alone) or have one entry "
                 "per sample_ids entry"
             )
+        if self.data_use and len(self.data_use) != len(self.sample_ids):
+            raise ValueError("data_use must be empty (every sample train) or have one entry per sample_ids entry")
         if bool(self.served_org) != any(self.adapter_versions):
             raise ValueError("served_org names the org of adapter_versions: set exactly when one of them is not 0")
         n = len(self.sample_ids)
@@ -449,6 +486,7 @@ class TrajectorySummary(msgspec.Struct, **_STRICT):
     first_event_ts: Annotated[Millis, doc("Event time of the earliest event.")]
     last_event_ts: Annotated[Millis, doc("Event time of the latest event.")]
     user_hash: Annotated[str, doc("The user's salted hash: the unit an A/B randomises and is analysed by.")] = ""
+    data_use: Annotated[DataUse, doc("The trajectory's data-use class (train when its start did not say).")] = "train"
 
 
 # ---------------------------------------------------------------- trainer metrics (table train_metrics)

@@ -8,7 +8,8 @@ does: over HTTP from an OpenAI-compatible completions server, with the rollout c
 policy, in-process on a free loopback port; with ``url`` an external vLLM or SGLang server, which must serve
 the promoted version itself (nothing is loaded here then). Each burst of tasks is one request (the prompts
 as a list, ``n = group_size``); it publishes one :class:`Rollout` per completion on ``rtrl.rollouts``
-(keyed by trajectory), and lets the simulated user react through the client SDK
+through the client SDK, which applies the trajectory's data-use class (keyed by trajectory), and lets the
+simulated user react through the SDK too
 (:func:`simulator.world.react`; an accepted edit's persistence check is delivered later, as in production). Each
 task is asked by a user of its org (``users_per_org``, from a stream of their own), under the org's convention
 when ``conventions`` gives it one (:class:`simulator.tasks.Convention`: on some kinds its users accept an edit only
@@ -33,15 +34,15 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, TopicPartition
 
 from client.fleet import adapter_model_name
 from client.rollouts import CompletionsClient, RolloutCollector
 from client.sdk import RtrlClient
 from rtrl import metrics
-from rtrl.kafka import base_config, produce, producer_config
+from rtrl.kafka import base_config
 from schemas.codec import Invalid, JsonCodec
-from schemas.records import Checkpoint, Experiment, Rollout
+from schemas.records import Checkpoint, Experiment
 from simulator.openai_server import CompletionServer
 from simulator.tasks import COMPLETION_LEN, Conventions, outcome, sample_task
 from simulator.world import Mailbox, react
@@ -116,7 +117,6 @@ class PolicyServer:
         self.rollouts_topic = prefix + "rollouts"
         # decisions made before this server started are re-read on rtrl.deployments, not new to the metrics
         self.started_ms = time.time_ns() // 1_000_000
-        self.producer = Producer(producer_config(bootstrap, compression))
         self.deployments = Consumer(
             base_config(bootstrap) | {"group.id": f"policy-server-{uuid.uuid4().hex[:8]}", "enable.auto.commit": False}
         )
@@ -127,7 +127,6 @@ class PolicyServer:
         )
         self.codec: JsonCodec[Checkpoint] = JsonCodec(Checkpoint)
         self.experiment_codec: JsonCodec[Experiment] = JsonCodec(Experiment)
-        self.rollout_codec: JsonCodec[Rollout] = JsonCodec(Rollout)
         self.rng = random.Random(seed)
         # who asks: a user of the task's org, from its own stream so the tasks' stream does not depend on it
         self.users_per_org = users_per_org
@@ -326,7 +325,6 @@ class PolicyServer:
             total = self.totals.setdefault((version, label), Served())
             for k in vars(total):
                 setattr(total, k, getattr(total, k) + getattr(served[label], k))
-        self.producer.poll(0)
         return served
 
     def _serve(
@@ -373,7 +371,9 @@ class PolicyServer:
                     created_at=now,
                     adapter_version=adapter_version,
                 )
-                self._produce(ro)
+                traj.rollout(
+                    ro, topic=self.rollouts_topic
+                )  # through the SDK, which applies the trajectory's data-use class
                 react(traj, task, o, self.rng, now, user=user, later=self.mailbox.later)
                 out.trajectories += 1
                 out.broken += o.broken
@@ -409,15 +409,10 @@ class PolicyServer:
                     self.serve(n, group_size, candidate_share)
             stop.wait(max(0.0, burst_s - (time.monotonic() - t)))
 
-    def _produce(self, ro: Rollout) -> None:
-        produce(
-            self.producer, self.rollouts_topic, self.rollout_codec.encode(ro), ro.trajectory_id.encode(), poll_s=0.1
-        )
-
     def close(self) -> None:
         # the users' persistence checks still due: sent now, with their event times
         self.mailbox.deliver(everything=True)
-        self.producer.flush(30)
+        self.client.flush(30)
         self.deployments.close()
         self.collector.client.close()
         if self.api is not None:

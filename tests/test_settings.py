@@ -106,6 +106,7 @@ def test_one_section_per_component():
         "serving",
         "adapters",
         "metrics",
+        "governance",
     }
 
 

@@ -5,6 +5,10 @@ bytes: beyond the record's own checks it refuses what would stop or poison a tra
 rows, a loss-mask value other than 0 or 1, a negative token id, NaN or inf in the advantage or
 behaviour log-prob of a trained token, and, given the model's :class:`BatchLimits`, token ids outside
 the vocabulary and a shape the model was not built for (the attention mask alone is rows x seq_len^2).
+
+It also refuses a micro-batch holding a sample its data-use class forbids it (:mod:`schemas.data_use`, dead-letter
+kind ``data_use``): the shared policy's batches hold ``train`` samples only; an org's adapter batches hold ``train``
+or ``adapter_only`` ones, under that org's policy in ``governance`` as this trainer's settings say it now.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from schemas.codec import Invalid, decode_batch
+from schemas.data_use import DataUse, stricter, trains_adapter, trains_shared
 
 if TYPE_CHECKING:
     from rtrl.settings import Settings
@@ -51,6 +56,11 @@ class BatchLimits:
     max_rows: int | None = None  # rows per micro-batch
     vocab_size: int | None = None  # token ids must lie below it
     seq_multiple: int = 1  # the model's positions per row (tokens - 1) must be a multiple of it (SP over tp)
+    data_use_policy: tuple[tuple[str, DataUse], ...] = ()  # (org, class) per org with its own (governance.orgs)
+    default_data_use: DataUse = "train"  # every other org's class (governance.default)
+
+    def org_policy(self, org: str) -> DataUse:
+        return next((use for o, use in self.data_use_policy if o == org), self.default_data_use)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> BatchLimits:
@@ -58,7 +68,15 @@ class BatchLimits:
         of the model's vocabulary: everything the settings let the batch flow send."""
         b, par = settings.batching, settings.parallel
         multiple = par.tp if par.sequence_parallel else 1
-        return cls(max(b.seq_len, settings.model.seq_length), b.rows, settings.model.vocab_size, multiple)
+        g = settings.governance
+        return cls(
+            max(b.seq_len, settings.model.seq_length),
+            b.rows,
+            settings.model.vocab_size,
+            multiple,
+            tuple(sorted(g.orgs.items())),
+            g.default,
+        )
 
 
 def to_batch(data: bytes, partition: int, offset: int, limits: BatchLimits | None = None) -> Batch:
@@ -76,6 +94,7 @@ def to_batch(data: bytes, partition: int, offset: int, limits: BatchLimits | Non
             f"{seq} tokens per row; sequence parallelism splits the {seq - 1} positions over {lim.seq_multiple} "
             "ranks, so seq_len - 1 must be a multiple of parallel.tp",
         )
+    _check_data_use(mb.data_use, mb.adapter, mb.sample_ids, lim)
     if lim.max_rows is not None and rows > lim.max_rows:
         raise Invalid("$.token_ids", f"{rows} rows; this trainer takes at most {lim.max_rows} (batching.rows)")
     b = Batch(
@@ -106,3 +125,19 @@ def to_batch(data: bytes, partition: int, offset: int, limits: BatchLimits | Non
         if not np.isfinite(values[trained]).all():
             raise Invalid(f"$.{name}", "NaN or infinity on a trained token")
     return b
+
+
+def _check_data_use(uses: list[str], adapter: str, sample_ids: list[str], lim: BatchLimits) -> None:
+    """Refuse a batch holding a sample its data-use class forbids the stream it came on (raises Invalid)."""
+    for i, use in enumerate(uses or ["train"] * len(sample_ids)):
+        if adapter:
+            use = stricter(lim.org_policy(adapter), use)  # type: ignore[arg-type]  # unknown classes fail below
+            ok, stream = trains_adapter(use), f"org {adapter}'s adapter"
+        else:
+            ok, stream = trains_shared(use), "the shared policy"
+        if not ok:
+            raise Invalid(
+                f"$.data_use[{i}]",
+                f"sample {sample_ids[i]} is {use}: it may not train {stream} (schemas.data_use, governance)",
+                "data_use",
+            )

@@ -9,7 +9,8 @@
   run neither skips nor repeats a micro-batch.
 - **Invalid micro-batches** (not Arrow IPC, wrong schema, ragged rows, corrupted bytes of any kind, a
   shape or token ids outside the model's ``limits``) are dead-lettered to ``rtrl.dead_letters`` with
-  the reason and skipped; their offsets still advance. Decoding raises nothing but ``Invalid``.
+  the reason and skipped; their offsets still advance. Decoding raises nothing but ``Invalid``. A batch refused
+  for a sample's data-use class (kind ``data_use``) is dead-lettered without its payload: its tokens stay nowhere.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ class BatchStream:
             msg.partition(),
             msg.offset(),
             msg.key(),
-            msg.value(),
+            b"" if err.kind == "data_use" else msg.value(),  # a refused sample's tokens are kept nowhere
             time.time_ns() // 1_000_000,
         )
         self.producer.produce(self.dead_letter_topic, key=self.topic.encode(), value=self._codec.encode(dl))

@@ -580,3 +580,16 @@ INSERT INTO rtrl.schema_migrations SETTINGS insert_distributed_sync = 1 VALUES (
 ALTER TABLE rtrl.train_metrics_local ON CLUSTER rtrl_cluster ADD COLUMN IF NOT EXISTS served_through_tokens UInt64 DEFAULT 0 AFTER adapter;
 ALTER TABLE rtrl.train_metrics ON CLUSTER rtrl_cluster ADD COLUMN IF NOT EXISTS served_through_tokens UInt64 DEFAULT 0 AFTER adapter;
 INSERT INTO rtrl.schema_migrations SETTINGS insert_distributed_sync = 1 VALUES (22, '0022_train_served_through.sql', '5a93e708746a94064f50b8d6a9442cbdfb185478dd6a9d1adb2d0ee70d5fcfc3', now64(3));
+
+-- 0023_data_use.sql
+ALTER TABLE rtrl.events_local ON CLUSTER rtrl_cluster ADD COLUMN IF NOT EXISTS data_use LowCardinality(Nullable(String)) AFTER task_kind;
+ALTER TABLE rtrl.events ON CLUSTER rtrl_cluster ADD COLUMN IF NOT EXISTS data_use LowCardinality(Nullable(String)) AFTER task_kind;
+ALTER TABLE rtrl.rollouts_local ON CLUSTER rtrl_cluster ADD COLUMN IF NOT EXISTS data_use LowCardinality(String) DEFAULT 'train' AFTER adapter_version;
+ALTER TABLE rtrl.rollouts ON CLUSTER rtrl_cluster ADD COLUMN IF NOT EXISTS data_use LowCardinality(String) DEFAULT 'train' AFTER adapter_version;
+ALTER TABLE rtrl.rewards_local ON CLUSTER rtrl_cluster ADD COLUMN IF NOT EXISTS data_use LowCardinality(String) DEFAULT 'train' AFTER provisional;
+ALTER TABLE rtrl.rewards ON CLUSTER rtrl_cluster ADD COLUMN IF NOT EXISTS data_use LowCardinality(String) DEFAULT 'train' AFTER provisional;
+ALTER TABLE rtrl.trajectories_local ON CLUSTER rtrl_cluster ADD COLUMN IF NOT EXISTS data_use LowCardinality(String) DEFAULT 'train' AFTER user_hash;
+ALTER TABLE rtrl.trajectories ON CLUSTER rtrl_cluster ADD COLUMN IF NOT EXISTS data_use LowCardinality(String) DEFAULT 'train' AFTER user_hash;
+ALTER TABLE rtrl.batches_local ON CLUSTER rtrl_cluster ADD COLUMN IF NOT EXISTS data_use Array(LowCardinality(String)) AFTER served_org;
+ALTER TABLE rtrl.batches ON CLUSTER rtrl_cluster ADD COLUMN IF NOT EXISTS data_use Array(LowCardinality(String)) AFTER served_org;
+INSERT INTO rtrl.schema_migrations SETTINGS insert_distributed_sync = 1 VALUES (23, '0023_data_use.sql', '19e939986d3f1b289cf9b2c0da57c34b315c23f38ed622ce848b1e4438651e12', now64(3));
