@@ -35,7 +35,9 @@ join, group and baseline without talking to any other. Steps, in order:
    trajectory's start) and its org's policy (``data_use_policy``, the settings ``governance``). A
    ``monitor_only`` or ``none`` one is never a sample (counted ``data_use:monitor_only``, ``data_use:none``); an
    ``adapter_only`` one is kept only for an org that may have an adapter (``adapter_orgs``; else counted
-   ``data_use:adapter_only_without_adapter``). A micro-batch holds samples of one class, so an org's router can
+   ``data_use:adapter_only_without_adapter``). A rollout or reward whose own class already rules it out is
+   counted when it arrives, once per trajectory, and does not wait for its other half: the SDK publishes no
+   rollout of a ``monitor_only`` trajectory, so its reward would otherwise wait and count as unmatched. A micro-batch holds samples of one class, so an org's router can
    send an ``adapter_only`` batch to the org's adapter alone (:mod:`flows.adapters`).
 5. **Packing**: samples (prompt + completion tokens) are packed first-fit into rows of ``seq_len``
    tokens; a micro-batch is emitted when ``rows`` rows cannot take the next sample, or when its
@@ -216,6 +218,8 @@ class BatchBuilder:
     """Join, staleness filter, advantages and packing for one cohort; see the module docstring."""
 
     delayed_baseline: float | None = None  # the delayed samples' running mean (a class default: older snapshots)
+    #: trajectory ids counted as not for training by their data-use class (None in a builder from an older snapshot)
+    governed: set[str] | None = None
     #: (wait end, 0 rollout / 1 reward, trajectory id) of what is held unmatched; None in a builder from an older
     #: snapshot until first used
     _waits: list[tuple[int, int, str]] | None = None
@@ -227,6 +231,7 @@ class BatchBuilder:
         self.rollouts: dict[str, Rollout] = {}
         self.rewards: dict[str, Reward] = {}
         self.joined: set[str] = set()  # trajectory ids already joined: later copies are duplicates
+        self.governed = set()
         self.groups: dict[str, _Group] = {}
         self.ready: list[Sample] = []
         self.baseline: float | None = None
@@ -240,8 +245,12 @@ class BatchBuilder:
     def add_rollout(self, r: Rollout) -> list[MicroBatch]:
         self._tick(r.created_at)
         tid = r.trajectory_id
-        if tid in self.joined or tid in self.rollouts:
+        if self.governed is not None and tid in self.governed:
+            pass  # counted once for its trajectory
+        elif tid in self.joined or tid in self.rollouts:
             self.counts["duplicate_rollout"] += 1
+        elif self._govern(tid, r.org_id, r.data_use):
+            self.rewards.pop(tid, None)
         elif self.config.seq_len < len(r.prompt_ids) + len(r.completion_ids):
             self.counts["too_long"] += 1
         elif tid in self.rewards:
@@ -256,6 +265,11 @@ class BatchBuilder:
         verdict = self.config.verdict_wait(rw.task_kind) is not None
         if rw.reward_version != self.config.reward_version:
             self.counts["other_reward_version"] += 1
+        elif self.governed is not None and tid in self.governed:
+            pass  # counted once for its trajectory
+        elif tid not in self.joined and self._govern(tid, rw.org_id, rw.data_use):
+            self.rollouts.pop(tid, None)
+            self.rewards.pop(tid, None)
         elif verdict and rw.provisional:  # the final reward (the verdict's revision) is the one trained
             self.counts["provisional_reward"] += 1
         elif (rw.revision > 0 and not verdict) or tid in self.joined or tid in self.rewards:
@@ -298,15 +312,26 @@ class BatchBuilder:
     def _tick(self, ts: int) -> None:
         self.clock = max(self.clock, ts)
 
+    def _govern(self, tid: str, org: str, *classes: DataUse) -> bool:
+        """Count ``tid`` once and return True when its data-use class, with its org's policy, trains nothing here."""
+        use = self.config.data_use(org, *classes)
+        if use in ("monitor_only", "none"):
+            reason = use
+        elif use == "adapter_only" and not self.config.has_adapter(org):
+            reason = "adapter_only_without_adapter"
+        else:
+            return False
+        self.counts[f"data_use:{reason}"] += 1
+        if self.governed is None:  # a builder from an older snapshot
+            self.governed = set()
+        self.governed.add(tid)
+        return True
+
     def _join(self, r: Rollout, rw: Reward) -> None:
+        if self._govern(r.trajectory_id, r.org_id, r.data_use, rw.data_use):
+            return
         self.joined.add(r.trajectory_id)
         use = self.config.data_use(r.org_id, r.data_use, rw.data_use)
-        if use in ("monitor_only", "none"):
-            self.counts[f"data_use:{use}"] += 1
-            return
-        if use == "adapter_only" and not self.config.has_adapter(r.org_id):
-            self.counts["data_use:adapter_only_without_adapter"] += 1
-            return
         s = Sample(r, rw.reward, self.clock, data_use=use)
         g = self.groups.get(r.group_id)
         if g is None:

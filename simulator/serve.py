@@ -42,6 +42,7 @@ from client.sdk import RtrlClient
 from rtrl import metrics
 from rtrl.kafka import base_config
 from schemas.codec import Invalid, JsonCodec
+from schemas.data_use import trains_shared
 from schemas.records import Checkpoint, Experiment
 from simulator.openai_server import CompletionServer
 from simulator.tasks import COMPLETION_LEN, Conventions, outcome, sample_task
@@ -56,6 +57,7 @@ class Served:
     broken: int = 0
     correct: int = 0
     asked: int = 0
+    trainable: int = 0  # trajectories whose data-use class lets them train the shared policy (schemas.data_use)
 
 
 def ab_bucket(user_id: str, experiment: str) -> float:
@@ -266,18 +268,19 @@ class PolicyServer:
         return have[1] if have is not None else self.model_name
 
     def may_serve(self, quota: int | None) -> bool:
-        """Backpressure: after each decision the serving version serves about ``quota`` samples, what the
-        trainer's next cycle uses (None = no limit); while an A/B candidate waits for its verdict, no limit."""
+        """Backpressure: after each decision the serving version serves about ``quota`` samples the shared policy
+        may train on, what the trainer's next cycle uses (None = no limit); while an A/B candidate waits for its
+        verdict, no limit. Trajectories whose data-use class keeps them from the shared policy do not count."""
         if quota is None or self.candidate is not None or self.experiment is not None:
             return True
         return self.served_by(self.version) - self.window_base < quota
 
     def served_by(self, version: int | None) -> int:
-        """Completions the control arm of ``version`` has served so far."""
+        """Completions the control arm of ``version`` has served so far that may train the shared policy."""
         if version is None:  # nothing served yet
             return 0
         t = self.totals.get((version, "control"))
-        return 0 if t is None else t.trajectories
+        return 0 if t is None else t.trainable
 
     def serve(self, tasks: int, group_size: int, candidate_share: float = 0.0) -> dict[str, Served]:
         """Serve ``tasks`` tasks (``group_size`` samples each) now; per arm what happened."""
@@ -371,11 +374,11 @@ class PolicyServer:
                     created_at=now,
                     adapter_version=adapter_version,
                 )
-                traj.rollout(
-                    ro, topic=self.rollouts_topic
-                )  # through the SDK, which applies the trajectory's data-use class
+                # through the SDK, which applies the trajectory's data-use class
+                published = traj.rollout(ro, topic=self.rollouts_topic)
                 react(traj, task, o, self.rng, now, user=user, later=self.mailbox.later)
                 out.trajectories += 1
+                out.trainable += published and trains_shared(traj.data_use)
                 out.broken += o.broken
                 out.correct += o.correct
                 out.asked += o.asked

@@ -68,7 +68,8 @@ def _free_port() -> str:
 def run_root(tmp_path_factory) -> Path:
     """A folder holding a finished small main job in ``.rtrl`` (the default data folder when run from it):
     A/B mode, rewards v2 and v1-discard-broken, per-org adapters (``adapters.shared_traffic = "served"``, the
-    default), and the JUNK events produced once the job had started; its output in ``run.out``.
+    default), an org of each data-use class (org-2 adapter_only, org-3 monitor_only, org-4 none; org-0 and org-1
+    train), and the JUNK events produced once the job had started; its output in ``run.out``.
 
     Three cycles, not two: the shared policy trains through a serving adapter only on samples that adapter served
     (app.adapters.ServedThrough), and an adapter is first promoted in the adapter cycle that follows a cycle's base
@@ -99,6 +100,8 @@ def run_root(tmp_path_factory) -> Path:
         RTRL_ADAPTERS__ORGS="org-1,org-2",
         RTRL_ADAPTERS__MIN_SAMPLES="16",
         RTRL_ADAPTERS__UPDATES_PER_STEP="1",
+        RTRL_LOOP__ORGS="5",  # and an org of each data-use class (issue 38): org-0 and org-1 train
+        RTRL_GOVERNANCE__ORGS=json.dumps({"org-2": "adapter_only", "org-3": "monitor_only", "org-4": "none"}),
     )
     proc = subprocess.Popen(
         [sys.executable, "-m", "app.cli", "run"],
@@ -379,6 +382,39 @@ def _rtrl(data: Path, *args: str) -> subprocess.CompletedProcess:
         text=True,
         timeout=300,
     )
+
+
+def test_no_trained_sample_is_one_its_data_use_class_forbids(front):
+    """Issue 38, end to end on this module's run, as the analyst: joining every trained sample id to its
+    trajectory shows none the governance forbids (the shared policy trained train samples only, org-2's adapter
+    its adapter_only ones). org-3's trajectories are monitored (summaries, rewards) and kept from training, each
+    counted by reason; org-4's (none) left nothing at all."""
+    from rtrl.clickhouse import connect
+
+    queries = analyst_queries()
+    client = connect(front.analyst_dsn)
+
+    def rows(title: str) -> list[dict]:
+        res = client.query(queries[title])
+        return [dict(zip(res.column_names, r)) for r in res.result_rows]
+
+    trained = rows("Trained samples by data-use class")
+    assert trained and all(r["allowed"] for r in trained), trained
+    shared = {(r["org_id"], r["data_use"]) for r in trained if r["trained_into"] == "shared policy"}
+    assert shared <= {("org-0", "train"), ("org-1", "train")} and shared, trained
+    assert not {r["org_id"] for r in trained} & {"org-3", "org-4"}
+    assert any(r["trained_into"] == "adapter of org-2" and r["data_use"] == "adapter_only" for r in trained), trained
+    kept = rows("Samples kept from training by data use")
+    assert {r["reason"] for r in kept} == {"data_use:monitor_only"} and {r["cohort"][:6] for r in kept} == {"org-3/"}
+    by_org = dict(
+        client.query("SELECT org_id, groupUniqArray(data_use) FROM rtrl.trajectories FINAL GROUP BY org_id").result_rows
+    )
+    assert by_org["org-3"] == ["monitor_only"] and by_org["org-2"] == ["adapter_only"] and "org-4" not in by_org
+    monitored = client.query(
+        "SELECT uniqExact(trajectory_id) FROM rtrl.rewards WHERE org_id = 'org-3' AND reward_version = 'v2'"
+    ).result_rows[0][0]
+    # each monitored trajectory the batch flow read is counted once (the last rewards may come after it stopped)
+    assert 0 < sum(r["trajectories"] for r in kept) <= monitored
 
 
 def test_the_main_job_trains_gates_and_serves_each_orgs_adapter_and_rolls_one_back(front_handle):

@@ -149,7 +149,8 @@ def _use(x, use):
 def test_the_builder_trains_only_what_each_class_allows_and_counts_the_rest():
     """A sample's class is the strictest of its rollout's, its reward's and its org's policy. monitor_only and
     none never become samples; adapter_only does only for an org that may have an adapter; each exclusion is
-    counted by reason. A micro-batch holds one class, and says it per sample."""
+    counted by reason, once per trajectory, when the first record that rules it out arrives. A micro-batch holds
+    one class, and says it per sample."""
     cfg = BatchConfig(flush_ms=10_000, seq_len=16, rows=4, data_use_policy=(("o", "train"),), adapter_orgs=("o",))
     bb = BatchBuilder(cfg, serving_version=1)
     out = []
@@ -163,10 +164,12 @@ def test_the_builder_trains_only_what_each_class_allows_and_counts_the_rest():
     for i, (tid, (ro_use, rw_use)) in enumerate(cases.items()):
         out += bb.add_rollout(_use(ro(tid, group=tid, at=1000 + i), ro_use))
         out += bb.add_reward(_use(rw(tid, 1.0, at=1000 + i), rw_use))
+    out += bb.add_reward(_use(rw("w", 1.0, at=1010), "monitor_only"))  # no rollout comes: the SDK withheld it
+    out += bb.add_reward(_use(rw("w", 1.0, at=1011, revision=1), "monitor_only"))  # counted once per trajectory
     out += bb.flush()
     by_class = {tuple(b.data_use) or ("train",): b.sample_ids for b in out}
     assert by_class == {("train",): ["t"], ("adapter_only", "adapter_only"): ["a", "r"]}
-    assert +bb.counts == {"data_use:monitor_only": 1, "data_use:none": 1}
+    assert +bb.counts == {"data_use:monitor_only": 2, "data_use:none": 1}  # and nothing unmatched
     # the org's policy is stricter than the records; and an org that may have no adapter keeps no adapter_only
     strict = BatchBuilder(BatchConfig(flush_ms=0, seq_len=16, default_data_use="adapter_only"), serving_version=1)
     strict.add_rollout(ro("x"))

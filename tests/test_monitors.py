@@ -27,7 +27,7 @@ from monitors.alerts import (
 from monitors.queries import ab_table, behaviour, check_promotion, format_ab_table, reward_stats, train_mismatch
 from rewards.versions import BUILTIN
 from rtrl.clickhouse import insert
-from schemas.records import Checkpoint, DeadLetter, Reward, TrainStep, TrajectorySummary
+from schemas.records import BatchStats, Checkpoint, DeadLetter, Reward, TrainStep, TrajectorySummary
 
 T0 = 1_750_000_000_000
 Z = 1.96
@@ -581,6 +581,21 @@ def test_analyst_queries_run_and_say_what_they_answer(ch_client, ch_db):
     insert(ch_client, ch_db, "train_metrics", [served_step])
     adapter_step = msgspec.structs.replace(train_step("loop-0-org-1-a1", 1, 0.01, 0.5), adapter="org-1")
     insert(ch_client, ch_db, "train_metrics", [adapter_step])
+    # a step that trained two of the trajectories, and a cohort whose monitor_only samples were kept from training
+    trained = msgspec.structs.replace(
+        train_step("loop-0-v4", 1, 0.01, 0.5), sample_ids=[v1[0].trajectory_id, v1[1].trajectory_id]
+    )
+    insert(ch_client, ch_db, "train_metrics", [trained])
+    governed = BatchStats(
+        cohort="org-3/bugfix",
+        samples=0,
+        batches=0,
+        counts={"data_use:monitor_only": 3, "unmatched_reward": 0},
+        lag_accepted={},
+        lag_dropped={},
+        clock=T0,
+    )
+    insert(ch_client, ch_db, "batch_stats", [governed])
     insert(
         ch_client,
         ch_db,
