@@ -315,6 +315,7 @@ class BatchBuilder:
     def _govern(self, tid: str, org: str, *classes: DataUse) -> bool:
         """Count ``tid`` once and return True when its data-use class, with its org's policy, trains nothing here."""
         use = self.config.data_use(org, *classes)
+        reason: str
         if use in ("monitor_only", "none"):
             reason = use
         elif use == "adapter_only" and not self.config.has_adapter(org):
