@@ -257,6 +257,15 @@ def grafana_dashboard() -> dict[str, Any]:
         ("Gate decisions", {"{{status}} {{org}}": "max by (status, org) (increase(rtrl_gate_decisions_total[1h]))"}, "short"),
         ("Serving version", {"{{part}}": "max by (part) (rtrl_serving_version)"}, "short"),
         ("Behaviour, live (the gate's rates)", {m: live_rate(m, "1h") for m in LIVE_RATES}, "percentunit"),
+        (
+            "Data use: what was kept from training, per second",
+            {
+                "batch flow, {{reason}}": "sum by (reason) (rate(rtrl_data_use_excluded_total[5m]))",
+                "SDK withheld, {{data_use}}": "sum by (data_use) (rate(rtrl_sdk_withheld_total[5m]))",
+                "trainer refused": 'sum(rate(rtrl_dead_letters_total{flow="trainer", kind="data_use"}[5m]))',
+            },
+            "ops",
+        ),
     ]  # fmt: skip
     return {
         "title": "rtrl",

@@ -34,6 +34,7 @@ import msgspec
 from confluent_kafka import Producer
 
 from client.hashing import hash_user
+from rtrl import metrics
 from rtrl.kafka import KafkaConnection, connection, produce, producer_config
 from rtrl.settings import GovernanceSettings
 from schemas.codec import DEFAULT_MAX_BYTES, Invalid, JsonCodec, event_codec
@@ -200,10 +201,11 @@ class RtrlClient:
         stamp = 0 if now_ms is None else now_ms
         return self._enqueue(topic or self.rollouts_topic, rollout.trajectory_id.encode(), data, stamp)
 
-    def withhold(self) -> bool:
+    def withhold(self, data_use: DataUse) -> bool:
         """Count one record a trajectory's data-use class keeps in the SDK; False, as nothing was sent."""
         with self._lock:
             self._withheld += 1
+        metrics.SDK_WITHHELD.labels(data_use).inc()
         return False
 
     def record(self, event: EventBase, *, now_ms: int | None = None) -> bool:
@@ -358,13 +360,13 @@ class Trajectory:
         if rollout.trajectory_id != self.trajectory_id or rollout.org_id != self.org_id:
             raise InvalidEvent("$.trajectory_id", "the rollout belongs to another trajectory or org than this handle")
         if not keeps_tokens(self.data_use):
-            return self.client.withhold()
+            return self.client.withhold(self.data_use)
         ro = msgspec.structs.replace(rollout, data_use=self.data_use)
         return self.client.record_rollout(ro, now_ms=now_ms, topic=topic)
 
     def _emit(self, cls: type[EventBase], ts: int | None, **payload: Any) -> bool:
         if self.data_use == "none":
-            return self.client.withhold()
+            return self.client.withhold(self.data_use)
         event = cls(
             event_id=uuid.uuid4().hex,
             trajectory_id=self.trajectory_id,

@@ -133,6 +133,11 @@ def stats_row(cohort: str, bb: BatchBuilder, samples: int, batches: int) -> Batc
     )
 
 
+def _governed(bb: BatchBuilder) -> Counter[str]:
+    """A builder's trajectories kept from training by their data-use class, by reason (monitor_only, ...)."""
+    return Counter({k.split(":", 1)[1]: n for k, n in bb.counts.items() if k.startswith("data_use:")})
+
+
 def _builder_totals(bb: BatchBuilder) -> Counter[str]:
     """A builder's running totals as :class:`FlowCounts` names: ``joined``, ``stale``, ``dropped:<reason>``."""
     totals: Counter[str] = Counter({f"dropped:{k}": v for k, v in bb.counts.items()})
@@ -191,6 +196,7 @@ class _CohortLogic(StatefulBatchLogic):
         self.counted = _builder_totals(self.bb)  # a resumed cohort's totals so far belong to earlier runs
         # as counted so far, for the staleness metrics (a resumed cohort's belong to earlier runs)
         self.lags_seen, self.dropped_seen = Counter(self.bb.lag_counts), Counter(self.bb.dropped_lag)
+        self.governed_seen = _governed(self.bb)
 
     def _out(self, batches: list[MicroBatch]) -> list:
         # what is counted (batch_stats, the summary) is the trained version's; other versions' batches go out too
@@ -210,6 +216,10 @@ class _CohortLogic(StatefulBatchLogic):
             {str(lag): n for lag, n in (dropped - self.dropped_seen).items()},
         )
         self.lags_seen, self.dropped_seen = lags, dropped
+        governed = _governed(self.bb)
+        for reason, n in (governed - self.governed_seen).items():
+            metrics.DATA_USE_EXCLUDED.labels(reason).inc(n)
+        self.governed_seen = governed
         metrics.BATCHES.inc(len(mine))
         stats = stats_row(self.state["cohort"], self.bb, self.state["samples"], self.state["batches"])
         return [(batches, stats, self.org)]

@@ -29,6 +29,9 @@ What is recorded where (rates are for Prometheus to take: ``rate(rtrl_events_tot
 ``rtrl_batch_samples_total{lag}``           samples packed into micro-batches, by policy lag (staleness);
 ``rtrl_batch_samples_dropped_total{lag}``   those dropped as too stale
 ``rtrl_batches_total``                      micro-batches sent
+``rtrl_data_use_excluded_total{reason}``    trajectories the batch flow kept from training by their data-use class
+                                            (monitor_only, none, adapter_only_without_adapter)
+``rtrl_sdk_withheld_total{data_use}``       events and rollouts the SDK kept in the product's process by their class
 ``rtrl_trainer_*``                          per optimizer step: tokens/s, loss, KL, gradient norm, mismatch, on-policy
                                             fraction, steps, the last step's time
 ``rtrl_gate_decisions_total{status,org}``   decisions announced (promoted, rejected, rolled_back; org '' = shared)
@@ -86,6 +89,12 @@ BEHAVIOUR = Counter(
 BATCH_SAMPLES = Counter("rtrl_batch_samples", "Samples packed into micro-batches, by policy lag.", ["lag"])
 BATCH_DROPPED = Counter("rtrl_batch_samples_dropped", "Samples dropped as too stale, by policy lag.", ["lag"])
 BATCHES = Counter("rtrl_batches", "Micro-batches the batch flow sent.")
+DATA_USE_EXCLUDED = Counter(
+    "rtrl_data_use_excluded", "Trajectories the batch flow kept from training by their data-use class.", ["reason"]
+)
+SDK_WITHHELD = Counter(
+    "rtrl_sdk_withheld", "Events and rollouts the SDK kept in the product's process by their class.", ["data_use"]
+)
 TRAINER_STEPS = Counter("rtrl_trainer_steps", "Optimizer steps trained.", ["adapter"])
 TRAINER_TOKENS_PER_S = Gauge("rtrl_trainer_tokens_per_second", "Trained tokens/s of the last step.", ["adapter"])
 TRAINER_LOSS = Gauge("rtrl_trainer_loss", "Loss of the last step.", ["adapter"])

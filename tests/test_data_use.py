@@ -8,6 +8,8 @@ import msgspec
 import pytest
 from bytewax.testing import run_main
 
+from prometheus_client import REGISTRY
+
 from client import RtrlClient
 from flows.adapters import OrgRouter
 from flows.batch_flow import build_flow
@@ -28,6 +30,11 @@ from trainer.batch import BatchLimits, to_batch
 from trainer.data import BatchStream
 
 SALT = "data-use-salt"
+
+
+def _metric(name: str, **labels: str) -> float:
+    """A Prometheus sample of this process (rtrl.metrics), 0 before its first count."""
+    return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
 def _rollout(tid: str, org: str = "acme") -> Rollout:
@@ -64,6 +71,7 @@ def test_the_sdk_sends_nothing_for_none_and_no_tokens_for_monitor_only(broker, t
     rollouts stamped with their class. The org's policy tightens the product's choice. What stays in the SDK is
     counted."""
     ensure_topics(broker.bootstrap, topic_prefix, 2)
+    before = {u: _metric("rtrl_sdk_withheld_total", data_use=u) for u in ("none", "monitor_only")}
     gov = GovernanceSettings(orgs={"bank": "monitor_only"})
     events, rollouts = topic_prefix + "events", topic_prefix + "rollouts"
     with RtrlClient(broker.bootstrap, salt=SALT, topic=events, rollouts_topic=rollouts, governance=gov) as c:
@@ -100,6 +108,8 @@ def test_the_sdk_sends_nothing_for_none_and_no_tokens_for_monitor_only(broker, t
     assert published == {"t-train": "train", "t-adapter": "adapter_only"}
     # withheld: the none trajectory's 3 events and its rollout, and the rollouts of the two monitor_only ones
     assert stats.withheld == 6 and stats.failed == 0 and stats.dropped == 0
+    after = {u: _metric("rtrl_sdk_withheld_total", data_use=u) - before[u] for u in before}
+    assert after == {"none": 4, "monitor_only": 2}  # and Prometheus sees them by class
 
 
 # ---------------------------------------------------------------- the reward flow
@@ -223,6 +233,7 @@ def test_the_trainers_stream_dead_letters_a_forbidden_batch_without_its_tokens(b
     topic = topic_prefix + "batches"
     bad = msgspec.structs.replace(_batch(1), data_use=["monitor_only"])
     _produce_batches(broker.bootstrap, topic, [(0, encode_batch(bad)), (0, encode_batch(_batch(2)))])
+    refused = _metric("rtrl_dead_letters_total", flow="trainer", kind="data_use")
     stream = BatchStream(broker.bootstrap, topic, topic_prefix + "dead_letters")
     try:
         got = stream.get(timeout_s=20)
@@ -233,6 +244,7 @@ def test_the_trainers_stream_dead_letters_a_forbidden_batch_without_its_tokens(b
         JsonCodec(DeadLetter).decode(m.value()) for m in read_topic(broker.bootstrap, topic_prefix + "dead_letters")
     ]
     assert dl.kind == "data_use" and "sample t1 is monitor_only" in dl.reason and dl.payload == ""
+    assert _metric("rtrl_dead_letters_total", flow="trainer", kind="data_use") == refused + 1
 
 
 # ---------------------------------------------------------------- the batch flow on the real broker and engine
@@ -242,7 +254,7 @@ def test_the_trainers_stream_dead_letters_a_forbidden_batch_without_its_tokens(b
 def test_the_batch_flow_counts_every_exclusion_by_reason(broker, topic_prefix, ch_client, ch_dsn, ch_db, tmp_path):
     """The batch flow on the real broker and engine, with one org per class: only the train org's samples reach
     the shared stream, only the adapter_only org's reach its adapter stream, and batch_stats counts every other
-    sample by reason; the counts add up to the samples joined."""
+    sample by reason, in ClickHouse and in Prometheus."""
     ensure_topics(broker.bootstrap, topic_prefix, 2)
     orgs = {"open": "train", "private": "adapter_only", "watch": "monitor_only", "closed": "none"}
     rollouts, rewards = [], []
@@ -265,7 +277,12 @@ def test_the_batch_flow_counts_every_exclusion_by_reason(broker, topic_prefix, c
         "RTRL_ADAPTERS__ORGS": "private",
         "RTRL_DATA_DIR": str(tmp_path),
     }
+    excluded = {r: _metric("rtrl_data_use_excluded_total", reason=r) for r in ("monitor_only", "none")}
     run_main(build_flow(load_settings(env=env)))
+    assert {r: _metric("rtrl_data_use_excluded_total", reason=r) - n for r, n in excluded.items()} == {
+        "monitor_only": 4,
+        "none": 4,
+    }
 
     def samples(topic: str) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}

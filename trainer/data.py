@@ -20,6 +20,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, Producer, TopicPartition
 
+from rtrl import metrics
 from rtrl.errors import ServiceUnavailable
 from rtrl.kafka import base_config, check_broker, producer_config
 from schemas.codec import Invalid, JsonCodec, dead_letter
@@ -106,6 +107,7 @@ class BatchStream:
         if self.producer.flush(30) != 0:
             raise ServiceUnavailable(f"dead letter for {self.topic}/{msg.partition()}@{msg.offset()} not acknowledged")
         self.dead_letters += 1
+        metrics.DEAD_LETTERS.labels("trainer", err.kind).inc()
 
     def committed_position(self) -> dict[str, int]:
         """The position as of the last :meth:`commit` (or the start): where a next run continues
