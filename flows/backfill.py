@@ -179,7 +179,7 @@ def conform(table: pa.Table) -> tuple[pa.Table | None, list[tuple[str, str]]]:
     arrays = []
     for f in schema:
         if f.name not in table.column_names:
-            if f.name != RECORD_TS:  # an older archive's layout, not drift
+            if f.name not in (RECORD_TS, "data_use"):  # an older archive's layout, not drift
                 problems.append((f.name, f"column {f.name} is missing"))
             arrays.append(pa.nulls(table.num_rows, f.type))
             continue

@@ -270,6 +270,13 @@ class ClickHouseSink(FixedPartitionedSink):
         return _StoragePart(*self.args)
 
 
+def _conform(table: pa.Table) -> pa.Table:
+    """An archive file in today's schema: a column added since it was written (``data_use``) reads as null."""
+    schema = archive_schema()
+    cols = [table.column(f.name) if f.name in table.column_names else pa.nulls(table.num_rows, f.type) for f in schema]
+    return pa.Table.from_arrays(cols, schema=schema)
+
+
 def read_archive(root: str | Path, dates: list[str] | None = None) -> pa.Table:
     """The archived events (optionally only some ``YYYY-MM-DD`` dates), one row per event_id, with their
     Kafka partition and offset (a replay may have stored an event in two files)."""
@@ -278,7 +285,7 @@ def read_archive(root: str | Path, dates: list[str] | None = None) -> pa.Table:
         files = [f for f in files if f.parent.name.removeprefix("date=") in dates]
     if not files:
         return archive_schema().empty_table()
-    table = pa.concat_tables(pq.read_table(f) for f in files)
+    table = pa.concat_tables(_conform(pq.read_table(f)) for f in files)
     seen: set[str] = set()
     keep = []
     for i, eid in enumerate(table.column("event_id").to_pylist()):

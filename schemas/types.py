@@ -220,7 +220,23 @@ def from_arrow(table: pa.Table, cls: type) -> list:
     rows = [dict(zip(data, vals)) for vals in zip(*data.values())]
     if cls is EventBase or cls is Event:
         allowed = {et.__struct_config__.tag: set(et.__struct_fields__) | {"type"} for et in EVENT_TYPES}
-        rows = [{k: v for k, v in r.items() if k in allowed.get(r["type"], r)} for r in rows]
+        # a field added later with a default (data_use) is null in rows written before it: the default applies
+        defaulted = {
+            et.__struct_config__.tag: {
+                f.name
+                for f in msgspec.structs.fields(et)
+                if f.default is not msgspec.NODEFAULT and f.default is not None
+            }
+            for et in EVENT_TYPES
+        }
+        rows = [
+            {
+                k: v
+                for k, v in r.items()
+                if k in allowed.get(r["type"], r) and not (v is None and k in defaulted.get(r["type"], ()))
+            }
+            for r in rows
+        ]
         return msgspec.convert(rows, list[Event])
     return msgspec.convert(rows, list[cls])  # type: ignore[valid-type]  # cls is a runtime record class
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import msgspec
 import pytest
 from bytewax.testing import run_main
-
 from prometheus_client import REGISTRY
 
 from client import RtrlClient
@@ -299,3 +298,39 @@ def test_the_batch_flow_counts_every_exclusion_by_reason(broker, topic_prefix, c
     stats = {cohort: {k: n for k, n in counts.items() if n} for cohort, counts in rows}
     assert stats["watch/bugfix"] == {"data_use:monitor_only": 4} and stats["closed/bugfix"] == {"data_use:none": 4}
     assert stats["open/bugfix"] == {} and stats["private/bugfix"] == {}
+
+
+# ---------------------------------------------------------------- stores written before the classes
+
+
+def test_events_and_archives_written_before_the_classes_read_as_train(tmp_path):
+    """An archive file without the data_use column, and event rows whose data_use is null (ClickHouse rows written
+    before migration 0023), read as train: the archive reader and the backfill see no schema drift."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from flows.backfill import conform, to_events
+    from flows.sinks import read_archive, with_coords
+    from rtrl import clickhouse
+    from schemas.records import TrajectoryStarted
+    from schemas.types import from_arrow, to_arrow
+
+    start = TrajectoryStarted(
+        event_id="e1", trajectory_id="t1", ts=1000, org_id="o", user_hash="0" * 32, policy_version=1, arm="a",
+        task_kind="bugfix", data_use="monitor_only",
+    )  # fmt: skip
+    table = to_arrow([start], clickhouse.TABLES["events"])
+    nulls = table.set_column(
+        table.schema.get_field_index("data_use"), "data_use", pa.nulls(1, table.schema.field("data_use").type)
+    )
+    assert from_arrow(table, clickhouse.TABLES["events"])[0].data_use == "monitor_only"
+    assert from_arrow(nulls, clickhouse.TABLES["events"])[0].data_use == "train"
+    old = with_coords(table, [(0, 7)]).drop_columns(["data_use"])
+    (tmp_path / "date=1970-01-01").mkdir()
+    pq.write_table(old, tmp_path / "date=1970-01-01" / "part-old.parquet")
+    read = read_archive(tmp_path)
+    assert read.column("data_use").to_pylist() == [None] and read.column("event_id").to_pylist() == ["e1"]
+    conformed, drift = conform(pq.read_table(tmp_path / "date=1970-01-01" / "part-old.parquet"))
+    assert conformed is not None and drift == []
+    (row, event), *_ = to_events(conformed)[0]
+    assert event.data_use == "train"
