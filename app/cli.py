@@ -139,6 +139,39 @@ def cmd_migrate(settings: Settings, args: argparse.Namespace, console: Console) 
     return 0
 
 
+def cmd_retention(settings: Settings, args: argparse.Namespace, console: Console) -> int:
+    """Each ClickHouse table's TTL made to follow ``retention.tables``, the archive's old days deleted."""
+    import time
+
+    from flows.sinks import prune_archive
+    from rtrl import clickhouse
+    from rtrl.clickhouse_cluster import cluster_of
+    from rtrl.settings import RETAINED_TABLES
+
+    r, dry = settings.retention, args.dry_run
+    client = clickhouse.setup_from(settings)
+    done = clickhouse.apply_retention(
+        client, settings.clickhouse.database, r.tables, RETAINED_TABLES, cluster_of(settings.clickhouse), dry_run=dry
+    )
+    archive = settings.archive_root
+    verb = "would " if dry else ""
+    changed = {t: what for t, what in done.items() if what != "kept"}
+    console.print(
+        f"ClickHouse: {verb}set {', '.join(f'{t} {w}' for t, w in changed.items()) if changed else 'nothing (TTLs current)'}"
+    )
+    if "://" in archive:  # shared storage: its own lifecycle rules delete old objects
+        console.print(
+            f"archive {archive}: not a local folder; give the bucket a lifecycle rule of {r.archive_days:g} days"
+        )
+        return 0
+    gone = prune_archive(archive, r.archive_days, time.time_ns() // 1_000_000, dry_run=dry)
+    console.print(
+        f"archive {archive}: {verb}delete {len(gone)} day(s){': ' + ', '.join(gone) if gone else ''}"
+        f" (keeps {r.archive_days:g} days)"
+    )
+    return 0
+
+
 def cmd_clickhouse(settings: Settings, args: argparse.Namespace, console: Console) -> int:
     from app.services import serve_embedded_clickhouse
 
@@ -538,6 +571,13 @@ def parser() -> argparse.ArgumentParser:
         help="print the DDL it would run on an empty database (for clickhouse.cluster when set) and touch no server",
     )
     mg.set_defaults(fn=cmd_migrate)
+    ret = command(
+        "retention",
+        "apply retention: ClickHouse TTLs from retention.tables, the archive's days older than retention.archive_days",
+    )
+    ret.add_argument("action", choices=["apply"], help="apply: make every store keep what its retention says")
+    ret.add_argument("--dry-run", action="store_true", help="say what would change and change nothing")
+    ret.set_defaults(fn=cmd_retention)
     chs = command("clickhouse", "serve the embedded ClickHouse folder over ClickHouse's HTTP interface")
     chs.add_argument("action", choices=["serve"], help="serve: the folder of clickhouse.dsn = chdb://FOLDER")
     chs.add_argument("--port", type=_port, default=8123, help="HTTP port to listen on (default: %(default)s)")

@@ -14,9 +14,11 @@ held by one process.
 
 from __future__ import annotations
 
+import calendar
 import hashlib
 import logging
 import os
+import shutil
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
@@ -268,6 +270,26 @@ class ClickHouseSink(FixedPartitionedSink):
 
     def build_part(self, step_id: str, for_part: str, resume_state: None) -> _StoragePart:
         return _StoragePart(*self.args)
+
+
+def prune_archive(root: str | Path, days: float, now_ms: int, dry_run: bool = False) -> list[str]:
+    """Delete the archive's day folders (``date=YYYY-MM-DD``) whose whole day is older than ``days`` before
+    ``now_ms``; return the dates deleted (or, ``dry_run``, that would be). ``days`` 0 keeps everything."""
+    if days <= 0:
+        return []
+    cutoff = now_ms - round(days * 86_400_000)
+    gone = []
+    for folder in sorted(Path(root).glob("date=*")):
+        date = folder.name.removeprefix("date=")
+        try:
+            day_end = (int(calendar.timegm(time.strptime(date, "%Y-%m-%d"))) + 86_400) * 1000
+        except ValueError:  # not a folder the archive wrote: never ours to delete
+            continue
+        if day_end <= cutoff:
+            if not dry_run:
+                shutil.rmtree(folder)
+            gone.append(date)
+    return gone
 
 
 def _conform(table: pa.Table) -> pa.Table:

@@ -569,3 +569,64 @@ def select(client: Any, database: str, table: str, where: str = "", final: bool 
     """Read records back from a table (``FINAL`` collapses replaced rows)."""
     sql = f"SELECT * FROM {_check_name(database)}.{table}{' FINAL' if final else ''} {where}"
     return from_arrow(client.query_arrow(sql), TABLES[table])
+
+
+def ttl_expression(column: str, days: float) -> str:
+    """The TTL of a table whose rows live ``days`` from ``column`` (rounded to the second)."""
+    return f"toDateTime({column}) + toIntervalSecond({round(days * 86400)})"
+
+
+def current_ttl(client: Any, database: str, table: str) -> str:
+    """The table's TTL expression as ClickHouse reports it, empty when it has none."""
+    db = _check_name(database)
+    rows = client.query(
+        "SELECT create_table_query FROM system.tables WHERE database = {d:String} AND name = {t:String}",
+        parameters={"d": db, "t": table + LOCAL if _engine(client, db, table) == "Distributed" else table},
+    ).result_rows
+    match = re.search(r"\bTTL (.+?)(?: SETTINGS |$)", rows[0][0], flags=re.S) if rows else None
+    return match[1].strip() if match else ""
+
+
+def apply_retention(
+    client: Any,
+    database: str,
+    days: dict[str, float],
+    retained: dict[str, str],
+    cluster: Cluster | None = None,
+    dry_run: bool = False,
+) -> dict[str, str]:
+    """Make each table's TTL follow ``days`` (table -> days, 0 = forever) counted from its column in ``retained``.
+
+    Only a table whose TTL differs is altered, so applying the same settings again costs nothing. ClickHouse then
+    deletes the expired rows of the altered tables (``materialize_ttl_after_modify``) and of every table as its
+    parts merge. Returns table -> what was done ("kept", "ttl N days", "ttl removed"); ``dry_run`` alters nothing."""
+    db = _check_name(database)
+    done = {}
+    for table, column in retained.items():
+        want = days.get(table, 0.0)
+        have = current_ttl(client, db, table)
+        if want > 0:
+            expr = ttl_expression(column, want)
+            if _same_ttl(have, expr):
+                done[table] = "kept"
+                continue
+            stmt = f"ALTER TABLE {db}.{table} MODIFY TTL {expr}"
+            done[table] = f"ttl {want:g} days"
+        else:
+            if not have:
+                done[table] = "kept"
+                continue
+            stmt = f"ALTER TABLE {db}.{table} REMOVE TTL"
+            done[table] = "ttl removed"
+        for s in (render(stmt, db, cluster) if cluster is not None else [stmt]) if not dry_run else []:
+            client.command(s)
+    return done
+
+
+def _same_ttl(have: str, want: str) -> bool:
+    """Whether ClickHouse's spelling of a TTL is ``want`` (it may add spaces or rename the interval function)."""
+
+    def canon(x: str) -> str:
+        return re.sub(r"\s+", "", x).replace("toIntervalSecond", "").lower()
+
+    return canon(have) == canon(want)

@@ -492,6 +492,51 @@ class GovernanceSettings(Section):
         return stricter(self.policy(org), *requested)
 
 
+#: ClickHouse tables that hold users' data or what was derived from it, and the time column their retention counts
+#: from (checkpoints, reward versions and promotions are decisions: kept)
+RETAINED_TABLES = {
+    "events": "ts",
+    "rollouts": "created_at",
+    "rewards": "emitted_at",
+    "provisional_rewards": "emitted_at",
+    "trajectories": "last_event_ts",
+    "batches": "created_at",
+    "dead_letters": "at",
+    "train_metrics": "at",
+    "batch_stats": "clock",
+}
+
+
+def _default_table_days() -> dict[str, float]:
+    days = dict.fromkeys(RETAINED_TABLES, 365.0)
+    return days | {"events": 90.0, "rollouts": 7.0, "batches": 7.0, "dead_letters": 30.0}
+
+
+class RetentionSettings(Section):
+    """How long each store keeps what it holds (issue 38, docs/governance.md); 0 keeps it forever."""
+
+    tables: dict[str, float] = Field(
+        default_factory=_default_table_days,
+        description="days each ClickHouse table keeps a row, counted from its time column [retention.tables] "
+        "(events 90, rollouts and batches 7, dead_letters 30, the others 365); a TTL that follows this setting "
+        "at every job's start and on `rtrl retention apply`, with no migration; 0 = forever",
+    )
+    archive_days: float = _s(
+        90.0, "days the Parquet archive keeps a day's events (`rtrl retention apply`); 0 = forever", ge=0
+    )
+
+    @field_validator("tables")
+    @classmethod
+    def _known_tables(cls, v: dict[str, float]) -> dict[str, float]:
+        unknown = sorted(set(v) - set(RETAINED_TABLES))
+        if unknown:
+            raise ValueError(f"names tables without a retention {unknown}; fix: choose among {sorted(RETAINED_TABLES)}")
+        negative = sorted(t for t, d in v.items() if d < 0)
+        if negative:
+            raise ValueError(f"gives {negative} fewer than 0 days; fix: 0 keeps rows forever, else days > 0")
+        return _default_table_days() | v
+
+
 # ---------------------------------------------------------------- data plane: streams
 
 
@@ -1270,6 +1315,7 @@ class Settings(BaseSettings):
     serving: ServingSettings = Field(default_factory=ServingSettings)
     adapters: AdapterSettings = Field(default_factory=AdapterSettings)
     governance: GovernanceSettings = Field(default_factory=GovernanceSettings)
+    retention: RetentionSettings = Field(default_factory=RetentionSettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
 
     @classmethod

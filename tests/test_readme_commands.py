@@ -186,6 +186,10 @@ RULES = (
         r"(RTRL_CLICKHOUSE__CLUSTER=\S+ )?rtrl migrate --print( > \S+)?",
         "tests/test_cluster_ddl.py::test_the_committed_cluster_sql_is_what_rtrl_migrate_print_makes",
     ),
+    Rule(
+        r"rtrl retention apply( --dry-run| \[--dry-run\])?",
+        "tests/test_retention.py::test_rtrl_retention_apply_on_a_data_folder",
+    ),
     Rule(r"rtrl clickhouse serve( \[--port P\]| --port \d+)?", "test_service_commands_in_order"),
     Rule(
         r"rtrl clickhouse serve --certfile \S+ --keyfile \S+",

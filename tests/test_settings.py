@@ -107,6 +107,7 @@ def test_one_section_per_component():
         "adapters",
         "metrics",
         "governance",
+        "retention",
     }
 
 

@@ -1,0 +1,125 @@
+"""Retention (issue 38, point 2): each ClickHouse table's TTL follows `retention.tables` with no migration, and the
+Parquet archive's old days are deleted, tested with back-dated data on the real engine and a real archive.
+
+Not built yet (docs/governance.md says so): retention of checkpoints and the model registry, of the flows'
+recovery and spill state, and the manifests' schedule of `rtrl retention apply`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from flows.sinks import prune_archive, read_archive, with_coords, write_archive
+from rtrl import clickhouse
+from rtrl.errors import ConfigError
+from rtrl.settings import RETAINED_TABLES, load_settings
+from schemas.records import TrajectoryStarted
+from schemas.types import to_arrow
+from tests.test_monitors import short_reward
+
+ROOT = Path(__file__).resolve().parent.parent
+DAY = 86_400_000
+
+
+def _now() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def _event(tid: str, ts: int) -> TrajectoryStarted:
+    return TrajectoryStarted(
+        event_id=f"e-{tid}", trajectory_id=tid, ts=ts, org_id="o", user_hash="0" * 32, policy_version=1, arm="a",
+        task_kind="bugfix",
+    )  # fmt: skip
+
+
+def test_the_settings_name_a_retention_for_every_table_that_holds_users_data():
+    """Every table holding users' data or what was derived from it has a default retention; an unknown table or
+    a negative number of days is refused, naming the setting."""
+    tables = load_settings(env={}).retention.tables
+    assert set(tables) == set(RETAINED_TABLES) and all(d > 0 for d in tables.values())
+    assert tables["events"] == 90 and tables["dead_letters"] == 30 and tables["rollouts"] == 7
+    over = load_settings(env={"RTRL_RETENTION__TABLES": '{"events": 0, "rewards": 30}'}).retention.tables
+    assert over["events"] == 0 and over["rewards"] == 30 and over["trajectories"] == 365  # the rest keep defaults
+    for bad in ('{"checkpoints": 1}', '{"events": -1}'):
+        with pytest.raises(ConfigError, match="retention.tables"):
+            load_settings(env={"RTRL_RETENTION__TABLES": bad})
+
+
+def test_ttls_follow_the_setting_and_delete_what_is_older(ch_client, ch_db):
+    """On the real engine, with back-dated rows: after `apply_retention`, a merge deletes the events and rewards
+    older than their retention and keeps the younger ones. Applying the same settings again alters nothing; a
+    longer retention replaces the TTL, and 0 removes it, with no migration."""
+    now = _now()
+    clickhouse.insert(ch_client, ch_db, "events", [_event("old", now - 100 * DAY), _event("young", now - DAY)])
+    rewards = [
+        msgspec.structs.replace(short_reward("old", 1, "v2", 1.0), emitted_at=now - 400 * DAY),
+        msgspec.structs.replace(short_reward("young", 1, "v2", 1.0), emitted_at=now - 300 * DAY),
+    ]
+    clickhouse.insert(ch_client, ch_db, "rewards", rewards)
+    days = load_settings(env={}).retention.tables
+    done = clickhouse.apply_retention(ch_client, ch_db, days, RETAINED_TABLES)
+    assert done["events"] == "ttl 90 days" and done["rewards"] == "ttl 365 days"
+    for table in ("events", "rewards"):
+        ch_client.command(f"OPTIMIZE TABLE {ch_db}.{table} FINAL")
+
+    def ids(table: str) -> list[str]:
+        return sorted(r[0] for r in ch_client.query(f"SELECT trajectory_id FROM {ch_db}.{table}").result_rows)
+
+    assert ids("events") == ["young"] and ids("rewards") == ["young"]
+    assert set(clickhouse.apply_retention(ch_client, ch_db, days, RETAINED_TABLES).values()) == {"kept"}
+    longer = clickhouse.apply_retention(ch_client, ch_db, days | {"events": 120.0}, RETAINED_TABLES)
+    assert longer["events"] == "ttl 120 days" and longer["rewards"] == "kept"
+    assert "10368000" in clickhouse.current_ttl(ch_client, ch_db, "events")  # 120 days in seconds
+    removed = clickhouse.apply_retention(ch_client, ch_db, {t: 0.0 for t in RETAINED_TABLES}, RETAINED_TABLES)
+    assert set(removed.values()) == {"ttl removed"} and clickhouse.current_ttl(ch_client, ch_db, "events") == ""
+    dry = clickhouse.apply_retention(ch_client, ch_db, days, RETAINED_TABLES, dry_run=True)
+    assert dry["events"] == "ttl 90 days" and clickhouse.current_ttl(ch_client, ch_db, "events") == ""
+
+
+def test_the_archive_keeps_its_young_days_and_deletes_the_old(tmp_path):
+    """The archive's day folders older than `retention.archive_days` go, whole; a younger day and a folder the
+    archive did not write stay; days 0 keeps everything; a dry run deletes nothing."""
+    now = _now()
+    events = [_event("old", now - 100 * DAY), _event("edge", now - 89 * DAY), _event("young", now - DAY)]
+    write_archive(tmp_path, with_coords(to_arrow(events, clickhouse.TABLES["events"]), [(0, i) for i in range(3)]))
+    (tmp_path / "notes").mkdir()
+    assert len(list(tmp_path.glob("date=*"))) == 3
+    assert prune_archive(tmp_path, 0, now) == [] and prune_archive(tmp_path, 90, now, dry_run=True)
+    assert len(list(tmp_path.glob("date=*"))) == 3
+    gone = prune_archive(tmp_path, 90, now)
+    assert len(gone) == 1 and (tmp_path / "notes").is_dir()
+    assert sorted(read_archive(tmp_path).column("trajectory_id").to_pylist()) == ["edge", "young"]
+
+
+@pytest.mark.slow
+def test_rtrl_retention_apply_on_a_data_folder(tmp_path):
+    """`rtrl retention apply --dry-run` says what it would do and changes nothing; `rtrl retention apply` sets the
+    TTLs and deletes the archive's old days, then says the TTLs are current."""
+    now = _now()
+    archive = tmp_path / "archive" / "events"
+    old = [_event("old", now - 200 * DAY)]
+    write_archive(archive, with_coords(to_arrow(old, clickhouse.TABLES["events"]), [(0, 0)]))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")} | {"RTRL_DATA_DIR": str(tmp_path)}
+
+    def rtrl(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "app.cli", *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
+
+    dry = rtrl("retention", "apply", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "would set events ttl 90 days" in dry.stdout and "would delete 1 day(s)" in dry.stdout
+    assert list(archive.glob("date=*"))
+    done = rtrl("retention", "apply")
+    assert done.returncode == 0, done.stderr
+    assert "set events ttl 90 days" in done.stdout and "delete 1 day(s)" in done.stdout
+    assert not list(archive.glob("date=*"))
+    again = rtrl("retention", "apply")
+    assert again.returncode == 0 and "nothing (TTLs current)" in again.stdout and "delete 0 day(s)" in again.stdout
