@@ -47,7 +47,7 @@ class _SharedFixtureGroups:
     """`--dist loadgroup` on pytest-xdist, grouping by shared fixture.
 
     A module that defines a module- or class-scoped fixture runs on one worker, so that fixture's expensive run
-    happens once. Every other test is its own unit, so one module's long independent tests can use both workers.
+    happens once. Every other test is its own unit, so one module's long independent tests can use every worker.
     xdist's own loadgroup marks no longer apply under pytest 9.2, whose node ids cannot be renamed.
     """
 

@@ -345,6 +345,7 @@ def test_views_show_time_to_verdict_late_arrivals_and_provisional_against_final(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a hang guard: ~2 minutes alone, about three beside two other workers' tests
 def test_training_delayed_verdicts_with_correction_beats_dropping_them():
     """A short seeded run of the long-loop experiment (app/long_loop.py: 20% background tasks whose verdict
     arrives three cycles after the rollout): the arm that trains the delayed samples with the truncated
