@@ -42,9 +42,11 @@ lint: setup
 # real-time speed and run after, with the machine to themselves. pytest exits 5 when it collected no tests:
 # that is a failure here when both runs collected none, never a pass.
 JOBS ?= 3
+# the files that hold `alone` tests: collecting only them saves the second run importing every test module
+ALONE_FILES = $(shell grep -l "mark.alone" tests/test_*.py)
 test: lint
 	@$(PY) -m pytest -n $(JOBS) --dist loadgroup --no-loadscope-reorder -m "not alone" $(PYTEST_ARGS); a=$$?; \
-	$(PY) -m pytest -m alone $(PYTEST_ARGS); b=$$?; \
+	$(PY) -m pytest -m alone $(or $(PYTEST_ARGS),$(ALONE_FILES)); b=$$?; \
 	if [ $$a -eq 5 ] && [ $$b -eq 5 ]; then echo "FAILED: pytest collected no tests" >&2; exit 1; fi; \
 	for rc in $$a $$b; do if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then exit $$rc; fi; done
 

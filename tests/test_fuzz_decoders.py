@@ -287,9 +287,9 @@ _MB = MicroBatch(
     policy_versions=[0],
 )
 #: a one-byte corruption of encode_batch(_MB) (the high byte of the token_ids outer list's second offset: its
-#: buffer starts at 3136 since micro-batches carry reward_version, delayed, adapter, adapter_versions and served_org)
-#: that segfaulted the old decoder
-_SEGFAULT = (3143, 248)
+#: buffer starts at 3336 since micro-batches carry reward_version, delayed, adapter, adapter_versions, served_org
+#: and data_use) that segfaulted the old decoder
+_SEGFAULT = (3343, 248)
 
 
 def _ipc(table: pa.Table, **options) -> bytes:
