@@ -55,7 +55,7 @@ import heapq
 from collections import Counter
 from dataclasses import dataclass, field
 
-from schemas.data_use import DataUse, stricter
+from schemas.data_use import DataUse, org_policy, stricter
 from schemas.records import MicroBatch, Reward, Rollout
 
 
@@ -95,8 +95,7 @@ class BatchConfig:
 
     def data_use(self, org: str, *classes: DataUse) -> DataUse:
         """The class of a sample of ``org`` whose records say ``classes``: the strictest with the org's policy."""
-        policy = next((use for o, use in self.data_use_policy if o == org), self.default_data_use)
-        return stricter(policy, *classes)
+        return stricter(org_policy(self.data_use_policy, org, self.default_data_use), *classes)
 
     def has_adapter(self, org: str) -> bool:
         return "*" in self.adapter_orgs or org in self.adapter_orgs

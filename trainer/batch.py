@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from schemas.codec import Invalid, decode_batch
-from schemas.data_use import DataUse, stricter, trains_adapter, trains_shared
+from schemas.data_use import DataUse, org_policy, stricter, trains_adapter, trains_shared
 
 if TYPE_CHECKING:
     from rtrl.settings import Settings
@@ -60,7 +60,7 @@ class BatchLimits:
     default_data_use: DataUse = "train"  # every other org's class (governance.default)
 
     def org_policy(self, org: str) -> DataUse:
-        return next((use for o, use in self.data_use_policy if o == org), self.default_data_use)
+        return org_policy(self.data_use_policy, org, self.default_data_use)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> BatchLimits:
