@@ -8,7 +8,9 @@ own data folder and waits until it answers Kafka metadata requests; ``down()`` s
 
 from __future__ import annotations
 
+import contextlib
 import json
+import random
 import shutil
 import socket
 import subprocess
@@ -26,6 +28,25 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> int:
+    """The first of ``count`` consecutive TCP ports that were free a moment ago on ``host``.
+
+    The run lies below Linux's ephemeral range (32768 and up). Outgoing connections and ``free_port`` draw from that
+    range, so none of them can take a port of the run between this check and its use."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 32768 - count)
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(base, base + count):
+                    sock = held.enter_context(socket.socket())
+                    sock.bind((host, port))
+            return base
+        except OSError:
+            continue
+    raise ServiceUnavailable(f"no {count} consecutive free ports on {host} below 32768")
 
 
 def _noida() -> str:

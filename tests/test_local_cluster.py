@@ -24,7 +24,7 @@ import msgspec
 import pytest
 
 from app.parts import Cluster, cluster_from, process_recovery_path, recovery_config
-from devservices.broker import free_port
+from devservices.broker import free_port, free_ports
 from rtrl.errors import ConfigError
 from rtrl.kafka import ensure_topics, read_topic
 from rtrl.settings import load_settings
@@ -305,7 +305,7 @@ def test_two_reward_flow_processes_write_what_one_does(broker, tmp_path):
     )
 
     cluster, tmp = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"], tmp_path / "two"
-    port = free_port()  # each process its endpoint: metrics.port + its process id
+    port = free_ports(2)  # each process its endpoint: metrics.port + its process id, both free
     procs = _flows(_flow_env(tmp, broker.bootstrap, two, tail=True, metrics_port=port), tmp, cluster, "tail")
     try:  # following the topic: every event read, some windows still open (no newer event moves their clock)
         deadline = time.monotonic() + 180
