@@ -422,6 +422,7 @@ class OrgAdapters:
             start=self.offsets,
             timeout_s=s.kafka.timeout_s,
             limits=BatchLimits.from_settings(s),
+            deny=clickhouse.deny_watch(s),
         )
         by_org: dict[str, list[Batch]] = {}
         try:

@@ -172,6 +172,34 @@ def cmd_retention(settings: Settings, args: argparse.Namespace, console: Console
     return 0
 
 
+def cmd_erase(settings: Settings, args: argparse.Namespace, console: Console) -> int:
+    """One user's or organisation's data out of every store, and onto the deny list (app/erasure.py)."""
+    from app.erasure import erase, subject_from
+
+    subject = subject_from(settings, args.user, args.user_hash, args.org)
+    with console.status(f"erasing {subject}" if not args.dry_run else f"finding {subject}'s data"):
+        result = erase(settings, subject, dry_run=args.dry_run)
+    console.print(f"{'would erase' if args.dry_run else 'erased'}: {subject} (erasure {subject.id})", highlight=False)
+    table = Table()
+    table.add_column("store")
+    table.add_column("rows", justify="right")
+    for store, n in result.counts.items():
+        unit = " samples" if store == "batches" else " events" if store == "archive" else ""
+        table.add_row(store, f"{n:,}{unit}")
+    console.print(table)
+    for why in result.unreached:
+        console.print(f"[yellow]not reached[/]: {why}", highlight=False)
+    seen = ", ".join(result.lineage) or "none"
+    console.print(f"checkpoints whose training saw the subject's samples: {seen}", highlight=False)
+    if not args.dry_run:
+        console.print(
+            "Kafka keeps the subject's records until each topic's retention; every consumer now skips them "
+            "(docs/governance.md)",
+            highlight=False,
+        )
+    return 0
+
+
 def cmd_clickhouse(settings: Settings, args: argparse.Namespace, console: Console) -> int:
     from app.services import serve_embedded_clickhouse
 
@@ -578,6 +606,13 @@ def parser() -> argparse.ArgumentParser:
     ret.add_argument("action", choices=["apply"], help="apply: make every store keep what its retention says")
     ret.add_argument("--dry-run", action="store_true", help="say what would change and change nothing")
     ret.set_defaults(fn=cmd_retention)
+    er = command("erase", "erase one user's or organisation's data from every store, and keep it out (deny list)")
+    who = er.add_mutually_exclusive_group(required=True)
+    who.add_argument("--user", help="the user's raw id, hashed with sdk.salt as the SDK hashes it (never stored)")
+    who.add_argument("--user-hash", help="the user's salted hash, as the user_hash column holds it")
+    who.add_argument("--org", help="an organisation's id (org_id)")
+    er.add_argument("--dry-run", action="store_true", help="list what would be erased and erase nothing")
+    er.set_defaults(fn=cmd_erase)
     chs = command("clickhouse", "serve the embedded ClickHouse folder over ClickHouse's HTTP interface")
     chs.add_argument("action", choices=["serve"], help="serve: the folder of clickhouse.dsn = chdb://FOLDER")
     chs.add_argument("--port", type=_port, default=8123, help="HTTP port to listen on (default: %(default)s)")

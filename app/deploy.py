@@ -266,6 +266,14 @@ def grafana_dashboard() -> dict[str, Any]:
             },
             "ops",
         ),
+        (
+            "Erasure: runs, and erased subjects' records skipped, per hour",
+            {
+                "erasures, {{subject_kind}}": "sum by (subject_kind) (increase(rtrl_erasures_total[1h]))",
+                "skipped by {{consumer}}": "sum by (consumer) (increase(rtrl_erased_skipped_total[1h]))",
+            },
+            "short",
+        ),
     ]  # fmt: skip
     return {
         "title": "rtrl",

@@ -340,6 +340,7 @@ class Loop:
         self.settings, self.bootstrap, self.ch = loop_settings(settings), bootstrap, ch
         s, ls = self.settings, self.settings.loop
         self.db = s.clickhouse.database
+        self.deny = clickhouse.deny_watch(s)  # the trainer refuses samples of an erased subject (`rtrl erase`)
         self.ckpt_root = s.data_path / "loop" / "checkpoints"
         private_dir(self.ckpt_root)
         self.state_path = s.data_path / "loop" / "state.json"
@@ -609,6 +610,7 @@ class Loop:
                     start=offsets,
                     timeout_s=s.kafka.timeout_s,
                     limits=BatchLimits.from_settings(s),
+                    deny=self.deny,
                 )
             )
             return _StoppableSource(streams[-1], self.stop)

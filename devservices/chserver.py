@@ -87,7 +87,7 @@ from pathlib import Path
 from typing import Any, cast
 from urllib.parse import parse_qsl, quote, urlsplit
 
-from rtrl.clickhouse import ANALYST_TABLES, on_engine_thread
+from rtrl.clickhouse import ANALYST_TABLES, APPEND_ONLY_TABLES, on_engine_thread
 from rtrl.files import private_dir, write_private
 
 WRITER = "rtrl_writer"
@@ -348,6 +348,7 @@ class Policy:
         names = {n.lower() for n in table_functions | engines}
         self.forbidden = (names - TABLE_FUNCTIONS - ENGINES) | FUNCTIONS
         self.table_functions = {n.lower() for n in table_functions}
+        self.database = database
         self.analyst_tables = {f"{database}.{t}" for t in ANALYST_TABLES} | {
             f"system.{t}" for t in ANALYST_SYSTEM_TABLES
         }
@@ -387,6 +388,7 @@ class Policy:
             if node.get("is_dictionary") is True and node.get("type") == "CreateQuery":
                 raise _denied(f"{user}: dictionaries are refused (their sources read files or the network)")
         if not readonly:
+            self._check_append_only(st, user, database)
             return
         if st.kind not in READ_KINDS or (
             st.kind == "ExplainQuery" and (st.ast or {}).get("query", {}).get("type") not in READ_KINDS
@@ -410,6 +412,22 @@ class Policy:
                 raise _denied(
                     f"{user}: Not enough privileges. To execute this query, it's necessary to have the grant "
                     f"SELECT ON {table} (read-only users read {', '.join(sorted(ANALYST_TABLES))})"
+                )
+
+    def _check_append_only(self, st: Statement, user: str, database: str) -> None:
+        """No one alters, deletes from, truncates, drops or renames an append-only table (the erasure audit): the
+        engine's equivalent of the writer role's REVOKE in deploy/clickhouse/security.sql."""
+        ast = st.ast or {}
+        if st.kind not in ("AlterQuery", "DropQuery", "DeleteQuery", "RenameQuery"):
+            return
+        name = lambda x: x.get("name") if isinstance(x, dict) else x  # noqa: E731
+        pairs = [(name(ast.get("database")) or database, name(ast.get("table")))]
+        pairs += [(e.get("from_database") or database, e.get("from_table")) for e in ast.get("elements") or []]
+        for db, table in pairs:
+            if db == self.database and table in APPEND_ONLY_TABLES:
+                raise _denied(
+                    f"{user}: {db}.{table} is append-only (the erasure audit): it may be read and inserted into, "
+                    "never altered, deleted from, truncated, dropped or renamed"
                 )
 
     def _check_settings(self, st: Statement, user: str, max_time_s: float) -> None:

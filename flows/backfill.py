@@ -66,6 +66,7 @@ from rtrl import clickhouse
 from rtrl.errors import ConfigError
 from rtrl.settings import Settings
 from schemas.codec import dead_letter
+from schemas.erasure import DenyList
 from schemas.records import DeadLetter, EventBase, Reward
 from schemas.types import from_arrow, to_arrow
 
@@ -93,6 +94,7 @@ class Spec:
     max_event_bytes: int = 64 * 1024
     now_ms: int = 0
     verdict_kinds: tuple[str, ...] = ()  # task kinds whose rewards stay provisional until the user's verdict
+    deny: DenyList = DenyList()  # erased subjects (`rtrl erase`): their events are skipped
 
     @property
     def source(self) -> str:
@@ -224,7 +226,7 @@ class WindowPartition(beam.DoFn):
         self.spec = spec
         self.counters = {
             n: Metrics.counter(NAMESPACE, n)
-            for n in ("replayed", "trajectories", "rewards", "discarded", "out_of_range")
+            for n in ("replayed", "trajectories", "rewards", "discarded", "out_of_range", "erased")
         }
 
     def process(self, kv: tuple[int, Iterable[tuple[int, EventBase, int]]]) -> Iterator[Any]:
@@ -249,7 +251,12 @@ class WindowPartition(beam.DoFn):
                 )
         self.counters["replayed"].inc(len(by_offset))
         proc = RewardProcessor(
-            spec.source, spec.window, [spec.version], spec.max_event_bytes, verdict_kinds=spec.verdict_kinds
+            spec.source,
+            spec.window,
+            [spec.version],
+            spec.max_event_bytes,
+            verdict_kinds=spec.verdict_kinds,
+            deny=spec.deny if spec.deny else None,
         )
         located = ((by_offset[o], partition, o, stamps[o]) for o in sorted(by_offset))
         out = proc.process_events(located, now_ms=spec.now_ms)
@@ -262,6 +269,7 @@ class WindowPartition(beam.DoFn):
         self.counters["trajectories"].inc(len({s.trajectory_id for s in out.summaries}))
         self.counters["rewards"].inc(len(rewards))
         self.counters["discarded"].inc(out.discarded)
+        self.counters["erased"].inc(out.erased)
         self.counters["out_of_range"].inc(len(final) - len(rewards))
         for d in out.dead_letters:
             Metrics.counter(NAMESPACE, f"dead:{d.kind}").inc()
@@ -338,7 +346,9 @@ class BackfillResult:
         return (
             f"backfill {self.version.name} ({self.version.checksum[:12]}): {self.files:,} files, {c['events']:,} events, "
             f"{c['trajectories']:,} trajectories closed, {c['rewards']:,} rewards in range ({c['discarded']:,} "
-            f"discarded by the version), dead letters: {dead_text}; ClickHouse: "
+            f"discarded by the version)"
+            + (f", {c['erased']:,} events of erased subjects skipped" if c["erased"] else "")
+            + f", dead letters: {dead_text}; ClickHouse: "
             f"{self.written.get('rewards', 0):,} rewards written, {self.unchanged.get('rewards', 0):,} unchanged; "
             f"Parquet: {self.out}; {self.seconds:.1f}s ({self.events_per_s:,.0f} events/s)"
         )
@@ -497,11 +507,19 @@ def backfill(
         if existing:
             FileSystems.delete(existing)
     stamp = time.time_ns() // 1_000_000 if now_ms is None else now_ms
-    spec = Spec(
-        chosen.config, window, out, since_ms, until_ms, settings.sdk.max_event_bytes, stamp, verdict_kinds(settings)
-    )
     if client is None:
         client = clickhouse.setup_from(settings)
+    spec = Spec(
+        chosen.config,
+        window,
+        out,
+        since_ms,
+        until_ms,
+        settings.sdk.max_event_bytes,
+        stamp,
+        verdict_kinds(settings),
+        clickhouse.deny_list(client, settings.clickhouse.database),  # an archive restored from a backup included
+    )
     register(client, settings.clickhouse.database, [chosen])  # refuses changed weights under a used name, first
     local = not options.view_as(StandardOptions).runner and options.view_as(DirectOptions).direct_num_workers > 1
     start = time.monotonic()

@@ -57,10 +57,11 @@ from flows.reward_flow import window_config
 from flows.sinks import ClickHouseSink, KafkaSink
 from flows.wiring import injected, require_bootstrap
 from rewards.versions import registry
-from rtrl import metrics
+from rtrl import clickhouse, metrics
 from rtrl.clickhouse_cluster import cluster_of
 from rtrl.settings import Settings, load_settings
 from schemas.codec import Invalid, JsonCodec, dead_letter, encode_batch
+from schemas.erasure import DenySource
 from schemas.records import BatchStats, DeadLetter, MicroBatch, Reward, Rollout
 
 #: the flow's inputs: each yields :class:`flows.processor.Message` tuples (unkeyed)
@@ -264,7 +265,7 @@ class _CohortLogic(StatefulBatchLogic):
         return self.state
 
 
-def _parser(codec: JsonCodec, kind: str, source: str):
+def _parser(codec: JsonCodec, kind: str, source: str, deny: DenySource | None = None):
     def parse(m: Message) -> list:
         try:
             rec = codec.decode(m.value)
@@ -285,6 +286,9 @@ def _parser(codec: JsonCodec, kind: str, source: str):
                     ),
                 )
             ]
+        if deny is not None and deny.current().denies(rec.trajectory_id, rec.org_id):
+            metrics.ERASED_SKIPPED.labels(consumer="batch_flow").inc()  # erased (`rtrl erase`): never trained
+            return []
         return [(cohort_of(rec.org_id, rec.task_kind), (kind, rec))]
 
     return parse
@@ -328,6 +332,7 @@ def build_flow(
     sources: Mapping[str, Source] | None = None,
     sinks: Mapping[str, Sink] | None = None,
     counts: FlowCounts | None = None,
+    deny: DenySource | None = None,
 ) -> Dataflow:
     """The batch flow for ``settings``.
 
@@ -336,17 +341,20 @@ def build_flow(
     (``bootstrap`` overrides ``kafka.bootstrap``; setting ``stop`` ends an in-process run cleanly,
     flushing what waits; a :class:`flows.kafka_io.Pause` keeps it for a restart from the recovery state).
     With both given the flow touches neither Kafka nor ClickHouse. ``counts`` (a :class:`flows.counts.FlowCounts`)
-    counts what the run reads, joins, sends and drops: :func:`summary`."""
+    counts what the run reads, joins, sends and drops: :func:`summary`. ``deny`` lists the erased subjects whose
+    rollouts and rewards are skipped; with the service outputs it defaults to the one ClickHouse holds."""
     configs, bs = batch_configs(settings), settings.batching  # bad settings fail before any I/O
     cfg = configs[settings.rewards.train_version]
     sources = kafka_inputs(settings, bootstrap, stop) if sources is None else injected(sources, INPUTS, "sources")
+    if deny is None and sinks is None:
+        deny = clickhouse.deny_watch(settings)
     sinks = service_outputs(settings, bootstrap) if sinks is None else injected(sinks, OUTPUTS, "sinks")
     flow = Dataflow("rtrl_batches")
     parsed = []
     for name, cls in (("rollouts", Rollout), ("rewards", Reward)):
         topic = settings.topic(name)
         src = op.input(f"{name}_in", flow, sources[name])
-        parsed.append(op.flat_map(f"parse_{name}", src, _parser(JsonCodec(cls), name[:-1], topic)))
+        parsed.append(op.flat_map(f"parse_{name}", src, _parser(JsonCodec(cls), name[:-1], topic, deny)))
     items = op.merge("merge", *parsed)
     split = op.branch("split_dead", items, lambda kv: kv[0] != "dead")
     keyed = split.trues

@@ -20,6 +20,7 @@ from flows.windowing import Closed, PartitionWindows, Rejected, WindowConfig
 from rewards import RewardConfig, check_versions, features, get_config, reward
 from rewards.features import TrajectoryFeatures
 from schemas.codec import Invalid, dead_letter, event_codec
+from schemas.erasure import DenySource
 from schemas.records import CloseReason, DeadLetter, DeadLetterKind, EventBase, Reward, TrajectorySummary
 
 
@@ -44,6 +45,7 @@ class FlowOutput:
     summaries: list[TrajectorySummary] = field(default_factory=list)
     dead_letters: list[DeadLetter] = field(default_factory=list)
     discarded: int = 0  # closes a reward version chose not to reward (the buggy v1 does this)
+    erased: int = 0  # events of an erased user or organisation, skipped (`rtrl erase`)
 
     def extend(self, other: FlowOutput) -> None:
         self.events += other.events
@@ -52,6 +54,7 @@ class FlowOutput:
         self.summaries += other.summaries
         self.dead_letters += other.dead_letters
         self.discarded += other.discarded
+        self.erased += other.erased
 
 
 _REJECTED_FIELD = {"duplicate": "$.event_id", "too_late": "$.ts", "future": "$.ts", "never_started": "$.trajectory_id"}
@@ -103,6 +106,7 @@ class RewardProcessor:
         max_event_bytes: int = 64 * 1024,
         state: PartitionWindows | None = None,
         verdict_kinds: Collection[str] = (),
+        deny: DenySource | None = None,
     ):
         # a name is a built-in version; a config is any version (rewards.versions.registry resolves defined ones)
         check_versions([v for v in reward_versions if isinstance(v, str)])  # ConfigError naming rewards.versions
@@ -113,6 +117,11 @@ class RewardProcessor:
         self.windows = state if state is not None else PartitionWindows(window)
         #: task kinds that end with the user's verdict: their rewards are provisional until it arrives
         self.verdict_kinds = frozenset(verdict_kinds)
+        #: erased subjects (rtrl.clickhouse.DenyWatch, or a fixed schemas.erasure.DenyList): their events are skipped
+        self.deny = deny
+
+    def _denied(self, event: EventBase) -> bool:
+        return self.deny is not None and self.deny.current().denies(event.trajectory_id, event.org_id, event.user_hash)
 
     def _dead(
         self,
@@ -139,6 +148,9 @@ class RewardProcessor:
                     self._dead(e.kind, e.field, e.reason, m.partition, m.offset, m.key, m.value, now)
                 )
                 continue
+            if self._denied(event):  # erased: neither stored, archived nor windowed
+                out.erased += 1
+                continue
             ts = -1 if m.timestamp is None else m.timestamp
             out.events.append(event)
             out.coords.append((m.partition, m.offset, ts))
@@ -155,6 +167,9 @@ class RewardProcessor:
         out = FlowOutput()
         for event, partition, offset, record_ts in located:
             self.windows.partition = partition
+            if self._denied(event):
+                out.erased += 1
+                continue
             out.events.append(event)
             out.coords.append((partition, offset, record_ts))
             self._apply(self.windows.ingest(event, offset, record_ts), partition, out, now)
@@ -182,6 +197,9 @@ class RewardProcessor:
                         now,
                     )
                 )
+                continue
+            if r.events and self._denied(r.events[0]):  # erased while its window was open
+                out.erased += len(r.events)
                 continue
             f = features(r.events)
             out.summaries.append(summary(f, r.revision, r.close_reason))

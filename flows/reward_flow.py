@@ -45,11 +45,12 @@ from flows.spill import SqliteStore, partition_file
 from flows.windowing import KindRules, PartitionWindows, WindowConfig
 from flows.wiring import injected, require_bootstrap
 from rewards.versions import registry
-from rtrl import metrics
+from rtrl import clickhouse, metrics
 from rtrl.clickhouse_cluster import cluster_of
 from rtrl.errors import ConfigError
 from rtrl.settings import Settings, load_settings
 from schemas.codec import JsonCodec
+from schemas.erasure import DenySource
 from schemas.records import DeadLetter, Reward
 
 #: the flow's input: ``events`` yields ``(str(partition), Message)`` pairs, one key per Kafka partition
@@ -97,7 +98,11 @@ def count(counts: FlowCounts | None, messages: int, out: FlowOutput) -> FlowOutp
         tally: Counter[str] = Counter(f"rewards:{r.reward_version}" for r in out.rewards)
         tally.update(f"dead:{d.kind}" for d in out.dead_letters)
         tally["events"], tally["trajectories"] = messages, len(out.summaries)
+        if out.erased:
+            tally["erased"] = out.erased
         counts.add(tally)
+    if out.erased:
+        metrics.ERASED_SKIPPED.labels(consumer="reward_flow").inc(out.erased)
     metrics.count_flow("rewards", messages, (d.kind for d in out.dead_letters))
     metrics.observe_rewards(out.rewards, time.time_ns() // 1_000_000)
     metrics.observe_trajectories(out.summaries)
@@ -231,6 +236,7 @@ def build_flow(
     sinks: Mapping[str, Sink] | None = None,
     counts: FlowCounts | None = None,
     keys: Mapping[int, str] | None = None,
+    deny: DenySource | None = None,
 ) -> Dataflow:
     """The reward flow for ``settings``; ``keys`` maps each Kafka partition to the key its windows live under
     (default: ``str(partition)``; a cluster's from :func:`flows.routing.balanced_keys`, which spreads them over the
@@ -241,12 +247,16 @@ def build_flow(
     (``bootstrap`` overrides ``kafka.bootstrap``; setting ``stop`` ends an in-process run cleanly,
     closing every open window as at the end of the input; a :class:`flows.kafka_io.Pause` keeps them
     open for a restart from the recovery state). With both given the flow touches neither Kafka nor ClickHouse.
-    ``counts`` (a :class:`flows.counts.FlowCounts`) counts what the run reads and produces: :func:`summary`."""
+    ``counts`` (a :class:`flows.counts.FlowCounts`) counts what the run reads and produces: :func:`summary`.
+    ``deny`` lists the erased subjects whose events are skipped; with the service outputs it defaults to the one
+    ClickHouse holds (:func:`rtrl.clickhouse.deny_watch`)."""
     source_topic = settings.topic("events")
     cfg = window_config(settings)
     # every listed version is scored (shadow scoring); unknown or ill-defined ones fail here, before any I/O
     versions = registry(settings).configs(settings.rewards.versions)
     sources = kafka_inputs(settings, bootstrap, stop, keys) if sources is None else injected(sources, INPUTS, "sources")
+    if deny is None and sinks is None:
+        deny = clickhouse.deny_watch(settings)
     sinks = service_outputs(settings, bootstrap) if sinks is None else injected(sinks, OUTPUTS, "sinks")
 
     # windows beyond the memory budget live in one SQLite file per partition (flows.spill)
@@ -261,7 +271,7 @@ def build_flow(
                 reconfigure(resume, cfg)
             resume.budget_bytes = budget
         processor = RewardProcessor(
-            source_topic, cfg, versions, settings.sdk.max_event_bytes, resume, verdict_kinds(settings)
+            source_topic, cfg, versions, settings.sdk.max_event_bytes, resume, verdict_kinds(settings), deny
         )
         processor.windows.budget_bytes = budget
         return _PartitionLogic(processor, stop, counts, state_root if budget > 0 else None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import re
 import ssl
 import threading
@@ -32,10 +33,13 @@ from rtrl.clickhouse_cluster import LOCAL, SYNC_INSERT, Cluster, cluster_of, ren
 from rtrl.errors import ConfigError, SchemaMismatch, ServiceUnavailable
 from rtrl.files import private_dir
 from rtrl.settings import Settings, redact_dsn
+from schemas.erasure import DenyList
 from schemas.records import (
     BatchStats,
     Checkpoint,
     DeadLetter,
+    ErasedTrajectory,
+    Erasure,
     EventBase,
     MicroBatch,
     Reward,
@@ -45,6 +49,8 @@ from schemas.records import (
     TrajectorySummary,
 )
 from schemas.types import columns, from_arrow, to_arrow
+
+_log = logging.getLogger(__name__)
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "schemas" / "migrations"
 
@@ -61,6 +67,8 @@ TABLES: dict[str, type] = {
     "train_metrics": TrainStep,
     "batch_stats": BatchStats,
     "reward_versions": RewardVersionRecord,
+    "erasures": Erasure,
+    "erased_trajectories": ErasedTrajectory,
 }
 
 #: what a read-only analyst may SELECT: the monitors' views, the tables they read, and the tables of
@@ -86,7 +94,12 @@ ANALYST_TABLES = (
     "provisional_vs_final",
     "provisional_rewards",
     "promotions",
+    "erasures",
 )
+
+#: tables no one may alter, delete from, truncate or drop once written: the erasure audit (app/erasure.py). The
+#: writer role of deploy/clickhouse/security.sql has INSERT on them only; the embedded front refuses the rest.
+APPEND_ONLY_TABLES = ("erasures",)
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -569,6 +582,65 @@ def select(client: Any, database: str, table: str, where: str = "", final: bool 
     """Read records back from a table (``FINAL`` collapses replaced rows)."""
     sql = f"SELECT * FROM {_check_name(database)}.{table}{' FINAL' if final else ''} {where}"
     return from_arrow(client.query_arrow(sql), TABLES[table])
+
+
+# ---------------------------------------------------------------- the deny list of erased subjects
+
+
+def deny_list(client: Any, database: str) -> DenyList:
+    """Every subject ``rtrl erase`` has listed in ``erasures`` (from its first row, before any deletion) and their
+    trajectories."""
+    db = _check_name(database)
+    subjects = client.query(f"SELECT DISTINCT subject_kind, subject FROM {db}.erasures").result_rows
+    ids = client.query_arrow(f"SELECT DISTINCT trajectory_id FROM {db}.erased_trajectories")
+    return DenyList(
+        users=frozenset(s for k, s in subjects if k == "user"),
+        orgs=frozenset(s for k, s in subjects if k == "org"),
+        trajectories=frozenset(ids.column("trajectory_id").to_pylist()) if ids.num_rows else frozenset(),
+    )
+
+
+class DenyWatch:
+    """The deny list as a consumer sees it: read at its first use, then at most every ``refresh_s`` seconds
+    (``governance.deny_refresh_s``).
+
+    A failed read keeps the last list, logs why and is tried again at the next refresh, so a ClickHouse outage
+    never stops a consumer. A database without the ``erasures`` table yet has erased nobody."""
+
+    def __init__(self, dsn: str, database: str, timeout_s: float, refresh_s: float):
+        self._args, self._refresh_s = (dsn, database, timeout_s), refresh_s
+        self._client: Any = None
+        self._list = DenyList()
+        self._at = -float("inf")
+        self._lock = threading.Lock()
+
+    def _read(self) -> DenyList:
+        dsn, database, timeout_s = self._args
+        if self._client is None:
+            self._client = connect(dsn, timeout_s)
+        if not self._client.command(f"EXISTS TABLE {_check_name(database)}.erasures"):
+            return DenyList()
+        return deny_list(self._client, database)
+
+    def current(self) -> DenyList:
+        """The list, read again when it is older than the refresh interval."""
+        if time.monotonic() - self._at < self._refresh_s:
+            return self._list
+        with self._lock:
+            if time.monotonic() - self._at >= self._refresh_s:
+                try:
+                    self._list = self._read()
+                except Exception as e:  # noqa: BLE001 - the last list stands; the next refresh tries again
+                    _log.warning("the deny list of erased subjects was not read (%s); the last one stands", e)
+                    self._client = None
+                self._at = time.monotonic()
+        return self._list
+
+
+def deny_watch(settings: Settings) -> DenyWatch:
+    """:class:`DenyWatch` as ``settings`` configure it (``clickhouse.*``, ``governance.deny_refresh_s``)."""
+    ch = settings.clickhouse
+    return DenyWatch(settings.clickhouse_dsn, ch.database, ch.timeout_s, settings.governance.deny_refresh_s)
 
 
 def ttl_expression(column: str, days: float) -> str:

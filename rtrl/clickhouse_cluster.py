@@ -56,6 +56,9 @@ SHARD_KEYS: dict[str, tuple[str, ...]] = {
     "batch_stats": ("cohort",),
     "reward_versions": ("name",),
     "adapter_checkpoints": ("org", "version"),
+    # one erasure's audit rows and trajectories on one shard (read whole through the Distributed tables)
+    "erasures": ("erasure_id",),
+    "erased_trajectories": ("erasure_id", "trajectory_id"),
     # a checkpoint's statuses and its promotion on one shard: promotions_mv writes next to its source
     "checkpoints": ("version",),
     "promotions": ("version",),

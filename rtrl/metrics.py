@@ -95,6 +95,12 @@ DATA_USE_EXCLUDED = Counter(
 SDK_WITHHELD = Counter(
     "rtrl_sdk_withheld", "Events and rollouts the SDK kept in the product's process by their class.", ["data_use"]
 )
+ERASED_SKIPPED = Counter(
+    "rtrl_erased_skipped",
+    "Records a consumer skipped because their user or organisation was erased (`rtrl erase`).",
+    ["consumer"],
+)
+ERASURES = Counter("rtrl_erasures", "Runs of `rtrl erase` that finished, by subject kind.", ["subject_kind"])
 TRAINER_STEPS = Counter("rtrl_trainer_steps", "Optimizer steps trained.", ["adapter"])
 TRAINER_TOKENS_PER_S = Gauge("rtrl_trainer_tokens_per_second", "Trained tokens/s of the last step.", ["adapter"])
 TRAINER_LOSS = Gauge("rtrl_trainer_loss", "Loss of the last step.", ["adapter"])

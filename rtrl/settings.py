@@ -482,6 +482,12 @@ class GovernanceSettings(Section):
         description="data-use class per organisation [governance.orgs] (org = class); the stricter of it and the "
         "product's choice wins",
     )
+    deny_refresh_s: float = _s(
+        10.0,
+        "seconds between each consumer's reads of the erased subjects (the deny list of `rtrl erase`); "
+        "`rtrl erase` waits this long after listing a subject before it deletes, so no consumer writes it back",
+        gt=0,
+    )
 
     def policy(self, org: str) -> DataUse:
         """The org's data-use class under these settings."""

@@ -41,6 +41,7 @@ DeadLetterKind = Literal[
     "never_started",
     "future",
     "data_use",
+    "erased",
     "other",
 ]
 
@@ -606,6 +607,33 @@ class RewardVersionRecord(msgspec.Struct, **_STRICT):
     registered_at: Annotated[Millis, doc("When this definition was registered, ms since epoch; the newest wins.")]
 
 
+# ---------------------------------------------------------------- erasure (issue 38; app/erasure.py)
+
+ErasureSubject = Literal["user", "org"]
+
+
+class Erasure(msgspec.Struct, **_STRICT):
+    """One run of ``rtrl erase``, appended to the audit table ``erasures`` (never altered). Its subject joins the
+    deny list that every consumer honours from the run's first row on."""
+
+    erasure_id: Annotated[Label, doc("Stable id of the subject's erasure: its runs (a resumed one too) share it.")]
+    subject_kind: Annotated[ErasureSubject, doc("'user' or 'org'.")]
+    subject: Annotated[Label, doc("The user's salted hash, or the organisation's id; never a raw user id.")]
+    status: Annotated[Label, doc("'started' before the first deletion, 'done' once every store is clean.")]
+    counts: Annotated[dict[Label, UInt64], doc("Per store, the subject's rows or files found (and removed when done).")]
+    lineage: Annotated[
+        list[Label], doc("Checkpoints whose training saw the subject's samples: 'v3', or 'org-2/v1' for an adapter.")
+    ]
+    at: Annotated[Millis, doc("When the row was written, ms since epoch.")]
+
+
+class ErasedTrajectory(msgspec.Struct, **_STRICT):
+    """A trajectory of an erased subject: consumers that see no user (rewards, rollouts, micro-batches) skip it."""
+
+    erasure_id: Annotated[Label, doc("The erasure that named it.")]
+    trajectory_id: Annotated[Id, doc("The trajectory.")]
+
+
 RECORDS: tuple[type, ...] = (
     EventBase,
     Rollout,
@@ -618,4 +646,6 @@ RECORDS: tuple[type, ...] = (
     TrainStep,
     BatchStats,
     RewardVersionRecord,
+    Erasure,
+    ErasedTrajectory,
 )

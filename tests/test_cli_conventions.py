@@ -107,7 +107,7 @@ def test_a_bad_version_is_one_line(text, capsys, monkeypatch):
 def test_an_unknown_flag_is_one_line_for_every_subcommand(name, capsys, monkeypatch):
     positionals = {"rollback": ["3"], "broker": ["status"], "clickhouse": ["serve"], "part": ["rewards"]}
     positionals |= {"flow": ["rewards"], "model": ["init", "DIR"], "fleet": ["follow"], "rewards": ["list"]}
-    positionals |= {"backfill": ["--reward-version", "v2"], "retention": ["apply"]}
+    positionals |= {"backfill": ["--reward-version", "v2"], "retention": ["apply"], "erase": ["--org", "o"]}
     rc, lines = _cli([name, *positionals.get(name, []), "--no-such-flag"], {}, capsys, monkeypatch)
     assert rc == 2 and "--no-such-flag" in _one_error_line(lines)
 

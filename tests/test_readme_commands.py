@@ -190,6 +190,10 @@ RULES = (
         r"rtrl retention apply( --dry-run| \[--dry-run\])?",
         "tests/test_retention.py::test_rtrl_retention_apply_on_a_data_folder",
     ),
+    Rule(
+        r"rtrl erase (--user ID|--user-hash H|--org ORG)( \[--dry-run\]| --dry-run)?",
+        "tests/test_erasure.py::test_a_dry_run_lists_what_would_go_and_removes_nothing",
+    ),
     Rule(r"rtrl clickhouse serve( \[--port P\]| --port \d+)?", "test_service_commands_in_order"),
     Rule(
         r"rtrl clickhouse serve --certfile \S+ --keyfile \S+",

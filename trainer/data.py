@@ -10,7 +10,8 @@
 - **Invalid micro-batches** (not Arrow IPC, wrong schema, ragged rows, corrupted bytes of any kind, a
   shape or token ids outside the model's ``limits``) are dead-lettered to ``rtrl.dead_letters`` with
   the reason and skipped; their offsets still advance. Decoding raises nothing but ``Invalid``. A batch refused
-  for a sample's data-use class (kind ``data_use``) is dead-lettered without its payload: its tokens stay nowhere.
+  for a sample's data-use class (kind ``data_use``), or for a sample of an erased subject (kind ``erased``, the
+  ``deny`` list of `rtrl erase`), is dead-lettered without its payload: its tokens stay nowhere.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from rtrl import metrics
 from rtrl.errors import ServiceUnavailable
 from rtrl.kafka import base_config, check_broker, producer_config
 from schemas.codec import Invalid, JsonCodec, dead_letter
+from schemas.erasure import DenySource
 from schemas.records import DeadLetter
 from trainer.batch import Batch, BatchLimits, to_batch
 
@@ -43,8 +45,9 @@ class BatchStream:
         start: dict[str, int] | None = None,
         timeout_s: float = 10.0,
         limits: BatchLimits | None = None,
+        deny: DenySource | None = None,
     ):
-        self.limits = limits
+        self.limits, self.deny = limits, deny
         meta = check_broker(bootstrap, timeout_s)
         if topic not in meta.topics:
             raise ServiceUnavailable(f"topic {topic} does not exist on {bootstrap}; fix: run `rtrl topics`")
@@ -86,12 +89,25 @@ class BatchStream:
             try:
                 if value is None:  # a null (tombstone) message: dead-lettered like any malformed payload
                     raise Invalid("$", "empty message (null value)", "malformed")
-                return to_batch(value, p, off, self.limits)
+                batch = to_batch(value, p, off, self.limits)
+                self._check_erased(batch)
+                return batch
             except Invalid as e:
                 self._dead_letter(msg, e)
         return None
 
+    def _check_erased(self, batch: Batch) -> None:
+        """Refuse a batch holding a sample of an erased subject (`rtrl erase`), made before its erasure."""
+        if self.deny is None:
+            return
+        deny = self.deny.current()
+        for i, sid in enumerate(batch.sample_ids):
+            if deny.denies(sid):
+                metrics.ERASED_SKIPPED.labels(consumer="trainer").inc()
+                raise Invalid(f"$.sample_ids[{i}]", f"sample {sid} belongs to an erased subject (rtrl erase)", "erased")
+
     def _dead_letter(self, msg: Any, err: Invalid) -> None:
+
         dl = dead_letter(
             err.kind,
             err.field,
@@ -100,7 +116,7 @@ class BatchStream:
             msg.partition(),
             msg.offset(),
             msg.key(),
-            b"" if err.kind == "data_use" else msg.value(),  # a refused sample's tokens are kept nowhere
+            b"" if err.kind in ("data_use", "erased") else msg.value(),  # a refused sample's tokens are kept nowhere
             time.time_ns() // 1_000_000,
         )
         self.producer.produce(self.dead_letter_topic, key=self.topic.encode(), value=self._codec.encode(dl))

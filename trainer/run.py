@@ -74,6 +74,7 @@ def run(settings: Settings, bootstrap: str, console: Console | None = None) -> l
         )
     ch = clickhouse.setup_from(settings) if lead else None
     streams: list[BatchStream] = []
+    deny = clickhouse.deny_watch(settings)  # samples of an erased subject are refused
 
     def make_source(offsets):
         streams.append(
@@ -87,6 +88,7 @@ def run(settings: Settings, bootstrap: str, console: Console | None = None) -> l
                 timeout_s=settings.kafka.timeout_s,
                 # token ids below the model's vocabulary: with model.hf_path the checkpoint's, not model.vocab_size
                 limits=replace(BatchLimits.from_settings(settings), vocab_size=cfg.vocab_size),
+                deny=deny,
             )
         )
         return streams[-1]

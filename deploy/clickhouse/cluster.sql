@@ -593,3 +593,29 @@ ALTER TABLE rtrl.trajectories ON CLUSTER rtrl_cluster ADD COLUMN IF NOT EXISTS d
 ALTER TABLE rtrl.batches_local ON CLUSTER rtrl_cluster ADD COLUMN IF NOT EXISTS data_use Array(LowCardinality(String)) AFTER served_org;
 ALTER TABLE rtrl.batches ON CLUSTER rtrl_cluster ADD COLUMN IF NOT EXISTS data_use Array(LowCardinality(String)) AFTER served_org;
 INSERT INTO rtrl.schema_migrations SETTINGS insert_distributed_sync = 1 VALUES (23, '0023_data_use.sql', '19e939986d3f1b289cf9b2c0da57c34b315c23f38ed622ce848b1e4438651e12', now64(3));
+
+-- 0024_erasures.sql
+CREATE TABLE IF NOT EXISTS rtrl.erasures_local ON CLUSTER rtrl_cluster
+(
+    erasure_id LowCardinality(String),
+    subject_kind LowCardinality(String),
+    subject LowCardinality(String),
+    status LowCardinality(String),
+    counts Map(LowCardinality(String), UInt64),
+    lineage Array(LowCardinality(String)),
+    at DateTime64(3, 'UTC')
+)
+ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
+ORDER BY (erasure_id, at);
+CREATE TABLE IF NOT EXISTS rtrl.erasures ON CLUSTER rtrl_cluster AS rtrl.erasures_local
+ENGINE = Distributed(rtrl_cluster, rtrl, erasures_local, cityHash64(erasure_id));
+CREATE TABLE IF NOT EXISTS rtrl.erased_trajectories_local ON CLUSTER rtrl_cluster
+(
+    erasure_id LowCardinality(String),
+    trajectory_id String
+)
+ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')
+ORDER BY (erasure_id, trajectory_id);
+CREATE TABLE IF NOT EXISTS rtrl.erased_trajectories ON CLUSTER rtrl_cluster AS rtrl.erased_trajectories_local
+ENGINE = Distributed(rtrl_cluster, rtrl, erased_trajectories_local, cityHash64(erasure_id, trajectory_id));
+INSERT INTO rtrl.schema_migrations SETTINGS insert_distributed_sync = 1 VALUES (24, '0024_erasures.sql', '2dc95c5ea40cd310e33f2156905656fcdb0221baefb650c679d5d6cce06a0b1e', now64(3));

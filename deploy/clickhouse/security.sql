@@ -22,6 +22,9 @@ CREATE SETTINGS PROFILE IF NOT EXISTS rtrl_analyst_profile
 CREATE ROLE IF NOT EXISTS rtrl_writer_role;
 GRANT CREATE DATABASE ON rtrl.* TO rtrl_writer_role;
 GRANT SELECT, INSERT, ALTER, CREATE TABLE, CREATE VIEW, DROP VIEW, OPTIMIZE, TRUNCATE ON rtrl.* TO rtrl_writer_role;
+-- The erasure audit is append-only (rtrl.clickhouse.APPEND_ONLY_TABLES): `rtrl erase` inserts its rows and no
+-- one with the writer role may alter, delete from or truncate them (a partial revoke of the grant above).
+REVOKE ALTER, TRUNCATE ON rtrl.erasures FROM rtrl_writer_role;
 
 -- The analyst: read-only, SELECT on the monitors' views, the tables they read, and the tables of
 -- outcomes and decisions; never the raw events, rollouts or training batches.
@@ -45,6 +48,7 @@ GRANT SELECT ON rtrl.provisional_vs_final TO rtrl_analyst_role;
 GRANT SELECT ON rtrl.provisional_rewards TO rtrl_analyst_role;
 GRANT SELECT ON rtrl.promotions TO rtrl_analyst_role;
 GRANT SELECT ON rtrl.adapter_checkpoints TO rtrl_analyst_role;
+GRANT SELECT ON rtrl.erasures TO rtrl_analyst_role;
 
 -- Users (passwords are placeholders: replace them; store the writer's in the password file).
 CREATE USER IF NOT EXISTS rtrl_writer IDENTIFIED WITH sha256_password BY 'CHANGE_ME_WRITER_PASSWORD'
