@@ -279,6 +279,7 @@ def erase(
     result.lineage = sorted(set(lineage(client, db, plan)) | {x for (x,) in earlier}, key=_version_order)
     if dry_run:
         return result
+
     def audit(status: str) -> None:
         row = Erasure(
             erasure_id=subject.id,

@@ -633,7 +633,11 @@ def test_the_deploy_sql_parses_on_the_engine_and_grants_the_analyst_the_fronts_t
     kinds = {re.match(r"(CREATE \w+( PROFILE)?|GRANT|REVOKE)", c).group(0) for c in canonical}  # type: ignore[union-attr]
     assert kinds == {"CREATE SETTINGS PROFILE", "CREATE ROLE", "GRANT", "REVOKE", "CREATE USER", "CREATE QUOTA"}
     # the append-only tables (the erasure audit): the writer role may insert, never alter or truncate
-    revoked = {m.group(1) for c in canonical if (m := re.fullmatch(r"REVOKE ALTER, TRUNCATE ON rtrl\.(\w+) FROM rtrl_writer_role", c))}
+    revoked = {
+        m.group(1)
+        for c in canonical
+        if (m := re.fullmatch(r"REVOKE ALTER, TRUNCATE ON rtrl\.(\w+) FROM rtrl_writer_role", c))
+    }
     assert revoked == set(clickhouse.APPEND_ONLY_TABLES), [c for c in canonical if c.startswith("REVOKE")]
     analyst_grants = {
         m.group(1) for c in canonical if (m := re.fullmatch(r"GRANT SELECT ON rtrl\.(\w+) TO rtrl_analyst_role", c))
