@@ -263,6 +263,7 @@ def grafana_dashboard() -> dict[str, Any]:
                 "batch flow, {{reason}}": "sum by (reason) (rate(rtrl_data_use_excluded_total[5m]))",
                 "SDK withheld, {{data_use}}": "sum by (data_use) (rate(rtrl_sdk_withheld_total[5m]))",
                 "trainer refused": 'sum(rate(rtrl_dead_letters_total{flow="trainer", kind="data_use"}[5m]))',
+                "secret found, {{detector}}": "sum by (detector) (rate(rtrl_secrets_found_total[5m]))",
             },
             "ops",
         ),

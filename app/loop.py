@@ -62,6 +62,7 @@ from app.loop_config import (  # noqa: F401  # re-exported: app.loop is where ca
     SEQ_LEN,
     loop_settings,
 )
+from client.screening import screen_for
 from client.sdk import RtrlClient
 from evalgate import EvalSuite, GateRules, run_gate
 from flows.batch_flow import build_flow as batch_flow
@@ -85,6 +86,7 @@ from simulator.evalsuite import HeldOutTasks
 from simulator.policy import warm_start
 from simulator.serve import PolicyServer
 from simulator.tasks import VOCAB, conventions_for, sample_task
+from simulator.tasks import decode as decode_tokens
 from trainer import checkpoint
 from trainer.batch import BatchLimits
 from trainer.config import ModelConfig, PrecisionConfig, model_config
@@ -175,6 +177,8 @@ def policy_server(settings: Settings, bootstrap: str, client: RtrlClient, seed: 
     policy built here (:mod:`simulator.openai_server`)."""
     ls, sv = settings.loop, settings.serving
     cfg, precision = loop_model_config(settings)
+    if client.screen is None:  # its rollouts are screened for secrets in the tokens the model reads
+        client.screen = screen_for(settings.governance.secret_scanner, settings.model.hf_path, decode_tokens)
     own = not sv.url  # an external server holds the weights: nothing to build here
     api_key = None
     if sv.api_key_file:

@@ -34,11 +34,12 @@ import msgspec
 from confluent_kafka import Producer
 
 from client.hashing import hash_user
+from client.screening import Screen
 from rtrl import metrics
 from rtrl.kafka import KafkaConnection, connection, produce, producer_config
 from rtrl.settings import GovernanceSettings
 from schemas.codec import DEFAULT_MAX_BYTES, Invalid, JsonCodec, event_codec
-from schemas.data_use import DataUse, keeps_tokens
+from schemas.data_use import DataUse, keeps_tokens, stricter
 from schemas.records import (
     ClarifyingQuestion,
     EditAccepted,
@@ -49,6 +50,7 @@ from schemas.records import (
     Followup,
     Latency,
     Rollout,
+    SecretFound,
     TaskCheckin,
     TaskVerdict,
     ToolCall,
@@ -112,6 +114,8 @@ class RtrlClient:
             raise ValueError("salt must be at least 8 characters (setting sdk.salt)")
         self.topic, self.rollouts_topic = topic, rollouts_topic
         self.governance = governance or GovernanceSettings()
+        #: the secret screening of rollouts (client/screening.py); the policy server sets it with its decoder
+        self.screen: Screen | None = None
         self.salt = salt
         self.max_future_ms, self.max_past_ms = int(max_future_s * 1000), int(max_past_s * 1000)
         self.queue_size = queue_size
@@ -201,8 +205,9 @@ class RtrlClient:
         stamp = 0 if now_ms is None else now_ms
         return self._enqueue(topic or self.rollouts_topic, rollout.trajectory_id.encode(), data, stamp)
 
-    def withhold(self, data_use: DataUse) -> bool:
-        """Count one record a trajectory's data-use class keeps in the SDK; False, as nothing was sent."""
+    def withhold(self, data_use: str) -> bool:
+        """Count one record the SDK keeps back, by why: the trajectory's data-use class, or ``secret`` (a secret
+        in a rollout); False, as nothing was sent."""
         with self._lock:
             self._withheld += 1
         metrics.SDK_WITHHELD.labels(data_use).inc()
@@ -361,6 +366,14 @@ class Trajectory:
             raise InvalidEvent("$.trajectory_id", "the rollout belongs to another trajectory or org than this handle")
         if not keeps_tokens(self.data_use):
             return self.client.withhold(self.data_use)
+        screen = self.client.screen
+        findings = screen.rollout(rollout.prompt_ids, rollout.completion_ids) if screen is not None else []
+        if findings:  # kept back: the finding says where, never what; the trajectory trains nothing from now on
+            for f in findings:
+                metrics.SECRETS_FOUND.labels(f.detector).inc()
+                self._emit(SecretFound, None, detector=f.detector, location=f.location, char_offset=f.char_offset)
+            self.data_use = stricter(self.data_use, "monitor_only")
+            return self.client.withhold("secret")
         ro = msgspec.structs.replace(rollout, data_use=self.data_use)
         return self.client.record_rollout(ro, now_ms=now_ms, topic=topic)
 

@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from schemas.data_use import DataUse
+from schemas.data_use import DataUse, stricter
 from schemas.records import (
     EditAccepted,
     EditPersisted,
@@ -142,7 +142,10 @@ def features(events: Iterable[EventBase]) -> TrajectoryFeatures:
         arm=head.arm,
         user_hash=head.user_hash,
         task_kind=starts[0].task_kind if starts else None,
-        data_use=starts[0].data_use if starts else "train",
+        # a secret in its rollout (a secret_found event from the SDK) keeps the whole trajectory from training
+        data_use=stricter(
+            starts[0].data_use if starts else "train", "monitor_only" if counts["secret_found"] else "train"
+        ),
         status=status,
         n_events=len(ordered),
         event_counts=dict(sorted(counts.items())),

@@ -95,6 +95,7 @@ ANALYST_TABLES = (
     "provisional_rewards",
     "promotions",
     "erasures",
+    "secret_findings",
 )
 
 #: tables no one may alter, delete from, truncate or drop once written: the erasure audit (app/erasure.py). The

@@ -95,6 +95,9 @@ DATA_USE_EXCLUDED = Counter(
 SDK_WITHHELD = Counter(
     "rtrl_sdk_withheld", "Events and rollouts the SDK kept in the product's process by their class.", ["data_use"]
 )
+SECRETS_FOUND = Counter(
+    "rtrl_secrets_found", "Secrets the SDK found in rollouts, which it kept back (client/screening.py).", ["detector"]
+)
 ERASED_SKIPPED = Counter(
     "rtrl_erased_skipped",
     "Records a consumer skipped because their user or organisation was erased (`rtrl erase`).",

@@ -482,6 +482,12 @@ class GovernanceSettings(Section):
         description="data-use class per organisation [governance.orgs] (org = class); the stricter of it and the "
         "product's choice wins",
     )
+    secret_scanner: str = _s(
+        "detect-secrets",
+        "what screens each rollout's decoded text for secrets before the SDK sends it: detect-secrets, "
+        "'package.module:Class' (a scan(text) method), or '' for none; a rollout with a secret is kept back and its "
+        "trajectory is monitor_only (client/screening.py)",
+    )
     deny_refresh_s: float = _s(
         10.0,
         "seconds between each consumer's reads of the erased subjects (the deny list of `rtrl erase`); "

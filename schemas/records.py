@@ -153,6 +153,15 @@ class TaskVerdict(EventBase, tag="task_verdict"):
     verdict_after_s: Annotated[float, Meta(ge=0.0), doc("Seconds between the task's end and the verdict.")]
 
 
+class SecretFound(EventBase, tag="secret_found"):
+    """The SDK found a secret in the trajectory's rollout (client/screening.py): the rollout was kept back and the
+    trajectory is monitor_only from then on. The event says where, never what."""
+
+    detector: Annotated[Label, doc("The detector that matched, e.g. AWSKeyDetector.")]
+    location: Annotated[Literal["prompt", "completion"], doc("Which part of the rollout held it.")]
+    char_offset: Annotated[UInt32, doc("Where it starts in that part's decoded text, in characters.")]
+
+
 EVENT_TYPES: tuple[type[EventBase], ...] = (
     TrajectoryStarted,
     ToolCall,
@@ -166,6 +175,7 @@ EVENT_TYPES: tuple[type[EventBase], ...] = (
     TrajectoryEnded,
     TaskCheckin,
     TaskVerdict,
+    SecretFound,
 )
 Event = Union[  # noqa: UP007 - a runtime alias msgspec decodes as a tagged union
     TrajectoryStarted,
@@ -180,6 +190,7 @@ Event = Union[  # noqa: UP007 - a runtime alias msgspec decodes as a tagged unio
     TrajectoryEnded,
     TaskCheckin,
     TaskVerdict,
+    SecretFound,
 ]
 EVENT_BY_TYPE: dict[str, type[EventBase]] = {cast(str, c.__struct_config__.tag): c for c in EVENT_TYPES}
 

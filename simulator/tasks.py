@@ -39,7 +39,7 @@ interact.)
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -58,6 +58,21 @@ VOCAB = 32
 PROMPT_LEN, COMPLETION_LEN = 6, 2
 
 Level = Literal["easy", "hard"]
+
+#: each token's word in :func:`decode`
+WORDS = (
+    {PAD: "<pad>", BOS: "<s>", SEP: "<sep>", EOS: "</s>", ASK: "<ask>"}
+    | TOOLS
+    | {tok: f"<malformed-call-{tok}>" for tok in MALFORMED}
+    | {DIGIT0 + d: str(d) for d in range(10)}
+    | {tok: kind for kind, tok in KIND_TOKENS.items()}
+    | {EASY: "easy", HARD: "hard"}
+)
+
+
+def decode(ids: Sequence[int]) -> str:
+    """The text of token ids in the simulator's vocabulary: what secret screening scans (client/screening.py)."""
+    return " ".join(WORDS.get(int(t), f"<unused-{int(t)}>") for t in ids)
 
 
 @dataclass(frozen=True)

@@ -619,3 +619,15 @@ ORDER BY (erasure_id, trajectory_id);
 CREATE TABLE IF NOT EXISTS rtrl.erased_trajectories ON CLUSTER rtrl_cluster AS rtrl.erased_trajectories_local
 ENGINE = Distributed(rtrl_cluster, rtrl, erased_trajectories_local, cityHash64(erasure_id, trajectory_id));
 INSERT INTO rtrl.schema_migrations SETTINGS insert_distributed_sync = 1 VALUES (24, '0024_erasures.sql', '2dc95c5ea40cd310e33f2156905656fcdb0221baefb650c679d5d6cce06a0b1e', now64(3));
+
+-- 0025_secret_findings.sql
+ALTER TABLE rtrl.events_local ON CLUSTER rtrl_cluster ADD COLUMN IF NOT EXISTS detector LowCardinality(Nullable(String));
+ALTER TABLE rtrl.events ON CLUSTER rtrl_cluster ADD COLUMN IF NOT EXISTS detector LowCardinality(Nullable(String));
+ALTER TABLE rtrl.events_local ON CLUSTER rtrl_cluster ADD COLUMN IF NOT EXISTS location LowCardinality(Nullable(String));
+ALTER TABLE rtrl.events ON CLUSTER rtrl_cluster ADD COLUMN IF NOT EXISTS location LowCardinality(Nullable(String));
+ALTER TABLE rtrl.events_local ON CLUSTER rtrl_cluster ADD COLUMN IF NOT EXISTS char_offset Nullable(UInt32);
+ALTER TABLE rtrl.events ON CLUSTER rtrl_cluster ADD COLUMN IF NOT EXISTS char_offset Nullable(UInt32);
+CREATE VIEW IF NOT EXISTS rtrl.secret_findings ON CLUSTER rtrl_cluster AS SELECT ts, trajectory_id, org_id, policy_version, detector, location, char_offset
+FROM rtrl.events
+WHERE type = 'secret_found';
+INSERT INTO rtrl.schema_migrations SETTINGS insert_distributed_sync = 1 VALUES (25, '0025_secret_findings.sql', '23bd6ff5c629d30c01f5508de5d2c0156bbfddf5eebc74c0caa0daa845e46fcb', now64(3));

@@ -49,6 +49,7 @@ GRANT SELECT ON rtrl.provisional_rewards TO rtrl_analyst_role;
 GRANT SELECT ON rtrl.promotions TO rtrl_analyst_role;
 GRANT SELECT ON rtrl.adapter_checkpoints TO rtrl_analyst_role;
 GRANT SELECT ON rtrl.erasures TO rtrl_analyst_role;
+GRANT SELECT ON rtrl.secret_findings TO rtrl_analyst_role;
 
 -- Users (passwords are placeholders: replace them; store the writer's in the password file).
 CREATE USER IF NOT EXISTS rtrl_writer IDENTIFIED WITH sha256_password BY 'CHANGE_ME_WRITER_PASSWORD'
