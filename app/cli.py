@@ -159,6 +159,15 @@ def cmd_retention(settings: Settings, args: argparse.Namespace, console: Console
     console.print(
         f"ClickHouse: {verb}set {', '.join(f'{t} {w}' for t, w in changed.items()) if changed else 'nothing (TTLs current)'}"
     )
+    from app.retention import prune_checkpoints
+
+    versions = prune_checkpoints(settings, client, dry_run=dry)
+    console.print(
+        f"checkpoints and registry: {verb}delete {len(versions)} version(s)"
+        f"{': ' + ', '.join(f'v{v}' for v in versions) if versions else ''} (keeps the newest "
+        f"{r.checkpoints_keep}, the serving version and {r.rollback_versions} rollback targets)",
+        highlight=False,
+    )
     if "://" in archive:  # shared storage: its own lifecycle rules delete old objects
         console.print(
             f"archive {archive}: not a local folder; give the bucket a lifecycle rule of {r.archive_days:g} days"

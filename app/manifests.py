@@ -390,6 +390,46 @@ def setup_job(settings: Settings, shape: Shape) -> list[dict]:
     ]
 
 
+def retention_cronjob(settings: Settings, shape: Shape) -> list[dict]:
+    """`rtrl retention apply` on ``retention.schedule``: the TTLs follow the settings, the archive's old days go."""
+    container = {
+        "name": "retention",
+        "image": shape.image,
+        "command": ["rtrl", "retention", "apply"],
+        "env": _env(settings),
+        "volumeMounts": _mounts(),
+        "securityContext": _container_security(),
+    }
+    return [
+        {
+            "apiVersion": "batch/v1",
+            "kind": "CronJob",
+            "metadata": _meta("rtrl-retention", shape, "retention"),
+            "spec": {
+                "schedule": settings.retention.schedule,
+                "concurrencyPolicy": "Forbid",  # a slow run is never joined by the next
+                "successfulJobsHistoryLimit": 3,
+                "failedJobsHistoryLimit": 3,
+                "jobTemplate": {
+                    "spec": {
+                        "backoffLimit": 3,
+                        "ttlSecondsAfterFinished": 86400,
+                        "template": {
+                            "metadata": {"labels": _labels("retention")},
+                            "spec": {
+                                "restartPolicy": "OnFailure",
+                                "securityContext": _security(),
+                                "containers": [container],
+                                "volumes": _config_volumes(),
+                            },
+                        },
+                    }
+                },
+            },
+        }
+    ]
+
+
 def kubernetes(settings: Settings, shape: Shape = Shape()) -> dict[str, list[dict]]:
     """File name (under deploy/k8s) -> its resources, in the order to apply them (``secret/``: not applied with
     the folder; the Secret is created once, filled, by the operator)."""
@@ -400,6 +440,7 @@ def kubernetes(settings: Settings, shape: Shape = Shape()) -> dict[str, list[dic
         "20-reward-flow.yaml": flow(settings, shape, "rewards"),
         "30-batch-flow.yaml": flow(settings, shape, "batches"),
         "40-trainer.yaml": trainer(settings, shape),
+        "50-retention-cronjob.yaml": retention_cronjob(settings, shape),
     }
 
 

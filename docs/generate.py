@@ -965,6 +965,7 @@ FILE_NOTES: dict[str, str] = {
     "deploy/k8s/20-reward-flow.yaml": "the reward flow as a Bytewax cluster: headless Service, StatefulSet, recovery volumes",
     "deploy/k8s/30-batch-flow.yaml": "the batch flow as a Bytewax cluster, likewise",
     "deploy/k8s/40-trainer.yaml": "the trainer as a Kubeflow PyTorchJob (torchrun on every node), shared checkpoints",
+    "deploy/k8s/50-retention-cronjob.yaml": "`rtrl retention apply` as a CronJob on `retention.schedule`",
     "deploy/k8s/secret/rtrl-secrets.example.yaml": "the Secret's keys (salt, passwords), empty; outside the applied folder",
     "deploy/production.example.toml": "wiring for a Kafka cluster and a ClickHouse server",
     "deploy/prometheus/rtrl-alerts.yml": "alert rules: behaviour (the gate's rules, live), lag, dead letters, trainer, rollback",

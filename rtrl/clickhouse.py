@@ -180,6 +180,10 @@ def _folder_holder(path: str) -> str | None:
     return None
 
 
+#: the chdb DSNs this process has opened (one folder per process: see :class:`DenyWatch`)
+_OPENED_CHDB: set[str] = set()
+
+
 def connect(dsn: str, timeout_s: float = 10.0) -> Any:
     """A clickhouse-connect client for ``dsn``; fails within about ``timeout_s`` with a clear error."""
     if dsn.startswith("chdb://"):
@@ -187,6 +191,7 @@ def connect(dsn: str, timeout_s: float = 10.0) -> Any:
         try:
             client: Any = EngineThread(lambda: clickhouse_connect.get_client(dsn=dsn))  # proxies a Client
             client.command("SELECT 1")
+            _OPENED_CHDB.add(dsn)
             return client
         except Exception as e:  # chdb raises ProgrammingError / RuntimeError variants
             text = str(e)
@@ -606,7 +611,11 @@ class DenyWatch:
     (``governance.deny_refresh_s``).
 
     A failed read keeps the last list, logs why and is tried again at the next refresh, so a ClickHouse outage
-    never stops a consumer. A database without the ``erasures`` table yet has erased nobody."""
+    never stops a consumer. A database without the ``erasures`` table yet has erased nobody.
+
+    An embedded engine (``chdb://``) is read only once this process has opened it for its own work: one process
+    holds a chdb folder, and the watch must never take it from the process's sink or from another process of a
+    cluster. Processes that share the embedded engine reach it through `rtrl clickhouse serve` (an http DSN)."""
 
     def __init__(self, dsn: str, database: str, timeout_s: float, refresh_s: float):
         self._args, self._refresh_s = (dsn, database, timeout_s), refresh_s
@@ -615,9 +624,11 @@ class DenyWatch:
         self._at = -float("inf")
         self._lock = threading.Lock()
 
-    def _read(self) -> DenyList:
+    def _read(self) -> DenyList | None:
         dsn, database, timeout_s = self._args
         if self._client is None:
+            if dsn.startswith("chdb://") and dsn not in _OPENED_CHDB:
+                return None  # not this process's to open (yet): asked again at the next use
             self._client = connect(dsn, timeout_s)
         if not self._client.command(f"EXISTS TABLE {_check_name(database)}.erasures"):
             return DenyList()
@@ -630,11 +641,13 @@ class DenyWatch:
         with self._lock:
             if time.monotonic() - self._at >= self._refresh_s:
                 try:
-                    self._list = self._read()
+                    read = self._read()
                 except Exception as e:  # noqa: BLE001 - the last list stands; the next refresh tries again
                     _log.warning("the deny list of erased subjects was not read (%s); the last one stands", e)
-                    self._client = None
-                self._at = time.monotonic()
+                    self._client, read = None, self._list
+                if read is None:
+                    return self._list
+                self._list, self._at = read, time.monotonic()
         return self._list
 
 

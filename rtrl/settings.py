@@ -530,11 +530,29 @@ class RetentionSettings(Section):
     tables: dict[str, float] = Field(
         default_factory=_default_table_days,
         description="days each ClickHouse table keeps a row, counted from its time column [retention.tables] "
-        "(events 90, rollouts and batches 7, dead_letters 30, the others 365); a TTL that follows this setting "
-        "at every job's start and on `rtrl retention apply`, with no migration; 0 = forever",
+        "(events 90, rollouts and batches 7, dead_letters 30, the others 365); a TTL that `rtrl retention apply` "
+        "makes follow this setting, with no migration; 0 = forever",
     )
     archive_days: float = _s(
         90.0, "days the Parquet archive keeps a day's events (`rtrl retention apply`); 0 = forever", ge=0
+    )
+    checkpoints_keep: int = _s(
+        10,
+        "newest checkpoint versions `rtrl retention apply` keeps, their Megatron checkpoints and registry exports; "
+        "the serving version and its rollback targets are kept too; 0 = keep every version",
+        ge=0,
+    )
+    rollback_versions: int = _s(
+        5,
+        "promoted ancestors of the serving version kept as rollback targets (`rtrl rollback` re-promotes a parent), "
+        "however old",
+        ge=0,
+    )
+    schedule: str = _s(
+        "17 3 * * *",
+        "when the manifests' CronJob runs `rtrl retention apply`, in cron's five fields (minute hour day month "
+        "weekday; default daily at 03:17)",
+        pattern=r"^\S+( \S+){4}$",
     )
 
     @field_validator("tables")

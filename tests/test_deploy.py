@@ -219,6 +219,7 @@ def test_the_kubernetes_manifests_validate_against_kubernetes_schemas():
     kinds = sorted({d["kind"] for d in docs})
     assert kinds == [
         "ConfigMap",
+        "CronJob",
         "Job",
         "Namespace",
         "PersistentVolumeClaim",

@@ -334,6 +334,7 @@ def test_erasing_an_organisation_removes_all_its_users(world):
 
 def test_the_audit_is_append_only_and_the_analyst_reads_it_without_raw_ids(world):
     """The writer may insert into the audit, never alter, delete from, truncate or drop it; the analyst reads it."""
+    erase(world.settings, subject_from(world.settings, "user-02-001", None, None), client=world.client)
     for stmt in (
         f"ALTER TABLE {DB}.erasures DELETE WHERE 1",
         f"DELETE FROM {DB}.erasures WHERE 1",
@@ -344,7 +345,7 @@ def test_the_audit_is_append_only_and_the_analyst_reads_it_without_raw_ids(world
         with pytest.raises(Exception, match="append-only"):
             world.client.command(stmt)
     rows = world.q("SELECT count() FROM {db}.erasures")[0][0]
-    assert rows >= 5
+    assert rows >= 2
     front = (world.root / "front.log").read_text()
     analyst_dsn = next(
         line.split(": ", 1)[1].strip() for line in front.splitlines() if line.startswith("read-only analysts: ")

@@ -1,8 +1,8 @@
 """Retention (issue 38, point 2): each ClickHouse table's TTL follows `retention.tables` with no migration, and the
 Parquet archive's old days are deleted, tested with back-dated data on the real engine and a real archive.
 
-Not built yet (docs/governance.md says so): retention of checkpoints and the model registry, of the flows'
-recovery and spill state, and the manifests' schedule of `rtrl retention apply`.
+Checkpoints and the model registry keep the newest versions, the serving one and its rollback targets. Not built
+yet (docs/governance.md says why): retention of the flows' spill state.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from flows.sinks import prune_archive, read_archive, with_coords, write_archive
 from rtrl import clickhouse
 from rtrl.errors import ConfigError
 from rtrl.settings import RETAINED_TABLES, load_settings
-from schemas.records import TrajectoryStarted
+from schemas.records import Checkpoint, TrajectoryStarted
 from schemas.types import to_arrow
 from tests.test_monitors import short_reward
 
@@ -123,3 +123,45 @@ def test_rtrl_retention_apply_on_a_data_folder(tmp_path):
     assert not list(archive.glob("date=*"))
     again = rtrl("retention", "apply")
     assert again.returncode == 0 and "nothing (TTLs current)" in again.stdout and "delete 0 day(s)" in again.stdout
+
+
+def _checkpoint(version: int, parent: int | None, status: str, at: int, path: str) -> Checkpoint:
+    return Checkpoint(
+        version=version, parent=parent, created_at=at, steps=1, samples=1, tokens=1, eval_results={}, status=status,
+        reason="", kafka_offsets={}, path=path,
+    )  # fmt: skip
+
+
+def test_checkpoints_keep_the_newest_the_serving_version_and_its_rollback_targets(ch_client, ch_db, tmp_path):
+    """On the real engine and real folders: the newest versions, the serving one (v6, re-promoted by a rollback of
+    v7) and its nearest promoted ancestors stay; every other version's checkpoint and registry export go. A dry run
+    deletes nothing, a checkpoint outside the data folder is never touched, and 0 keeps every version."""
+    from app.retention import kept, prune_checkpoints
+
+    settings = load_settings(env={"RTRL_DATA_DIR": str(tmp_path / "data"), "RTRL_CLICKHOUSE__DATABASE": ch_db})
+    ckpts, registry = tmp_path / "data" / "loop" / "checkpoints", tmp_path / "data" / "registry"
+    decisions = [  # version, parent, latest status, decided at
+        (0, None, "promoted", 0), (1, 0, "promoted", 1), (2, 1, "rejected", 2), (3, 1, "promoted", 3),
+        (4, 3, "rejected", 4), (5, 3, "promoted", 5), (6, 5, "promoted", 99), (7, 6, "rolled_back", 98),
+        (8, 6, "rejected", 8), (9, 6, "rejected", 9), (10, 6, "rejected", 10), (11, 6, "rejected", 11),
+    ]  # fmt: skip
+    rows = []
+    for v, parent, status, at in decisions:
+        folder = (tmp_path / "elsewhere" if v == 8 else ckpts) / f"v{v}"
+        (folder / "weights").mkdir(parents=True)
+        if status in ("promoted", "rolled_back"):
+            (registry / f"v{v}").mkdir(parents=True)
+        rows.append(_checkpoint(v, parent, status, at, str(folder)))
+    clickhouse.insert(ch_client, ch_db, "checkpoints", rows)
+    latest = {c.version: c for c in rows}
+    assert kept(latest, 3, 2) == {3, 5, 6, 9, 10, 11} and kept(latest, 0, 2) == set(latest)
+    assert 6 in kept(latest, 1, 0)  # the serving version, however old
+    env = {"RTRL_RETENTION__CHECKPOINTS_KEEP": "3", "RTRL_RETENTION__ROLLBACK_VERSIONS": "2"}
+    settings = load_settings(env={"RTRL_DATA_DIR": str(tmp_path / "data"), "RTRL_CLICKHOUSE__DATABASE": ch_db} | env)
+    assert prune_checkpoints(settings, ch_client, dry_run=True) == [0, 1, 2, 4, 7]
+    assert len(list(ckpts.iterdir())) == 11
+    assert prune_checkpoints(settings, ch_client) == [0, 1, 2, 4, 7]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["v10", "v11", "v3", "v5", "v6", "v9"]
+    assert sorted(p.name for p in registry.iterdir()) == ["v3", "v5", "v6"]
+    assert (tmp_path / "elsewhere" / "v8").exists()  # not the data folder's: never ours to delete
+    assert prune_checkpoints(settings, ch_client) == []
