@@ -16,6 +16,7 @@ never reaches a store: the audit keeps the salted hash.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -49,7 +50,7 @@ STORES = (
     "trajectories",
 )
 
-_ORG = re.compile(r"^[A-Za-z0-9_.:@/+-]{1,128}$")
+_ORG = re.compile(r"^[^\x00-\x1f\x7f]{1,128}$")  # an org id as the records allow it, with no control character
 _HASH = re.compile(r"^[0-9a-f]{32}$")
 
 
@@ -75,14 +76,14 @@ def subject_from(settings: Settings, user: str | None, user_hash: str | None, or
     if user is not None:
         return Subject("user", hash_user(user, settings.sdk.salt))
     if user_hash is not None:
-        if not _HASH.match(user_hash):
+        if not _HASH.fullmatch(user_hash):
             raise ConfigError(
                 f"--user-hash {user_hash!r} is not a user hash; fix: give the 32 hex characters the SDK stores "
                 "(the user_hash column), or the raw id with --user"
             )
         return Subject("user", user_hash)
     assert org is not None
-    if not _ORG.match(org):
+    if not _ORG.fullmatch(org):
         raise ConfigError(f"--org {org!r} is not an organisation id; fix: give the org_id as the events carry it")
     return Subject("org", org)
 
@@ -119,12 +120,18 @@ class Plan:
         if store in ("rollouts", "rewards", "provisional_rewards"):
             return f"trajectory_id IN {self.ids}" + (f" OR org_id = {v}" if s.kind == "org" else "")
         if store == "dead_letters":  # a dead letter is keyed by its trajectory, or names the subject in its payload
-            names = f"position(payload, {v}) > 0" if s.kind == "user" else f"JSONExtractString(payload, 'org_id') = {v}"
+            names = (
+                f"position(payload, {v}) > 0"
+                if s.kind == "user"  # a truncated or malformed payload has no JSON to extract: its text is searched
+                else f"JSONExtractString(payload, 'org_id') = {v} OR position(payload, {_quote(json.dumps({'org_id': s.value}, separators=(',', ':'))[1:-1])}) > 0"
+            )
             return f"key IN {self.ids} OR {names}"
         if store in ("batches", "train_metrics"):
             return f"hasAny(sample_ids, {self.array})"
         if store == "batch_stats":  # per org and task kind: only an organisation has rows of its own
-            return f"startsWith(cohort, {_quote(s.value + '/')})" if s.kind == "org" else "0"
+            # the cohort is 'org/task_kind': the org is what comes before its last '/' (an org id may hold one)
+            org = "reverse(substring(reverse(cohort), position(reverse(cohort), '/') + 1))"
+            return f"{org} = {v}" if s.kind == "org" else "0"
         raise ValueError(store)
 
     def count(self, store: str) -> str:
@@ -182,10 +189,9 @@ def lineage(client: Any, db: str, plan: Plan) -> list[str]:
         int(v): (None if p is None else int(p))
         for v, p in client.query(f"SELECT version, parent FROM {db}.checkpoints FINAL").result_rows
     }
-    adapters = {
-        (str(o), int(v)): (None if p is None else int(p))
-        for o, v, p in client.query(f"SELECT org, version, parent FROM {db}.adapter_checkpoints FINAL").result_rows
-    }
+    adapter_rows = client.query(f"SELECT org, version, parent, base_version FROM {db}.adapter_checkpoints FINAL")
+    adapters = {(str(o), int(v)): (None if p is None else int(p)) for o, v, p, _ in adapter_rows.result_rows}
+    bases = {(str(o), int(v)): (None if b is None else int(b)) for o, v, _, b in adapter_rows.result_rows}
     direct_shared: set[int] = set()
     direct_adapter: set[tuple[str, int]] = set()
     for run_id, at, before in hits:
@@ -200,6 +206,8 @@ def lineage(client: Any, db: str, plan: Plan) -> list[str]:
             ).result_rows
             direct_shared.update(int(v) for (v,) in made)
     tainted = _descendants(direct_shared & shared.keys(), shared)
+    # an adapter trained on a tainted base version saw the subject through its base
+    direct_adapter |= {key for key, base in bases.items() if base is not None and base in tainted}
     tainted_adapters = _descendants(direct_adapter & adapters.keys(), adapters)
     return [f"v{v}" for v in sorted(tainted)] + [f"{o}/a{v}" for o, v in sorted(tainted_adapters)]
 
@@ -263,20 +271,30 @@ def erase(
             f"archive {archive}: shared storage; rewrite its files with a local copy (flow.archive_dir) or delete "
             "the subject's date folders there"
         )
-    if not dry_run:  # 1: the trajectories, recorded before anything they are found in is deleted
+
+    def record() -> None:  # the trajectories, recorded before anything they are found in is deleted
         client.command(
             f"INSERT INTO {db}.erased_trajectories (erasure_id, trajectory_id) SELECT {_quote(subject.id)}, "
             f"trajectory_id FROM ({plan.found})"
         )
-    for store in STORES:
-        if store == "archive":
-            result.counts[store] = erase_archive(archive, subject, dry_run=True) if local_archive else 0
-        else:
-            result.counts[store] = _scalar(client, plan.count(store))
-    earlier = client.query(
-        f"SELECT arrayJoin(lineage) FROM {db}.erasures WHERE erasure_id = {_quote(subject.id)}"
-    ).result_rows
-    result.lineage = sorted(set(lineage(client, db, plan)) | {x for (x,) in earlier}, key=_version_order)
+
+    def count() -> None:
+        for store in STORES:
+            if store == "archive":
+                result.counts[store] = erase_archive(archive, subject, dry_run=True) if local_archive else 0
+            else:
+                result.counts[store] = _scalar(client, plan.count(store))
+
+    def trace() -> None:
+        earlier = client.query(
+            f"SELECT arrayJoin(lineage) FROM {db}.erasures WHERE erasure_id = {_quote(subject.id)}"
+        ).result_rows
+        result.lineage = sorted(set(lineage(client, db, plan)) | {x for (x,) in earlier}, key=_version_order)
+
+    if not dry_run:
+        record()  # 1
+    count()
+    trace()  # 2
     if dry_run:
         return result
 
@@ -294,11 +312,15 @@ def erase(
 
     audit("started")  # 3: on the deny list from here on
     time.sleep(settings.governance.deny_refresh_s if wait_s is None else wait_s)
-    for store in STORES:  # 4
+    # what the consumers wrote before they read the list: its trajectories, their training and the counts again
+    record()
+    trace()
+    count()
+    for store in STORES:  # 4: every store, whatever its count (a mutation that matches nothing costs little)
         if store == "archive":
             if local_archive:
                 erase_archive(archive, subject)
-        elif result.counts[store]:
+        elif store != "batch_stats" or subject.kind == "org":
             _run(client, db, plan.remove(store), cluster)
         if on_store is not None:
             on_store(store, result.counts[store])

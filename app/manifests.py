@@ -397,7 +397,8 @@ def retention_cronjob(settings: Settings, shape: Shape) -> list[dict]:
         "image": shape.image,
         "command": ["rtrl", "retention", "apply"],
         "env": _env(settings),
-        "volumeMounts": _mounts(),
+        # the trainer's shared checkpoints: the versions retention does not keep are deleted there
+        "volumeMounts": [*_mounts(), {"name": "checkpoints", "mountPath": f"{DATA_DIR}/checkpoints"}],
         "securityContext": _container_security(),
     }
     return [
@@ -420,7 +421,10 @@ def retention_cronjob(settings: Settings, shape: Shape) -> list[dict]:
                                 "restartPolicy": "OnFailure",
                                 "securityContext": _security(),
                                 "containers": [container],
-                                "volumes": _config_volumes(),
+                                "volumes": [
+                                    *_config_volumes(),
+                                    {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "rtrl-checkpoints"}},
+                                ],
                             },
                         },
                     }

@@ -47,7 +47,10 @@ class DetectSecrets:
     def __init__(self, exclude: Sequence[str] = NOISY):
         from detect_secrets.core.plugins.util import get_mapping_from_secret_type_to_class
 
-        classes: dict[str, Any] = {c.__name__: c for c in get_mapping_from_secret_type_to_class().values()}
+        mapping: dict[Any, Any] = get_mapping_from_secret_type_to_class()
+        classes: dict[str, Any] = {}
+        for detector in mapping.values():  # several secret types may share one detector class
+            classes[detector.__name__] = detector
         self.detectors = [cls() for name, cls in sorted(classes.items()) if name not in exclude]
 
     def scan(self, text: str) -> list[tuple[str, int]]:
@@ -111,11 +114,13 @@ class Screen:
         ]
 
 
-def screen_for(spec: str, hf_path: str, vocabulary: Callable[[Sequence[int]], str]) -> Screen | None:
+def screen_for(spec: str, hf_path: str, vocabulary: Callable[[Sequence[int]], str] | None = None) -> Screen | None:
     """The screen the settings give (``governance.secret_scanner``, ``model.hf_path``): the model folder's tokenizer
-    when it has one, else ``vocabulary`` (the simulator's); None when screening is off."""
+    when it has one, else ``vocabulary`` (the simulator's). None when screening is off, or when there is no decoder:
+    a product without a tokenizer folder sets ``RtrlClient.screen`` itself."""
     scanner = scanner_from(spec)
     if scanner is None:
         return None
-    has_tokenizer = bool(hf_path) and (Path(hf_path) / "tokenizer.json").exists()
-    return Screen(scanner, tokenizer_decoder(hf_path) if has_tokenizer else vocabulary)
+    if hf_path and (Path(hf_path) / "tokenizer.json").exists():
+        return Screen(scanner, tokenizer_decoder(hf_path))
+    return Screen(scanner, vocabulary) if vocabulary is not None else None

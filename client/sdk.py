@@ -34,7 +34,7 @@ import msgspec
 from confluent_kafka import Producer
 
 from client.hashing import hash_user
-from client.screening import Screen
+from client.screening import Screen, screen_for
 from rtrl import metrics
 from rtrl.kafka import KafkaConnection, connection, produce, producer_config
 from rtrl.settings import GovernanceSettings
@@ -150,7 +150,7 @@ class RtrlClient:
         """A client configured from :class:`rtrl.settings.Settings` (``sdk`` and ``kafka`` sections, the
         cluster's security included)."""
         s = settings.sdk
-        return cls(
+        client = cls(
             connection(settings.kafka, bootstrap),
             salt=s.salt,
             topic=settings.topic("events"),
@@ -164,6 +164,9 @@ class RtrlClient:
             rollouts_topic=settings.topic("rollouts"),
             governance=settings.governance,
         )
+        # rollouts are screened for secrets with the model folder's tokenizer (governance.secret_scanner)
+        client.screen = screen_for(settings.governance.secret_scanner, settings.model.hf_path)
+        return client
 
     # ------------------------------------------------------------ recording
 

@@ -415,19 +415,26 @@ class Policy:
                 )
 
     def _check_append_only(self, st: Statement, user: str, database: str) -> None:
-        """No one alters, deletes from, truncates, drops or renames an append-only table (the erasure audit): the
-        engine's equivalent of the writer role's REVOKE in deploy/clickhouse/security.sql."""
+        """No one alters, deletes from, truncates, drops, replaces or renames an append-only table (the erasure
+        audit), nor drops the database that holds it: the engine's equivalent of the writer role's REVOKE in
+        deploy/clickhouse/security.sql."""
         ast = st.ast or {}
-        if st.kind not in ("AlterQuery", "DropQuery", "DeleteQuery", "RenameQuery"):
+        replaces = st.kind == "CreateQuery" and (ast.get("replace_table") or ast.get("create_or_replace"))
+        if st.kind not in ("AlterQuery", "DropQuery", "DeleteQuery", "RenameQuery") and not replaces:
             return
         name = lambda x: x.get("name") if isinstance(x, dict) else x  # noqa: E731
-        pairs = [(name(ast.get("database")) or database, name(ast.get("table")))]
-        pairs += [(e.get("from_database") or database, e.get("from_table")) for e in ast.get("elements") or []]
+        db = name(ast.get("database")) or database
+        if st.kind == "DropQuery" and not name(ast.get("table")) and db == self.database:
+            raise _denied(f"{user}: dropping {db} would drop its append-only erasure audit; refused")
+        pairs = [(db, name(ast.get("table")))]
+        for e in ast.get("elements") or []:
+            pairs += [(e.get("from_database") or database, e.get("from_table"))]
+            pairs += [(e.get("to_database") or database, e.get("to_table"))]
         for db, table in pairs:
             if db == self.database and table in APPEND_ONLY_TABLES:
                 raise _denied(
                     f"{user}: {db}.{table} is append-only (the erasure audit): it may be read and inserted into, "
-                    "never altered, deleted from, truncated, dropped or renamed"
+                    "never altered, deleted from, truncated, dropped, replaced or renamed"
                 )
 
     def _check_settings(self, st: Statement, user: str, max_time_s: float) -> None:

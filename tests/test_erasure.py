@@ -137,6 +137,23 @@ def _training_records(w: World) -> None:
             _batch("b-clean", [[(other[2], [1, 2, 3])]]),
         ],
     )
+    # dead letters that name a subject only in their payload: one whole, one cut at 4 KiB (no JSON left to parse)
+    user = hash_user("user-00-000", SALT)
+    clickhouse.insert(
+        w.client,
+        DB,
+        "dead_letters",
+        [
+            DeadLetter(
+                kind="malformed", source="events", partition=0, offset=10**6, key=None, field="$", reason="cut",
+                payload=f'{{"user_hash":"{user}","ts":', at=1,
+            ),
+            DeadLetter(
+                kind="malformed", source="events", partition=0, offset=10**6 + 1, key=None, field="$", reason="cut",
+                payload='{"type":"tool_call","org_id":"org-02","tr', at=1,
+            ),
+        ],
+    )  # fmt: skip
     now = int(time.time())
     at = lambda s: f"toDateTime64({now - s}, 3, 'UTC')"  # noqa: E731
     w.client.command(
@@ -156,12 +173,14 @@ def _training_records(w: World) -> None:
 
 
 #: per table, the rows that are not the subject's, as (count, checksum): what erasure must leave unchanged
-def _others(w: World, trajectories: list[str]) -> dict[str, tuple[int, str]]:
+def _others(w: World, trajectories: list[str], named: str) -> dict[str, tuple[int, str]]:
     out = {}
     ids = "[" + ",".join(f"'{t}'" for t in trajectories) + "]"
     for table in ("events", "trajectories", "rewards", "dead_letters", "checkpoints", "adapter_checkpoints"):
         key = "key" if table == "dead_letters" else "trajectory_id"
         where = f"WHERE NOT has({ids}, {key})" if table not in ("checkpoints", "adapter_checkpoints") else ""
+        if table == "dead_letters":  # nor one whose payload names the subject
+            where += f" AND position(payload, '{named}') = 0"
         rows = w.q(f"SELECT * FROM {{db}}.{table} FINAL {where} ORDER BY tuple(*)")
         out[table] = (len(rows), hashlib.sha256(repr(rows).encode()).hexdigest())
     archive = read_archive(w.settings.archive_root).to_pylist()
@@ -209,7 +228,7 @@ def test_erasing_a_user_leaves_none_of_their_data_and_changes_nothing_else(world
     settings = world.settings
     subject = subject_from(settings, "user-00-000", None, None)
     mine = world.trajectories(f"user_hash = '{subject.value}'")
-    others = _others(world, mine)
+    others = _others(world, mine, subject.value)
     mixed = world.q("SELECT token_ids, sample_ids FROM {db}.batches FINAL WHERE batch_id = 'b-mixed'")[0]
 
     result = erase(settings, subject, client=world.client)
@@ -218,8 +237,9 @@ def test_erasing_a_user_leaves_none_of_their_data_and_changes_nothing_else(world
     assert result.counts["events"] > 0 and result.counts["archive"] > 0
     assert _left(world, plan) == dict.fromkeys(STORES, 0)
     assert world.q(f"SELECT count() FROM {{db}}.events WHERE user_hash = '{subject.value}'")[0][0] == 0
+    assert world.q(f"SELECT count() FROM {{db}}.dead_letters WHERE position(payload, '{subject.value}') > 0")[0][0] == 0
     assert world.q(f"SELECT count() FROM {{db}}.rewards WHERE has({mine}, trajectory_id)")[0][0] == 0
-    assert _others(world, mine) == others
+    assert _others(world, mine, subject.value) == others
     tokens, ids = world.q("SELECT token_ids, sample_ids FROM {db}.batches FINAL WHERE batch_id = 'b-mixed'")[0]
     assert ids == ["erased", mixed[1][1], mixed[1][2]] and mixed[1][0] in mine
     assert tokens[0][:3] == [0, 0, 0] and tokens[0][3:5] == mixed[0][0][3:5] and tokens[1] == mixed[0][1]
@@ -237,7 +257,7 @@ def test_erasing_a_user_leaves_none_of_their_data_and_changes_nothing_else(world
     sent = [json.loads(v) for _, v in _payloads(90, seed=37, orgs=3, users_per_org=3)]
     assert counts.snapshot()["erased"] == sum(1 for e in sent if e["user_hash"] == subject.value)
     assert _left(world, plan) == dict.fromkeys(STORES, 0)
-    assert {t: n for t, (n, _) in _others(world, mine).items()} == {t: n for t, (n, _) in others.items()}
+    assert {t: n for t, (n, _) in _others(world, mine, subject.value).items()} == {t: n for t, (n, _) in others.items()}
 
     # a backfill of an archive restored from a backup taken before the erasure: the user's events are skipped
     restored = load_settings(env=world.env | {"RTRL_FLOW__ARCHIVE_DIR": str(world.root / "archive-backup")})
@@ -318,13 +338,15 @@ def test_erasing_an_organisation_removes_all_its_users(world):
     """`rtrl erase --org` removes every user of the organisation from every store, and no one else's rows."""
     settings = world.settings
     mine = world.trajectories("org_id = 'org-02'")
-    others = _others(world, mine)
+    others = _others(world, mine, '"org_id":"org-02"')
     assert len({r[0] for r in world.q("SELECT user_hash FROM {db}.events WHERE org_id = 'org-02'")}) > 1
+    assert world.q("SELECT count() FROM {db}.dead_letters WHERE position(payload, 'org-02') > 0")[0][0] > 0
     done = world.cli("erase", "--org", "org-02")
     assert done.returncode == 0, done.stdout + done.stderr
     plan = Plan(DB, subject_from(settings, None, None, "org-02"))
     assert _left(world, plan) == dict.fromkeys(STORES, 0)
-    assert _others(world, mine) == others
+    assert world.q("SELECT count() FROM {db}.dead_letters WHERE position(payload, 'org-02') > 0")[0][0] == 0
+    assert _others(world, mine, '"org_id":"org-02"') == others
     assert not [
         p
         for p in Path(settings.archive_root).rglob("*.parquet")
@@ -341,6 +363,9 @@ def test_the_audit_is_append_only_and_the_analyst_reads_it_without_raw_ids(world
         f"TRUNCATE TABLE {DB}.erasures",
         f"DROP TABLE {DB}.erasures",
         f"RENAME TABLE {DB}.erasures TO {DB}.gone",
+        f"CREATE OR REPLACE TABLE {DB}.erasures (a Int8) ENGINE = MergeTree ORDER BY a",
+        f"EXCHANGE TABLES {DB}.trajectories AND {DB}.erasures",
+        f"DROP DATABASE {DB}",
     ):
         with pytest.raises(Exception, match="append-only"):
             world.client.command(stmt)
@@ -359,6 +384,12 @@ def test_a_subject_is_named_once_and_checked():
     settings = load_settings(env={"RTRL_SDK__SALT": "a-test-salt"})
     assert subject_from(settings, "u", None, None).value == hash_user("u", "a-test-salt")
     assert subject_from(settings, None, "0" * 32, None).kind == "user"
-    for bad in ((None, None, None), ("u", None, "o"), (None, "not-a-hash", None), (None, None, "o'; DROP")):
+    for bad in (
+        (None, None, None),
+        ("u", None, "o"),
+        (None, "not-a-hash", None),
+        (None, None, "o\n"),
+        (None, None, ""),
+    ):
         with pytest.raises(ConfigError):
             subject_from(settings, *bad)

@@ -100,6 +100,7 @@ class Marker:
 def test_the_scanner_is_pluggable_and_can_be_off():
     assert isinstance(scanner_from("detect-secrets"), DetectSecrets)
     assert scanner_from("") is None and screen_for("", "", decode) is None
+    assert screen_for("detect-secrets", "", None) is None  # no decoder: the product sets RtrlClient.screen
     mine = screen_for("tests.test_secret_screening:Marker", "", lambda ids: "".join(map(chr, ids)))
     assert mine is not None and [f.char_offset for f in mine.rollout([], [ord(c) for c in "a CONFIDENTIAL b"])] == [2]
     for bad in ("no.such.module:X", "tests.test_secret_screening:Nothing", "json:dumps"):
@@ -156,7 +157,7 @@ def test_planted_secrets_reach_no_micro_batch_archive_topic_or_table(
     found_before = sum(_metric("rtrl_secrets_found_total", detector=d) for d in PLANTED)
     planted = {f"p{i}": (d, "prompt" if i % 2 else "completion") for i, d in enumerate(list(PLANTED)[:5])}
     with RtrlClient.from_settings(settings) as client:
-        client.screen = screen_for(settings.governance.secret_scanner, settings.model.hf_path, decode)
+        assert client.screen is not None  # from the settings: the model folder's tokenizer.json
         for i in range(12):
             tid = f"p{i}" if f"p{i}" in planted else f"c{i}"
             prompt, completion = "fix the failing test in repo.py\n", ORDINARY[i % len(ORDINARY)]

@@ -25,6 +25,8 @@ GRANT SELECT, INSERT, ALTER, CREATE TABLE, CREATE VIEW, DROP VIEW, OPTIMIZE, TRU
 -- The erasure audit is append-only (rtrl.clickhouse.APPEND_ONLY_TABLES): `rtrl erase` inserts its rows and no
 -- one with the writer role may alter, delete from or truncate them (a partial revoke of the grant above).
 REVOKE ALTER, TRUNCATE ON rtrl.erasures FROM rtrl_writer_role;
+-- on a cluster (clickhouse.cluster) the rows live in the per-node table under the Distributed one
+REVOKE ALTER, TRUNCATE ON rtrl.erasures_local FROM rtrl_writer_role;
 
 -- The analyst: read-only, SELECT on the monitors' views, the tables they read, and the tables of
 -- outcomes and decisions; never the raw events, rollouts or training batches.
