@@ -40,7 +40,7 @@ from rtrl.settings import load_settings
 from schemas.codec import JsonCodec, encode_batch
 from schemas.erasure import erasure_id
 from schemas.records import DeadLetter, MicroBatch, Reward
-from tests.test_reward_flow import SALT, _payloads, _produce
+from tests.test_reward_flow import SALT, _payloads, _produce, _services_env
 from trainer.data import BatchStream
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,13 +98,7 @@ def world(broker, tmp_path_factory):
     proc, dsn = spawn(root / "clickhouse", log=root / "front.log")
     prefix = f"erase{uuid.uuid4().hex[:8]}."
     ensure_topics(broker.bootstrap, prefix, 2)
-    env = {
-        "RTRL_KAFKA__BOOTSTRAP": broker.bootstrap,
-        "RTRL_KAFKA__TOPIC_PREFIX": prefix,
-        "RTRL_CLICKHOUSE__DSN": dsn,
-        "RTRL_CLICKHOUSE__DATABASE": DB,
-        "RTRL_FLOW__TAIL": "false",
-        "RTRL_DATA_DIR": str(root / "data"),
+    env = _services_env(broker, prefix, dsn, DB, root / "data") | {
         "RTRL_SDK__SALT": SALT,
         "RTRL_REWARDS__VERSIONS": "v2",
         "RTRL_GOVERNANCE__DENY_REFRESH_S": "0.2",

@@ -24,6 +24,7 @@ from rtrl.settings import load_settings
 from schemas.codec import JsonCodec, decode_batch
 from schemas.records import Rollout
 from simulator.tasks import decode, sample_task, warm_start_completion
+from tests.test_reward_flow import _services_env
 from trainer.data import BatchStream
 
 #: realistic secrets as they turn up in a coding agent's context, each with the detector that must find it. They are
@@ -142,16 +143,10 @@ def test_planted_secrets_reach_no_micro_batch_archive_topic_or_table(
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     assert tokenizer_decoder(folder)(tok.encode(_text("AWSKeyDetector")).ids) == _text("AWSKeyDetector")
     ensure_topics(broker.bootstrap, topic_prefix, 2)
-    env = {
-        "RTRL_KAFKA__BOOTSTRAP": broker.bootstrap,
-        "RTRL_KAFKA__TOPIC_PREFIX": topic_prefix,
-        "RTRL_CLICKHOUSE__DSN": ch_dsn,
-        "RTRL_CLICKHOUSE__DATABASE": ch_db,
-        "RTRL_FLOW__TAIL": "false",
+    env = _services_env(broker, topic_prefix, ch_dsn, ch_db, tmp_path / "data") | {
         "RTRL_BATCHING__TAIL": "false",
         "RTRL_BATCHING__SEQ_LEN": "256",
         "RTRL_MODEL__HF_PATH": str(folder),
-        "RTRL_DATA_DIR": str(tmp_path / "data"),
     }
     settings = load_settings(env=env)
     found_before = sum(_metric("rtrl_secrets_found_total", detector=d) for d in PLANTED)
