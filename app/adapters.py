@@ -45,6 +45,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from app.loop_config import adapter_run_id
 from evalgate.adapters import AdapterLedger, AdapterVersion, decide_adapter
 from evalgate.gate import Decision, GateRules
 from rtrl import clickhouse
@@ -219,6 +220,7 @@ class OrgAdapters:
         self.base_version: int | None = None  # the base the model holds
         self.base_scores: dict[tuple[str, int], dict[str, float]] = {}  # (org or "guard:org", base) -> scores
         self.suites: dict[str, OrgHeldOutTasks] = {}
+        self.deny = clickhouse.deny_watch(settings)  # samples of an erased subject are refused (`rtrl erase`)
 
     # ------------------------------------------------------------ state
 
@@ -422,7 +424,7 @@ class OrgAdapters:
             start=self.offsets,
             timeout_s=s.kafka.timeout_s,
             limits=BatchLimits.from_settings(s),
-            deny=clickhouse.deny_watch(s),
+            deny=self.deny,
         )
         by_org: dict[str, list[Batch]] = {}
         try:
@@ -459,7 +461,7 @@ class OrgAdapters:
             version = self.ledger.next_version(org)
             tc = TrainConfig.from_settings(
                 self.settings,
-                run_id=f"loop-{ls.seed}-{org}-a{version}",
+                run_id=adapter_run_id(ls.seed, org, version),
                 max_steps=n // mbps,
                 checkpoint_dir="",
                 idle_timeout_s=0.01,

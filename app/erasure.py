@@ -28,6 +28,7 @@ from typing import Any
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from app.loop_config import trained_by
 from client.hashing import hash_user
 from rtrl import clickhouse, metrics
 from rtrl.clickhouse_cluster import Cluster, cluster_of, render
@@ -195,10 +196,11 @@ def lineage(client: Any, db: str, plan: Plan) -> list[str]:
     direct_shared: set[int] = set()
     direct_adapter: set[tuple[str, int]] = set()
     for run_id, at, before in hits:
-        if m := re.search(r"-v(\d+)$", run_id):  # the loop's cycle that trained candidate vN
-            direct_shared.add(int(m[1]))
-        elif m := re.search(r"^loop-\d+-(.+)-a(\d+)$", run_id):  # an org's adapter version
-            direct_adapter.add((m[1], int(m[2])))
+        made_by = trained_by(run_id)  # the loop's cycle that trained candidate vN, or an org's adapter version
+        if made_by is not None and not made_by[0]:
+            direct_shared.add(made_by[1])
+        elif made_by is not None:
+            direct_adapter.add(made_by)
         else:  # another training run: every shared checkpoint made since, from the version it trained
             made = client.query(
                 f"SELECT version FROM {db}.checkpoints FINAL WHERE toUnixTimestamp64Milli(created_at) >= {int(at)} "
@@ -278,12 +280,12 @@ def erase(
             f"trajectory_id FROM ({plan.found})"
         )
 
-    def count() -> None:
+    def count(archive_too: bool = True) -> None:  # the archive's count comes from its erasure, once it runs
         for store in STORES:
-            if store == "archive":
-                result.counts[store] = erase_archive(archive, subject, dry_run=True) if local_archive else 0
-            else:
+            if store != "archive":
                 result.counts[store] = _scalar(client, plan.count(store))
+            elif archive_too:
+                result.counts[store] = erase_archive(archive, subject, dry_run=True) if local_archive else 0
 
     def trace() -> None:
         earlier = client.query(
@@ -315,11 +317,11 @@ def erase(
     # what the consumers wrote before they read the list: its trajectories, their training and the counts again
     record()
     trace()
-    count()
+    count(archive_too=False)  # each archive file is read once more, by its erasure below
     for store in STORES:  # 4: every store, whatever its count (a mutation that matches nothing costs little)
         if store == "archive":
             if local_archive:
-                erase_archive(archive, subject)
+                result.counts[store] = erase_archive(archive, subject)
         elif store != "batch_stats" or subject.kind == "org":
             _run(client, db, plan.remove(store), cluster)
         if on_store is not None:

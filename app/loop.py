@@ -60,6 +60,7 @@ from app.loop_config import (  # noqa: F401  # re-exported: app.loop is where ca
     ROWS,
     SAMPLES_PER_STEP,
     SEQ_LEN,
+    cycle_run_id,
     loop_settings,
 )
 from client.screening import screen_for
@@ -592,7 +593,7 @@ class Loop:
         t = time.monotonic()
         serving, version = self.serving, self.version + 1
         reward = self._start_cycle_reward(version)
-        run_id, cycle_dir = f"loop-{ls.seed}-v{version}", self.ckpt_root / "train" / f"v{version}"
+        run_id, cycle_dir = cycle_run_id(ls.seed, version), self.ckpt_root / "train" / f"v{version}"
         last = checkpoint.latest(cycle_dir)
         resumed = checkpoint.read_extra(last)["step"] if last is not None else 0
         # steps after the checkpoint being resumed never reached weights that survive: forget them

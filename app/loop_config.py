@@ -3,12 +3,34 @@ first (the flow parts import no trainer; :mod:`app.loop` re-exports these)."""
 
 from __future__ import annotations
 
+import re
+
 from rtrl.settings import Settings, refuse_overrides, refuse_user_set
 from simulator.tasks import COMPLETION_LEN, PROMPT_LEN, VOCAB
 
 #: samples per packed row and rows per micro-batch the loop's model is built for
 SEQ_LEN, ROWS, MICRO_BATCHES_PER_STEP = 64, 2, 4
 SAMPLES_PER_STEP = (SEQ_LEN // (PROMPT_LEN + COMPLETION_LEN)) * ROWS * MICRO_BATCHES_PER_STEP
+
+
+def cycle_run_id(seed: int, version: int) -> str:
+    """The training run of the loop's cycle that makes candidate ``version`` (``train_metrics.run_id``)."""
+    return f"loop-{seed}-v{version}"
+
+
+def adapter_run_id(seed: int, org: str, version: int) -> str:
+    """The training run of ``org``'s adapter version ``version``."""
+    return f"loop-{seed}-{org}-a{version}"
+
+
+def trained_by(run_id: str) -> tuple[str, int] | None:
+    """What a loop's training run made: ``("", N)`` for the shared policy's vN, ``(org, N)`` for an org's adapter
+    version N; None for a run the loop did not name (the trainer job's)."""
+    if m := re.fullmatch(r"loop-\d+-v(\d+)", run_id):
+        return "", int(m[1])
+    if m := re.fullmatch(r"loop-\d+-(.+)-a(\d+)", run_id):
+        return m[1], int(m[2])
+    return None
 
 
 #: what the loop's tiny task world needs, and why; a user value that differs is refused, never changed
