@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -302,12 +303,20 @@ def reference(broker, tmp_path_factory):
     return phase1, phase2, _dump(data)
 
 
-def _run_then_kill(recovery: Path, env: dict[str, str], bootstrap: str, rewards_topic: str, after: int = 100) -> None:
-    """Start the flow on its recovery folder, wait until it has written `after` rewards, then SIGKILL it."""
+def _run_then_kill(
+    recovery: Path,
+    env: dict[str, str],
+    bootstrap: str,
+    rewards_topic: str,
+    after: int = 100,
+    ready: Callable[[], bool] = lambda: True,
+) -> None:
+    """Start the flow on its recovery folder, wait until it has written `after` rewards and `ready()` holds, then
+    SIGKILL it."""
     first = subprocess.Popen(_flow_cmd(recovery), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        if sum(1 for _ in read_topic(bootstrap, rewards_topic)) >= after:
+        if sum(1 for _ in read_topic(bootstrap, rewards_topic)) >= after and ready():
             break
         time.sleep(0.2)
     os.kill(first.pid, signal.SIGKILL)

@@ -10,6 +10,7 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -168,6 +169,19 @@ def test_dead_rows_are_purged_only_generations_later(tmp_path):
 
 
 @pytest.mark.slow
+def _files(state: Path) -> list[Path]:
+    return sorted(state.glob("partition-*.sqlite"))
+
+
+def _count(db: Path, sql: str) -> int:
+    """A count from a SQLite file another process may be writing; 0 while it is not there or not yet readable."""
+    try:
+        with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1)) as c:
+            return int(c.execute(sql).fetchone()[0])
+    except sqlite3.Error:
+        return 0
+
+
 def test_kill_9_and_restart_with_spilled_state_equals_uninterrupted(broker, tmp_path, reference):  # noqa: F811
     """The reward flow with a 20 kB budget per partition (most windows in SQLite), killed with -9 mid-stream and
     restarted from its recovery folder: rewards, trajectories and dead letters equal an uninterrupted run's
@@ -180,10 +194,21 @@ def test_kill_9_and_restart_with_spilled_state_equals_uninterrupted(broker, tmp_
     subprocess.run([sys.executable, "-m", "bytewax.recovery", str(recovery), "1"], check=True, timeout=60)
     _produce(broker.bootstrap, prefix + "events", phase1)
     spill = {"RTRL_FLOW__STATE_MEMORY_MB": "0.02"}
+    state = tmp_path / "state" / "rewards"
+
+    def spilled_and_snapshotted() -> bool:
+        """Bytewax committed a snapshot, and the state files hold committed rows: the restart resumes from them."""
+        committed = _count(recovery / "part-0.sqlite3", "SELECT count(*) FROM commits")
+        return committed > 0 and sum(_count(f, "SELECT count(*) FROM windows") for f in _files(state)) > 100
+
     _run_then_kill(
-        recovery, _env(broker.bootstrap, prefix, tmp_path, tail=True) | spill, broker.bootstrap, prefix + "rewards"
+        recovery,
+        _env(broker.bootstrap, prefix, tmp_path, tail=True) | spill,
+        broker.bootstrap,
+        prefix + "rewards",
+        ready=spilled_and_snapshotted,
     )
-    files = sorted((tmp_path / "state" / "rewards").glob("partition-*.sqlite"))
+    files = _files(state)
     assert files, "the flow spilled nothing"
     _produce(broker.bootstrap, prefix + "events", phase2)
     second = subprocess.run(
@@ -194,7 +219,8 @@ def test_kill_9_and_restart_with_spilled_state_equals_uninterrupted(broker, tmp_
         timeout=300,
     )
     assert second.returncode == 0, second.stderr[-3000:]
-    rows = sum(sqlite3.connect(f).execute("SELECT count(*) FROM windows").fetchone()[0] for f in files)
+    assert _files(state) == files  # the restart resumed the files of the killed run
+    rows = sum(_count(f, "SELECT count(*) FROM windows") for f in files)
     assert rows > 100  # the closed windows' retention outlives the input: most are still on disk
     assert _dump(tmp_path) == expected
 
