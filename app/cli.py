@@ -140,7 +140,8 @@ def cmd_migrate(settings: Settings, args: argparse.Namespace, console: Console) 
 
 
 def cmd_retention(settings: Settings, args: argparse.Namespace, console: Console) -> int:
-    """Each ClickHouse table's TTL made to follow ``retention.tables``, the archive's old days deleted."""
+    """Each ClickHouse table's TTL made to follow ``retention.tables``; old archive days, checkpoints and flow state
+    deleted."""
     import time
 
     from flows.sinks import prune_archive
@@ -166,6 +167,15 @@ def cmd_retention(settings: Settings, args: argparse.Namespace, console: Console
         f"checkpoints and registry: {verb}delete {len(versions)} version(s)"
         f"{': ' + ', '.join(f'v{v}' for v in versions) if versions else ''} (keeps the newest "
         f"{r.checkpoints_keep}, the serving version and {r.rollback_versions} rollback targets)",
+        highlight=False,
+    )
+    from app.retention import prune_state
+
+    folders, files = prune_state(settings, time.time(), dry_run=dry)
+    console.print(
+        f"flow state: {verb}delete {len(folders)} recovery folder(s) and {len(files)} spill file(s)"
+        f"{': ' + ', '.join(str(p) for p in folders + files) if folders or files else ''} "
+        f"(keeps what a running flow holds or was written in {r.state_days:g} days)",
         highlight=False,
     )
     if "://" in archive:  # shared storage: its own lifecycle rules delete old objects

@@ -311,7 +311,11 @@ def run_flow(
     folder = process_recovery_path(settings, name, cluster)
     fresh = not (folder.is_dir() and _partitions_in(folder))
     recovery = recovery_config(settings, name, cluster)  # refused before anything starts when it does not fit
+    from app.retention import StatePruner, hold
+
     endpoint = metrics.serve_part(settings, f"flow-{name}", cluster.local_index)
+    # the reward flow's spill files nothing uses go after retention.state_days, at its start and then hourly
+    pruner = StatePruner(settings) if name == "rewards" else None
     try:
         stop = stop if stop is not None else stop_on_signals()
         if name == "rewards":  # its partitions' keys spread over every worker of the cluster (flows.routing)
@@ -320,15 +324,18 @@ def run_flow(
         else:
             flow = batch_flow.build_flow(settings, bootstrap=bootstrap, stop=stop, counts=counts)
         endpoint.ready()  # its broker and topics checked, its sinks configured: it reads from here on
-        cli_main(
-            flow,
-            workers_per_process=workers,
-            process_id=cluster.process_id if cluster.addresses else None,
-            addresses=list(cluster.addresses) if cluster.addresses else None,
-            epoch_interval=timedelta(seconds=settings.flow.snapshot_s),
-            recovery_config=recovery,
-        )
+        with hold(folder):  # `rtrl retention apply` keeps a recovery folder a running flow holds
+            cli_main(
+                flow,
+                workers_per_process=workers,
+                process_id=cluster.process_id if cluster.addresses else None,
+                addresses=list(cluster.addresses) if cluster.addresses else None,
+                epoch_interval=timedelta(seconds=settings.flow.snapshot_s),
+                recovery_config=recovery,
+            )
     finally:
+        if pruner is not None:
+            pruner.close()
         endpoint.close()
     seconds = time.monotonic() - t0
     where = f"process {cluster.process_id} of {cluster.processes}: " if cluster.addresses else ""

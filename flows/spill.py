@@ -25,10 +25,16 @@ from further back than that is refused with an error rather than silently losing
 
 from __future__ import annotations
 
+import fcntl
+import os
 import pickle
+import re
 import sqlite3
 import uuid
-from collections.abc import Sequence
+import weakref
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +54,14 @@ _SCHEMA = [
     f"CREATE INDEX IF NOT EXISTS due_{k} ON windows ({k}, tid) WHERE died IS NULL AND {k} IS NOT NULL" for k in DUE_KEYS
 ]
 _COLUMNS = "rowid, tid, state, value, ready, deadline, retention, expiry, first, born"
+
+
+#: the state files this process holds open: :func:`prune` never opens one (closing any descriptor of a file
+#: drops the process's SQLite locks on it)
+_HELD: Counter[Path] = Counter()
+
+#: the name of a state file: :func:`partition_file`'s
+STATE_FILE = re.compile(r"^partition-\d+(-[0-9a-f]+)?\.sqlite$")
 
 
 class StateError(RtrlError):
@@ -74,6 +88,7 @@ class SqliteStore:
         self.snapshot = snapshot  # the generation the last pickle closed (-1: none yet)
         self.generation = snapshot + 1  # the generation being written
         self._db: sqlite3.Connection | None = None
+        self._lock: weakref.finalize | None = None  # releases the shared flock that makes retention keep the file
         self._live = 0
         self._min: dict[str, int | None] = {}  # cached min_due per key (absent: ask the file)
         self._dirty = False  # written since the last checkpoint
@@ -145,6 +160,11 @@ class SqliteStore:
 
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        if self._lock is None:  # a flock is apart from SQLite's own fcntl locks on a local file system
+            fd, held = os.open(self.path, os.O_RDONLY), self.path.resolve()
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            _HELD[held] += 1
+            self._lock = weakref.finalize(self, _release, fd, held)  # at close(), or when the store is collected
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=FULL")  # a commit (at each snapshot) is on disk when it returns
         for stmt in _SCHEMA:
@@ -179,6 +199,9 @@ class SqliteStore:
             self._db.execute("ROLLBACK")  # what the last snapshot did not commit is not state
             self._db.close()
             self._db = None
+        if self._lock is not None:
+            self._lock()
+            self._lock = None
 
     def __getstate__(self) -> dict[str, Any]:
         # pickling is Bytewax's snapshot: commit what the pickle's windows rely on, and name its generation
@@ -259,3 +282,90 @@ class SqliteStore:
             .fetchall()
         )
         return self._kill(found) if found else []
+
+
+# ---------------------------------------------------------------- retention
+
+
+def _release(fd: int, held: Path) -> None:
+    _HELD[held] -= 1
+    if _HELD[held] <= 0:
+        del _HELD[held]
+    os.close(fd)  # releases the flock
+
+
+def _names_in(blob: bytes) -> set[str]:
+    """The state file names a pickled snapshot holds: each :class:`SqliteStore` pickles its path as a string.
+    The opcodes are read, not run: nothing in the snapshot is built or executed."""
+    import pickletools
+
+    found = set()
+    for _, arg, _ in pickletools.genops(blob):
+        if isinstance(arg, str) and STATE_FILE.match(name := arg.rsplit("/", 1)[-1]):
+            found.add(name)
+    return found
+
+
+def referenced(recovery_dirs: Iterable[str | Path]) -> set[str]:
+    """The names of the state files that the snapshots in these Bytewax recovery folders refer to (their
+    ``process-*`` subfolders included). Raises :class:`StateError` when a snapshot cannot be read: then no file
+    can be known dead."""
+    names: set[str] = set()
+    for folder in recovery_dirs:
+        for db in sorted(Path(folder).rglob("part-*.sqlite3")):
+            try:
+                with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)) as c:
+                    blobs = c.execute("SELECT ser_change FROM snaps WHERE ser_change IS NOT NULL").fetchall()
+                for (blob,) in blobs:
+                    names |= _names_in(blob)
+            except Exception as e:  # noqa: BLE001 - any unreadable snapshot makes every file possibly live
+                raise StateError(
+                    f"the recovery snapshots in {db} cannot be read ({type(e).__name__}: {e}), so no window state "
+                    f"file can be known unused; nothing is deleted. Fix: restore or delete that recovery folder"
+                ) from None
+    return names
+
+
+def in_use(path: Path) -> bool:
+    """Whether a running flow holds the state file ``path`` open (its shared flock)."""
+    if path.resolve() in _HELD:
+        return True
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _companions(path: Path) -> list[Path]:
+    return [path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")]
+
+
+def prune(
+    state_dir: str | Path, recovery_dirs: Iterable[str | Path], days: float, now_s: float, dry_run: bool = False
+) -> list[Path]:
+    """Delete the state files in ``state_dir`` that no running flow holds, no snapshot in ``recovery_dirs``
+    refers to and nothing wrote for ``days`` days (0: keep all), with their WAL and shared-memory files;
+    return them. Another file in the folder is never touched."""
+    folder = Path(state_dir)
+    if days <= 0 or not folder.is_dir():
+        return []
+    live = referenced(recovery_dirs)
+    gone = []
+    for path in sorted(folder.iterdir()):
+        if not STATE_FILE.match(path.name) or path.name in live:
+            continue
+        written = max((f.stat().st_mtime for f in _companions(path) if f.exists()), default=now_s)
+        if now_s - written < days * 86_400 or in_use(path):
+            continue
+        gone.append(path)
+        if not dry_run:
+            for f in _companions(path):
+                f.unlink(missing_ok=True)
+    return gone

@@ -548,6 +548,13 @@ class RetentionSettings(Section):
         "however old",
         ge=0,
     )
+    state_days: float = _s(
+        7.0,
+        "days the flows keep state nothing uses: a recovery folder no running flow holds, a spill file no running "
+        "flow holds and no kept snapshot refers to, counted from its last write (`rtrl retention apply`; a "
+        "running reward flow prunes its own spill files); 0 = forever",
+        ge=0,
+    )
     schedule: str = _s(
         "17 3 * * *",
         "when the manifests' CronJob runs `rtrl retention apply`, in cron's five fields (minute hour day month "

@@ -1,27 +1,40 @@
 """Retention (issue 38, point 2): each ClickHouse table's TTL follows `retention.tables` with no migration, and the
 Parquet archive's old days are deleted, tested with back-dated data on the real engine and a real archive.
 
-Checkpoints and the model registry keep the newest versions, the serving one and its rollback targets. Not built
-yet (docs/governance.md says why): retention of the flows' spill state.
+Checkpoints and the model registry keep the newest versions, the serving one and its rollback targets. The flows'
+state goes once nothing uses it: a real reward flow's recovery snapshot and spill files, back-dated, are kept while
+a snapshot refers to them or a flow holds them, and deleted after `retention.state_days` otherwise.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
 import time
+import zlib
+from collections import Counter
+from datetime import timedelta
 from pathlib import Path
 
 import msgspec
 import pytest
+from bytewax.recovery import RecoveryConfig, init_db_dir
+from bytewax.testing import TestingSink, TestingSource, run_main
 
+from app.retention import StatePruner, hold, prune_state
+from flows import reward_flow
+from flows.processor import Message
 from flows.sinks import prune_archive, read_archive, with_coords, write_archive
+from flows.spill import SqliteStore, partition_file
 from rtrl import clickhouse
 from rtrl.errors import ConfigError
-from rtrl.settings import RETAINED_TABLES, load_settings
+from rtrl.settings import RETAINED_TABLES, SimulatorSettings, load_settings
+from schemas.codec import event_codec
 from schemas.records import Checkpoint, TrajectoryStarted
 from schemas.types import to_arrow
+from simulator.generate import generate
 from tests.test_monitors import short_reward
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,6 +119,10 @@ def test_rtrl_retention_apply_on_a_data_folder(tmp_path):
     archive = tmp_path / "archive" / "events"
     old = [_event("old", now - 200 * DAY)]
     write_archive(archive, with_coords(to_arrow(old, clickhouse.TABLES["events"]), [(0, 0)]))
+    abandoned = tmp_path / "recovery" / "batches"  # a batch flow's recovery folder, stopped 8 days ago
+    abandoned.mkdir(parents=True)
+    init_db_dir(abandoned, 1)
+    _age(abandoned, 8)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")} | {"RTRL_DATA_DIR": str(tmp_path)}
 
     def rtrl(*args: str) -> subprocess.CompletedProcess:
@@ -116,11 +133,13 @@ def test_rtrl_retention_apply_on_a_data_folder(tmp_path):
     dry = rtrl("retention", "apply", "--dry-run")
     assert dry.returncode == 0, dry.stderr
     assert "would set events ttl 90 days" in dry.stdout and "would delete 1 day(s)" in dry.stdout
-    assert list(archive.glob("date=*"))
+    assert "flow state: would delete 1 recovery folder(s)" in dry.stdout
+    assert list(archive.glob("date=*")) and abandoned.exists()
     done = rtrl("retention", "apply")
     assert done.returncode == 0, done.stderr
     assert "set events ttl 90 days" in done.stdout and "delete 1 day(s)" in done.stdout
-    assert not list(archive.glob("date=*"))
+    assert "flow state: delete 1 recovery folder(s)" in done.stdout
+    assert not list(archive.glob("date=*")) and not abandoned.exists()
     again = rtrl("retention", "apply")
     assert again.returncode == 0 and "nothing (TTLs current)" in again.stdout and "delete 0 day(s)" in again.stdout
 
@@ -165,3 +184,96 @@ def test_checkpoints_keep_the_newest_the_serving_version_and_its_rollback_target
     assert sorted(p.name for p in registry.iterdir()) == ["v3", "v5", "v6"]
     assert (tmp_path / "elsewhere" / "v8").exists()  # not the data folder's: never ours to delete
     assert prune_checkpoints(settings, ch_client) == []
+
+
+# ---------------------------------------------------------------- the flows' recovery and spill state
+
+
+def _age(path: Path, days: float) -> None:
+    """Back-date ``path`` (each file in it, for a folder) by ``days``."""
+    then = time.time() - days * 86_400
+    for f in [path, *path.rglob("*")] if path.is_dir() else [path, *path.parent.glob(path.name + "-*")]:
+        os.utime(f, (then, then))
+
+
+def _reward_flow_run(settings, recovery: Path) -> None:
+    """The reward flow on 40 simulated trajectories over 2 partitions, with Bytewax recovery in ``recovery`` and
+    a memory budget small enough that its windows spill to SQLite files."""
+    codec, items, offsets = event_codec(), [], Counter()
+    for e in generate(SimulatorSettings(trajectories=40, seed=5, duplicate_rate=0.0), "retention-salt"):
+        p = zlib.crc32(e.event.trajectory_id.encode()) % 2
+        items.append((str(p), Message(e.event.trajectory_id.encode(), codec.encode(e.event), p, offsets[p])))
+        offsets[p] += 1
+    flow = reward_flow.build_flow(
+        settings,
+        sources={"events": TestingSource(items)},
+        sinks={"clickhouse": TestingSink([]), "kafka": TestingSink([])},
+    )
+    run_main(flow, recovery_config=RecoveryConfig(str(recovery), backup_interval=timedelta(0)))
+
+
+def test_flow_state_is_kept_while_used_and_deleted_after_its_retention(tmp_path):
+    """With a real recovery snapshot and its spill files, all back-dated a month: the files the snapshot refers to,
+    a file another process holds and a young file stay; an old file nothing uses goes, and so does an abandoned
+    recovery folder. The flow then resumes from what was kept. Once stopped, its state goes too."""
+    settings = load_settings(
+        env={"RTRL_DATA_DIR": str(tmp_path), "RTRL_FLOW__STATE_MEMORY_MB": "0.002", "RTRL_SDK__SALT": "retention-salt"}
+    )
+    recovery, batches = tmp_path / "recovery" / "rewards", tmp_path / "recovery" / "batches"
+    state = Path(settings.state_root)
+    for folder in (recovery, batches):
+        folder.mkdir(parents=True)
+        init_db_dir(folder, 1)
+    _reward_flow_run(settings, recovery)
+    live = sorted(state.glob("partition-*.sqlite"))
+    assert len(live) == 2, "the flow spilled nothing"
+
+    def dead(run: str, days: float) -> Path:
+        path = partition_file(state, 0, run)
+        SqliteStore.fresh(path).close()
+        _age(path, days)
+        return path
+
+    old, young = dead("a" * 12, 8), dead("b" * 12, 1)
+    held = partition_file(state, 1, "c" * 12)  # open in another process, as a running flow holds its file
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from flows.spill import SqliteStore; s = SqliteStore.fresh(sys.argv[1]); "
+         "print('ready', flush=True); sys.stdin.read()", str(held)],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
+        other = state / "notes.txt"
+        other.write_text("not a state file")
+        for path in (*live, held, other, recovery, batches):
+            _age(path, 30)
+        before = sorted(p.name for p in state.iterdir())
+        now = time.time()
+        with hold(recovery):  # the reward flow runs on its recovery folder
+            assert prune_state(settings, now, dry_run=True) == ([batches], [old])
+            assert sorted(p.name for p in state.iterdir()) == before and batches.exists()
+            assert prune_state(settings, now) == ([batches], [old])
+        assert not batches.exists() and not old.exists() and not old.with_name(old.name + "-wal").exists()
+        assert all(p.exists() for p in (*live, young, held, other, recovery))
+    finally:
+        holder.communicate("", timeout=30)
+    _age(held, 30)  # its holder wrote it as it closed
+    with hold(recovery):
+        assert prune_state(settings, time.time()) == ([], [held])  # nothing holds it any more
+
+    _reward_flow_run(settings, recovery)  # resumes from the kept snapshot and its spill files
+    assert sorted(state.glob("partition-*.sqlite")) == sorted([*live, young])  # no fresh file: it resumed
+    again = dead("d" * 12, 8)
+    pruner = StatePruner(settings)  # as a reward flow does at its start
+    pruner.close()
+    assert not again.exists() and all(p.exists() for p in (*live, young))
+
+    gc.collect()  # the in-process run's stores, as a stopped flow's process lets go of its files
+    for path in (*live, recovery):  # the flow stopped a month ago: its folder and files go
+        _age(path, 30)
+    assert prune_state(settings, time.time()) == ([recovery], live)
+    assert not recovery.exists() and sorted(p.name for p in state.iterdir()) == sorted(
+        p.name
+        for p in (young, young.with_name(young.name + "-wal"), young.with_name(young.name + "-shm"), other)
+        if p.exists()
+    )
