@@ -270,6 +270,9 @@ def _parser(codec: JsonCodec, kind: str, source: str, deny: DenySource | None = 
         try:
             rec = codec.decode(m.value)
         except Invalid as e:
+            if deny is not None and deny.current().names(m.value, m.key):  # an erased subject's malformed record
+                metrics.ERASED_SKIPPED.labels(consumer="batch_flow").inc()
+                return []
             return [
                 (
                     "dead",

@@ -144,6 +144,9 @@ class RewardProcessor:
             try:
                 event = self.codec.decode(m.value)
             except Invalid as e:
+                if self.deny is not None and self.deny.current().names(m.value, m.key):
+                    out.erased += 1  # a malformed record of an erased subject: not dead-lettered again on a replay
+                    continue
                 out.dead_letters.append(
                     self._dead(e.kind, e.field, e.reason, m.partition, m.offset, m.key, m.value, now)
                 )

@@ -610,18 +610,22 @@ class DenyWatch:
     """The deny list as a consumer sees it: read at its first use, then at most every ``refresh_s`` seconds
     (``governance.deny_refresh_s``).
 
-    A failed read keeps the last list, logs why and is tried again at the next refresh, so a ClickHouse outage
-    never stops a consumer. A database without the ``erasures`` table yet has erased nobody.
+    Until its first read succeeds, a consumer holds: a failed read is retried with backoff for ``patience_s``
+    seconds, then :class:`rtrl.errors.ServiceUnavailable` names the setting. A consumer never processes data it
+    could not check. After that, a failed read keeps the last list, logs why and is tried again at the next
+    refresh, so a ClickHouse outage never stops a consumer. A database without the ``erasures`` table yet has
+    erased nobody.
 
     An embedded engine (``chdb://``) is read only once this process has opened it for its own work: one process
     holds a chdb folder, and the watch must never take it from the process's sink or from another process of a
     cluster. Processes that share the embedded engine reach it through `rtrl clickhouse serve` (an http DSN)."""
 
-    def __init__(self, dsn: str, database: str, timeout_s: float, refresh_s: float):
-        self._args, self._refresh_s = (dsn, database, timeout_s), refresh_s
+    def __init__(self, dsn: str, database: str, timeout_s: float, refresh_s: float, patience_s: float = 300.0):
+        self._args, self._refresh_s, self._patience_s = (dsn, database, timeout_s), refresh_s, patience_s
         self._client: Any = None
         self._list = DenyList()
         self._at = -float("inf")
+        self._read_once = False
         self._lock = threading.Lock()
 
     def _read(self) -> DenyList | None:
@@ -640,15 +644,38 @@ class DenyWatch:
             return self._list
         with self._lock:
             if time.monotonic() - self._at >= self._refresh_s:
-                try:
-                    read = self._read()
-                except Exception as e:  # noqa: BLE001 - the last list stands; the next refresh tries again
-                    _log.warning("the deny list of erased subjects was not read (%s); the last one stands", e)
-                    self._client, read = None, self._list
+                read = self._first() if not self._read_once else self._again()
                 if read is None:
                     return self._list
-                self._list, self._at = read, time.monotonic()
+                self._list, self._at, self._read_once = read, time.monotonic(), True
         return self._list
+
+    def _again(self) -> DenyList | None:
+        try:
+            return self._read()
+        except Exception as e:  # noqa: BLE001 - the last list stands; the next refresh tries again
+            _log.warning("the deny list of erased subjects was not read (%s); the last one stands", e)
+            self._client = None
+            return self._list
+
+    def _first(self) -> DenyList | None:
+        """The first read, retried with backoff for ``patience_s``: a consumer holds until it knows whom to skip."""
+        deadline, delay = time.monotonic() + self._patience_s, 0.5
+        while True:
+            try:
+                return self._read()
+            except Exception as e:  # noqa: BLE001 - any failure: retried, then reported with the setting to fix
+                self._client = None
+                if time.monotonic() + delay > deadline:
+                    raise ServiceUnavailable(
+                        f"the deny list of erased subjects (`rtrl erase`) could not be read from clickhouse.dsn "
+                        f"{redact_dsn(self._args[0])} in {self._patience_s:g}s ({type(e).__name__}: {e}); a consumer "
+                        "does not process data it cannot check against it. Fix: make ClickHouse reachable at "
+                        "clickhouse.dsn, then restart"
+                    ) from None
+                _log.warning("the deny list of erased subjects was not read (%s); holding, retry in %.1fs", e, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 10.0)
 
 
 def deny_watch(settings: Settings) -> DenyWatch:

@@ -8,8 +8,12 @@ backfill brings none of it back. The list holds the users' salted hashes, never 
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from typing import Protocol
+
+_HEX32 = re.compile(rb"[0-9a-f]{32}")  # a salted user hash, as the SDK writes it
+_QUOTED = re.compile(rb'"([^"\\]{1,256})"')  # a JSON string without escapes: ids and org names have none
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,22 @@ class DenyList:
             or (bool(org_id) and org_id in self.orgs)
             or (bool(user_hash) and user_hash in self.users)
         )
+
+    def names(self, payload: bytes | None, key: bytes | str | None = None) -> bool:
+        """Whether a record that could not be decoded names an erased subject. It has no fields to read, so its
+        text is searched: a denied user's hash anywhere, or a denied trajectory or organisation as a quoted
+        string. Its Kafka key, a trajectory id, is checked too. It errs on the side of skipping."""
+        if not self:
+            return False
+        k = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+        if k and k in self.trajectories:
+            return True
+        if not payload:
+            return False
+        if self.users and any(h.decode() in self.users for h in _HEX32.findall(payload)):
+            return True
+        named = self.trajectories | self.orgs
+        return bool(named) and any(q.decode("utf-8", "replace") in named for q in _QUOTED.findall(payload))
 
     def current(self) -> DenyList:
         """This list (a fixed list is its own source: see rtrl.clickhouse.DenyWatch)."""

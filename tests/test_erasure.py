@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -26,19 +28,21 @@ from confluent_kafka import Producer
 
 from app.erasure import STORES, Plan, erase, subject_from
 from client.hashing import hash_user
+from devservices.broker import free_port
 from devservices.chserver import spawn
 from flows.backfill import backfill
 from flows.batch_flow import _parser
 from flows.counts import FlowCounts
-from flows.processor import Message
+from flows.processor import Message, RewardProcessor
 from flows.reward_flow import build_flow
 from flows.sinks import read_archive
+from flows.windowing import WindowConfig
 from rtrl import clickhouse
-from rtrl.errors import ConfigError
+from rtrl.errors import ConfigError, ServiceUnavailable
 from rtrl.kafka import ensure_topics, producer_config, read_topic
 from rtrl.settings import load_settings
 from schemas.codec import JsonCodec, encode_batch
-from schemas.erasure import erasure_id
+from schemas.erasure import DenyList, erasure_id
 from schemas.records import DeadLetter, MicroBatch, Reward
 from tests.test_reward_flow import SALT, _payloads, _produce, _services_env
 from trainer.data import BatchStream
@@ -387,3 +391,51 @@ def test_a_subject_is_named_once_and_checked():
     ):
         with pytest.raises(ConfigError):
             subject_from(settings, *bad)
+
+
+def test_a_consumer_holds_until_it_has_read_the_deny_list(tmp_path, caplog):
+    """The deny list fails closed: a consumer whose first read of it fails retries with backoff and processes
+    nothing meanwhile. With no ClickHouse to answer, it stops with an error naming clickhouse.dsn. With one that
+    comes up while it waits, it goes on once its read succeeds."""
+    folder, port = tmp_path / "clickhouse", free_port()
+    dsn = f"http://rtrl_writer@127.0.0.1:{port}/?password_file={folder}/rtrl-auth/rtrl_writer.token"
+    with pytest.raises(ServiceUnavailable, match=r"deny list of erased subjects.*clickhouse\.dsn.*Fix:"):
+        clickhouse.DenyWatch(dsn, DB, 1.0, 10.0, patience_s=1.0).current()
+
+    caplog.set_level(logging.WARNING, logger="rtrl.clickhouse")
+    caplog.clear()
+    watch = clickhouse.DenyWatch(dsn, DB, 1.0, 10.0, patience_s=120.0)
+    started: list = []
+    later = threading.Timer(2.0, lambda: started.append(spawn(folder, port=port)))
+    later.start()
+    try:
+        assert watch.current() == DenyList()  # a fresh engine has erased nobody
+        assert any("holding" in r.getMessage() for r in caplog.records)  # it waited for the engine
+    finally:
+        later.join()
+        for proc, _ in started:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+
+
+def test_a_malformed_record_of_an_erased_subject_is_not_dead_lettered_again():
+    """A record the codec cannot decode has no fields to check, so its text is searched. On a replay, one that
+    names an erased user's hash, an erased organisation or an erased trajectory is skipped, not dead-lettered
+    with its payload again. Anyone else's malformed record is dead-lettered as before."""
+    erased_user, other = hash_user("gone", SALT), hash_user("stays", SALT)
+    deny = DenyList(users=frozenset({erased_user}), orgs=frozenset({"org-gone"}), trajectories=frozenset({"t-gone"}))
+    processor = RewardProcessor("rtrl.events", WindowConfig(), ["v2"], deny=deny)
+    skipped = [
+        (b"t-1", b'{"type": "trajectory_started", "user_hash": "' + erased_user.encode() + b'", "ts": '),
+        (b"t-2", b'{"type": "tool_call", "org_id": "org-gone", "oops"'),
+        (b"t-gone", b"\xff\xfe not even text"),
+        (None, b'{"type": "teleport", "trajectory_id": "t-gone"}'),
+    ]
+    kept = [
+        (b"t-3", b'{"type": "trajectory_started", "user_hash": "' + other.encode() + b'", "ts": '),
+        (b"t-4", b'{"type": "tool_call", "org_id": "org-stays", "oops"'),
+    ]
+    out = processor.process([Message(k, v, 0, i) for i, (k, v) in enumerate(skipped + kept)], now_ms=0)
+    assert out.erased == len(skipped)
+    assert sorted(d.key for d in out.dead_letters) == ["t-3", "t-4"]
+    assert all(erased_user not in d.payload and "org-gone" not in d.payload for d in out.dead_letters)
