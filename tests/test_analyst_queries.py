@@ -4,8 +4,8 @@ analyst runs it through the embedded ClickHouse front; the steps of its "Connect
 (`rtrl clickhouse serve`, curl, clickhouse-connect, rtrl's DSN, chdb and its one-process rule); and
 examples/analyst.py prints its tables and writes its PNG, through the front and with chdb.
 (The same blocks on synthetic rows, with figures checked: tests/test_monitors.py.) The same run (with per-org
-adapters), once every read-only test is done, holds the per-org adapters' main-job checks and an adapter rollback
-(the last test)."""
+adapters), once every read-only test is done, holds the per-org adapters' main-job checks and an adapter rollback,
+then one user's erasure (the last two tests, in this order: each changes the run's data)."""
 
 from __future__ import annotations
 
@@ -426,7 +426,8 @@ def test_the_main_job_trains_gates_and_serves_each_orgs_adapter_and_rolls_one_ba
     serving adapter is re-validated on the new base (a new version whose parent is the old one); the shared
     policy's runs train no adapter. The report has the per-org table and PNG. `rtrl rollback N --org` then rolls
     back one org's serving adapter and leaves the other org's and the shared policy's decisions as they were;
-    rolling it back again is refused (not promoted). Last in this module: the rollback changes the run's data.
+    rolling it back again is refused (not promoted). Next to last in this module: the rollback changes the run's
+    data.
 
     (Moved here from tests/test_per_org.py, which ran a main job of its own under ``shared_traffic = "all"``; that
     mode's routing - every adapted org's batches to its adapter and a copy to the shared stream, an org's samples
@@ -469,3 +470,119 @@ def test_the_main_job_trains_gates_and_serves_each_orgs_adapter_and_rolls_one_ba
     assert d_after["shared"] == d["shared"] and len(d["shared"]) == 4  # and so are the shared policy's decisions
     again = _rtrl(data, "rollback", str(version), "--org", org)
     assert again.returncode != 0 and "not promoted" in again.stdout + again.stderr
+
+
+#: one user's data in every store of the run, the other rows' checksums, and the lineage from the run's own records
+#: (argv: the chdb DSN; the user's hash, or '' to pick the user whose samples the most training runs saw; the archive;
+#: the user's trajectory ids as JSON, or [] to find them)
+ERASURE_DUMP = """
+import json, re, sys
+from collections import defaultdict
+from flows.sinks import read_archive
+from rtrl import clickhouse
+
+ch = clickhouse.connect(sys.argv[1])
+q = lambda sql: ch.query(sql).result_rows
+h = sys.argv[2] or q(
+    "SELECT t.user_hash FROM (SELECT arrayJoin(sample_ids) AS tid, run_id FROM rtrl.train_metrics FINAL) AS s "
+    "INNER JOIN (SELECT trajectory_id, any(user_hash) AS user_hash FROM rtrl.trajectories FINAL GROUP BY trajectory_id)"
+    " AS t ON s.tid = t.trajectory_id GROUP BY t.user_hash ORDER BY uniqExact(s.run_id) DESC, t.user_hash LIMIT 1"
+)[0][0]
+ids = json.loads(sys.argv[4]) or sorted(r[0] for r in q(
+    f"SELECT trajectory_id FROM rtrl.events WHERE user_hash = '{h}' "
+    f"UNION DISTINCT SELECT trajectory_id FROM rtrl.trajectories WHERE user_hash = '{h}'"
+))
+arr = "[" + ",".join("'" + i + "'" for i in ids) + "]"
+columns = defaultdict(set)
+for table, column in q("SELECT table, name FROM system.columns WHERE database = 'rtrl'"):
+    columns[table].add(column)
+stats = {}
+for table, engine in q("SELECT name, engine FROM system.tables WHERE database = 'rtrl' AND engine LIKE '%MergeTree'"):
+    c = columns[table]
+    if table in ("erasures", "erased_trajectories"):
+        continue
+    mine = ([f"user_hash = '{h}'"] if "user_hash" in c else []) + (
+        [f"trajectory_id IN {arr}"] if "trajectory_id" in c else []) + (
+        [f"hasAny(sample_ids, {arr})"] if "sample_ids" in c else []) + (
+        [f"key IN {arr}", f"position(payload, '{h}') > 0"] if table == "dead_letters" else [])
+    if not mine:
+        continue
+    cond, final = " OR ".join(f"({m})" for m in mine), "" if engine == "MergeTree" else " FINAL"
+    if "sample_ids" in c:  # rows stay: other users' samples in them
+        row = q(f"SELECT count(), countIf({cond}), sum(arrayCount(x -> has({arr}, x), sample_ids)), "
+                f"sum(arrayCount(x -> NOT has({arr}, x) AND x != 'erased', sample_ids)), "
+                f"sum(arrayCount(x -> x = 'erased', sample_ids)) FROM rtrl.{table}{final}")[0]
+        stats[table] = {"rows": row[0], "mine": row[1], "my_samples": row[2], "others": row[3], "erased": row[4]}
+    else:
+        row = q(f"SELECT count(), countIf({cond}), toString(sumIf(cityHash64(*), NOT ({cond}))) "
+                f"FROM rtrl.{table}{final}")[0]
+        stats[table] = {"rows": row[0], "mine": row[1], "others": row[2]}
+archive = read_archive(sys.argv[3]).column("user_hash").to_pylist()
+runs = sorted(r[0] for r in q(f"SELECT DISTINCT run_id FROM rtrl.train_metrics FINAL WHERE hasAny(sample_ids, {arr})"))
+shared = {int(v): p for v, p in q("SELECT version, any(parent) FROM rtrl.checkpoints GROUP BY version")}
+adapters = {(o, int(v)): (p, b) for o, v, p, b in
+            q("SELECT org, version, any(parent), any(base_version) FROM rtrl.adapter_checkpoints GROUP BY org, version")}
+seen = {int(m[1]) for r in runs if (m := re.fullmatch(r"loop-\\d+-v(\\d+)", r))}
+seen_adapters = {(m[1], int(m[2])) for r in runs if (m := re.fullmatch(r"loop-\\d+-(.+)-a(\\d+)", r))}
+while grown := {v for v, p in shared.items() if p in seen} - seen:  # and every version trained from one of those
+    seen |= grown
+seen_adapters |= {k for k, (_, base) in adapters.items() if base in seen}
+while grown := {(o, v) for (o, v), (p, _) in adapters.items() if (o, p) in seen_adapters} - seen_adapters:
+    seen_adapters |= grown
+lineage = [f"v{v}" for v in sorted(seen)] + [f"{o}/a{v}" for o, v in sorted(seen_adapters)]
+audit = sorted(r[0] for r in q(f"SELECT status FROM rtrl.erasures WHERE subject = '{h}'"))
+denied = q(f"SELECT uniqExact(trajectory_id) FROM rtrl.erased_trajectories WHERE trajectory_id IN {arr}")[0][0]
+print(json.dumps({"hash": h, "ids": ids, "stats": stats, "archive": [len(archive), archive.count(h)],
+                  "runs": runs, "lineage": lineage, "audit": audit, "denied": denied}))
+"""
+
+
+def _erasure_dump(data: Path, user_hash: str = "", ids: list[str] | None = None) -> dict:
+    archive = str(data / "archive" / "events")
+    proc = _python(ERASURE_DUMP, data, f"chdb://{data}/clickhouse", user_hash, archive, json.dumps(ids or []))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_erasing_a_trained_user_reaches_every_store_and_names_the_checkpoints_that_saw_them(front_handle):
+    """Issue 38, point 3, on this module's finished main job: `rtrl erase --user-hash H` for the user whose samples
+    the most training runs saw. The dry run changes nothing. The erasure leaves none of the user's rows in any
+    table and none of their events in the archive, and every other row as it was: counts and checksums, and every
+    other sample in the micro-batches and training steps. It names exactly the checkpoints and adapter versions
+    that the run's own training records and parent links say saw the user. The audit holds a started and a done
+    row, and the deny list holds the user's trajectories. Last in this module: the erasure changes the run's data."""
+    front_handle.stop()  # chdb: one process at a time
+    data = front_handle.root / ".rtrl"
+    before = _erasure_dump(data)
+    h, stats = before["hash"], before["stats"]
+    assert before["ids"] and before["runs"] and before["lineage"], before  # a trained run saw the user's samples
+    assert stats["events"]["mine"] > 0 and stats["train_metrics"]["my_samples"] > 0 and before["archive"][1] > 0
+    erase = [sys.executable, "-m", "app.cli", "erase", "--user-hash", h]
+    env = _env(RTRL_DATA_DIR=str(data), RTRL_GOVERNANCE__DENY_REFRESH_S="1")
+
+    def rtrl(*extra: str) -> str:
+        proc = subprocess.run(
+            erase + list(extra), cwd=data.parent, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return " ".join(proc.stdout.split()) + " "  # as one line: the console wraps long ones
+
+    named = f"checkpoints whose training saw the subject's samples: {', '.join(before['lineage'])} "
+    dry = rtrl("--dry-run")
+    assert named in dry and f"would erase: user {h}" in dry
+    assert _erasure_dump(data, h, before["ids"]) == before  # the dry run changed nothing
+    done = rtrl()
+    assert named in done and f"erased: user {h}" in done
+    after = _erasure_dump(data, h, before["ids"])  # the user's trajectories, as they were before
+    for table, s in stats.items():
+        a = after["stats"][table]
+        assert a["mine"] == 0, (table, a)
+        if "my_samples" in s:  # the rows stay, with every other user's samples
+            assert a["rows"] == s["rows"] and a["my_samples"] == 0 and a["others"] == s["others"], (table, s, a)
+            if table == "batches":  # the user's samples are marked, their tokens zeroed
+                assert a["erased"] == s["erased"] + s["my_samples"], (s, a)
+        else:
+            assert a["rows"] == s["rows"] - s["mine"] and a["others"] == s["others"], (table, s, a)
+    assert after["archive"] == [before["archive"][0] - before["archive"][1], 0]
+    assert after["audit"] == ["done", "started"] and after["denied"] == len(before["ids"])
+    assert not after["runs"] and after["lineage"] == []  # no training record names the user's samples any more
