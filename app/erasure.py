@@ -111,7 +111,12 @@ class Plan:
         #: the subject's trajectories: recorded by an earlier run, or still to be found
         self.found = " UNION DISTINCT ".join(found)
         self.ids = f"({recorded} UNION DISTINCT {self.found})"
-        self.array = f"(SELECT groupArray(trajectory_id) FROM {self.ids})"
+
+    def mine(self, x: str) -> str:
+        """Whether the sample id ``x`` is one of the subject's trajectories. ClickHouse builds the set once per
+        statement. An array searched with has() cost 351 s against 0.05 s for 200,000 ids and 20,000
+        micro-batches of 32 samples, measured in chdb."""
+        return f"{x} IN {self.ids}"
 
     def where(self, store: str) -> str:
         """The rows of ``store`` that are the subject's."""
@@ -128,7 +133,7 @@ class Plan:
             )
             return f"key IN {self.ids} OR {names}"
         if store in ("batches", "train_metrics"):
-            return f"hasAny(sample_ids, {self.array})"
+            return f"arrayExists(x -> {self.mine('x')}, sample_ids)"
         if store == "batch_stats":  # per org and task kind: only an organisation has rows of its own
             # the cohort is 'org/task_kind': the org is what comes before its last '/' (an org id may hold one)
             org = "reverse(substring(reverse(cohort), position(reverse(cohort), '/') + 1))"
@@ -137,25 +142,25 @@ class Plan:
 
     def count(self, store: str) -> str:
         if store == "batches":  # samples, not rows: a micro-batch packs several users' samples
-            return f"SELECT sum(arrayCount(x -> has({self.array}, x), sample_ids)) FROM {self.db}.batches WHERE {self.where(store)}"
+            return f"SELECT sum(arrayCount(x -> {self.mine('x')}, sample_ids)) FROM {self.db}.batches WHERE {self.where(store)}"
         return f"SELECT count() FROM {self.db}.{store} WHERE {self.where(store)}"
 
     def remove(self, store: str) -> str:
         """The statement that removes the subject's rows (waiting until every replica has)."""
-        db, arr = self.db, self.array
+        db = self.db
         if store == "batches":  # other users' samples stay: the subject's tokens become 0 and its ids 'erased'
             zero = lambda col, z: (  # noqa: E731
-                f"{col} = arrayMap((r, g) -> arrayMap((x, i) -> if(i >= 0 AND has({arr}, sample_ids[i + 1]), {z}, x), "
+                f"{col} = arrayMap((r, g) -> arrayMap((x, i) -> if(i >= 0 AND {self.mine('sample_ids[i + 1]')}, {z}, x), "
                 f"r, g), {col}, segment_ids)"
             )
             sets = ", ".join(
                 zero(c, z)
                 for c, z in (("token_ids", "0"), ("loss_mask", "0"), ("advantages", "0"), ("behaviour_logprobs", "0"))
             )
-            ids = f"sample_ids = arrayMap(x -> if(has({arr}, x), 'erased', x), sample_ids)"
+            ids = f"sample_ids = arrayMap(x -> if({self.mine('x')}, 'erased', x), sample_ids)"
             return f"ALTER TABLE {db}.batches UPDATE {sets}, {ids} WHERE {self.where(store)}"
         if store == "train_metrics":  # the step's figures stay; it no longer names the subject's samples
-            return f"ALTER TABLE {db}.train_metrics UPDATE sample_ids = arrayFilter(x -> NOT has({arr}, x), sample_ids) WHERE {self.where(store)}"
+            return f"ALTER TABLE {db}.train_metrics UPDATE sample_ids = arrayFilter(x -> NOT ({self.mine('x')}), sample_ids) WHERE {self.where(store)}"
         return f"ALTER TABLE {db}.{store} DELETE WHERE {self.where(store)}"
 
 
