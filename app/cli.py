@@ -169,7 +169,17 @@ def cmd_retention(settings: Settings, args: argparse.Namespace, console: Console
         f"{r.checkpoints_keep}, the serving version and {r.rollback_versions} rollback targets)",
         highlight=False,
     )
-    from app.retention import prune_state
+    if "://" in archive:  # shared storage: its own lifecycle rules delete old objects
+        console.print(
+            f"archive {archive}: not a local folder; give the bucket a lifecycle rule of {r.archive_days:g} days"
+        )
+    else:
+        gone = prune_archive(archive, r.archive_days, time.time_ns() // 1_000_000, dry_run=dry)
+        console.print(
+            f"archive {archive}: {verb}delete {len(gone)} day(s){': ' + ', '.join(gone) if gone else ''}"
+            f" (keeps {r.archive_days:g} days)"
+        )
+    from app.retention import prune_state  # last: a state it cannot read stops nothing else
 
     folders, files = prune_state(settings, time.time(), dry_run=dry)
     console.print(
@@ -177,16 +187,6 @@ def cmd_retention(settings: Settings, args: argparse.Namespace, console: Console
         f"{': ' + ', '.join(str(p) for p in folders + files) if folders or files else ''} "
         f"(keeps what a running flow holds or was written in {r.state_days:g} days)",
         highlight=False,
-    )
-    if "://" in archive:  # shared storage: its own lifecycle rules delete old objects
-        console.print(
-            f"archive {archive}: not a local folder; give the bucket a lifecycle rule of {r.archive_days:g} days"
-        )
-        return 0
-    gone = prune_archive(archive, r.archive_days, time.time_ns() // 1_000_000, dry_run=dry)
-    console.print(
-        f"archive {archive}: {verb}delete {len(gone)} day(s){': ' + ', '.join(gone) if gone else ''}"
-        f" (keeps {r.archive_days:g} days)"
     )
     return 0
 

@@ -309,22 +309,22 @@ def run_flow(
     if name == "rewards":
         check_state_volume(settings)
     folder = process_recovery_path(settings, name, cluster)
-    fresh = not (folder.is_dir() and _partitions_in(folder))
-    recovery = recovery_config(settings, name, cluster)  # refused before anything starts when it does not fit
-    from app.retention import StatePruner, hold
+    from app.retention import hold, prune_at_start
 
-    endpoint = metrics.serve_part(settings, f"flow-{name}", cluster.local_index)
-    # the reward flow's spill files nothing uses go after retention.state_days, at its start and then hourly
-    pruner = StatePruner(settings) if name == "rewards" else None
-    try:
-        stop = stop if stop is not None else stop_on_signals()
-        if name == "rewards":  # its partitions' keys spread over every worker of the cluster (flows.routing)
-            keys = partition_keys(settings, bootstrap, workers * cluster.processes, folder, fresh)
-            flow = reward_flow.build_flow(settings, bootstrap=bootstrap, stop=stop, counts=counts, keys=keys)
-        else:
-            flow = batch_flow.build_flow(settings, bootstrap=bootstrap, stop=stop, counts=counts)
-        endpoint.ready()  # its broker and topics checked, its sinks configured: it reads from here on
-        with hold(folder):  # `rtrl retention apply` keeps a recovery folder a running flow holds
+    with hold(folder):  # from before its first look: `rtrl retention apply` keeps a folder a flow holds
+        fresh = not _partitions_in(folder)
+        recovery = recovery_config(settings, name, cluster)  # refused before anything starts when it does not fit
+        if name == "rewards":  # spill files nothing uses go after retention.state_days, before Bytewax starts
+            prune_at_start(settings)
+        endpoint = metrics.serve_part(settings, f"flow-{name}", cluster.local_index)
+        try:
+            stop = stop if stop is not None else stop_on_signals()
+            if name == "rewards":  # its partitions' keys spread over every worker of the cluster (flows.routing)
+                keys = partition_keys(settings, bootstrap, workers * cluster.processes, folder, fresh)
+                flow = reward_flow.build_flow(settings, bootstrap=bootstrap, stop=stop, counts=counts, keys=keys)
+            else:
+                flow = batch_flow.build_flow(settings, bootstrap=bootstrap, stop=stop, counts=counts)
+            endpoint.ready()  # its broker and topics checked, its sinks configured: it reads from here on
             cli_main(
                 flow,
                 workers_per_process=workers,
@@ -333,10 +333,8 @@ def run_flow(
                 epoch_interval=timedelta(seconds=settings.flow.snapshot_s),
                 recovery_config=recovery,
             )
-    finally:
-        if pruner is not None:
-            pruner.close()
-        endpoint.close()
+        finally:
+            endpoint.close()
     seconds = time.monotonic() - t0
     where = f"process {cluster.process_id} of {cluster.processes}: " if cluster.addresses else ""
     if name == "rewards":

@@ -14,8 +14,9 @@ The flows' state is deleted once nothing wrote it for ``retention.state_days``:
 - a spill file of the reward flow that no running flow holds and no kept snapshot refers to
   (:func:`flows.spill.prune`).
 
-A running flow prunes its own state folder's spill files at its start and every hour. It never deletes a
-recovery folder: a stopped flow's folder goes with `rtrl retention apply` on its volume.
+A reward flow prunes its own state folder's spill files as it starts. It never deletes a recovery folder: a
+stopped flow's folder goes with `rtrl retention apply` on its volume. Spill files are pruned only where every
+partition of the recovery store is reachable, since a snapshot may be filed on any of them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
-import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -87,31 +87,35 @@ def prune_checkpoints(settings: Settings, client: Any, dry_run: bool = False) ->
 
 @contextmanager
 def hold(folder: Path) -> Iterator[None]:
-    """Hold a shared flock on the recovery folder ``folder`` while a flow runs on it: retention keeps it."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
+    """Hold a shared flock on the recovery folder ``folder`` (made if missing) while a flow uses it: retention
+    keeps it. A folder deleted while this waited for the lock is made again and locked anew."""
+    from rtrl.files import private_dir
+
+    while True:
+        fd = os.open(private_dir(folder), os.O_RDONLY | os.O_DIRECTORY)
         fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            same = os.stat(folder).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
         yield
     finally:
         os.close(fd)
 
 
-def _held(folder: Path) -> bool:
+def _lock_if_free(folder: Path) -> int | None:
+    """An exclusive flock on ``folder`` when no flow holds it (its descriptor, to close after deleting it)."""
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        return True
-    finally:
         os.close(fd)
-    return False
-
-
-def recovery_roots(settings: Settings) -> list[Path]:
-    """Both flows' recovery folders (each may hold a cluster's ``process-*`` subfolders)."""
-    from app.parts import recovery_path
-
-    return [recovery_path(settings, name) for name in ("rewards", "batches")]
+        return None
+    return fd
 
 
 def recovery_folders(roots: Iterable[Path]) -> list[Path]:
@@ -125,43 +129,50 @@ def _written(folder: Path) -> float:
 
 def prune_state(settings: Settings, now_s: float, dry_run: bool = False) -> tuple[list[Path], list[Path]]:
     """Delete the recovery folders and spill files retention does not keep (the module docstring says which);
-    return them."""
+    return them. A cluster's ``process-*`` folders go together or not at all: each is locked while they go."""
+    from app.parts import recovery_path
+
     days = settings.retention.state_days
     if days <= 0:
         return [], []
-    folders = recovery_folders(recovery_roots(settings))
-    old = [f for f in folders if now_s - _written(f) >= days * 86_400 and not _held(f)]
-    if not dry_run:
-        for f in old:
-            shutil.rmtree(f)
-    kept_folders = [f for f in folders if f not in old]
-    return old, spill.prune(settings.state_root, kept_folders, days, now_s, dry_run)
-
-
-class StatePruner:
-    """Prunes the reward flow's unused spill files now and every ``every_s`` seconds, in a daemon thread."""
-
-    def __init__(self, settings: Settings, every_s: float = 3600.0):
-        self.settings, self.every_s, self.stop = settings, every_s, threading.Event()
-        self.prune()
-        self.thread = threading.Thread(target=self._run, name="rtrl-state-retention", daemon=True)
-        self.thread.start()
-
-    def prune(self) -> list[Path]:
-        """One pass; a failure is logged, never raised: retention must not stop the flow (it retries next time)."""
-        import logging
-        import time
-
-        s = self.settings
+    gone: list[Path] = []
+    rewards = recovery_path(settings, "rewards")
+    references = [rewards]
+    for root in (rewards, recovery_path(settings, "batches")):
+        folders = recovery_folders([root])
+        if not folders or any(now_s - _written(f) < days * 86_400 for f in folders):
+            continue
+        locks: list[int] = []
         try:
-            return spill.prune(s.state_root, recovery_roots(s), s.retention.state_days, time.time())
-        except Exception as e:  # noqa: BLE001
-            logging.getLogger(__name__).warning("retention of the reward flow's spill files skipped: %s", e)
-            return []
+            for f in folders:
+                fd = _lock_if_free(f)
+                if fd is None:
+                    break
+                locks.append(fd)
+            else:
+                gone += folders
+                if root == rewards:
+                    references = []  # its snapshots go: they refer to nothing any more
+                if not dry_run:
+                    for f in folders:
+                        shutil.rmtree(f)
+        finally:
+            for fd in locks:
+                os.close(fd)
+    return gone, spill.prune(settings.state_root, references, days, now_s, dry_run)
 
-    def _run(self) -> None:
-        while not self.stop.wait(self.every_s):
-            self.prune()
 
-    def close(self) -> None:
-        self.stop.set()
+def prune_at_start(settings: Settings) -> list[Path]:
+    """The reward flow's unused spill files, pruned as it starts, before Bytewax opens its recovery store. A
+    failure is logged, never raised: retention must not stop the flow."""
+    import logging
+    import time
+
+    from app.parts import recovery_path
+
+    try:
+        r = [recovery_path(settings, "rewards")]
+        return spill.prune(settings.state_root, r, settings.retention.state_days, time.time())
+    except Exception as e:  # noqa: BLE001
+        logging.getLogger(__name__).warning("retention of the reward flow's spill files skipped: %s", e)
+        return []

@@ -195,13 +195,17 @@ class SqliteStore:
         return s
 
     def close(self) -> None:
-        if self._db is not None:
-            self._db.execute("ROLLBACK")  # what the last snapshot did not commit is not state
-            self._db.close()
-            self._db = None
-        if self._lock is not None:
-            self._lock()
-            self._lock = None
+        try:
+            if self._db is not None:
+                db, self._db = self._db, None
+                try:
+                    db.execute("ROLLBACK")  # what the last snapshot did not commit is not state
+                finally:
+                    db.close()
+        finally:
+            if self._lock is not None:
+                self._lock()
+                self._lock = None
 
     def __getstate__(self) -> dict[str, Any]:
         # pickling is Bytewax's snapshot: commit what the pickle's windows rely on, and name its generation
@@ -294,35 +298,39 @@ def _release(fd: int, held: Path) -> None:
     os.close(fd)  # releases the flock
 
 
-def _names_in(blob: bytes) -> set[str]:
-    """The state file names a pickled snapshot holds: each :class:`SqliteStore` pickles its path as a string.
-    The opcodes are read, not run: nothing in the snapshot is built or executed."""
-    import pickletools
-
-    found = set()
-    for _, arg, _ in pickletools.genops(blob):
-        if isinstance(arg, str) and STATE_FILE.match(name := arg.rsplit("/", 1)[-1]):
-            found.add(name)
-    return found
+#: a state file's name as a snapshot holds it: each :class:`SqliteStore` pickles its path as text
+_REFERENCE = re.compile(rb"partition-\d+(?:-[0-9a-f]+)?\.sqlite")
 
 
 def referenced(recovery_dirs: Iterable[str | Path]) -> set[str]:
     """The names of the state files that the snapshots in these Bytewax recovery folders refer to (their
-    ``process-*`` subfolders included). Raises :class:`StateError` when a snapshot cannot be read: then no file
-    can be known dead."""
+    ``process-*`` subfolders included). The snapshots' raw bytes are searched for state file names: nothing in
+    them is built or run, and a name found by chance only keeps a file longer.
+
+    Bytewax files a snapshot on any partition of the cluster's recovery store, not on the process that owns it.
+    So every partition must be in these folders. Raises :class:`StateError` when one is missing or a snapshot
+    cannot be read: then no file can be known unused."""
     names: set[str] = set()
     for folder in recovery_dirs:
+        parts: dict[int, int] = {}  # partition index -> partition count
         for db in sorted(Path(folder).rglob("part-*.sqlite3")):
             try:
                 with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)) as c:
-                    blobs = c.execute("SELECT ser_change FROM snaps WHERE ser_change IS NOT NULL").fetchall()
-                for (blob,) in blobs:
-                    names |= _names_in(blob)
-            except Exception as e:  # noqa: BLE001 - any unreadable snapshot makes every file possibly live
+                    parts.update((int(i), int(n)) for i, n in c.execute("SELECT part_index, part_count FROM parts"))
+                    for (blob,) in c.execute("SELECT ser_change FROM snaps WHERE ser_change IS NOT NULL"):
+                        names.update(m.decode() for m in _REFERENCE.findall(blob))
+            except sqlite3.Error as e:
                 raise StateError(
-                    f"the recovery snapshots in {db} cannot be read ({type(e).__name__}: {e}), so no window state "
-                    f"file can be known unused; nothing is deleted. Fix: restore or delete that recovery folder"
+                    f"the recovery snapshots in {db} cannot be read ({e}), so no window state file can be known "
+                    "unused; nothing is deleted. Fix: restore or delete that recovery folder"
                 ) from None
+        counts = set(parts.values())
+        if parts and (len(counts) != 1 or set(parts) != set(range(max(counts)))):
+            raise StateError(
+                f"the recovery folder {folder} holds partitions {sorted(parts)} of a store of {max(counts)}; the "
+                "others are on other volumes and may refer to files here, so none can be known unused; nothing is "
+                "deleted. Fix: none needed, a cluster with a volume per process leaves no unused files behind"
+            )
     return names
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 _HEX32 = re.compile(rb"[0-9a-f]{32}")  # a salted user hash, as the SDK writes it
-_QUOTED = re.compile(rb'"([^"\\]{1,256})"')  # a JSON string without escapes: ids and org names have none
+_QUOTED = re.compile(rb'"((?:[^"\\]|\\.){1,256})"')  # a JSON string, its escapes skipped whole
 
 
 @dataclass(frozen=True)

@@ -393,6 +393,7 @@ def test_a_subject_is_named_once_and_checked():
             subject_from(settings, *bad)
 
 
+@pytest.mark.slow
 def test_a_consumer_holds_until_it_has_read_the_deny_list(tmp_path, caplog):
     """The deny list fails closed: a consumer whose first read of it fails retries with backoff and processes
     nothing meanwhile. With no ClickHouse to answer, it stops with an error naming clickhouse.dsn. With one that
@@ -430,6 +431,8 @@ def test_a_malformed_record_of_an_erased_subject_is_not_dead_lettered_again():
         (b"t-2", b'{"type": "tool_call", "org_id": "org-gone", "oops"'),
         (b"t-gone", b"\xff\xfe not even text"),
         (None, b'{"type": "teleport", "trajectory_id": "t-gone"}'),
+        (None, b'{"prompt": "say \\"hi\\"", "org_id": "org-gone", '),  # after escaped quotes
+        (None, b'{"prompt": "a\\\\", "trajectory_id": "t-gone", '),
     ]
     kept = [
         (b"t-3", b'{"type": "trajectory_started", "user_hash": "' + other.encode() + b'", "ts": '),

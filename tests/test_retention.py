@@ -23,11 +23,11 @@ import pytest
 from bytewax.recovery import RecoveryConfig, init_db_dir
 from bytewax.testing import TestingSink, TestingSource, run_main
 
-from app.retention import StatePruner, hold, prune_state
+from app.retention import hold, prune_at_start, prune_state
 from flows import reward_flow
 from flows.processor import Message
 from flows.sinks import prune_archive, read_archive, with_coords, write_archive
-from flows.spill import SqliteStore, partition_file
+from flows.spill import SqliteStore, StateError, partition_file
 from rtrl import clickhouse
 from rtrl.errors import ConfigError
 from rtrl.settings import RETAINED_TABLES, SimulatorSettings, load_settings
@@ -264,8 +264,7 @@ def test_flow_state_is_kept_while_used_and_deleted_after_its_retention(tmp_path)
     _reward_flow_run(settings, recovery)  # resumes from the kept snapshot and its spill files
     assert sorted(state.glob("partition-*.sqlite")) == sorted([*live, young])  # no fresh file: it resumed
     again = dead("d" * 12, 8)
-    pruner = StatePruner(settings)  # as a reward flow does at its start
-    pruner.close()
+    assert prune_at_start(settings) == [again]  # as a reward flow does at its start
     assert not again.exists() and all(p.exists() for p in (*live, young))
 
     gc.collect()  # the in-process run's stores, as a stopped flow's process lets go of its files
@@ -277,3 +276,21 @@ def test_flow_state_is_kept_while_used_and_deleted_after_its_retention(tmp_path)
         for p in (young, young.with_name(young.name + "-wal"), young.with_name(young.name + "-shm"), other)
         if p.exists()
     )
+
+
+def test_spill_files_are_kept_when_part_of_a_clusters_recovery_store_is_elsewhere(tmp_path):
+    """Bytewax files a snapshot on any partition of a cluster's recovery store. A process with its own volume sees
+    only its partition, so it cannot know a spill file unused: nothing is deleted, and the command says why."""
+    settings = load_settings(env={"RTRL_DATA_DIR": str(tmp_path)})
+    recovery = tmp_path / "recovery" / "rewards" / "process-1"
+    recovery.mkdir(parents=True)
+    init_db_dir(recovery, 2)
+    (recovery / "part-0.sqlite3").unlink()  # process 0's partition is on its own volume
+    state = Path(settings.state_root)
+    old = partition_file(state, 1, "e" * 12)
+    SqliteStore.fresh(old).close()
+    _age(old, 30)
+    with hold(recovery):
+        with pytest.raises(StateError, match=r"partitions \[1\] of a store of 2"):
+            prune_state(settings, time.time())
+    assert prune_at_start(settings) == [] and old.exists()

@@ -168,7 +168,6 @@ def test_dead_rows_are_purged_only_generations_later(tmp_path):
 # ---------------------------------------------------------------- (3) kill -9 of the real flow, state spilled
 
 
-@pytest.mark.slow
 def _files(state: Path) -> list[Path]:
     return sorted(state.glob("partition-*.sqlite"))
 
@@ -182,6 +181,7 @@ def _count(db: Path, sql: str) -> int:
         return 0
 
 
+@pytest.mark.slow
 def test_kill_9_and_restart_with_spilled_state_equals_uninterrupted(broker, tmp_path, reference):  # noqa: F811
     """The reward flow with a 20 kB budget per partition (most windows in SQLite), killed with -9 mid-stream and
     restarted from its recovery folder: rewards, trajectories and dead letters equal an uninterrupted run's
