@@ -107,17 +107,6 @@ def hold(folder: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _lock_if_free(folder: Path) -> int | None:
-    """An exclusive flock on ``folder`` when no flow holds it (its descriptor, to close after deleting it)."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
-
-
 def recovery_folders(roots: Iterable[Path]) -> list[Path]:
     """The Bytewax recovery folders under ``roots``: those holding ``part-*.sqlite3`` files."""
     return sorted({f.parent for root in roots if root.is_dir() for f in root.rglob("part-*.sqlite3")})
@@ -145,7 +134,7 @@ def prune_state(settings: Settings, now_s: float, dry_run: bool = False) -> tupl
         locks: list[int] = []
         try:
             for f in folders:
-                fd = _lock_if_free(f)
+                fd = spill.exclusive(f, os.O_RDONLY | os.O_DIRECTORY)
                 if fd is None:
                     break
                 locks.append(fd)

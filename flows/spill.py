@@ -100,7 +100,7 @@ class SqliteStore:
         """A new, empty store at ``path`` (an old file there and its WAL are deleted: a fresh start)."""
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
-        for f in (p, p.with_name(p.name + "-wal"), p.with_name(p.name + "-shm")):
+        for f in _companions(p):
             f.unlink(missing_ok=True)
         store = cls(p, uuid.uuid4().hex, -1)
         db = store._connect()
@@ -334,20 +334,28 @@ def referenced(recovery_dirs: Iterable[str | Path]) -> set[str]:
     return names
 
 
+def exclusive(path: Path, flags: int = os.O_RDONLY) -> int | None:
+    """An exclusive flock on ``path`` when no one holds a flock on it: its descriptor, to close when done."""
+    fd = os.open(path, flags)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def in_use(path: Path) -> bool:
     """Whether a running flow holds the state file ``path`` open (its shared flock)."""
     if path.resolve() in _HELD:
         return True
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = exclusive(path)
     except FileNotFoundError:
         return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    if fd is None:
         return True
-    finally:
-        os.close(fd)
+    os.close(fd)
     return False
 
 
