@@ -179,6 +179,7 @@ def test_policy_server_answers_each_org_with_its_promoted_adapter(broker, topic_
         assert producer.flush(10) == 0
 
     def rollouts() -> list[Rollout]:
+        assert client.flush(10) == 0  # the client lingers: what it served may still sit in its queue
         return [JsonCodec(Rollout).decode(m.value()) for m in read_topic(broker.bootstrap, topic_prefix + "rollouts")]
 
     def served_by_adapter(r: Rollout) -> bool:
