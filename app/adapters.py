@@ -59,7 +59,7 @@ from trainer.batch import Batch, BatchLimits
 from trainer.config import ModelConfig, PrecisionConfig
 from trainer.data import BatchStream
 from trainer.dedup import TrainedSet
-from trainer.model import build_model
+from trainer.factory import build
 from trainer.registry import export_adapter
 from trainer.train import MemorySource, TrainConfig, train
 
@@ -212,7 +212,7 @@ class OrgAdapters:
         self.settings, self.bootstrap, self.ch, self.cfg = settings, bootstrap, ch, cfg
         self.root, self.conventions, self.rules = root, conventions, rules
         self.announce_one, self.save, self.on_step = announce, save, on_step
-        self.model = build_model(cfg, precision)  # the serving base, with the adapters on it
+        self.model = build(cfg, precision)  # the serving base, with the adapters on it
         self.lora = lora_config(settings)
         self.ledger = AdapterLedger()
         self.offsets: dict[str, int] = {}

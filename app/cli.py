@@ -423,7 +423,8 @@ def cmd_model_init(settings: Settings, args: argparse.Namespace, console: Consol
     from pathlib import Path
 
     from app.loop import loop_model_config
-    from trainer.hf import init_hf, new_hf_config
+    from trainer.hf.config import new_hf_config
+    from trainer.hf.export import init_hf
     from trainer.model import init_parallel
 
     out = Path(args.dir)

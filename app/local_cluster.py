@@ -139,12 +139,13 @@ def announce_v0(settings: Any, ch: Any) -> None:
     from rtrl.kafka import connection, producer_config
     from schemas.records import Checkpoint
     from trainer import checkpoint
-    from trainer.model import build_model, init_parallel
+    from trainer.factory import build
+    from trainer.model import init_parallel
 
     cfg, precision = loop_model_config(settings)
     init_parallel(cfg)
     path = settings.data_path / "cluster" / "v0"
-    checkpoint.save(path, build_model(cfg, precision), extra={"version": 0})
+    checkpoint.save(path, build(cfg, precision), extra={"version": 0})
     ck = Checkpoint(
         version=0,
         parent=None,

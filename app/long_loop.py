@@ -47,7 +47,7 @@ from rtrl.settings import Settings, as_env, load_settings
 from simulator.policy import greedy, sample, solve_probability, warm_start
 from simulator.tasks import BACKGROUND, KINDS, Outcome, Task, held_out, outcome, sample_task, score
 from simulator.world import LONG_WORLD, LongWorld, react, react_background
-from trainer.model import build_model, init_parallel
+from trainer.factory import build_policy
 
 #: the arms: name -> (train.max_delayed_lag, loss.delayed_correction)
 ARMS: dict[str, tuple[int, str]] = {
@@ -134,9 +134,9 @@ def run_arm(
     """One arm of the experiment: ``exp.cycles`` cycles from the same warm start and the same traffic."""
     s = arm_settings(_settings(base), arm, exp)
     cfg, precision = loop_model_config(s)
-    init_parallel(cfg)
     torch.manual_seed(exp.seed)
-    model, reference = build_model(cfg, precision), build_model(cfg, precision)
+    policy = build_policy(cfg, precision)
+    model, reference = policy.model, policy.reference
     rng = random.Random(exp.seed)
     warm = [sample_task(rng, "warm", 0.5, kinds=(*KINDS, BACKGROUND)) for _ in range(600)]
     warm_start(model, warm, steps=exp.warm_start_steps, seed=exp.seed)

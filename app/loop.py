@@ -90,10 +90,10 @@ from simulator.tasks import VOCAB, conventions_for, sample_task
 from simulator.tasks import decode as decode_tokens
 from trainer import checkpoint
 from trainer.batch import BatchLimits
-from trainer.config import ModelConfig, PrecisionConfig, model_config
+from trainer.config import ModelConfig, PrecisionConfig
 from trainer.data import BatchStream
 from trainer.dedup import TrainedSet
-from trainer.model import build_model, init_parallel
+from trainer.factory import build, build_policy, model_config
 from trainer.registry import export_checkpoint
 from trainer.train import TrainConfig, train
 
@@ -194,7 +194,7 @@ def policy_server(settings: Settings, bootstrap: str, client: RtrlClient, seed: 
         connection(settings.kafka, bootstrap),
         settings.kafka.topic_prefix,
         client,
-        build_model(cfg, precision) if own else None,
+        build(cfg, precision) if own else None,
         [f"org-{i}" for i in range(ls.orgs)],
         seed=seed,
         users_per_org=ls.users_per_org,
@@ -203,7 +203,7 @@ def policy_server(settings: Settings, bootstrap: str, client: RtrlClient, seed: 
         hard_share=ls.hard_share,
         compression=settings.kafka.compression,
         # A/B mode's candidates, and the final A/B's v0
-        candidate_model=build_model(cfg, precision) if own and (ls.ab_share > 0 or ls.final_ab_trajectories) else None,
+        candidate_model=build(cfg, precision) if own and (ls.ab_share > 0 or ls.final_ab_trajectories) else None,
         model_config=cfg if own and cfg.hf_config is not None else None,  # its server reloads registry exports
         url=sv.url,
         model_name=sv.model,
@@ -351,9 +351,9 @@ class Loop:
         self.state_path = s.data_path / "loop" / "state.json"
         cfg, precision = loop_model_config(s)
         self.cfg = cfg  # what a promotion is exported as (trainer.registry)
-        init_parallel(cfg)
         torch.manual_seed(ls.seed)
-        self.model, self.reference = build_model(cfg, precision), build_model(cfg, precision)
+        policy = build_policy(cfg, precision)
+        self.model, self.reference = policy.model, policy.reference
         self.suite: EvalSuite = suite if suite is not None else HeldOutTasks(ls.eval_tasks, ls.seed)
         self.rules = rules if rules is not None else loop_gate_rules(self.settings)
         self.stop = threading.Event()
@@ -406,8 +406,8 @@ class Loop:
         continues from after a crash)."""
         from app.parts import recovery_config
 
-        for name, build in (("rewards", reward_flow), ("batches", batch_flow)):
-            flow = build(self.settings, bootstrap=self.bootstrap, stop=self.stop, counts=self.flow_counts[name])
+        for name, make in (("rewards", reward_flow), ("batches", batch_flow)):
+            flow = make(self.settings, bootstrap=self.bootstrap, stop=self.stop, counts=self.flow_counts[name])
             # snapshots at Bytewax's default 10 s, not flow.snapshot_s: each one pickles the partition's
             # windows, closed ones included until allowed_lateness, so on two shared cores a 2 s epoch made
             # the main job's cycles grow from ~15 s to ~100 s by cycle 9 (bench/RESULTS.md); a crash
@@ -1009,7 +1009,7 @@ def preflight(settings: Settings, trains: bool = True) -> None:
     the files' headers. It checks the data folder too: rtrl's own, and a folder."""
     cfg, _ = loop_model_config(loop_settings(settings, trains=trains))
     if cfg.hf_path:
-        from trainer.hf import check_hf
+        from trainer.hf.load import check_hf
 
         check_hf(cfg)
     check_cleanable(settings.data_path)

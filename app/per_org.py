@@ -86,7 +86,7 @@ from simulator.world import react
 from trainer import lora
 from trainer.batch import Batch
 from trainer.dedup import TrainedSet
-from trainer.model import build_model, init_parallel
+from trainer.factory import build_policy
 from trainer.train import TrainConfig, adamw
 
 ARMS = ("shared", "adapters")
@@ -427,9 +427,9 @@ def run_arm(
     s = arm_settings(_settings(base), exp)
     conventions = exp.conventions
     cfg, precision = loop_model_config(s)
-    init_parallel(cfg)
     torch.manual_seed(exp.seed)
-    model, reference = build_model(cfg, precision), build_model(cfg, precision)
+    policy = build_policy(cfg, precision)
+    model, reference = policy.model, policy.reference
     rng = random.Random(exp.seed)
     orgs = [f"org-{i}" for i in range(exp.orgs)]
     if exp.warm_conventions:

@@ -44,7 +44,7 @@ Usage::
                                                   # parameter count formula, run 2 steps
     python bench/gpu_fp8.py --new-hf-qwen /tmp/q1b  # write a random Qwen2-shaped ~1.2B Hugging Face
                                                   # checkpoint there, then time it imported through
-                                                  # trainer/hf.py (``--hf DIR`` times an existing one)
+                                                  # trainer/hf/ (``--hf DIR`` times an existing one)
 
 With ``--hf DIR`` (or ``--new-hf-qwen DIR``) the model is the Hugging Face checkpoint imported through
 ``trainer.hf`` (``model.hf_path``'s path: config.json -> ModelConfig, weights read per tensor-parallel rank into
@@ -327,7 +327,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="peak dense bf16 TFLOP/s for MFU (default: 989 for H100 SXM / H200, 756 for H100 PCIe)",
     )
-    ap.add_argument("--hf", metavar="DIR", help="time this Hugging Face checkpoint, imported through trainer/hf.py")
+    ap.add_argument("--hf", metavar="DIR", help="time this Hugging Face checkpoint, imported through trainer/hf/")
     ap.add_argument(
         "--new-hf-qwen",
         metavar="DIR",
@@ -350,7 +350,7 @@ def main(argv=None) -> int:
     if args.new_hf_qwen:
         args.hf = write_qwen(args.new_hf_qwen, args.seq)
     if args.hf:
-        from trainer.hf import config_from_hf
+        from trainer.hf.config import config_from_hf
 
         c = config_from_hf(args.hf, seq_length=args.seq)
         args.layers, args.hidden, args.heads = c.num_layers, c.hidden_size, c.num_attention_heads
@@ -406,10 +406,10 @@ def model_runs(args, shape: Shape, peak: float | None, results: dict) -> int:
     te_ok, te_detail = transformer_engine_status()
     print(f"Transformer Engine: {'importable, ' + te_detail if te_ok else 'MISSING (' + te_detail + ')'}")
     if args.hf:  # the Hugging Face import path: the TE spec on a GPU, this rank's slices of each tensor
-        from trainer.hf import config_from_hf
+        from trainer.hf.config import config_from_hf
 
         cfg = config_from_hf(args.hf, seq_length=shape.seq)
-        print(f"model from {args.hf} (trainer/hf.py import, {(cfg.hf_config or {}).get('model_type')})")
+        print(f"model from {args.hf} (trainer/hf/ import, {(cfg.hf_config or {}).get('model_type')})")
     else:
         cfg = ModelConfig(
             num_layers=shape.layers,
@@ -490,10 +490,11 @@ def report_scaled_mm(shape: Shape, tokens: int, fp8_format: str) -> None:
 
 
 def write_qwen(out: str, seq: int) -> str:
-    """A random Qwen2-shaped ~1.2B checkpoint (bf16 on disk) in ``out`` through trainer/hf.py, unless one is there."""
+    """A random Qwen2-shaped ~1.2B checkpoint (bf16 on disk) in ``out`` through trainer/hf/, unless one is there."""
     from pathlib import Path
 
-    from trainer.hf import config_from_hf, init_hf, new_hf_config
+    from trainer.hf.config import config_from_hf, new_hf_config
+    from trainer.hf.export import init_hf
     from trainer.model import init_parallel
 
     if (Path(out) / "config.json").is_file():
@@ -552,7 +553,8 @@ def dry_run_cpu() -> int:
         print(f"FP8 request on CPU is refused as on a GPU without TE: {str(e)[:120]}...")
     import tempfile
 
-    from trainer.hf import config_from_hf, init_hf, new_hf_config
+    from trainer.hf.config import config_from_hf, new_hf_config
+    from trainer.hf.export import init_hf
 
     with tempfile.TemporaryDirectory() as tmp:  # the --hf path: a tiny Qwen2 written, imported, trained 2 steps
         hf = new_hf_config(
@@ -569,7 +571,7 @@ def dry_run_cpu() -> int:
         qcfg = config_from_hf(f"{tmp}/q", seq_length=small.seq)
         q = train_steps(qcfg, PrecisionConfig(), small, micro_batch=2, warmup=1, steps=2, device=info.device)
         print(
-            f"--hf path on CPU (tiny Qwen2 through trainer/hf.py): {q['params']:,} parameters, "
+            f"--hf path on CPU (tiny Qwen2 through trainer/hf/): {q['params']:,} parameters, "
             f"{q['matmul_params']:,} in matmuls, loss {q['loss']:.3f}"
         )
     r = scaled_mm_bench(small, 256, "hybrid", iters=1, device="cpu")

@@ -268,7 +268,8 @@ def test_a_promoted_adapter_is_exported_in_peft_format_and_the_fleet_serves_it(
     from client.fleet import FleetFollower, ReloadClient, adapter_model_name, content_sha256
     from rtrl.kafka import producer_config
     from tests.test_registry import TOKENS, _ck, _hf_folder, _settings
-    from trainer.hf import config_from_hf, load_hf
+    from trainer.hf.config import config_from_hf
+    from trainer.hf.load import load_hf
     from trainer.registry import export_adapter, export_checkpoint
 
     source = _hf_folder(tmp_path / "qwen2")

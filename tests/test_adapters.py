@@ -23,11 +23,11 @@ Contracts checked here:
   ends with an adapter bit-exactly (``torch.equal``) equal to an uninterrupted run's (same data order, same
   process settings).
 - PEFT: ``export_peft`` of a Llama and of a Qwen2 (QKV biases, 2 KV heads < 4 query heads) imported with
-  ``trainer.hf.load_hf`` loads with ``peft.PeftModel.from_pretrained`` and gives the megatron+LoRA logits (fp32
+  ``trainer.hf.load.load_hf`` loads with ``peft.PeftModel.from_pretrained`` and gives the megatron+LoRA logits (fp32
   tolerance 1e-4, as tests/test_hf_convert.py); ``peft.LoraConfig.from_pretrained`` parses the config; the
   tensor names are what vLLM's LoRA loader reads (``base_model.model.`` prefix, ``.lora_A.weight`` /
   ``.lora_B.weight``, no biases, no embedding or lm_head); ``load_peft`` of the export is bit-exact, and
-  unfusable folders (q/k/v with different A, q without k/v, DoRA) are refused. ``trainer.hf.export_hf`` of the
+  unfusable folders (q/k/v with different A, q without k/v, DoRA) are refused. ``trainer.hf.export.export_hf`` of the
   base model with an adapter attached is still bit-exact to the source checkpoint.
 """
 
@@ -48,7 +48,8 @@ from rtrl.errors import ConfigError
 from tests.test_hf_convert import BASE, VOCAB  # noqa: E402
 from trainer import lora
 from trainer.config import ModelConfig
-from trainer.model import build_model, causal_mask, forward_logprobs, init_parallel
+from trainer.factory import build
+from trainer.model import causal_mask, forward_logprobs, init_parallel
 
 ROOT = Path(__file__).resolve().parents[1]
 TP_WORKER = ROOT / "tests" / "dist" / "lora_tp_worker.py"
@@ -83,7 +84,7 @@ def tiny():
     """A tiny megatron model (LayerNorm, GELU, biases: skip_bias_add on linear_proj and linear_fc2) in eval mode."""
     cfg = ModelConfig.tiny()
     init_parallel(cfg)
-    return cfg, build_model(cfg).eval()
+    return cfg, build(cfg).eval()
 
 
 # --------------------------------------------------------------------------- config
@@ -247,7 +248,7 @@ def test_sequence_parallel_is_refused(tiny):
 def test_only_the_active_adapter_changes_in_training():
     cfg = ModelConfig.tiny(normalization="RMSNorm", activation="swiglu", num_query_groups=2)
     init_parallel(cfg)
-    model = build_model(cfg)
+    model = build(cfg)
     lora.add_adapter(model, "org-a", lora.LoraConfig(rank=4), seed=1)
     lora.add_adapter(model, "org-b", lora.LoraConfig(rank=4), seed=2)
     randomize_b(model, "org-b", seed=3)
@@ -281,7 +282,7 @@ def test_only_the_active_adapter_changes_in_training():
 
 
 def _trained(cfg: ModelConfig, steps: int = 2):
-    model = build_model(cfg)
+    model = build(cfg)
     lora.add_adapter(model, "org", lora.LoraConfig(rank=4, targets=("linear_qkv", "linear_fc2")), seed=1)
     lora.activate(model, "org")
     opt = torch.optim.AdamW(lora.train_only(model, "org"), lr=1e-2, weight_decay=0.1)
@@ -304,7 +305,7 @@ def test_checkpoint_save_load_latest(tmp_path):
     with pytest.raises(FileExistsError, match="complete"):
         lora.save_adapter(root, model, "org", step=2, base="base@v1", optimizer=opt)
 
-    fresh = build_model(cfg)
+    fresh = build(cfg)
     lora.add_adapter(fresh, "other", seed=5)  # another org's adapter on the same base stays as it is
     other = lora.adapter_state_dict(fresh, "other")
     ck = lora.load_adapter(p2, fresh, "org", base="base@v1")  # adds the adapter with the checkpoint's config
@@ -322,7 +323,7 @@ def test_checkpoint_save_load_latest(tmp_path):
         assert torch.equal(s["exp_avg"], t["exp_avg"]) and torch.equal(s["exp_avg_sq"], t["exp_avg_sq"])
 
     with pytest.raises(ConfigError, match="base@v1"):
-        lora.load_adapter(p2, build_model(cfg), "org", base="base@v2")
+        lora.load_adapter(p2, build(cfg), "org", base="base@v2")
 
     # an interrupted save (renamed but not marked) of a later step is skipped, then replaced; a half-written
     # hidden folder is ignored, then cleaned up
@@ -442,7 +443,7 @@ def test_tp2_equals_tp1(tmp_path):
         torch.testing.assert_close(peft2[k], peft1[k], atol=1e-6, rtol=0, msg=k)
 
     # the tp = 2 checkpoint loads at tp = 1
-    model = build_model(model_config(1))
+    model = build(model_config(1))
     lora.add_adapter(model, NAME, lora.LoraConfig(rank=4, alpha=8.0))
     opt = torch.optim.AdamW(lora.adapter_parameters(model, NAME), lr=1e-2)
     ck = lora.load_adapter(lora.latest_adapter(out2 / "ckpt"), model, NAME, opt, base=BASE)  # type: ignore[arg-type]
@@ -488,13 +489,14 @@ def test_peft_export_matches_hf_peft_logits_and_round_trips(hf_folders, family, 
     peft = pytest.importorskip("peft")
     from safetensors.torch import load_file
 
-    from trainer.hf import config_from_hf, export_hf
+    from trainer.hf.config import config_from_hf
+    from trainer.hf.export import export_hf
 
     folder = hf_folders[family]
     cfg = config_from_hf(folder, seq_length=S)
     assert cfg.qkv_bias == (family == "qwen2") and cfg.num_query_groups == 2
     init_parallel(cfg)
-    model = build_model(cfg).eval()  # cfg.hf_path: trainer.hf.load_hf fills it
+    model = build(cfg).eval()  # cfg.hf_path: trainer.hf.load.load_hf fills it
     lcfg = lora.LoraConfig(rank=4, alpha=12.0)
     lora.add_adapter(model, "org", lcfg, seed=3)
     randomize_b(model, "org", std=0.2)
@@ -551,7 +553,7 @@ def test_output_layer_adapter_with_tied_embeddings():
     and device, a new one leaves the logits unchanged and a trained one changes them."""
     cfg = ModelConfig.tiny(tie_embeddings=True)
     init_parallel(cfg)
-    model = build_model(cfg).eval()
+    model = build(cfg).eval()
     assert model.output_layer.weight is None
     before = logits(model, cfg.vocab_size)
     lora.add_adapter(model, "org", lora.LoraConfig(rank=2, targets=("output_layer",)), seed=1)
@@ -566,13 +568,13 @@ def test_output_layer_adapter_trains_the_real_vocabulary_only(hf_folders):
     """The output layer's adapter (lm_head) adds its term before the padded-vocabulary mask: the padding rows keep
     their masked logit, get no gradient and stay at their zero init through AdamW steps, while the real rows
     train; so an export that cuts them off loses nothing."""
-    from trainer.hf import config_from_hf
+    from trainer.hf.config import config_from_hf
     from trainer.model import PADDED_LOGIT, forward_logprobs
 
     cfg = config_from_hf(hf_folders["llama"], seq_length=S)
     assert cfg.padded_vocab_size > cfg.vocab_size == VOCAB
     init_parallel(cfg)
-    model = build_model(cfg)
+    model = build(cfg)
     lora.add_adapter(model, "org", lora.LoraConfig(rank=4, targets=("output_layer",)), seed=1)
     lora.activate(model, "org")
     opt = torch.optim.AdamW(lora.train_only(model, "org"), lr=1e-2, weight_decay=0.1)
@@ -594,11 +596,11 @@ def test_load_peft_refuses_what_cannot_be_fused(hf_folders, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from trainer.hf import config_from_hf
+    from trainer.hf.config import config_from_hf
 
     cfg = config_from_hf(hf_folders["llama"], seq_length=S)
     init_parallel(cfg)
-    model = build_model(cfg)
+    model = build(cfg)
     lora.add_adapter(model, "org", lora.LoraConfig(rank=2, targets=("linear_qkv", "linear_fc1")), seed=1)
     out = lora.export_peft(model, cfg, "org", tmp_path / "peft")
     assert json.loads((out / "adapter_config.json").read_text())["target_modules"] == [

@@ -25,7 +25,8 @@ from rtrl.files import MARKER, data_folder
 from rtrl.settings import load_settings
 from simulator.tasks import VOCAB
 from tests.test_operator_errors import _cli, _one_error_line
-from trainer.hf import config_from_hf, hf_shapes, new_hf_config
+from trainer.hf.config import config_from_hf, new_hf_config
+from trainer.hf.layout import hf_shapes
 
 PARTS = ("broker", "clickhouse", "archive", "loop", "recovery", "logs")
 

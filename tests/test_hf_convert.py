@@ -1,4 +1,4 @@
-"""Hugging Face <-> Megatron-Core conversion (``trainer/hf.py``) on tiny randomly initialised Llama, Qwen2 and
+"""Hugging Face <-> Megatron-Core conversion (``trainer/hf/``) on tiny randomly initialised Llama, Qwen2 and
 Qwen3 models built from a config here (no hub access), saved with ``save_pretrained`` as safetensors.
 
 - Logits of the Hugging Face model and of the imported megatron model agree within fp32 rounding for each
@@ -36,9 +36,13 @@ from safetensors.torch import load_file  # noqa: E402
 from devservices.broker import free_port  # noqa: E402
 from rtrl.errors import ConfigError  # noqa: E402
 from rtrl.settings import load_settings  # noqa: E402
-from trainer.config import ModelConfig, ParallelConfig, model_config  # noqa: E402
-from trainer.hf import config_from_hf, export_hf, load_hf, name_table  # noqa: E402
-from trainer.model import build_model, causal_mask, forward_logprobs, init_parallel  # noqa: E402
+from trainer.config import ModelConfig, ParallelConfig  # noqa: E402
+from trainer.factory import build, model_config  # noqa: E402
+from trainer.hf.config import config_from_hf  # noqa: E402
+from trainer.hf.export import export_hf  # noqa: E402
+from trainer.hf.layout import name_table  # noqa: E402
+from trainer.hf.load import load_hf  # noqa: E402
+from trainer.model import causal_mask, forward_logprobs, init_parallel  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist" / "hf_tp_worker.py"
@@ -141,7 +145,7 @@ def test_logits_match_hugging_face(checkpoints, family, tie):
     assert (cfg.qkv_bias, cfg.qk_layernorm) == (family == "qwen2", family == "qwen3")
     assert cfg.head_dim == (32 if family == "qwen3" else None) and cfg.norm_eps == 1e-6
     init_parallel(cfg)
-    model = build_model(cfg)
+    model = build(cfg)
     out = megatron_logits(model, cfg)
     ref = hf_logits(hf)
     assert out.shape == (B, S, 128)
@@ -161,7 +165,7 @@ def test_llama3_rope_scaling_is_what_makes_them_agree(checkpoints):
     init_parallel(cfg)
     ref = hf_logits(hf)
     for other in ("", "linear"):
-        out = megatron_logits(build_model(replace(cfg, rope_scaling=other)), cfg)  # type: ignore[arg-type]
+        out = megatron_logits(build(replace(cfg, rope_scaling=other)), cfg)  # type: ignore[arg-type]
         assert (out[..., :VOCAB] - ref).abs().max() > 1e-2, other
 
 
@@ -172,7 +176,7 @@ def test_linear_rope_scaling_matches(tmp_path):
     cfg = config_from_hf(tmp_path)
     assert (cfg.rope_scaling, cfg.rope_scaling_factor) == ("linear", 4.0)
     init_parallel(cfg)
-    torch.testing.assert_close(megatron_logits(build_model(cfg), cfg)[..., :VOCAB], hf_logits(hf), atol=1e-4, rtol=0)
+    torch.testing.assert_close(megatron_logits(build(cfg), cfg)[..., :VOCAB], hf_logits(hf), atol=1e-4, rtol=0)
 
 
 # --------------------------------------------------------------------------- export
@@ -183,7 +187,7 @@ def test_import_export_is_bit_exact_and_loads_in_transformers(checkpoints, famil
     folder, hf = checkpoints(family, tie)
     cfg = config_from_hf(folder)
     init_parallel(cfg)
-    out = export_hf(build_model(cfg), cfg, tmp_path / "export")
+    out = export_hf(build(cfg), cfg, tmp_path / "export")
     want, got = tensors(folder), tensors(out)
     assert sorted(got) == sorted(want)
     assert "lm_head.weight" not in got if tie else "lm_head.weight" in got
@@ -199,7 +203,7 @@ def test_export_refuses_a_non_empty_folder_and_a_model_without_hf_config(checkpo
     folder, _ = checkpoints("qwen2", False)
     cfg = config_from_hf(folder)
     init_parallel(cfg)
-    model = build_model(cfg)
+    model = build(cfg)
     (tmp_path / "junk").write_text("x")
     with pytest.raises(FileExistsError, match="not empty"):
         export_hf(model, cfg, tmp_path)
@@ -214,7 +218,7 @@ def test_multi_query_attention_round_trip(tmp_path):
     cfg = config_from_hf(tmp_path / "hf")
     assert cfg.num_query_groups == 1
     init_parallel(cfg)
-    model = build_model(cfg)
+    model = build(cfg)
     torch.testing.assert_close(megatron_logits(model, cfg)[..., :VOCAB], hf_logits(hf), atol=1e-4, rtol=0)
     want, got = tensors(tmp_path / "hf"), tensors(export_hf(model, cfg, tmp_path / "out"))
     assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
@@ -227,7 +231,7 @@ def test_sharded_checkpoint_with_an_index_loads(tmp_path):
     assert (tmp_path / "model.safetensors.index.json").is_file() and len(list(tmp_path.glob("*.safetensors"))) > 2
     cfg = config_from_hf(tmp_path)
     init_parallel(cfg)
-    model = build_model(cfg)
+    model = build(cfg)
     torch.testing.assert_close(megatron_logits(model, cfg)[..., :VOCAB], hf_logits(hf), atol=1e-4, rtol=0)
     report = load_hf(model, cfg)
     assert len(report.files) == len(list(tmp_path.glob("*.safetensors")))
@@ -250,7 +254,7 @@ def test_tp2_load_reads_only_its_shards_and_matches_tp1(tmp_path):
 
     cfg = config_from_hf(src)
     init_parallel(cfg)
-    tp1 = megatron_logits(build_model(cfg), cfg)[..., :VOCAB]
+    tp1 = megatron_logits(build(cfg), cfg)[..., :VOCAB]
     tp2 = torch.load(out / "logits.pt")
     torch.testing.assert_close(tp2, tp1, atol=1e-5, rtol=0)
     torch.testing.assert_close(tp2, hf_logits(hf), atol=1e-4, rtol=0)
@@ -263,7 +267,7 @@ def test_tp2_load_reads_only_its_shards_and_matches_tp1(tmp_path):
     per_rank = [json.loads((out / f"reads{r}.json").read_text()) for r in (0, 1)]
     read = {n: 0 for n in full}
     for rank in per_rank:
-        # what the wrapper saw materialised is what the loader reports, at build_model and at load_hf
+        # what the wrapper saw materialised is what the loader reports, at build and at load_hf
         assert rank["wrapper"] == rank["report"] == rank["build_wrapper"]
         assert rank["elements_in_checkpoint"] == sum(size.values())
         assert rank["elements_read"] < 0.6 * sum(size.values())
@@ -411,7 +415,7 @@ def test_name_tables_cover_the_local_and_transformer_engine_specs(checkpoints, f
     folder, _ = checkpoints(family, False)
     cfg = config_from_hf(folder)
     init_parallel(cfg)
-    model = build_model(replace(cfg, hf_path=""))  # random weights: only names matter
+    model = build(replace(cfg, hf_path=""))  # random weights: only names matter
     local, te = name_table(cfg, "local"), name_table(cfg, "te")
     assert set(local) == {k for k in model.state_dict() if not k.endswith("_extra_state")}
     te_names = set()
@@ -441,7 +445,7 @@ def test_hf_path_setting_builds_that_model_with_its_weights(checkpoints):
     want = config_from_hf(folder, seed=5)
     assert cfg == want and cfg.hf_path == str(folder) and cfg.seq_length == 4096
     init_parallel(cfg)
-    model, reference = build_model(cfg), build_model(cfg)  # what trainer.run does: the policy and its KL reference
+    model, reference = build(cfg), build(cfg)  # what trainer.run does: the policy and its KL reference
     for m in (model, reference):
         torch.testing.assert_close(megatron_logits(m, cfg)[..., :VOCAB], hf_logits(hf), atol=1e-4, rtol=0)
     # settings that agree with the checkpoint may be set; ones that disagree are refused naming both
@@ -474,10 +478,10 @@ def test_checkpoint_tensors_must_fit_the_config(checkpoints, tmp_path):
     with pytest.raises(
         ConfigError, match=r"do not fit its config.json: .*gate_proj.weight \(96, 64\) \(config: \(128, 64\)\)"
     ):
-        load_hf(build_model(wide), wide, folder)
+        load_hf(build(wide), wide, folder)
     qwen3 = config_from_hf(checkpoints("qwen3", False)[0])
     with pytest.raises(ConfigError, match=r"tensors have no place in this model \(.*q_norm"):
-        load_hf(build_model(replace(cfg, hf_path="")), cfg, checkpoints("qwen3", False)[0])
+        load_hf(build(replace(cfg, hf_path="")), cfg, checkpoints("qwen3", False)[0])
     assert qwen3.qk_layernorm
 
 
@@ -497,7 +501,7 @@ def test_rtrl_model_init_writes_a_checkpoint_transformers_loads(family, tmp_path
     assert hf.config.model_type == family and hf.config.vocab_size == 32 and hf.config.max_position_embeddings == 64
     cfg = config_from_hf(out)
     init_parallel(cfg)
-    model = build_model(cfg)
+    model = build(cfg)
     tok = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(3))
     model.eval()
     with torch.no_grad():

@@ -56,8 +56,9 @@ from schemas.records import Checkpoint  # noqa: E402
 from simulator.openai_server import CompletionServer  # noqa: E402
 from tests.test_hf_convert import BASE, VOCAB  # noqa: E402
 from trainer.config import ModelConfig  # noqa: E402
-from trainer.hf import config_from_hf  # noqa: E402
-from trainer.model import build_model, causal_mask, init_parallel  # noqa: E402
+from trainer.factory import build  # noqa: E402
+from trainer.hf.config import config_from_hf  # noqa: E402
+from trainer.model import causal_mask, init_parallel  # noqa: E402
 from trainer.registry import export_checkpoint  # noqa: E402
 
 SHAPE = BASE | {"max_position_embeddings": 256}  # the conversion tests' tiny model
@@ -152,7 +153,7 @@ def _hf_logprobs(folder: str | Path) -> torch.Tensor:
 
 def test_export_is_hugging_face_with_metadata_and_a_verifiable_hash(cfg, tmp_path):
     settings = _settings(tmp_path)
-    model = build_model(cfg)  # the imported weights ...
+    model = build(cfg)  # the imported weights ...
     _train(model, 1)  # ... after a cycle
     ck = _ck(1, 0)
     out = export_checkpoint(settings, model, cfg, ck)
@@ -198,7 +199,7 @@ def test_export_is_hugging_face_with_metadata_and_a_verifiable_hash(cfg, tmp_pat
 def test_another_model_under_the_same_version_is_replaced_with_a_warning(cfg, tmp_path, caplog):
     """A registry that outlived its data folder holds an earlier run's v1: this run's v1 replaces it."""
     settings = _settings(tmp_path, RTRL_SERVING__REGISTRY_DIR=str(tmp_path / "shared-registry"))
-    model = build_model(cfg)
+    model = build(cfg)
     first = export_checkpoint(settings, model, cfg, _ck(1, 0))
     assert first.export_path == str(tmp_path / "shared-registry" / "v1")
     _train(model, 2)
@@ -276,7 +277,7 @@ def test_promotion_reaches_the_fleet_and_a_rollback_repoints_it(
     topic = settings.topic("deployments")
     producer = Producer(producer_config(broker.bootstrap))
     # the trainer's side: v0 (the imported model) promoted, then v1 trained, a candidate, promoted
-    trainer_model = build_model(cfg)
+    trainer_model = build(cfg)
     v0 = export_checkpoint(settings, trainer_model, cfg, _ck(0, None))
     announce(settings, ch_client, producer, v0)
     _train(trainer_model, 1)
@@ -297,7 +298,7 @@ def test_promotion_reaches_the_fleet_and_a_rollback_repoints_it(
     assert (lp0 - lp1).abs().max() > 1e-2  # the trained version answers differently
 
     # the fleet's side: the project's server starts on the imported weights; the follower reloads it over HTTP
-    server_model = build_model(cfg)
+    server_model = build(cfg)
     with CompletionServer({"policy": server_model}, configs={"policy": cfg}) as server:
         torch.testing.assert_close(_server_logprobs(server.url), lp0, atol=1e-4, rtol=0)
         follower = FleetFollower(
@@ -468,7 +469,7 @@ def test_the_server_reload_refuses_what_it_cannot_load_and_keeps_its_weights(cfg
     tensors = load_file(str(missing / "model.safetensors"))
     del tensors["model.norm.weight"]  # loaded last: every layer is copied before it fails
     save_file(tensors, str(missing / "model.safetensors"), metadata={"format": "pt"})
-    model = build_model(cfg)
+    model = build(cfg)
     _train(model, 3)
     before = {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     with CompletionServer({"policy": model, "plain": model}, configs={"policy": cfg}) as server:

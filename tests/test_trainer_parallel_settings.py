@@ -2,7 +2,7 @@
 precision, optimizer.
 
 Contract pinned here:
-- ``trainer.config.model_config(settings)`` is the one mapping from the ``model``/``parallel``/
+- ``trainer.factory.model_config(settings)`` is the one mapping from the ``model``/``parallel``/
   ``precision`` sections to the model, and every setting of those sections reaches it;
   ``trainer.train.TrainConfig.from_settings`` is the one mapping of ``train`` and ``loss``.
 - The architecture settings build what they say (RMSNorm, SwiGLU, GQA, QKV bias, tied embeddings,
@@ -34,7 +34,7 @@ from rtrl.settings import load_settings
 from schemas.codec import encode_batch
 from tests.dist.train_run import synthetic_batches
 from tests.test_trainer_train import _to_micro
-from trainer.config import model_config
+from trainer.factory import model_config
 from trainer.train import TrainConfig, clip_grad_norm
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
@@ -306,7 +306,7 @@ def _load_at_one_rank(config: Path, ckpt: Path, layout: str, probe: str) -> list
     code = (
         "import torch\n"
         "from rtrl.settings import load_settings\n"
-        "from trainer.config import model_config\n"
+        "from trainer.factory import model_config\n"
         "from trainer.model import init_parallel, build_model\n"
         "from trainer import checkpoint\n"
         f"s = load_settings({str(config)!r}, env={{}}).updated({{'parallel.{layout}': 1}})\n"

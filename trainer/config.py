@@ -254,51 +254,6 @@ class ModelConfig:
         return replace(self, parallel=ParallelConfig(tp=tp, pp=pp, dp=dp, sequence_parallel=sequence_parallel))
 
 
-def model_config(settings: Settings) -> tuple[ModelConfig, PrecisionConfig]:
-    """The trainer's model and precision from the settings' ``model``, ``parallel`` and ``precision``
-    sections: the one place those sections become a model (the trainer job, the loop and the
-    policy server all call it). Shape errors name the setting (``model.hidden_size`` ...).
-
-    With ``model.hf_path`` set the architecture comes from that checkpoint's config.json
-    (:func:`trainer.hf.config_from_settings`); a shape setting the user also set that disagrees is refused."""
-    m, p, pr = settings.model, settings.parallel, settings.precision
-    parallel = ParallelConfig(tp=p.tp, pp=p.pp, dp=p.dp or None, sequence_parallel=p.sequence_parallel)
-    if m.hf_path:
-        from trainer.hf import config_from_settings
-
-        cfg = config_from_settings(m, parallel)
-    else:
-        cfg = _config_from_shape_settings(settings, parallel)
-    precision = PrecisionConfig(bf16=pr.bf16, fp8=pr.fp8 or None, fp8_recipe=pr.fp8_recipe)  # type: ignore[arg-type]
-    cfg.check_precision(precision)
-    return cfg, precision
-
-
-def _config_from_shape_settings(settings: Settings, parallel: ParallelConfig) -> ModelConfig:
-    m = settings.model
-    return ModelConfig(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        num_attention_heads=m.num_attention_heads,
-        ffn_hidden_size=m.ffn_hidden_size or None,
-        vocab_size=m.vocab_size,
-        seq_length=m.seq_length,
-        num_query_groups=m.num_query_groups or None,
-        position_embedding_type=m.position_embedding_type,
-        rope_base=m.rope_base,
-        normalization=m.normalization,
-        activation=m.activation,
-        qkv_bias=m.qkv_bias,
-        linear_bias=m.linear_bias,
-        tie_embeddings=m.tie_embeddings,
-        hidden_dropout=m.hidden_dropout,
-        attention_dropout=m.attention_dropout,
-        init_method_std=m.init_method_std,
-        seed=m.seed,
-        parallel=parallel,
-    )
-
-
 def check_input_shapes(settings: Settings) -> None:
     """What the packed micro-batches (``batching.rows`` x ``batching.seq_len``; the model sees
     ``seq_len - 1`` positions: each predicts the next token) must satisfy for the configured model:

@@ -11,7 +11,7 @@ by name (one per org, say); at most one adapter is active at a time (:func:`acti
 The linear itself stays in place: a forward hook adds the active adapter's term to the first element of its
 ``(output, bias)`` tuple, so ``skip_bias_add`` keeps returning the bias apart, and parameter names, types and
 ``isinstance`` checks of the base are unchanged. Adapters are invisible to the base model's ``state_dict``,
-``load_state_dict`` and ``sharded_state_dict`` (base checkpoints and :func:`trainer.hf.export_hf` work with
+``load_state_dict`` and ``sharded_state_dict`` (base checkpoints and :func:`trainer.hf.export.export_hf` work with
 adapters attached); they are saved by :func:`save_adapter` and exported by :func:`export_peft`.
 
 Tensor-parallel layout (``tp`` ranks, rank ``t``; ``r`` = LoRA rank):
@@ -46,7 +46,7 @@ previous checkpoint the one to resume from.
 
 :func:`export_peft` writes a Hugging Face PEFT folder (``adapter_config.json``, ``adapter_model.safetensors``)
 for Llama/Qwen2/Qwen3 models (what :mod:`trainer.hf` converts): ``linear_qkv`` becomes ``q_proj``, ``k_proj``,
-``v_proj`` (each a copy of the shared ``A`` and its rows of ``B``, taken apart with :func:`trainer.hf.split_qkv`),
+``v_proj`` (each a copy of the shared ``A`` and its rows of ``B``, taken apart with :func:`trainer.hf.layout.split_qkv`),
 ``linear_fc1`` ``gate_proj`` and ``up_proj``, ``linear_proj`` ``o_proj``, ``linear_fc2`` ``down_proj``,
 ``output_layer`` ``lm_head`` (``B`` without the padded vocabulary rows, which :func:`load_peft` fills with zeros).
 It is exact: each HF delta ``B_x @ A`` is the rows of the fused ``B @ A``. :func:`load_peft` fuses such a folder back
@@ -773,7 +773,7 @@ def _hf_modules(target: str, layer: int) -> tuple[str, ...]:
 
 
 def _check_hf(model_cfg: ModelConfig) -> None:
-    from trainer.hf import name_table
+    from trainer.hf.layout import name_table
 
     name_table(model_cfg)  # RMSNorm + SwiGLU + RoPE (Llama, Qwen2, Qwen3) or ConfigError
 
@@ -792,7 +792,7 @@ def export_peft(
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from trainer.hf import split_qkv
+    from trainer.hf.layout import split_qkv
 
     _check_hf(model_cfg)
     cfg = adapter_config(model, name)
@@ -861,13 +861,13 @@ def _peft_refuse(folder: Path, what: str) -> ConfigError:
 
 def load_peft(model: nn.Module, model_cfg: ModelConfig, name: str, folder: str | os.PathLike) -> LoraConfig:
     """Add adapter ``name`` to ``model`` from a PEFT LoRA folder (as :func:`export_peft` writes), re-fusing
-    q/k/v into ``linear_qkv`` (with :func:`trainer.hf.interleave_qkv`) and gate/up into ``linear_fc1``; each
+    q/k/v into ``linear_qkv`` (with :func:`trainer.hf.layout.interleave_qkv`) and gate/up into ``linear_fc1``; each
     rank takes its slices. Fused modules share one ``A`` here, so their HF ``lora_A`` must be equal, and all of
     q/k/v (gate/up) must be targeted or none; anything else PEFT-specific (DoRA, rsLoRA, LoRA biases, rank or
     alpha patterns, modules_to_save, a subset of layers) is refused with a ConfigError. Returns the config."""
     from safetensors.torch import load_file
 
-    from trainer.hf import interleave_qkv, qkv_geometry
+    from trainer.hf.layout import interleave_qkv, qkv_geometry
 
     _check_hf(model_cfg)
     folder = Path(folder)

@@ -227,9 +227,8 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig | None = None):
     """A megatron-core ``GPTModel`` for this rank's pipeline stage and tensor-parallel shard.
 
     Deterministic: the weights depend only on ``cfg`` (``cfg.seed`` reseeds every RNG first, see
-    :func:`seed_everything`; with ``cfg.hf_path`` they are that Hugging Face checkpoint's, read by
-    :func:`trainer.hf.load_hf`), so two calls give the same model - e.g. a policy and its frozen
-    reference. Call :func:`init_parallel` first. Raises :class:`TransformerEngineMissing` when
+    :func:`seed_everything`), so two calls give the same model. It never reads ``cfg.hf_path``: build a model
+    with its weights through :func:`trainer.factory.build`. Call :func:`init_parallel` first. Raises :class:`TransformerEngineMissing` when
     ``precision.fp8`` is set and Transformer Engine cannot be imported.
     """
     precision = precision or PrecisionConfig()
@@ -275,10 +274,6 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig | None = None):
         model.bfloat16()
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
-    if cfg.hf_path:  # the weights of a Hugging Face checkpoint, this rank's shards only (trainer.hf)
-        from trainer.hf import load_hf
-
-        load_hf(model, cfg)
     return model
 
 

@@ -4,7 +4,7 @@ Layout: ``<serving.registry_dir>/v<N>/`` (default ``<data_dir>/registry/v<N>/``)
 which vLLM, SGLang and transformers load as a model folder:
 
 - ``config.json`` and ``model.safetensors`` (with pp > 1 one file per pipeline stage and
-  ``model.safetensors.index.json``) written by :func:`trainer.hf.export_hf`, plus the other files of the imported
+  ``model.safetensors.index.json``) written by :func:`trainer.hf.export.export_hf`, plus the other files of the imported
   checkpoint (tokenizer, generation config);
 - ``rtrl.json``: ``format``, ``version``, ``parent``, ``reward_version`` and ``reward_checksum`` (what the cycle
   trained on), ``eval_results``, ``created_at`` (ms since the epoch), ``checkpoint`` (the Megatron checkpoint it was exported from), ``source`` (the imported Hugging Face
@@ -27,7 +27,7 @@ When ``v<N>`` holds another model (an earlier run's, in a registry that outlived
 export, it is replaced (one warning line naming both hashes).
 
 **Which models**: only a model whose architecture came from a Hugging Face checkpoint (``model.hf_path``:
-``cfg.hf_config`` is set) can be exported - :func:`trainer.hf.export_hf` writes that family's tensor names and the
+``cfg.hf_config`` is set) can be exported - :func:`trainer.hf.export.export_hf` writes that family's tensor names and the
 imported ``config.json``. The simulator's default tiny model (LayerNorm, GELU, learned biases: no Hugging Face
 family) is not exported: :func:`export_checkpoint` logs one line and announces empty ``export_path`` and
 ``export_sha256``; the Megatron checkpoint's ``path`` is all a fleet gets for it.
@@ -57,7 +57,9 @@ from rtrl.files import private_dir
 from schemas.records import Checkpoint
 from trainer.checkpoint import fsync_path
 from trainer.config import ModelConfig
-from trainer.hf import config_from_hf, export_hf, load_hf
+from trainer.hf.config import config_from_hf
+from trainer.hf.export import export_hf
+from trainer.hf.load import load_hf
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ from rtrl.settings import Settings
 from schemas.records import TrainStep
 from trainer import checkpoint
 from trainer.batch import BatchLimits
-from trainer.config import check_input_shapes, model_config
+from trainer.config import check_input_shapes
 from trainer.data import BatchStream
-from trainer.model import build_model, init_parallel
+from trainer.factory import build_policy, model_config
 from trainer.train import TrainConfig, train
 
 
@@ -50,11 +50,11 @@ def run(settings: Settings, bootstrap: str, console: Console | None = None) -> l
     torch.set_num_threads(torch_threads(ts.torch_threads))
     cfg, precision = model_config(settings)
     check_input_shapes(settings)
-    info = init_parallel(cfg)
+    policy = build_policy(cfg, precision)
+    info, model, reference = policy.parallel, policy.model, policy.reference
     # each rank its own endpoint: metrics.port + the local rank (torchrun's LOCAL_RANK; ranks share a host)
     endpoint = metrics.serve_part(settings, "trainer", int(os.environ.get("LOCAL_RANK", "0")))
-    model, reference = build_model(cfg, precision), build_model(cfg, precision)
-    # The KL reference: the run's initial weights (with model.hf_path the checkpoint's, which build_model
+    # The KL reference: the run's initial weights (with model.hf_path the checkpoint's, which the factory
     # loaded; train() then resumes the policy from the run's own newest checkpoint, if any: it wins).
     reference.load_state_dict(model.state_dict())
     ckpt = Path(ts.checkpoint_dir or settings.data_path / "checkpoints")

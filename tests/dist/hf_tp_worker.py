@@ -3,7 +3,7 @@
 
     torchrun --nproc_per_node 2 tests/dist/hf_tp_worker.py HF_DIR OUT_DIR [--pp]
 
-Each rank loads only its shards (``trainer.hf.load_hf``) through a wrapper around ``safe_open`` that
+Each rank loads only its shards (``trainer.hf.load.load_hf``) through a wrapper around ``safe_open`` that
 records the shape of every slice it materialises and fails on a whole-tensor read (``get_tensor``); rank 0
 saves the gathered logits of fixed tokens; every rank writes what it read; then all ranks export the
 model (the tensor-parallel gather) to OUT_DIR/export. Files: OUT_DIR/logits.pt, OUT_DIR/reads<rank>.json.
@@ -22,9 +22,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import trainer.hf as hf  # noqa: E402
+from trainer.factory import build  # noqa: E402
+from trainer.hf.config import config_from_hf  # noqa: E402
+from trainer.hf.export import export_hf  # noqa: E402
+import trainer.hf.load as hf_load  # noqa: E402
+from trainer.hf.load import load_hf  # noqa: E402
 from trainer.config import ParallelConfig  # noqa: E402
-from trainer.model import build_model, causal_mask, init_parallel  # noqa: E402
+from trainer.model import causal_mask, init_parallel  # noqa: E402
 
 B, S = 2, 64
 
@@ -72,9 +76,9 @@ def pipeline(src: Path, out: Path) -> None:
     import torch.distributed as dist
     from safetensors import safe_open
 
-    cfg = hf.config_from_hf(src, parallel=ParallelConfig(pp=2))
+    cfg = config_from_hf(src, parallel=ParallelConfig(pp=2))
     init_parallel(cfg)
-    model = build_model(cfg)
+    model = build(cfg)
     rank = dist.get_rank()
     layers = [layer.layer_number for layer in model.decoder.layers]
     info: dict = {"layers": layers, "has_output_copy": False}
@@ -88,7 +92,7 @@ def pipeline(src: Path, out: Path) -> None:
         info["has_output_copy"] = bool(torch.equal(weight[: cfg.vocab_size].detach(), embed))
         info["padding_zero"] = bool((weight[cfg.vocab_size :] == 0).all())
     (out / f"stage{rank}.json").write_text(json.dumps(info))
-    hf.export_hf(model, cfg, out / "export")
+    export_hf(model, cfg, out / "export")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -97,14 +101,14 @@ def main(src: Path, out: Path) -> None:
     import torch.distributed as dist
 
     seen: list = []
-    real_open = hf.safe_open
-    hf.safe_open = lambda *a, **k: _Handle(real_open(*a, **k), seen)  # type: ignore[assignment]
-    cfg = hf.config_from_hf(src, parallel=ParallelConfig(tp=2))
+    real_open = hf_load.safe_open
+    hf_load.safe_open = lambda *a, **k: _Handle(real_open(*a, **k), seen)  # type: ignore[assignment]
+    cfg = config_from_hf(src, parallel=ParallelConfig(tp=2))
     init_parallel(cfg)
-    model = build_model(cfg)  # with cfg.hf_path: loads this rank's shards
+    model = build(cfg)  # with cfg.hf_path: loads this rank's shards
     seen_at_build = list(seen)
     seen.clear()
-    report = hf.load_hf(model, cfg)  # again, to get the report (same reads)
+    report = load_hf(model, cfg)  # again, to get the report (same reads)
     model.eval()
     tok, pos = tokens(cfg.vocab_size)
     with torch.no_grad():
@@ -126,7 +130,7 @@ def main(src: Path, out: Path) -> None:
             }
         )
     )
-    hf.export_hf(model, cfg, out / "export")
+    export_hf(model, cfg, out / "export")
     dist.barrier()
     dist.destroy_process_group()
 

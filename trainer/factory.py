@@ -1,0 +1,98 @@
+"""The one place a trainer's model is built: from settings to the policy and its frozen reference.
+
+Every caller that trains or serves the policy builds it here: the trainer job, the loop's trainer and policy
+server, the per-org adapters, the local cluster's first checkpoint and the experiments on simulated time. So a
+model built anywhere has the same layout, precision and initial weights.
+
+- :func:`model_config` turns the settings' ``model``, ``parallel`` and ``precision`` sections into a model.
+- :func:`build` gives a model with ``cfg``'s initial weights. Those are megatron's seeded init, or with
+  ``cfg.hf_path`` that Hugging Face checkpoint's, read by the import (:mod:`trainer.hf.load`).
+- :func:`build_policy` starts the parallel groups and builds the policy with its reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rtrl.settings import Settings
+from trainer.config import ModelConfig, ParallelConfig, PrecisionConfig
+from trainer.hf.config import config_from_settings
+from trainer.hf.load import load_hf
+from trainer.model import ParallelInfo, build_model, init_parallel
+
+
+def model_config(settings: Settings) -> tuple[ModelConfig, PrecisionConfig]:
+    """The trainer's model and precision from the settings' ``model``, ``parallel`` and ``precision``
+    sections: the one place those sections become a model (the trainer job, the loop and the
+    policy server all call it). Shape errors name the setting (``model.hidden_size`` ...).
+
+    With ``model.hf_path`` set the architecture comes from that checkpoint's config.json
+    (:func:`trainer.hf.config.config_from_settings`). A shape setting the user also set that disagrees is
+    refused."""
+    m, p, pr = settings.model, settings.parallel, settings.precision
+    parallel = ParallelConfig(tp=p.tp, pp=p.pp, dp=p.dp or None, sequence_parallel=p.sequence_parallel)
+    if m.hf_path:
+        cfg = config_from_settings(m, parallel)
+    else:
+        cfg = _shape_config(settings, parallel)
+    precision = PrecisionConfig(bf16=pr.bf16, fp8=pr.fp8 or None, fp8_recipe=pr.fp8_recipe)  # type: ignore[arg-type]
+    cfg.check_precision(precision)
+    return cfg, precision
+
+
+def _shape_config(settings: Settings, parallel: ParallelConfig) -> ModelConfig:
+    m = settings.model
+    return ModelConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn_hidden_size or None,
+        vocab_size=m.vocab_size,
+        seq_length=m.seq_length,
+        num_query_groups=m.num_query_groups or None,
+        position_embedding_type=m.position_embedding_type,
+        rope_base=m.rope_base,
+        normalization=m.normalization,
+        activation=m.activation,
+        qkv_bias=m.qkv_bias,
+        linear_bias=m.linear_bias,
+        tie_embeddings=m.tie_embeddings,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
+        seed=m.seed,
+        parallel=parallel,
+    )
+
+
+def build(cfg: ModelConfig, precision: PrecisionConfig | None = None) -> Any:
+    """A megatron-core ``GPTModel`` with ``cfg``'s initial weights, for this rank's stage and shard.
+
+    The weights are megatron's init seeded with ``cfg.seed`` (:func:`trainer.model.build_model`). With
+    ``cfg.hf_path`` they are that Hugging Face checkpoint's, this rank's shards only. Two calls give the same
+    model. Call :func:`trainer.model.init_parallel` first."""
+    model = build_model(cfg, precision)
+    if cfg.hf_path:
+        load_hf(model, cfg)
+    return model
+
+
+@dataclass
+class Policy:
+    """A policy to train, with what it was built from."""
+
+    cfg: ModelConfig
+    precision: PrecisionConfig
+    parallel: ParallelInfo
+    """This process's place in the parallel layout."""
+    model: Any
+    reference: Any
+    """The frozen KL reference: the same initial weights as ``model``."""
+
+
+def build_policy(cfg: ModelConfig, precision: PrecisionConfig) -> Policy:
+    """Start the parallel groups for ``cfg`` and build the policy, then its reference from the same weights."""
+    info = init_parallel(cfg)
+    model = build(cfg, precision)
+    return Policy(cfg, precision, info, model, build(cfg, precision))
