@@ -919,7 +919,7 @@ FILE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("evalgate/", ("evalgate/*.py",)),
     ("client/", ("client/*.py",)),
     ("flows/", ("flows/*.py",)),
-    ("trainer/", ("trainer/*.py", "trainer/hf/*.py")),
+    ("trainer/", ("trainer/*.py", "trainer/hf/*.py", "trainer/lora/*.py")),
     ("simulator/", ("simulator/*.py",)),
     ("rtrl/", ("rtrl/*.py",)),
     ("schemas/", ("schemas/*.py", "schemas/migrations/*.sql")),

@@ -1,4 +1,4 @@
-"""LoRA adapters on the megatron GPTModel (``trainer/lora.py``), on real models built from ``ModelConfig`` on CPU
+"""LoRA adapters on the megatron GPTModel (``trainer/lora/``), on real models built from ``ModelConfig`` on CPU
 and real ``transformers`` + ``peft`` models; nothing is mocked.
 
 Contracts checked here:
