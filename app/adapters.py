@@ -13,7 +13,7 @@ policy, :class:`OrgAdapters` (owned by :class:`app.loop.Loop`):
    None passes: the org is served the base alone until its adapter retrains. Every decision is recorded, in
    ``adapter_checkpoints`` and on ``rtrl.deployments``;
 2. reads the adapter stream from where it left off and groups the batches by org; an org with at least one step's
-   worth of micro-batches trains its adapter (:class:`trainer.train.TrainConfig` ``adapter``: the base frozen, the
+   worth of micro-batches trains its adapter (:class:`trainer.config.TrainConfig` ``adapter``: the base frozen, the
    base alone the KL reference) from what serves it, else from the weights of its retired version (its
    re-validation was refused), else a fresh, zero-effect adapter (:meth:`evalgate.adapters.AdapterLedger.start`),
    on the serving base. A sample another policy served than those starting weights (``Rollout.adapter_version``:
@@ -56,12 +56,12 @@ from simulator.evalsuite import OrgHeldOutTasks
 from simulator.tasks import Conventions
 from trainer import checkpoint, lora
 from trainer.batch import Batch, BatchLimits
-from trainer.config import ModelConfig, PrecisionConfig
+from trainer.config import ModelConfig, PrecisionConfig, TrainConfig
 from trainer.data import BatchStream
 from trainer.dedup import TrainedSet
-from trainer.factory import build
+from trainer.factory import Policy, build
 from trainer.registry import export_adapter
-from trainer.train import MemorySource, TrainConfig, train
+from trainer.train import Hooks, MemorySource, train
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def off_policy_delayed(batch: Batch, ledger: AdapterLedger, org: str, start: Ada
 class ServedThrough:
     """The main job's shared-policy trainer under ``adapters.shared_traffic = "served"``: the adapter versions that
     may have served trainable samples loaded, frozen, into the trainer's ``model`` (:meth:`sync`), and, called with
-    a micro-batch, the name of the one that served it (``train(served_by=...)``; None: the base alone).
+    a micro-batch, the name of the one that served it (``Hooks.served_by``; None: the base alone).
 
     Names are stable per weights (``served-`` and a hash of the version's path): a re-validated version shares its
     parent's. The batch flow splits a micro-batch whose samples several versions served under this setting, for
@@ -467,16 +467,13 @@ class OrgAdapters:
                 idle_timeout_s=0.01,
                 adapter=name,
                 adapter_base=f"v{serving}",
+                resume=False,
             )
             steps = train(
-                self.model,
-                None,
+                Policy(self.model, None, version=serving, trained=st.trained),
                 lambda _o, batches=mine: MemorySource(batches),  # type: ignore[misc]
                 tc,
-                policy_version=serving,
-                resume=False,
-                on_step=self.on_step,
-                trained=st.trained,
+                Hooks(on_step=self.on_step),
             )
             st.trained.prune(serving - max(self.settings.train.max_policy_lag, self.settings.train.max_delayed_lag))
             if not steps:

@@ -13,7 +13,7 @@ Bytewax, so that its arms see identical, seeded input. Each cycle uses the same 
 * :meth:`InProcessLoop.train` (the shared policy's stream) and :func:`train_steps` (any stream, an adapter's):
   the cycle's micro-batches through the Arrow wire format (:func:`schemas.codec.encode_batch`,
   :func:`trainer.batch.to_batch`) to the trainer (:func:`trainer.train.train`, configured by
-  :meth:`trainer.train.TrainConfig.from_settings`), in whole steps; a remainder waits for the next cycle.
+  :meth:`trainer.config.TrainConfig.from_settings`), in whole steps; a remainder waits for the next cycle.
 
 The flows' handling of the same records against the real broker and engine is tested elsewhere
 (tests/test_delayed_path.py, tests/test_long_loop.py, tests/test_per_org.py).
@@ -39,8 +39,10 @@ from schemas.codec import encode_batch, event_codec
 from schemas.records import EventBase, MicroBatch, Rollout, TaskVerdict, TrainStep, TrajectoryStarted
 from simulator.tasks import COMPLETION_LEN, Outcome, Task, outcome
 from trainer.batch import Batch, to_batch
+from trainer.config import TrainConfig
 from trainer.dedup import TrainedSet
-from trainer.train import MemorySource, TrainConfig, train
+from trainer.factory import Policy
+from trainer.train import Hooks, MemorySource, train
 
 MINUTE = 60_000
 T0 = 1_767_225_600_000
@@ -244,8 +246,8 @@ def train_steps(
     """Train ``leftover + batches`` in whole steps (``train.micro_batches_per_step``) through the wire format;
     returns (the steps' train_metrics, the remainder that waits for the next cycle). ``adapter``: train that
     org's adapter (its batches only, the base frozen; ``reference`` None = the base alone). ``optimizer``: one kept
-    across calls (:func:`trainer.train.train`); None = a new one each call. ``served_by``: the adapter that
-    served a batch's samples, active in its forward pass (:func:`trainer.train.train`; shared-policy runs)."""
+    across calls (``Policy.optimizer``); None = a new one each call. ``served_by``: the adapter that
+    served a batch's samples, active in its forward pass (``Hooks.served_by``; shared-policy runs)."""
     todo = leftover + batches
     mbps = settings.train.micro_batches_per_step
     n = len(todo) // mbps * mbps
@@ -253,18 +255,9 @@ def train_steps(
     wire = [to_batch(encode_batch(mb), 0, k) for k, mb in enumerate(todo)]
     run = {"adapter": adapter, "adapter_base": adapter_base} if adapter else {}
     tc = TrainConfig.from_settings(
-        settings, run_id=run_id, max_steps=10**9, checkpoint_dir="", idle_timeout_s=0.01, **run
+        settings, run_id=run_id, max_steps=10**9, checkpoint_dir="", idle_timeout_s=0.01, resume=False, **run
     )
     source = MemorySource(wire)
-    steps = train(
-        model,
-        reference,
-        lambda _offsets: source,
-        tc,
-        policy_version=policy_version,
-        resume=False,
-        trained=trained,
-        optimizer=optimizer,
-        served_by=served_by,
-    )
+    policy = Policy(model, reference, optimizer, policy_version, trained)
+    steps = train(policy, lambda _offsets: source, tc, Hooks(served_by=served_by))
     return steps, rest

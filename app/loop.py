@@ -90,12 +90,12 @@ from simulator.tasks import VOCAB, conventions_for, sample_task
 from simulator.tasks import decode as decode_tokens
 from trainer import checkpoint
 from trainer.batch import BatchLimits
-from trainer.config import ModelConfig, PrecisionConfig
+from trainer.config import ModelConfig, PrecisionConfig, TrainConfig
 from trainer.data import BatchStream
 from trainer.dedup import TrainedSet
-from trainer.factory import build, build_policy, model_config
+from trainer.factory import Policy, build, build_policy, model_config
 from trainer.registry import export_checkpoint
-from trainer.train import TrainConfig, train
+from trainer.train import Hooks, train
 
 if TYPE_CHECKING:
     from app.services import Services
@@ -641,17 +641,10 @@ class Loop:
         if self.served is not None and self.adapters is not None:
             self.served.sync(self.adapters.ledger, serving - max(s.train.max_policy_lag, s.train.max_delayed_lag))
         train(
-            self.model,
-            self.reference,
-            make_source,
+            Policy(self.model, self.reference, version=serving, trained=self.trained),
+            lambda offsets: make_source(offsets if offsets is not None else self.offsets),
             tc,
-            policy_version=serving,
-            resume=True,
-            on_step=self._on_step,
-            should_stop=lambda: self._cycle_done(wanted, deadline),
-            trained=self.trained,
-            start=self.offsets,
-            served_by=self.served,
+            Hooks(self._on_step, lambda: self._cycle_done(wanted, deadline), self.served),
         )
         for st in streams:
             st.close()

@@ -17,7 +17,7 @@ same warm start:
   the main job does (:mod:`app.adapters`), the shared policy trains and is promoted first; every serving adapter
   is judged again on the new base against the new base alone (``AdapterLedger.revalidate``: it keeps serving;
   else at ``adapters.revalidate_scales`` of its effect, "rescaled"; else it is retired); then the org's adapter
-  trains on the cycle's adapter stream (:class:`trainer.train.TrainConfig` ``adapter=org``: the base frozen, the
+  trains on the cycle's adapter stream (:class:`trainer.config.TrainConfig` ``adapter=org``: the base frozen, the
   KL reference the base alone) on that new base, continuing from the weights of its last promoted version (a
   refused candidate is dropped: its noise would otherwise accumulate).
   A retired org keeps those weights too, while the base alone serves it: its samples then come from another
@@ -85,9 +85,9 @@ from simulator.tasks import (
 from simulator.world import react
 from trainer import lora
 from trainer.batch import Batch
+from trainer.config import TrainConfig
 from trainer.dedup import TrainedSet
-from trainer.factory import build_policy
-from trainer.train import TrainConfig, adamw
+from trainer.factory import build_policy, optimizer
 
 ARMS = ("shared", "adapters")
 REPORT_SEED = 1000
@@ -250,8 +250,8 @@ def _train_base_only(model: torch.nn.Module) -> None:
 
 
 def _adamw(params: Iterable[torch.nn.Parameter], s: Settings) -> torch.optim.AdamW:
-    """An AdamW as the trainer builds one (:func:`trainer.train.adamw`)."""
-    return adamw(params, TrainConfig.from_settings(s))
+    """An AdamW as the trainer builds one (:func:`trainer.factory.optimizer`)."""
+    return optimizer(params, TrainConfig.from_settings(s))
 
 
 def _mean(xs: Iterable[float]) -> float:

@@ -361,8 +361,10 @@ def stamp(ends: list[tuple[float, float]]) -> Callable[[Any], None]:
 
 def run_training(args: argparse.Namespace, cfg: Any, progress: Progress, task: Any) -> Training:
     from trainer import lora
+    from trainer.config import TrainConfig
+    from trainer.factory import Policy
     from trainer.model import build_model
-    from trainer.train import TrainConfig, train
+    from trainer.train import Hooks, train
 
     full, reference, adapted = build_model(cfg), build_model(cfg), build_model(cfg)
     lora.add_adapter(adapted, TRAINED, lora.LoraConfig(rank=args.rank, alpha=2.0 * args.rank, targets=LAYER_TARGETS))
@@ -380,9 +382,10 @@ def run_training(args: argparse.Namespace, cfg: Any, progress: Progress, task: A
                 micro_batches_per_step=args.micro_batches,
                 max_steps=args.train_steps,
                 idle_timeout_s=0.01,
+                resume=False,
             )
             source = functools.partial(memory_source, batches[mode])
-            steps = train(model, ref, source, tc, policy_version=1, resume=False, on_step=stamp(ends))
+            steps = train(Policy(model, ref, version=1), source, tc, Hooks(on_step=stamp(ends)))
             assert len(steps) == args.train_steps and {s.adapter for s in steps} == {adapter}
             seconds = ends[-1][0] - ends[0][0]  # steady: the end of step 1 to the end of the last
             cpu = ends[-1][1] - ends[0][1]

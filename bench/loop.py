@@ -39,7 +39,9 @@ from rtrl.kafka import read_topic  # noqa: E402
 from rtrl.settings import load_settings  # noqa: E402
 from schemas.codec import decode_batch  # noqa: E402
 from trainer.batch import to_batch  # noqa: E402
-from trainer.train import MemorySource, TrainConfig, train  # noqa: E402
+from trainer.config import TrainConfig  # noqa: E402
+from trainer.factory import Policy  # noqa: E402
+from trainer.train import MemorySource, train  # noqa: E402
 
 
 def pct(values: list[float], q: float) -> float:
@@ -118,9 +120,11 @@ def main() -> None:
         mem = [to_batch(batches[b], 0, i) for i, b in enumerate(ids) if b in batches]
         loop.model.load_state_dict(loop.reference.state_dict())
         # the loop's own training config (one mapping: TrainConfig.from_settings), every replayed sample kept
-        tc = replace(TrainConfig.from_settings(loop.settings, max_steps=len(r.steps)), max_policy_lag=10**6)
+        tc = replace(
+            TrainConfig.from_settings(loop.settings, max_steps=len(r.steps), resume=False), max_policy_lag=10**6
+        )
         t = time.monotonic()
-        train(loop.model, loop.reference, lambda _o, m=mem: MemorySource(m), tc, policy_version=r.parent, resume=False)  # type: ignore[misc]
+        train(Policy(loop.model, loop.reference, version=r.parent), lambda _o, m=mem: MemorySource(m), tc)  # type: ignore[misc]
         base = time.monotonic() - t
         ratios.append(r.seconds["train"] / max(base, 1e-9))
         print(

@@ -153,8 +153,10 @@ def broker_cpu_s(data_dir: str | None) -> float:
 def train_round(
     source_kind: str, cfg, make_source, steps: int, mbs: int, policy_version: int, broker_dir: str | None = None
 ) -> dict:
+    from trainer.config import TrainConfig
+    from trainer.factory import Policy
     from trainer.model import build_model
-    from trainer.train import TrainConfig, train
+    from trainer.train import Hooks, train
 
     model, reference = build_model(cfg), build_model(cfg)
     reference.load_state_dict(model.state_dict())
@@ -170,12 +172,10 @@ def train_round(
     b0, c0 = broker_cpu_s(broker_dir), time.process_time()
     t0 = time.perf_counter()
     records = train(
-        model,
-        reference,
+        Policy(model, reference, version=policy_version),
         make_source,
         tc,
-        policy_version=policy_version,
-        on_step=lambda s: ends.append(time.perf_counter()),
+        Hooks(on_step=lambda s: ends.append(time.perf_counter())),
     )
     total = time.perf_counter() - t0
     cpu, broker = time.process_time() - c0, broker_cpu_s(broker_dir) - b0

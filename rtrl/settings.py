@@ -3,7 +3,7 @@
 Sources, later ones winning: built-in defaults, a TOML file (``--config`` or ``RTRL_CONFIG``), then
 environment variables ``RTRL_<SECTION>__<KEY>`` (e.g. ``RTRL_KAFKA__BOOTSTRAP``). Every section is
 one component's configuration; the component's factory sits next to the component and reads its
-section (``trainer.factory.model_config``, ``trainer.train.TrainConfig.from_settings``,
+section (``trainer.factory.model_config``, ``trainer.config.TrainConfig.from_settings``,
 ``flows.batch_flow.batch_config`` ...), so no mapping from settings to a component is written twice.
 
 Errors name the setting, where its value came from, and the fix. Unknown keys are errors (a typo

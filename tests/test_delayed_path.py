@@ -405,7 +405,7 @@ def _batch(name: str, versions: list[int], delayed: list[bool] | None, seed: int
 
 
 def test_settings_make_the_trainers_delayed_path():
-    from trainer.train import TrainConfig
+    from trainer.config import TrainConfig
 
     tc = TrainConfig.from_settings(load_settings(env={}))
     assert (tc.max_policy_lag, tc.max_delayed_lag) == (1, 4)
@@ -467,7 +467,9 @@ def test_one_step_on_delayed_samples_splits_train_metrics(tiny, correction):
     """One optimizer step of the tiny CPU Megatron model on two micro-batches with on-policy, near-on-policy,
     delayed (lags 3 and 2), stale and too-late samples: the step's tokens split into the three kinds as
     prepare() marks them, the delayed lags are recorded, only trained samples are listed, the weights move."""
-    from trainer.train import MemorySource, TrainConfig, train
+    from trainer.config import TrainConfig
+    from trainer.factory import Policy
+    from trainer.train import MemorySource, train
 
     model, reference, init = tiny
     model.load_state_dict(init)
@@ -483,7 +485,7 @@ def test_one_step_on_delayed_samples_splits_train_metrics(tiny, correction):
         max_delayed_lag=4,
         loss=replace(GUARDED, delayed_correction=correction),
     )
-    (step,) = train(model, reference, lambda off: MemorySource(batches, off), tc, policy_version=6)
+    (step,) = train(Policy(model, reference, version=6), lambda off: MemorySource(batches, off), tc)
     prepared = [prepare(b, 6, 1, 4) for b in batches]
     kinds = {"on": 0, "near": 0, "delayed": 0}
     for p, b in zip(prepared, batches):

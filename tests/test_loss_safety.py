@@ -327,7 +327,7 @@ def test_mismatch_metrics_on_on_policy_tokens():
 
 def test_settings_defaults_are_the_trainers_guards():
     """The `loss` section's defaults are GUARDED, and TrainConfig.from_settings passes every guard on."""
-    from trainer.train import TrainConfig
+    from trainer.config import TrainConfig
 
     ls = LossSettings()
     assert (ls.log_ratio_clamp, ls.dual_clip, ls.k3_clamp, ls.seq_ratio_guard) == (20.0, 3.0, 10.0, "off")
@@ -373,12 +373,14 @@ def tiny_trainer():
 
 
 def _one_step(tiny_trainer, grad_clip: float):
-    from trainer.train import MemorySource, TrainConfig, train
+    from trainer.config import TrainConfig
+    from trainer.factory import Policy
+    from trainer.train import MemorySource, train
 
     model, reference, init, batches = tiny_trainer
     model.load_state_dict(init)
     tc = TrainConfig(run_id="safety", max_steps=1, micro_batches_per_step=2, grad_clip=grad_clip, max_policy_lag=1)
-    (step,) = train(model, reference, lambda off: MemorySource(batches, off), tc, policy_version=1)
+    (step,) = train(Policy(model, reference, version=1), lambda off: MemorySource(batches, off), tc)
     norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters() if p.grad is not None))
     return step, norm
 
@@ -424,12 +426,16 @@ def test_trainer_records_the_step_mismatch(tiny_trainer):
 
 
 def test_a_kept_optimizer_carries_its_moments_across_train_calls(tiny_trainer):
-    """train(optimizer=...) (the in-process experiments keep one across cycles): two calls of one step each with
+    """Policy.optimizer (the in-process experiments keep one across cycles): two calls of one step each with
     one kept AdamW end on the same weights as one call of two steps; a new optimizer per call does not (its
     first step is a sign step again). An optimizer over other parameters is refused."""
+    from dataclasses import replace
+
     from tests.dist.train_run import synthetic_batches
+    from trainer.config import TrainConfig
     from trainer.dedup import TrainedSet
-    from trainer.train import MemorySource, TrainConfig, adamw, train
+    from trainer.factory import Policy, optimizer
+    from trainer.train import MemorySource, train
 
     model, reference, init, _ = tiny_trainer
     batches = synthetic_batches(4)
@@ -437,20 +443,28 @@ def test_a_kept_optimizer_carries_its_moments_across_train_calls(tiny_trainer):
 
     def run(calls: int, keep: bool) -> dict[str, torch.Tensor]:
         model.load_state_dict(init)
-        opt = adamw(model.parameters(), tc) if keep else None
+        opt = optimizer(model.parameters(), tc) if keep else None
         per, trained = 2 // calls, TrainedSet()
         for c in range(calls):
             part = batches[c * 2 * per : (c + 1) * 2 * per]
             tcc = TrainConfig(run_id="kept", max_steps=per, micro_batches_per_step=2, max_policy_lag=1)
-            train(model, reference, _source(part), tcc, 1, resume=False, trained=trained, optimizer=opt)
+            train(
+                Policy(model, reference, optimizer=opt, version=1, trained=trained),
+                _source(part),
+                replace(tcc, resume=False),
+            )
         return {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
 
     once, kept, fresh = run(1, False), run(2, True), run(2, False)
     assert all(torch.allclose(once[k], kept[k], atol=1e-6) for k in once)
     assert any(not torch.allclose(once[k], fresh[k], atol=1e-6) for k in once)
     with pytest.raises(ValueError, match="exactly the parameters"):
-        wrong = adamw(list(model.parameters())[:1], tc)
-        train(model, reference, lambda off: MemorySource(batches, off), tc, 1, resume=False, optimizer=wrong)
+        wrong = optimizer(list(model.parameters())[:1], tc)
+        train(
+            Policy(model, reference, optimizer=wrong, version=1),
+            lambda off: MemorySource(batches, off),
+            replace(tc, resume=False),
+        )
 
 
 def _source(batches):

@@ -855,7 +855,7 @@ def test_an_adapter_runs_learning_rate_and_kl_weight_come_from_the_adapters_sect
     """adapters.lr, adapters.kl_coef and adapters.kl_estimator set an adapter run's learning rate, KL weight and
     KL estimator (to the base alone); 0 (or '') = train.lr, loss.kl_coef and loss.kl_estimator; the shared
     policy's run never takes them."""
-    from trainer.train import TrainConfig
+    from trainer.config import TrainConfig
 
     s = load_settings(env={"RTRL_ADAPTERS__LR": "0.002", "RTRL_ADAPTERS__KL_COEF": "0.2", "RTRL_LOSS__KL_COEF": "0.03"})
     adapter, shared = TrainConfig.from_settings(s, adapter="org-1"), TrainConfig.from_settings(s)
@@ -885,9 +885,10 @@ def test_an_adapter_trains_on_its_orgs_batches_only_and_the_base_stays_frozen(tm
     from simulator.tasks import VOCAB
     from trainer import lora
     from trainer.batch import to_batch
-    from trainer.config import ModelConfig
+    from trainer.config import ModelConfig, TrainConfig
+    from trainer.factory import Policy
     from trainer.model import build_model, init_parallel
-    from trainer.train import MemorySource, TrainConfig, train
+    from trainer.train import MemorySource, train
 
     routers = {o: OrgRouter(o, 0) for o in ("o1", "o2")}
     routed: list[MicroBatch] = []
@@ -916,8 +917,8 @@ def test_an_adapter_trains_on_its_orgs_batches_only_and_the_base_stays_frozen(tm
         checkpoint_every=1,
         lr=1e-2,
     )
-    steps = train(model, None, lambda _: MemorySource(wire), tc, policy_version=1, resume=True)
-    steps += train(model, None, lambda off: MemorySource(wire, off), replace(tc, max_steps=10), 1, resume=True)
+    steps = train(Policy(model, None, version=1), lambda _: MemorySource(wire), tc)
+    steps += train(Policy(model, None, version=1), lambda off: MemorySource(wire, off), replace(tc, max_steps=10))
     assert [st.step for st in steps] == [1, 2, 3] and {st.adapter for st in steps} == {"o1"}
     assert {s for st in steps for s in st.sample_ids} == {f"o1-{i}" for i in range(12)}
     assert all(torch.equal(v, base[k]) for k, v in model.state_dict().items() if v is not None)
@@ -928,7 +929,7 @@ def test_an_adapter_trains_on_its_orgs_batches_only_and_the_base_stays_frozen(tm
     # the shared policy: the shared stream only (every org's samples, one policy served each), adapter ""
     shared, reference = build_model(cfg), build_model(cfg)
     tc = TrainConfig(micro_batches_per_step=1, max_steps=100, idle_timeout_s=0.01)
-    steps = train(shared, reference, lambda _: MemorySource(wire), tc, policy_version=1, resume=False)
+    steps = train(Policy(shared, reference, version=1), lambda _: MemorySource(wire), replace(tc, resume=False))
     assert {st.adapter for st in steps} == {""} and len(steps) == 9
     ids = [s for st in steps for s in st.sample_ids]
     assert sorted(ids) == sorted(f"{o}-{i}" for o in ("o0", "o1", "o2") for i in range(12))
@@ -937,7 +938,7 @@ def test_an_adapter_trains_on_its_orgs_batches_only_and_the_base_stays_frozen(tm
 def test_updates_per_step_reuse_a_step_and_the_base_can_train_through_the_serving_adapter(tmp_path):
     """``train.updates_per_step`` (``adapters.updates_per_step`` for adapter runs, 4 by default) takes several
     optimizer updates on each step's micro-batches: the step's figures are its first update's (what one update
-    gives), its samples are recorded once, and the weights move on. ``train(served_by=...)`` trains the shared
+    gives), its samples are recorded once, and the weights move on. ``Hooks.served_by`` trains the shared
     policy on a micro-batch through the adapter that served it, frozen: the base then ends exactly where a run
     with that adapter active throughout ends, not where the base alone would, and the adapter is unchanged."""
     import torch
@@ -946,9 +947,10 @@ def test_updates_per_step_reuse_a_step_and_the_base_can_train_through_the_servin
     from simulator.tasks import VOCAB
     from trainer import lora
     from trainer.batch import to_batch
-    from trainer.config import ModelConfig
+    from trainer.config import ModelConfig, TrainConfig
+    from trainer.factory import Policy
     from trainer.model import build_model, init_parallel
-    from trainer.train import MemorySource, TrainConfig, train
+    from trainer.train import Hooks, MemorySource, train
 
     s = load_settings(env={"RTRL_TRAIN__UPDATES_PER_STEP": "2"})
     assert TrainConfig.from_settings(s).updates_per_step == 2
@@ -986,12 +988,9 @@ def test_updates_per_step_reuse_a_step_and_the_base_can_train_through_the_servin
     for k in (1, 3):
         model, reference = fresh()
         steps = train(
-            model,
-            reference,
+            Policy(model, reference, version=1),
             lambda _: MemorySource(wire),
-            replace(tc, updates_per_step=k),
-            policy_version=1,
-            resume=False,
+            replace(replace(tc, updates_per_step=k), resume=False),
         )
         runs[k] = (steps, base(model))
     (one, w1), (three, w3) = runs[1], runs[3]
@@ -1003,16 +1002,19 @@ def test_updates_per_step_reuse_a_step_and_the_base_can_train_through_the_servin
     adapter0 = lora.adapter_state_dict(start, "o1")
     through, reference = fresh()
     via = train(
-        through, reference, lambda _: MemorySource(wire), tc, policy_version=1, resume=False, served_by=lambda b: "o1"
+        Policy(through, reference, version=1),
+        lambda _: MemorySource(wire),
+        replace(tc, resume=False),
+        Hooks(served_by=lambda b: "o1"),
     )
     # train_metrics says so: every trained token of these steps went through the serving adapter, none without it
     assert [s.served_through_tokens for s in via] == [s.tokens for s in via] and all(s.tokens for s in via)
     assert all(s.served_through_tokens == 0 for s in one)
     active, reference = fresh()
     with lora.activate(active, "o1"):
-        train(active, reference, lambda _: MemorySource(wire), tc, policy_version=1, resume=False)
+        train(Policy(active, reference, version=1), lambda _: MemorySource(wire), replace(tc, resume=False))
     alone, reference = fresh()
-    train(alone, reference, lambda _: MemorySource(wire), tc, policy_version=1, resume=False)
+    train(Policy(alone, reference, version=1), lambda _: MemorySource(wire), replace(tc, resume=False))
     assert lora.active_adapter(through) is None  # train() leaves no adapter active
     assert all(torch.equal(v, base(active)[k]) for k, v in base(through).items())
     assert any(not torch.equal(v, base(alone)[k]) for k, v in base(through).items())
@@ -1021,20 +1023,33 @@ def test_updates_per_step_reuse_a_step_and_the_base_can_train_through_the_servin
     none, reference = fresh()
     with lora.activate(none, "o1"):
         plain = train(
-            none, reference, lambda _: MemorySource(wire), tc, policy_version=1, resume=False, served_by=lambda b: None
+            Policy(none, reference, version=1),
+            lambda _: MemorySource(wire),
+            replace(tc, resume=False),
+            Hooks(served_by=lambda b: None),
         )
     assert all(torch.equal(v, base(alone)[k]) for k, v in base(none).items())
     assert all(s.served_through_tokens == 0 for s in plain)
     with pytest.raises(ValueError, match="shared policy"):
-        train(through, None, lambda _: MemorySource(wire), replace(tc, adapter="o1"), 1, served_by=lambda b: "o1")
+        train(
+            Policy(through, None, version=1),
+            lambda _: MemorySource(wire),
+            replace(tc, adapter="o1"),
+            Hooks(served_by=lambda b: "o1"),
+        )
     # with checkpoints (the trainer as a process of its own): the serving adapters on the model are not the
     # base's, so neither its optimizer nor its checkpoints hold them, and a resumed run goes on from the checkpoint
     saved, reference = fresh()
     ck = replace(tc, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=1, max_steps=1)
-    first = train(saved, reference, lambda _: MemorySource(wire), ck, policy_version=1, served_by=lambda b: "o1")
+    first = train(
+        Policy(saved, reference, version=1), lambda _: MemorySource(wire), ck, Hooks(served_by=lambda b: "o1")
+    )
     resumed, reference = fresh()
     more = train(
-        resumed, reference, lambda _: MemorySource(wire), replace(ck, max_steps=2), 1, served_by=lambda b: "o1"
+        Policy(resumed, reference, version=1),
+        lambda _: MemorySource(wire),
+        replace(ck, max_steps=2),
+        Hooks(served_by=lambda b: "o1"),
     )
     assert [s.step for s in first] == [1] and [s.step for s in more] == [2]
     assert [s.sample_ids for s in first + more] == [s.sample_ids for s in one]  # each batch once, in order

@@ -4,7 +4,7 @@ precision, optimizer.
 Contract pinned here:
 - ``trainer.factory.model_config(settings)`` is the one mapping from the ``model``/``parallel``/
   ``precision`` sections to the model, and every setting of those sections reaches it;
-  ``trainer.train.TrainConfig.from_settings`` is the one mapping of ``train`` and ``loss``.
+  ``trainer.config.TrainConfig.from_settings`` is the one mapping of ``train`` and ``loss``.
 - The architecture settings build what they say (RMSNorm, SwiGLU, GQA, QKV bias, tied embeddings,
   RoPE base) as a real megatron-core GPTModel.
 - Gradient-norm clipping is on by default and clips like ``torch.nn.utils.clip_grad_norm_``.
@@ -34,8 +34,9 @@ from rtrl.settings import load_settings
 from schemas.codec import encode_batch
 from tests.dist.train_run import synthetic_batches
 from tests.test_trainer_train import _to_micro
+from trainer.config import TrainConfig
 from trainer.factory import model_config
-from trainer.train import TrainConfig, clip_grad_norm
+from trainer.train import clip_grad_norm
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 ARCH = {

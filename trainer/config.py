@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 import os
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rtrl.errors import ConfigError
 from rtrl.settings import Settings
+from trainer.loss import GUARDED, LossConfig
 
 FP8_FORMATS = ("hybrid", "e4m3")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
@@ -291,3 +293,104 @@ def world_from_env() -> tuple[int, int, int]:
         int(os.environ.get("LOCAL_RANK", "0")),
         int(os.environ.get("WORLD_SIZE", "1")),
     )
+
+
+@dataclass
+class TrainConfig:
+    """How the loop trains (the model's shape is trainer.config.ModelConfig)."""
+
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    micro_batches_per_step: int = 2
+    updates_per_step: int = 1
+    """Optimizer updates on each step's micro-batches (PPO's epochs; 1 = each trains once). The later updates
+    reuse the behaviour log-probs, so the clip bounds how far they move; the step's ``TrainStep`` figures are its
+    first update's (what one update does), ``grad_norm`` too."""
+    max_steps: int = 10
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up from 0 to ``lr`` over this many steps."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm (over every rank's shard) to this; 0 = off. The norm before clipping is
+    recorded either way (``TrainStep.grad_norm``)."""
+    max_policy_lag: int = 4
+    max_delayed_lag: int = 0
+    """Delayed samples (``MicroBatch.delayed``) train up to this policy lag, with ``loss.delayed_correction``;
+    0 = no delayed path (they are masked like stale samples)."""
+    norm_tokens: int = 0
+    """Constant loss normaliser (Dr. GRPO); 0 = micro_batches_per_step x rows x seq_len of the first batch."""
+    checkpoint_every: int = 5
+    checkpoint_dir: str = ""
+    idle_timeout_s: float = 30.0
+    loss: LossConfig = field(default_factory=lambda: GUARDED)
+    """The loss and its guards; default :data:`trainer.loss.GUARDED` (= the settings' ``loss`` defaults)."""
+    reward_version: str = ""
+    """Train only micro-batches of this reward version (others are skipped: the batch flow may make batches for
+    several, :meth:`rtrl.settings.RewardSettings.trainable`); empty = any. Recorded in each ``TrainStep``."""
+    adapter: str = ""
+    """Train this org's LoRA adapter (:mod:`trainer.lora`; already on the model) on that org's micro-batches only
+    (``MicroBatch.adapter``), the base frozen and the KL reference the base alone; empty = the shared policy, on
+    the micro-batches of no adapter. Recorded in each ``TrainStep``; checkpoints are adapter checkpoints."""
+    adapter_base: str = ""
+    """The base the adapter trains on (e.g. ``v3``), recorded in its checkpoints: a resume on another base is
+    refused."""
+    resume: bool = True
+    """Resume from the newest complete checkpoint in ``checkpoint_dir``, if any: its weights, optimizer, offsets,
+    step and policy version win over what the caller passed."""
+
+    @classmethod
+    def from_settings(cls, settings: Settings, **run: Any) -> TrainConfig:
+        """The ``train`` and ``loss`` sections as a TrainConfig: the one mapping from settings to the training
+        loop (the trainer job and the closed loop both use it). ``run`` sets what a caller owns: run_id,
+        max_steps, checkpoint_dir, idle_timeout_s ... - never the optimizer or the loss."""
+        owned = {
+            "run_id",
+            "max_steps",
+            "checkpoint_dir",
+            "checkpoint_every",
+            "idle_timeout_s",
+            "reward_version",
+            "adapter",
+            "adapter_base",
+            "resume",
+        }
+        if set(run) - owned:
+            raise TypeError(f"TrainConfig.from_settings: {sorted(set(run) - owned)} come from settings only")
+        ts, ls = settings.train, settings.loss
+        params: dict[str, Any] = {
+            "micro_batches_per_step": ts.micro_batches_per_step,
+            "updates_per_step": (settings.adapters.updates_per_step or ts.updates_per_step)
+            if run.get("adapter")
+            else ts.updates_per_step,
+            "max_steps": ts.steps,
+            "betas": (ts.beta1, ts.beta2),
+            "weight_decay": ts.weight_decay,
+            "warmup_steps": ts.warmup_steps,
+            "grad_clip": ts.grad_clip,
+            "max_policy_lag": ts.max_policy_lag,
+            "max_delayed_lag": ts.max_delayed_lag,
+            "norm_tokens": ls.norm_tokens,
+            "checkpoint_every": ts.checkpoint_every,
+            "idle_timeout_s": ts.idle_timeout_s,
+            "reward_version": settings.rewards.train_version,
+            "lr": (settings.adapters.lr or ts.lr) if run.get("adapter") else ts.lr,
+            "loss": LossConfig(
+                eps_low=ls.eps_low,
+                eps_high=ls.eps_high,
+                is_cap=ls.is_cap,
+                kl_coef=(settings.adapters.kl_coef or ls.kl_coef) if run.get("adapter") else ls.kl_coef,
+                log_ratio_clamp=ls.log_ratio_clamp,
+                dual_clip=ls.dual_clip,
+                k3_clamp=ls.k3_clamp,
+                seq_ratio_guard=ls.seq_ratio_guard,
+                seq_ratio_low=ls.seq_ratio_low,
+                seq_ratio_high=ls.seq_ratio_high,
+                delayed_correction=ls.delayed_correction,
+                delayed_is_cap=ls.delayed_is_cap,
+                kl_estimator=(settings.adapters.kl_estimator or ls.kl_estimator)
+                if run.get("adapter")
+                else ls.kl_estimator,
+            ),
+        } | run
+        return cls(**params)

@@ -1,4 +1,4 @@
-"""The one place a trainer's model is built: from settings to the policy and its frozen reference.
+"""The one place a trainer is built: from settings to the policy, its frozen reference and its optimizer.
 
 Every caller that trains or serves the policy builds it here: the trainer job, the loop's trainer and policy
 server, the per-org adapters, the local cluster's first checkpoint and the experiments on simulated time. So a
@@ -8,15 +8,20 @@ model built anywhere has the same layout, precision and initial weights.
 - :func:`build` gives a model with ``cfg``'s initial weights. Those are megatron's seeded init, or with
   ``cfg.hf_path`` that Hugging Face checkpoint's, read by the import (:mod:`trainer.hf.load`).
 - :func:`build_policy` starts the parallel groups and builds the policy with its reference.
+- :func:`optimizer` is the AdamW over exactly the parameters a run trains.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from rtrl.settings import Settings
-from trainer.config import ModelConfig, ParallelConfig, PrecisionConfig
+from trainer.config import ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig
+from trainer.dedup import TrainedSet
 from trainer.hf.config import config_from_settings
 from trainer.hf.load import load_hf
 from trainer.model import ParallelInfo, build_model, init_parallel
@@ -80,19 +85,35 @@ def build(cfg: ModelConfig, precision: PrecisionConfig | None = None) -> Any:
 
 @dataclass
 class Policy:
-    """A policy to train, with what it was built from."""
+    """What a training run updates: the model, its frozen KL reference and its optimizer.
 
-    cfg: ModelConfig
-    precision: PrecisionConfig
-    parallel: ParallelInfo
-    """This process's place in the parallel layout."""
+    :func:`trainer.train.train` takes one; :func:`build_policy` builds one from a model config."""
+
     model: Any
     reference: Any
-    """The frozen KL reference: the same initial weights as ``model``."""
+    """The frozen KL reference: the run's initial weights. None only for an adapter run: its reference is the
+    same model with no adapter active, the base alone."""
+    optimizer: torch.optim.Optimizer | None = None
+    """An AdamW over exactly the parameters the run trains (:func:`optimizer`), kept by a caller that trains in
+    several calls without checkpoints (the in-process experiments), so its moments carry over as a resumed
+    run's do. None: each run makes a new one, or resumes its checkpoint's."""
+    version: int = 0
+    """The policy version a sample's lag is measured against. A resumed checkpoint's version wins."""
+    trained: TrainedSet = field(default_factory=TrainedSet)
+    """Micro-batches and samples already trained, kept in every checkpoint: the batch flow may send some again
+    after a crash, and a run skips them (:mod:`trainer.dedup`)."""
+    parallel: ParallelInfo | None = None
+    """This process's place in the parallel layout, where :func:`build_policy` started it."""
 
 
 def build_policy(cfg: ModelConfig, precision: PrecisionConfig) -> Policy:
     """Start the parallel groups for ``cfg`` and build the policy, then its reference from the same weights."""
     info = init_parallel(cfg)
     model = build(cfg, precision)
-    return Policy(cfg, precision, info, model, build(cfg, precision))
+    return Policy(model, build(cfg, precision), parallel=info)
+
+
+def optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:
+    """The run's AdamW over ``params``, from the ``train`` section's betas and weight decay. Its learning rate is
+    set again before every step from ``cfg``."""
+    return torch.optim.AdamW(list(params), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)

@@ -24,10 +24,10 @@ from rtrl.settings import Settings
 from schemas.records import TrainStep
 from trainer import checkpoint
 from trainer.batch import BatchLimits
-from trainer.config import check_input_shapes
+from trainer.config import TrainConfig, check_input_shapes
 from trainer.data import BatchStream
 from trainer.factory import build_policy, model_config
-from trainer.train import TrainConfig, train
+from trainer.train import Hooks, train
 
 
 def torch_threads(setting: int) -> int:
@@ -52,6 +52,7 @@ def run(settings: Settings, bootstrap: str, console: Console | None = None) -> l
     check_input_shapes(settings)
     policy = build_policy(cfg, precision)
     info, model, reference = policy.parallel, policy.model, policy.reference
+    assert info is not None  # build_policy started the parallel groups
     # each rank its own endpoint: metrics.port + the local rank (torchrun's LOCAL_RANK; ranks share a host)
     endpoint = metrics.serve_part(settings, "trainer", int(os.environ.get("LOCAL_RANK", "0")))
     # The KL reference: the run's initial weights (with model.hf_path the checkpoint's, which the factory
@@ -117,7 +118,7 @@ def run(settings: Settings, bootstrap: str, console: Console | None = None) -> l
             )
 
         endpoint.ready()
-        steps = train(model, reference, make_source, tc, on_step=on_step)
+        steps = train(policy, make_source, tc, Hooks(on_step=on_step))
     endpoint.close()
     for s in streams:
         s.close()

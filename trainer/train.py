@@ -21,8 +21,7 @@ import contextlib
 import functools
 import math
 import time
-import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -30,12 +29,13 @@ import numpy as np
 import torch
 
 from rtrl import metrics
-from rtrl.settings import Settings
 from schemas.records import TrainStep
 from trainer import checkpoint, lora
 from trainer.batch import Batch
+from trainer.config import TrainConfig
 from trainer.dedup import TrainedSet
-from trainer.loss import GUARDED, LossConfig, LossOutput, policy_loss
+from trainer.factory import Policy, optimizer
+from trainer.loss import LossConfig, LossOutput, policy_loss
 from trainer.model import (
     forward_logprobs,
     forward_logprobs_and_log_softmax,
@@ -70,103 +70,6 @@ class MemorySource:
 
     def commit(self) -> None:
         pass
-
-
-@dataclass
-class TrainConfig:
-    """How the loop trains (the model's shape is trainer.config.ModelConfig)."""
-
-    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    micro_batches_per_step: int = 2
-    updates_per_step: int = 1
-    """Optimizer updates on each step's micro-batches (PPO's epochs; 1 = each trains once). The later updates
-    reuse the behaviour log-probs, so the clip bounds how far they move; the step's ``TrainStep`` figures are its
-    first update's (what one update does), ``grad_norm`` too."""
-    max_steps: int = 10
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    """Linear learning-rate warm-up from 0 to ``lr`` over this many steps."""
-    grad_clip: float = 1.0
-    """Clip the global gradient norm (over every rank's shard) to this; 0 = off. The norm before clipping is
-    recorded either way (``TrainStep.grad_norm``)."""
-    max_policy_lag: int = 4
-    max_delayed_lag: int = 0
-    """Delayed samples (``MicroBatch.delayed``) train up to this policy lag, with ``loss.delayed_correction``;
-    0 = no delayed path (they are masked like stale samples)."""
-    norm_tokens: int = 0
-    """Constant loss normaliser (Dr. GRPO); 0 = micro_batches_per_step x rows x seq_len of the first batch."""
-    checkpoint_every: int = 5
-    checkpoint_dir: str = ""
-    idle_timeout_s: float = 30.0
-    loss: LossConfig = field(default_factory=lambda: GUARDED)
-    """The loss and its guards; default :data:`trainer.loss.GUARDED` (= the settings' ``loss`` defaults)."""
-    reward_version: str = ""
-    """Train only micro-batches of this reward version (others are skipped: the batch flow may make batches for
-    several, :meth:`rtrl.settings.RewardSettings.trainable`); empty = any. Recorded in each ``TrainStep``."""
-    adapter: str = ""
-    """Train this org's LoRA adapter (:mod:`trainer.lora`; already on the model) on that org's micro-batches only
-    (``MicroBatch.adapter``), the base frozen and the KL reference the base alone; empty = the shared policy, on
-    the micro-batches of no adapter. Recorded in each ``TrainStep``; checkpoints are adapter checkpoints."""
-    adapter_base: str = ""
-    """The base the adapter trains on (e.g. ``v3``), recorded in its checkpoints: a resume on another base is
-    refused."""
-
-    @classmethod
-    def from_settings(cls, settings: Settings, **run: Any) -> TrainConfig:
-        """The ``train`` and ``loss`` sections as a TrainConfig: the one mapping from settings to the training
-        loop (the trainer job and the closed loop both use it). ``run`` sets what a caller owns: run_id,
-        max_steps, checkpoint_dir, idle_timeout_s ... - never the optimizer or the loss."""
-        owned = {
-            "run_id",
-            "max_steps",
-            "checkpoint_dir",
-            "checkpoint_every",
-            "idle_timeout_s",
-            "reward_version",
-            "adapter",
-            "adapter_base",
-        }
-        if set(run) - owned:
-            raise TypeError(f"TrainConfig.from_settings: {sorted(set(run) - owned)} come from settings only")
-        ts, ls = settings.train, settings.loss
-        params: dict[str, Any] = {
-            "micro_batches_per_step": ts.micro_batches_per_step,
-            "updates_per_step": (settings.adapters.updates_per_step or ts.updates_per_step)
-            if run.get("adapter")
-            else ts.updates_per_step,
-            "max_steps": ts.steps,
-            "betas": (ts.beta1, ts.beta2),
-            "weight_decay": ts.weight_decay,
-            "warmup_steps": ts.warmup_steps,
-            "grad_clip": ts.grad_clip,
-            "max_policy_lag": ts.max_policy_lag,
-            "max_delayed_lag": ts.max_delayed_lag,
-            "norm_tokens": ls.norm_tokens,
-            "checkpoint_every": ts.checkpoint_every,
-            "idle_timeout_s": ts.idle_timeout_s,
-            "reward_version": settings.rewards.train_version,
-            "lr": (settings.adapters.lr or ts.lr) if run.get("adapter") else ts.lr,
-            "loss": LossConfig(
-                eps_low=ls.eps_low,
-                eps_high=ls.eps_high,
-                is_cap=ls.is_cap,
-                kl_coef=(settings.adapters.kl_coef or ls.kl_coef) if run.get("adapter") else ls.kl_coef,
-                log_ratio_clamp=ls.log_ratio_clamp,
-                dual_clip=ls.dual_clip,
-                k3_clamp=ls.k3_clamp,
-                seq_ratio_guard=ls.seq_ratio_guard,
-                seq_ratio_low=ls.seq_ratio_low,
-                seq_ratio_high=ls.seq_ratio_high,
-                delayed_correction=ls.delayed_correction,
-                delayed_is_cap=ls.delayed_is_cap,
-                kl_estimator=(settings.adapters.kl_estimator or ls.kl_estimator)
-                if run.get("adapter")
-                else ls.kl_estimator,
-            ),
-        } | run
-        return cls(**params)
 
 
 @dataclass(frozen=True)
@@ -237,56 +140,50 @@ def prepare(batch: Batch, policy_version: int, max_policy_lag: int, max_delayed_
     )
 
 
-def adamw(params: Iterable[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:
-    """The run's optimizer over ``params`` (its learning rate is set again before every step from ``cfg``)."""
-    return torch.optim.AdamW(list(params), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+@dataclass
+class Hooks:
+    """What a caller of :func:`train` is told and asked while it runs. Every hook is optional."""
+
+    on_step: Callable[[TrainStep], object] | None = None
+    """Called with each step's metrics, on every rank."""
+    should_stop: Callable[[], bool] | None = None
+    """Asked before each step (e.g. a wall-time trigger): True ends the run. Every rank stops when one asks."""
+    served_by: Callable[[Batch], str | None] | None = None
+    """A run of the shared policy only: the adapter on the model that served a micro-batch's samples, or None for
+    the base alone. That adapter is active, frozen, in the micro-batch's forward pass: the base learns from an
+    adapted org's samples through the adapter that served them (what serves the org), so where the adapter
+    already follows the org's own habit the base is not pulled towards it. The KL term stays the one to the
+    reference. Needs pp = 1, as adapters do."""
 
 
 def train(
-    model: Any,
-    reference: Any,
-    make_source: Callable[[dict[str, int] | None], Source],
+    policy: Policy,
+    source: Callable[[dict[str, int] | None], Source],
     cfg: TrainConfig,
-    policy_version: int = 0,
-    resume: bool = True,
-    on_step: Callable[[TrainStep], object] | None = None,
-    should_stop: Callable[[], bool] | None = None,
-    trained: TrainedSet | None = None,
-    start: dict[str, int] | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    served_by: Callable[[Batch], str | None] | None = None,
+    hooks: Hooks | None = None,
 ) -> list[TrainStep]:
-    """Train until ``max_steps``, until no micro-batch arrives within ``idle_timeout_s``, or until
-    ``should_stop()`` says so before a step (e.g. a wall-time trigger).
+    """Train ``policy`` until ``max_steps``, until no micro-batch arrives within ``idle_timeout_s``, or until
+    ``hooks.should_stop()`` says so before a step.
 
-    ``make_source(offsets)`` opens the input at the offsets of the checkpoint being resumed (else at
-    ``start``; None = from the beginning). ``reference`` is the frozen KL reference (the run's initial
-    weights). ``trained`` (kept in every checkpoint) skips micro-batches and samples already trained:
-    the batch flow may send some again after a crash (:mod:`trainer.dedup`).
+    ``source(offsets)`` opens the input at the offsets of the checkpoint being resumed, or at None without one:
+    the caller's own start. ``policy.trained`` skips micro-batches and samples already trained.
 
     With ``cfg.adapter`` only that adapter's parameters train (the base is frozen), the adapter is active in the
-    forward pass, ``reference`` may be None (then the KL reference is the same model with no adapter active: the
-    base alone), and checkpoints are adapter checkpoints (:func:`trainer.lora.save_adapter`).
-
-    ``optimizer``: an AdamW over exactly the parameters this run trains, kept by a caller that trains in several
-    calls without checkpoints (the in-process experiments), so its moments carry over as a resumed run's do;
-    None = a new one (or the checkpoint's, when resuming).
-
-    ``served_by`` (a run of the shared policy only): the adapter on ``model`` that served a micro-batch's samples,
-    or None for the base alone. That adapter is active, frozen, in the micro-batch's forward pass: the base learns
-    from an adapted org's samples through the adapter that served them (what serves the org), so where the
-    adapter already follows the org's own habit the base is not pulled towards it. The KL term stays the one to
-    ``reference``. Needs pp = 1, as adapters do.
+    forward pass, ``policy.reference`` may be None (then the KL reference is the base alone), and checkpoints are
+    adapter checkpoints (:func:`trainer.lora.save_adapter`). Otherwise the adapters on the model, ``served_by``'s,
+    are neither trained nor checkpointed with it.
     """
+    hooks = hooks or Hooks()
+    model, reference, served_by = policy.model, policy.reference, hooks.served_by
     if cfg.updates_per_step < 1:
         raise ValueError(
             f"TrainConfig.updates_per_step = {cfg.updates_per_step!r} must be >= 1 (train.updates_per_step)"
         )
     if served_by is not None:
         if cfg.adapter:
-            raise ValueError("train(served_by=...) is for a run of the shared policy, not of an adapter")
+            raise ValueError("Hooks.served_by is for a run of the shared policy, not of an adapter")
         if Pipeline().size > 1:
-            raise ValueError("train(served_by=...) needs parallel.pp = 1 (LoRA adapters support pp = 1 only)")
+            raise ValueError("Hooks.served_by needs parallel.pp = 1 (LoRA adapters support pp = 1 only)")
         for name in lora.adapter_names(model):  # the serving adapters stay as they are: frozen
             for p in lora.adapter_parameters(model, name):
                 p.requires_grad_(False)
@@ -295,30 +192,39 @@ def train(
         restore = lora.activate(model, cfg.adapter)  # undone on return
     else:  # the base: adapters on the model (frozen, ``served_by``'s) are neither trained nor checkpointed with it
         params, restore = lora.base_parameters(model), None
-    if optimizer is not None:
-        given = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if policy.optimizer is not None:
+        given = {id(p) for group in policy.optimizer.param_groups for p in group["params"]}
         if given != {id(p) for p in params}:
-            raise ValueError("train(optimizer=...) must hold exactly the parameters this run trains")
-        opt = optimizer
+            raise ValueError("Policy.optimizer must hold exactly the parameters this run trains")
+        opt = policy.optimizer
     else:
-        opt = adamw(params, cfg)
-    step, offsets = 0, start
-    trained = trained if trained is not None else TrainedSet()
-    if resume and cfg.checkpoint_dir and (last := checkpoint.latest(cfg.checkpoint_dir)) is not None:
+        opt = optimizer(params, cfg)
+    step, offsets, policy_version, trained = 0, None, policy.version, policy.trained
+    if cfg.resume and cfg.checkpoint_dir and (last := checkpoint.latest(cfg.checkpoint_dir)) is not None:
         if cfg.adapter:
             extra = lora.load_adapter(last, model, cfg.adapter, opt, base=cfg.adapter_base or None).extra
         else:
             extra = checkpoint.load(last, model, opt)
         step, policy_version, offsets = extra["step"], extra["policy_version"], extra["offsets"]
         trained.restore(extra.get("trained", {}))
-    source = make_source(offsets)
+    opened = source(offsets)
     if reference is None and not cfg.adapter:
         raise ValueError("train() needs a reference model (only an adapter run may use the base as its own)")
     if reference is not None:
         reference.eval()
     try:
         return _train(
-            model, reference, source, opt, cfg, step, policy_version, on_step, should_stop, trained, served_by
+            model,
+            reference,
+            opened,
+            opt,
+            cfg,
+            step,
+            policy_version,
+            hooks.on_step,
+            hooks.should_stop,
+            trained,
+            served_by,
         )
     finally:
         if restore is not None:

@@ -115,7 +115,9 @@ def run(args: argparse.Namespace, name: str | None = None) -> None:
     from trainer.config import ModelConfig
     from trainer.data import BatchStream
     from trainer.model import build_model, init_parallel
-    from trainer.train import MemorySource, TrainConfig, train
+    from trainer.config import TrainConfig
+    from trainer.factory import Policy
+    from trainer.train import Hooks, MemorySource, train
 
     cfg = ModelConfig(seq_length=64, tie_embeddings=args.tie).with_parallel(tp=args.tp, pp=args.pp)
     info = init_parallel(cfg)
@@ -153,7 +155,7 @@ def run(args: argparse.Namespace, name: str | None = None) -> None:
             sys.stdout.write(msgspec.json.encode(record).decode() + "\n")
             sys.stdout.flush()
 
-    train(model, reference, make, tc, policy_version=1, on_step=emit)
+    train(Policy(model, reference, version=1), make, tc, Hooks(on_step=emit))
     if args.params:  # full parameters (gathered over tensor parallelism): sum and abs-sum per tensor
         total = {}
         for name, p in model.named_parameters():
