@@ -277,7 +277,8 @@ def simulated(s: dict, policy_version: int) -> list[str]:
 
 
 def cmd_flow(settings: Settings, args: argparse.Namespace, console: Console) -> int:
-    from app.parts import cluster_from, process_recovery_path, run_flow
+    from app.flow_state import cluster_from, process_recovery_path
+    from app.parts import run_flow
 
     # one process of a Bytewax cluster with -i/-a (or bytewax.run's environment: a StatefulSet's pod name)
     cluster = cluster_from(args.process_id, args.addresses)

@@ -404,7 +404,7 @@ class Loop:
     def start_flows(self) -> None:
         """Both flows as threads, with Bytewax recovery in ``<data_dir>/recovery/<name>`` (what ``--resume``
         continues from after a crash)."""
-        from app.parts import recovery_config
+        from app.flow_state import recovery_config
 
         for name, make in (("rewards", reward_flow), ("batches", batch_flow)):
             flow = make(self.settings, bootstrap=self.bootstrap, stop=self.stop, counts=self.flow_counts[name])

@@ -119,7 +119,7 @@ def _written(folder: Path) -> float:
 def prune_state(settings: Settings, now_s: float, dry_run: bool = False) -> tuple[list[Path], list[Path]]:
     """Delete the recovery folders and spill files retention does not keep (the module docstring says which);
     return them. A cluster's ``process-*`` folders go together or not at all: each is locked while they go."""
-    from app.parts import recovery_path
+    from app.flow_state import recovery_path
 
     days = settings.retention.state_days
     if days <= 0:
@@ -157,7 +157,7 @@ def prune_at_start(settings: Settings) -> list[Path]:
     import logging
     import time
 
-    from app.parts import recovery_path
+    from app.flow_state import recovery_path
 
     try:
         r = [recovery_path(settings, "rewards")]

@@ -171,7 +171,7 @@ class Supervisor:
             self.dsn, s.clickhouse.timeout_s, patience_s=max(60.0, 3 * s.clickhouse.timeout_s)
         )
         child = s.updated({"kafka.bootstrap": self.bootstrap, "clickhouse.dsn": self.dsn})
-        # no BYTEWAX_* cluster variable of this shell: each flow part here is a lone process (app.parts.cluster_from)
+        # no BYTEWAX_* cluster variable of this shell: each flow part here is a lone process (app.flow_state.cluster_from)
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("RTRL_", "BYTEWAX_"))} | as_env(child)
         self.env[SUPERVISOR_PID] = str(os.getpid())  # parts stop by themselves should this process die
 

@@ -286,7 +286,7 @@ def test_the_flows_are_bytewax_clusters_with_recovery_volumes_and_probes():
 def test_each_flow_pod_finds_its_place_in_the_cluster_from_the_manifests_environment():
     """What `rtrl flow` resolves from a pod's environment as the StatefulSet sets it: process id = the pod's
     ordinal, every process's address, and metrics on metrics.port (where the probes look) in every pod."""
-    from app.parts import cluster_from
+    from app.flow_state import cluster_from
 
     for sts in _kind("StatefulSet"):
         name, n = sts["metadata"]["name"], sts["spec"]["replicas"]

@@ -23,7 +23,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from app.parts import Cluster, cluster_from, process_recovery_path, recovery_config
+from app.flow_state import Cluster, cluster_from, process_recovery_path, recovery_config
 from devservices.broker import free_port, free_ports
 from rtrl.errors import ConfigError
 from rtrl.kafka import ensure_topics, read_topic
@@ -258,7 +258,7 @@ def test_a_recovery_folder_keeps_the_partition_keys_its_windows_were_made_under(
     under the old keys would never close); a folder from before the record resumes only where the keys are plain."""
     from bytewax.recovery import init_db_dir
 
-    from app.parts import KEYS_FILE, partition_keys
+    from app.flow_state import KEYS_FILE, partition_keys
 
     prefix = f"keys{free_port()}."
     ensure_topics(broker.bootstrap, prefix, 4)

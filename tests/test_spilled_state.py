@@ -282,7 +282,7 @@ def test_corrupt_or_foreign_state_file_is_a_clear_error(tmp_path):
 
 def test_state_dir_on_another_volume_is_refused(tmp_path):
     """`rtrl flow rewards` and the loop's part refuse a flow.state_dir on another volume than the recovery folder."""
-    from app.parts import check_state_volume
+    from app.flow_state import check_state_volume
     from rtrl.errors import ConfigError
     from rtrl.settings import load_settings
 
