@@ -497,7 +497,7 @@ def rollback_adapter(settings: Settings, bootstrap: str, ch: Any, org: str, vers
     adapter cycle trains from that."""
     from confluent_kafka import Producer
 
-    from app.loop import announce
+    from app.deployments import announce
     from rtrl.kafka import connection, producer_config
 
     db = settings.clickhouse.database

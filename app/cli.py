@@ -48,7 +48,8 @@ def _bootstrap(settings: Settings, clickhouse_too: bool = False) -> str:
 
 
 def cmd_run(settings: Settings, args: argparse.Namespace, console: Console) -> int:
-    from app.loop import fresh_start_plan, preflight, run_loop
+    from app.job import fresh_start_plan, preflight
+    from app.run import run_loop
 
     # refuses (one line) settings, a model or a data folder the run cannot use, before anything is announced,
     # deleted or started
@@ -69,7 +70,7 @@ def cmd_run(settings: Settings, args: argparse.Namespace, console: Console) -> i
 
 
 def cmd_rollback(settings: Settings, args: argparse.Namespace, console: Console) -> int:
-    from app.loop import rollback
+    from app.deployments import rollback
     from app.services import Services
 
     services = Services(settings)
@@ -423,7 +424,7 @@ def cmd_fleet(settings: Settings, args: argparse.Namespace, console: Console) ->
 def cmd_model_init(settings: Settings, args: argparse.Namespace, console: Console) -> int:
     from pathlib import Path
 
-    from app.loop import loop_model_config
+    from app.serving import loop_model_config
     from trainer.hf.config import new_hf_config
     from trainer.hf.export import init_hf
     from trainer.model import init_parallel

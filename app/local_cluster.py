@@ -135,7 +135,8 @@ def announce_v0(settings: Any, ch: Any) -> None:
     """The untrained policy as the promoted v0 (checkpoint and announcement), for the policy server to serve."""
     from confluent_kafka import Producer
 
-    from app.loop import announce, loop_model_config
+    from app.deployments import announce
+    from app.serving import loop_model_config
     from rtrl.kafka import connection, producer_config
     from schemas.records import Checkpoint
     from trainer import checkpoint
@@ -181,7 +182,7 @@ def _rows(ch: Any, sql: str) -> list[tuple]:
 
 
 def run(config: str | None, steps: int, timeout_s: float, out=print) -> int:
-    from app.loop import fresh_start
+    from app.job import fresh_start
     from app.loop_config import loop_settings
     from app.supervisor import Supervisor
     from rtrl.files import write_private

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 import torch
 
 from app.inprocess import MINUTE, InProcessLoop
-from app.loop import loop_model_config, loop_settings
+from app.loop_config import loop_settings
+from app.serving import loop_model_config
 from client.sdk import Trajectory
 from rtrl.settings import Settings, as_env, load_settings
 from simulator.policy import greedy, sample, solve_probability, warm_start

@@ -23,7 +23,7 @@ A cycle:
    ClickHouse; an alert rejects it. Promotion or rejection, with the reason, goes to ClickHouse
    ``checkpoints`` and ``rtrl.deployments`` (a promoted Hugging Face model is first exported to the model
    registry, :mod:`trainer.registry`, and the announcement names the export and its hash); a rejected
-   candidate's weights are dropped unless ``loop.reset_on_reject`` is off. :func:`rollback` (``rtrl rollback``)
+   candidate's weights are dropped unless ``loop.reset_on_reject`` is off. :func:`app.deployments.rollback` (``rtrl rollback``)
    undoes a promotion.
 
 The trainer checkpoints every ``loop.checkpoint_every`` steps within a cycle and writes
@@ -41,7 +41,7 @@ import random
 import shutil
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -52,18 +52,15 @@ from bytewax.testing import run_main
 from confluent_kafka import Producer
 from rich.console import Console
 
-from app.adapters import AdapterDecision, OrgAdapters, ServedThrough, describe
-from app.loop_config import (  # noqa: F401  # re-exported: app.loop is where callers found them
-    LOOP_FIXED,
-    LOOP_OWNS,
-    MICRO_BATCHES_PER_STEP,
-    ROWS,
+from app.adapters import AdapterDecision, OrgAdapters, ServedThrough
+from app.deployments import announce
+from app.job import FinalAB, final_ab
+from app.loop_config import (
     SAMPLES_PER_STEP,
-    SEQ_LEN,
     cycle_run_id,
     loop_settings,
 )
-from client.screening import screen_for
+from app.serving import loop_model_config, policy_server, serve_until
 from client.sdk import RtrlClient
 from evalgate import EvalSuite, GateRules, run_gate
 from flows.batch_flow import build_flow as batch_flow
@@ -73,32 +70,31 @@ from flows.reward_flow import build_flow as reward_flow
 from flows.reward_flow import summary as reward_summary
 from flows.reward_versions import register_settings
 from monitors.alerts import MismatchRule
-from monitors.queries import ABRow, Side, cohort_users, live_ab, user_sums, users_of
+from monitors.queries import Side, cohort_users, user_sums, users_of
 from monitors.stats import CohortMonitor, Sequential
 from rewards.versions import registry
 from rtrl import clickhouse, metrics
-from rtrl.errors import ConfigError, ServiceUnavailable
-from rtrl.files import RUN_PARTS, check_cleanable, data_folder, private_dir, write_private
-from rtrl.kafka import connection, producer_config, read_topic
+from rtrl.errors import ConfigError
+from rtrl.files import private_dir, write_private
+from rtrl.kafka import connection, producer_config
 from rtrl.settings import Settings
-from schemas.codec import Invalid, JsonCodec
-from schemas.records import Checkpoint, CheckpointStatus, Experiment, TrainStep
+from schemas.codec import JsonCodec
+from schemas.records import Checkpoint, CheckpointStatus, TrainStep
 from simulator.evalsuite import HeldOutTasks
 from simulator.policy import warm_start
 from simulator.serve import PolicyServer
-from simulator.tasks import VOCAB, conventions_for, sample_task
-from simulator.tasks import decode as decode_tokens
+from simulator.tasks import conventions_for, sample_task
 from trainer import checkpoint
 from trainer.batch import BatchLimits
-from trainer.config import ModelConfig, PrecisionConfig, TrainConfig
+from trainer.config import TrainConfig
 from trainer.data import BatchStream
 from trainer.dedup import TrainedSet
-from trainer.factory import Policy, build, build_policy, model_config
+from trainer.factory import Policy, build_policy
 from trainer.registry import export_checkpoint
 from trainer.train import Hooks, train
 
 if TYPE_CHECKING:
-    from app.services import Services
+    pass
 
 log = logging.getLogger("rtrl.loop")
 
@@ -158,90 +154,6 @@ def requested_reward(settings: Settings, cycle: int) -> str:
     return wanted
 
 
-def loop_model_config(settings: Settings) -> tuple[ModelConfig, PrecisionConfig]:
-    """The policy every part of the loop builds (trainer, reference, policy server): the settings'
-    ``model`` and ``precision`` sections (the tiny fp32 CPU model by default) over the simulator's
-    vocabulary."""
-    cfg, precision = model_config(loop_settings(settings, trains=False))  # train.* is not the model's
-    if cfg.vocab_size != VOCAB:  # only with model.hf_path: otherwise LOOP_FIXED set it
-        raise ConfigError(
-            f"model.hf_path {settings.model.hf_path} has a vocabulary of {cfg.vocab_size:,} tokens; the closed loop's "
-            f"tasks use the simulator's {VOCAB}-token vocabulary; fix: give a checkpoint with vocab_size {VOCAB} "
-            "(`rtrl model init DIR` writes one), or train other models with rtrl train"
-        )
-    return replace(cfg, seed=cfg.seed + settings.loop.seed), precision
-
-
-def policy_server(settings: Settings, bootstrap: str, client: RtrlClient, seed: int) -> PolicyServer:
-    """The loop's policy server (a candidate arm's model too in A/B mode). It samples over HTTP from
-    ``serving.url`` (vLLM, SGLang), or with that empty from the project's own completions server over the
-    policy built here (:mod:`simulator.openai_server`)."""
-    ls, sv = settings.loop, settings.serving
-    cfg, precision = loop_model_config(settings)
-    if client.screen is None:  # its rollouts are screened for secrets in the tokens the model reads
-        client.screen = screen_for(settings.governance.secret_scanner, settings.model.hf_path, decode_tokens)
-    own = not sv.url  # an external server holds the weights: nothing to build here
-    api_key = None
-    if sv.api_key_file:
-        try:
-            api_key = Path(sv.api_key_file).read_text(encoding="utf-8").strip()
-        except OSError as e:
-            raise ConfigError(
-                f"serving.api_key_file {sv.api_key_file} cannot be read ({e.strerror or e}); fix: name a readable "
-                "file holding the server's API key, or leave serving.api_key_file empty"
-            ) from None
-    return PolicyServer(
-        connection(settings.kafka, bootstrap),
-        settings.kafka.topic_prefix,
-        client,
-        build(cfg, precision) if own else None,
-        [f"org-{i}" for i in range(ls.orgs)],
-        seed=seed,
-        users_per_org=ls.users_per_org,
-        conventions=conventions_for(ls.orgs, ls.specialised_orgs),  # orgs whose reviewers have habits of their own
-        max_adapters=settings.adapters.max_loaded,
-        hard_share=ls.hard_share,
-        compression=settings.kafka.compression,
-        # A/B mode's candidates, and the final A/B's v0
-        candidate_model=build(cfg, precision) if own and (ls.ab_share > 0 or ls.final_ab_trajectories) else None,
-        model_config=cfg if own and cfg.hf_config is not None else None,  # its server reloads registry exports
-        url=sv.url,
-        model_name=sv.model,
-        candidate_name=sv.candidate_model,
-        timeout_s=sv.timeout_s,
-        retries=sv.retries,
-        api_key=api_key,
-        ab=ls.ab_share > 0,
-    )
-
-
-def serve_until(server: PolicyServer, ls, stop: threading.Event) -> None:
-    """Serve ``loop.rate`` tasks/s with a quota of ``loop.samples_per_cycle`` per decision until ``stop``."""
-    server.run(
-        stop,
-        lambda m, p: checkpoint.load(p, m, restore_rng=False),
-        ls.rate,
-        ls.group_size,
-        quota=ls.samples_per_cycle,
-        candidate_share=ls.ab_share,
-    )
-
-
-def cycle_progress(console: Console, label: str = "cycles"):
-    """The main job's progress bar: over cycles (``info`` says what serves), or ``label`` (the final A/B's
-    trajectories per arm)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(
-        TextColumn(label),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-        console=console,
-    )
-
-
 class Stopped(Exception):
     """The loop was asked to stop (SIGTERM/SIGINT) mid-cycle: the trainer saved what it trained (its step
     checkpoint, with the offsets and what it has seen) and made no decision; a restart resumes there."""
@@ -291,23 +203,6 @@ AB_GUARDS: dict[str, str] = {
     "dissatisfied_rate": "increase",
     "latency_mean_ms": "increase",
 }
-
-
-@dataclass
-class FinalAB:
-    """The main job's final live A/B (:meth:`Loop.final_ab`): the final version against v0, users split by hash."""
-
-    final: int
-    since_ms: int
-    trajectories: dict[str, int]
-    """trajectories per arm ('ab-v0', 'ab-final') in ClickHouse when it ended"""
-    rows: list[ABRow]
-    seconds: float
-    wanted: int
-
-
-#: the final A/B's arms: v0 (the baseline) and the final version
-FINAL_ARMS = {"baseline": "ab-v0", "treatment": "ab-final"}
 
 
 def loop_gate_rules(settings: Settings) -> GateRules:
@@ -773,7 +668,7 @@ class Loop:
         return True, f"{offline}; A/B on {n} trajectories, {looks} looks, no metric worse ({seen})"
 
     def final_ab(self, console: Console) -> FinalAB | str:
-        """The main job's ending (:func:`final_ab`) with this loop's producer, its final version and stop event."""
+        """The main job's ending (:func:`app.job.final_ab`) with this loop's producer, its final version and stop event."""
         return final_ab(self.settings, self.ch, self.producer, console, self.serving, self.stop)
 
     def close(self) -> None:
@@ -782,279 +677,3 @@ class Loop:
             self.server.close()
             self.client.close()
         self.producer.flush(10)
-
-
-def final_ab(
-    settings: Settings,
-    ch,
-    producer: Producer,
-    console: Console,
-    final: int,
-    stop: threading.Event | None = None,
-) -> FinalAB | str:
-    """The main job's ending: the final version (what serves) and v0 serve side by side as a live A/B, each user in
-    one arm by the hash of the user id and the experiment's key (:func:`simulator.serve.ab_bucket`, 50/50), until
-    each arm has ``loop.final_ab_trajectories`` trajectories in ClickHouse (or ``loop.final_ab_max_s`` passed);
-    then per metric the relative change, its 95% interval and p-value over users, from the analyst views
-    (:func:`monitors.queries.live_ab`). The experiment is announced on ``rtrl.experiments`` (running, then ended),
-    so a policy server in its own process (``loop.processes``) serves it as one in this process does. A line
-    saying why when it cannot run."""
-    ls, rv, db = settings.loop, settings.rewards.train_version, settings.clickhouse.database
-    if not ls.final_ab_trajectories:
-        return "no final A/B (loop.final_ab_trajectories = 0)"
-    if final == 0:
-        return "no final A/B: no candidate was promoted, v0 still serves"
-    if settings.serving.url:
-        return "no final A/B: serving.url names an external server, which serves one version (run it yourself)"
-    since = time.time_ns() // 1_000_000
-    running = Experiment(
-        key=f"final-ab-{ls.seed}-v{final}-v0",
-        status="running",
-        created_at=since,
-        share=0.5,
-        serving_version=final,
-        serving_arm=FINAL_ARMS["treatment"],
-        candidate_version=0,
-        candidate_path=str(settings.data_path / "loop" / "checkpoints" / "v0"),
-        candidate_arm=FINAL_ARMS["baseline"],
-    )
-
-    t0, wanted = time.monotonic(), ls.final_ab_trajectories
-    counts = dict.fromkeys(FINAL_ARMS.values(), 0)
-    try:
-        announce_experiments(settings, producer, [running])
-        with cycle_progress(console, f"final A/B v{final} vs v0") as bar:
-            task = bar.add_task("ab", total=wanted, info="trajectories in the smaller arm")
-            while time.monotonic() < t0 + ls.final_ab_max_s and not (stop is not None and stop.is_set()):
-                got = ch.query(
-                    f"SELECT arm, count() FROM {db}.trajectories FINAL WHERE arm IN {{arms:Array(String)}} "
-                    "AND first_event_ts >= fromUnixTimestamp64Milli({since:Int64}) GROUP BY arm",
-                    parameters={"arms": list(FINAL_ARMS.values()), "since": since},
-                ).result_rows
-                counts |= {str(a): int(n) for a, n in got}
-                bar.update(task, completed=min(wanted, min(counts.values())))
-                if min(counts.values()) >= wanted:
-                    break
-                time.sleep(1.0)
-    finally:  # whatever ended it; a failure to say so must not hide why (the next run ends it)
-        try:
-            ended = msgspec.structs.replace(running, status="ended", created_at=time.time_ns() // 10**6)
-            announce_experiments(settings, producer, [ended])
-        except ServiceUnavailable as e:
-            console.print(f"warning: {e}; the next `rtrl run` ends it", markup=False, highlight=False)
-    rows = live_ab(ch, db, Side(0, FINAL_ARMS["baseline"]), Side(final, FINAL_ARMS["treatment"]), rv, since_ms=since)
-    return FinalAB(final, since, counts, rows, time.monotonic() - t0, wanted)
-
-
-def end_running_experiments(settings: Settings, bootstrap: str, producer: Producer) -> list[str]:
-    """Announce ``ended`` for every experiment ``rtrl.experiments`` still has as running: a run stopped during its
-    final A/B (kill -9, a lost broker) leaves one, which a policy server would serve again once its serving
-    version serves. The main job calls it before it serves anything; returns the keys it ended."""
-    codec: JsonCodec[Experiment] = JsonCodec(Experiment)
-    newest: dict[str, Experiment] = {}
-    for msg in read_topic(
-        connection(settings.kafka, bootstrap), settings.topic("experiments"), timeout_s=settings.kafka.timeout_s
-    ):
-        try:
-            exp = codec.decode(msg.value())
-        except Invalid:
-            continue
-        newest[exp.key] = exp
-    stale = [e for e in newest.values() if e.status == "running"]
-    now = time.time_ns() // 1_000_000
-    ended = [msgspec.structs.replace(e, status="ended", created_at=max(now, e.created_at)) for e in stale]
-    announce_experiments(settings, producer, ended)
-    return [e.key for e in stale]
-
-
-def announce_experiments(settings: Settings, producer: Producer, experiments: list[Experiment]) -> None:
-    """Publish ``experiments`` on ``rtrl.experiments`` (keyed by experiment) and wait for the broker's
-    acknowledgement; ServiceUnavailable naming the topic when it does not come within 30 s."""
-    if not experiments:
-        return
-    topic = settings.topic("experiments")
-    codec: JsonCodec[Experiment] = JsonCodec(Experiment)
-    for exp in experiments:
-        producer.produce(topic, key=exp.key.encode(), value=codec.encode(exp))
-    if producer.flush(30):
-        raise ServiceUnavailable(f"announcing {len(experiments)} experiment(s) on {topic} did not finish within 30s")
-
-
-def rollback(settings: Settings, bootstrap: str, ch, version: int, reason: str) -> Checkpoint:
-    """Mark ``version`` rolled back and re-promote its parent (what ``rtrl rollback`` does)."""
-    db = settings.clickhouse.database
-    rows = {c.version: c for c in clickhouse.select(ch, db, "checkpoints")}
-    if version not in rows:
-        known = ", ".join(f"v{v}" for v in sorted(rows)) or "none (run `rtrl run` first)"
-        raise ConfigError(f"no checkpoint v{version} in {db}.checkpoints; known versions: {known}")
-    bad = rows[version]
-    if bad.parent is None:
-        raise ConfigError(f"v{version} has no parent to roll back to (it is the warm start)")
-    parent = rows[bad.parent]
-    producer = Producer(producer_config(connection(settings.kafka, bootstrap), settings.kafka.compression))
-    now = time.time_ns() // 1_000_000
-    back = msgspec.structs.replace(bad, status="rolled_back", reason=reason, created_at=now)
-    announce(settings, ch, producer, back)
-    announce(
-        settings,
-        ch,
-        producer,
-        msgspec.structs.replace(
-            parent, status="promoted", reason=f"re-promoted: rollback of v{version}", created_at=now + 1
-        ),
-    )
-    return back
-
-
-def announce(settings: Settings, ch, producer: Producer, ck: Checkpoint) -> None:
-    """Record a checkpoint decision in ClickHouse ``checkpoints`` (an org's adapter: ``adapter_checkpoints``) and
-    publish it on ``rtrl.deployments``, keyed by version (an adapter: by org and version)."""
-    clickhouse.insert(ch, settings.clickhouse.database, "adapter_checkpoints" if ck.org else "checkpoints", [ck])
-    codec: JsonCodec[Checkpoint] = JsonCodec(Checkpoint)
-    key = f"{ck.org}/{ck.version}" if ck.org else str(ck.version)
-    producer.produce(settings.topic("deployments"), key=key.encode(), value=codec.encode(ck))
-    if producer.flush(30):
-        raise RuntimeError("deployment announcement not acknowledged")
-    metrics.observe_decision(ck.status, ck.org, ck.version, "train")
-
-
-def run_loop(settings: Settings, console: Console | None = None, resume: bool = False) -> list[dict]:
-    """The main job: ``loop.cycles`` cycles on the configured services, then the table and plots
-    (with ``loop.processes``, every part in its own process: :func:`app.supervisor.run_processes`).
-    Without ``resume`` it starts afresh (:func:`fresh_start`); with it, it continues the run the data
-    folder holds - its decisions, the flows' recovery state, the topics and tables - up to ``loop.cycles``."""
-    from app.services import Services
-
-    console = console or Console()
-    settings = loop_settings(settings)  # refuses settings the loop cannot honour before anything starts
-    if settings.loop.processes:
-        from app.supervisor import run_processes
-
-        return run_processes(settings, console, resume=resume)
-    console.rule("[bold]rtrl main job: the closed loop")
-    if resume:
-        preflight(settings)
-    else:
-        fresh_start(settings)
-    torch.set_num_threads(1)  # the policy server, the flows and the broker share the cores
-    t0 = time.monotonic()
-    services = Services(settings)
-    try:  # the local broker stops whatever ends the run (Ctrl-C included, a metrics port in use too)
-        with metrics.serve_part(settings, "run") as endpoint:  # one process: every part's metrics on one endpoint
-            endpoint.ready()
-            return _run_in_process(settings, services, console, resume, t0)
-    finally:
-        services.close()
-
-
-def _run_in_process(settings: Settings, services: Services, console: Console, resume: bool, t0: float) -> list[dict]:
-    loop = Loop(settings, services.bootstrap, services.ch)
-    ls, rv = loop.settings.loop, loop.settings.rewards.train_version
-    try:
-        console.print(
-            f"broker {services.bootstrap} · ClickHouse {clickhouse.redact(settings.clickhouse_dsn)} · "
-            f"training on reward {rv} · {ls.cycles} cycles of {ls.samples_per_cycle:,} samples"
-            + (f" · model from {loop.settings.model.hf_path}" if loop.settings.model.hf_path else "")
-        )
-        # before anything serves (the policy server reads the experiments once its thread starts)
-        for key in end_running_experiments(loop.settings, services.bootstrap, loop.producer):
-            console.print(f"ended experiment {key}, left running by an earlier run", highlight=False)
-        if resume and loop.resume():
-            console.print(f"resumed: {loop.version} decisions made, serving v{loop.serving}")
-        else:
-            loop.initial()
-            console.print(
-                f"v0 (warm start): held-out solve rate {loop.evals[0]['solve_rate']:.3f}, broken calls "
-                f"{loop.evals[0]['broken_tool_call_rate']:.3f}"
-            )
-        loop.start_flows()
-        loop.start_server()
-        with cycle_progress(console) as bar:
-            task = bar.add_task("loop", total=ls.cycles, completed=loop.version, info="")
-            while loop.version < ls.cycles:
-                r = loop.cycle()
-                colour = "green" if r.status == "promoted" else "red"
-                bar.console.print(
-                    f"v{r.version} <- v{r.parent}: [{colour}]{r.status}[/] after {len(r.steps)} steps "
-                    f"({r.seconds['train']:.0f}s): {r.reason}"
-                )
-                for a in r.adapters:
-                    bar.console.print(describe(a, markup=True), highlight=False)
-                bar.update(
-                    task,
-                    advance=1,
-                    info=f"serving v{loop.serving}, held-out solve {loop.evals[loop.serving]['solve_rate']:.3f}",
-                )
-        ab = loop.final_ab(console)  # the seed's table: the final version against v0, live
-    finally:
-        loop.close()
-    if loop.threads:  # the flows ran (and have stopped): what they moved
-        for line in loop.flow_summaries():
-            console.print(line, highlight=False, soft_wrap=True)
-    return final_report(settings, services.ch, console, t0, ab)
-
-
-def preflight(settings: Settings, trains: bool = True) -> None:
-    """Refuse (ConfigError, one line) what would stop the main job, before anything is deleted or started.
-
-    It checks the settings (:func:`loop_settings`; ``trains`` as there) and the model. With ``model.hf_path`` the
-    checkpoint's family, vocabulary, shape settings and parallel layout are checked, and its tensors' shapes from
-    the files' headers. It checks the data folder too: rtrl's own, and a folder."""
-    cfg, _ = loop_model_config(loop_settings(settings, trains=trains))
-    if cfg.hf_path:
-        from trainer.hf.load import check_hf
-
-        check_hf(cfg)
-    check_cleanable(settings.data_path)
-
-
-def fresh_start_plan(settings: Settings, trains: bool = True) -> list[Path]:
-    """The folders :func:`fresh_start` deletes (those that exist): a previous run's loop state, flow recovery
-    and logs; on the embedded defaults its broker, ClickHouse and event archive too (with a cluster and a server
-    configured, those are theirs; the archive's Kafka offsets belong to the broker's history, which a backfill
-    replays, so it goes with the broker). First :func:`preflight`: a run that cannot start deletes nothing."""
-    preflight(settings, trains)
-    embedded = not settings.kafka.bootstrap and not settings.clickhouse.dsn
-    parts = [p for p in RUN_PARTS if embedded or p not in ("broker", "clickhouse", "archive")]
-    return [settings.data_path / p for p in parts if (settings.data_path / p).exists()]
-
-
-def fresh_start(settings: Settings, trains: bool = True) -> list[Path]:
-    """The main job starts afresh: deletes :func:`fresh_start_plan`'s folders, returned."""
-    doomed = fresh_start_plan(settings, trains)
-    for folder in doomed:
-        shutil.rmtree(folder, ignore_errors=True)
-    data_folder(settings.data_path)
-    return doomed
-
-
-def final_report(settings: Settings, ch, console: Console, t0: float, ab: FinalAB | str | None = None) -> list[dict]:
-    """How the main job ends: three summary lines (v0 -> the final version, promotions and refusals), the seed's
-    table (the final live A/B, :meth:`Loop.final_ab`), the table per checkpoint from ClickHouse and the PNG plots."""
-    from app import report
-
-    rv = settings.rewards.train_version
-    rows = report.checkpoint_rows(ch, settings.clickhouse.database, rv)
-    final_ab = ab if isinstance(ab, FinalAB) else None
-    for line in report.summary_lines(ch, settings.clickhouse.database, rows, rv, ab=final_ab):
-        console.print(line, markup=False, highlight=False, soft_wrap=True)
-    if final_ab is not None:
-        console.print(report.final_ab_table(final_ab, rv))
-        png = report.final_ab_plot(final_ab, settings.data_path / "reports" / "final_ab.png", rv)
-        console.print(f"final A/B plot: {png}")
-    elif isinstance(ab, str):
-        console.print(ab, markup=False, highlight=False)
-    console.print(
-        report.checkpoint_table(
-            rows, f"Checkpoints (reward {rv}): eval gate, live behaviour from ClickHouse, change vs v0"
-        )
-    )
-    png = report.checkpoint_plot(rows, settings.data_path / "reports" / "loop.png", f"The closed loop (reward {rv})")
-    console.print(f"plots: {png}")
-    adapters = report.adapter_rows(ch, settings.clickhouse.database)
-    if adapters:  # per-org adapters (adapters.orgs): what serves each org, against the base alone
-        console.print(report.adapter_table(adapters))
-        png = report.adapter_plot(adapters, settings.data_path / "reports" / "adapters.png")
-        console.print(f"per-org plot: {png}")
-    console.print(f"done in {time.monotonic() - t0:.0f}s")
-    return rows

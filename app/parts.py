@@ -54,26 +54,6 @@ from rtrl.settings import Settings, load_settings
 PARTS = ("rewards", "batches", "serve", "train")
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def run_flow(
     settings: Settings,
     name: str,
@@ -147,7 +127,7 @@ def serve(settings: Settings, bootstrap: str) -> None:
 
     import torch
 
-    from app.loop import loop_model_config, policy_server, serve_until
+    from app.serving import loop_model_config, policy_server, serve_until
     from client.sdk import RtrlClient
     from trainer.model import init_parallel
 

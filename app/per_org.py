@@ -63,7 +63,8 @@ import msgspec
 import torch
 
 from app.inprocess import InProcessLoop, train_steps
-from app.loop import loop_model_config, loop_settings
+from app.loop_config import loop_settings
+from app.serving import loop_model_config
 from client.sdk import Trajectory
 from evalgate.adapters import AdapterLedger, decide_adapter
 from flows.adapters import OrgRouter, unrouted

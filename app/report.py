@@ -372,7 +372,7 @@ def summary_lines(ch: Any, database: str, rows: list[dict[str, Any]], reward_ver
     """Three lines of at most 100 characters: v0 -> the final version for the headline metrics (edit persistence,
     dissatisfied follow-ups, mean latency: per user, relative change in % with its 95% interval), the reward
     difference, and the count of promotions and refusals. With ``ab`` (the main job's final live A/B,
-    :class:`app.loop.FinalAB`) the figures are the A/B's, users randomised between v0 and the final version;
+    :class:`app.job.FinalAB`) the figures are the A/B's, users randomised between v0 and the final version;
     without, before/after: the versions served at different times.
     ``rows``: :func:`checkpoint_rows`."""
     promoted = [r for r in rows[1:] if r["status"] == "promoted"]
@@ -433,7 +433,7 @@ def _value(metric: str, v: float) -> str:
 
 
 def final_ab_table(ab: Any, reward_version: str) -> Table:
-    """The seed post's table from the main job's final live A/B (:class:`app.loop.FinalAB`): per metric v0's and
+    """The seed post's table from the main job's final live A/B (:class:`app.job.FinalAB`): per metric v0's and
     the final version's figure, the relative change with its 95% interval and the p-value (per user, the delta
     method; the reward's change is its difference, a reward's sign can change)."""
     arms = list(ab.trajectories.values())

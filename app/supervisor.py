@@ -37,7 +37,9 @@ from typing import Any
 
 from confluent_kafka import Producer
 
-from app.loop import FinalAB, end_running_experiments, final_ab, loop_settings
+from app.deployments import end_running_experiments
+from app.job import FinalAB, final_ab
+from app.loop_config import loop_settings
 from app.parts import PARTS, SUPERVISOR_PID, PatientClickHouse
 from app.services import Services, spawn_embedded_clickhouse
 from rtrl import clickhouse
@@ -293,7 +295,7 @@ class Supervisor:
             raise ServiceUnavailable(self.failure)
 
     def final_ab(self, console) -> FinalAB | str:
-        """The main job's final live A/B (:func:`app.loop.final_ab`) while the parts still run: the final version
+        """The main job's final live A/B (:func:`app.job.final_ab`) while the parts still run: the final version
         comes from the trainer's state file, the experiment goes to the serve part over ``rtrl.experiments``."""
         try:
             final = int(self._state()["serving"])
@@ -366,7 +368,7 @@ class Supervisor:
 def run_processes(settings: Settings, console, resume: bool = False) -> list[dict]:
     """The main job with every part in its own process: progress from ClickHouse, then the same table and
     plots. With ``resume`` the data folder of a crashed run is kept and every part continues from it."""
-    from app.loop import cycle_progress, final_report, fresh_start, preflight
+    from app.job import cycle_progress, final_report, fresh_start, preflight
 
     console.rule("[bold]rtrl main job: the closed loop, one process per part")
     if resume:

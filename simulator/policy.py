@@ -1,6 +1,6 @@
 """The simulated agent's policy: a tiny Megatron-Core GPTModel over the task vocabulary.
 
-The model's shape comes from settings (``app.loop.loop_model_config``); ``warm_start`` imitates a plausible initial
+The model's shape comes from settings (``app.serving.loop_model_config``); ``warm_start`` imitates a plausible initial
 agent (mostly valid tool calls, some broken ones, some questions, edits right a little more often
 than chance) so that the loop starts from a policy worth improving; ``sample`` draws completions
 from the full softmax with the log-prob of every sampled token (what the trainer recomputes for

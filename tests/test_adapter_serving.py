@@ -264,7 +264,7 @@ def test_a_promoted_adapter_is_exported_in_peft_format_and_the_fleet_serves_it(
     import transformers
     from confluent_kafka import Producer
 
-    from app.loop import announce
+    from app.deployments import announce
     from client.fleet import FleetFollower, ReloadClient, adapter_model_name, content_sha256
     from rtrl.kafka import producer_config
     from tests.test_registry import TOKENS, _ck, _hf_folder, _settings

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from app.loop import loop_settings
+from app.loop_config import loop_settings
 from app.parts import PARTS
 from app.supervisor import CLICKHOUSE, Supervisor
 from flows.processor import Message, RewardProcessor

@@ -14,7 +14,8 @@ from collections import Counter
 
 import pytest
 
-import app.loop
+import app.job
+import app.run
 from app.cli import _version, distribution_version, parser
 from rtrl.files import MARKER, data_folder
 from rtrl.settings import load_settings
@@ -173,10 +174,10 @@ def no_loop(monkeypatch):
     def run_loop(settings, console=None, resume=False):
         calls.append(resume)
         if not resume:
-            app.loop.fresh_start(settings)
+            app.job.fresh_start(settings)
         return []
 
-    monkeypatch.setattr(app.loop, "run_loop", run_loop)
+    monkeypatch.setattr(app.run, "run_loop", run_loop)
     return calls
 
 
@@ -194,7 +195,7 @@ def test_keep_data_deletes_nothing(flag, tmp_path, no_loop, capsys, monkeypatch)
 def test_run_says_what_it_deletes(tmp_path, no_loop, capsys, monkeypatch):
     data = _marked_data_folder(tmp_path)
     expected = [data / p for p in ("broker", "clickhouse", "archive", "loop", "recovery", "logs")]
-    assert app.loop.fresh_start_plan(load_settings(env={"RTRL_DATA_DIR": str(data)})) == expected
+    assert app.job.fresh_start_plan(load_settings(env={"RTRL_DATA_DIR": str(data)})) == expected
     rc, lines = _cli(["run"], {"RTRL_DATA_DIR": str(data)}, capsys, monkeypatch)
     assert rc == 0 and no_loop == [False], lines
     assert lines == [f"fresh start: deleting {', '.join(map(str, expected))} (keep them: --keep-data)"]
@@ -560,7 +561,7 @@ def test_the_summary_quotes_the_final_live_ab_when_there_is_one(tmp_path):
     import numpy as np
 
     from app import report
-    from app.loop import FinalAB
+    from app.job import FinalAB
     from monitors.queries import LIVE_AB_METRICS, ABRow
     from monitors.stats import Users, compare
 

@@ -5,7 +5,7 @@ here: every refusal it can know up front comes first, as one error line with exi
 data survives it. The refusal classes are the settings, the model folder (family, vocabulary, shape settings,
 parallel layout, the tensors' shapes, missing weights) and the data folder. The same holds with ``--resume``,
 and for the main job's other entry points (``run_loop``, processes mode, the local cluster), which all go
-through :func:`app.loop.preflight`. Model folders are real: a ``config.json`` as transformers writes one and a
+through :func:`app.job.preflight`. Model folders are real: a ``config.json`` as transformers writes one and a
 ``model.safetensors`` with every tensor the config names, written here (no download).
 """
 
@@ -18,7 +18,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import app.loop
+import app.job
+import app.run
 import app.services
 from rtrl.errors import ConfigError
 from rtrl.files import MARKER, data_folder
@@ -146,9 +147,9 @@ def test_every_entry_point_of_the_main_job_checks_before_it_deletes(tmp_path, no
     for processes in ("false", "true"):
         settings = load_settings(env=env | {"RTRL_LOOP__PROCESSES": processes})
         with pytest.raises(ConfigError, match="model_type"):
-            app.loop.run_loop(settings)
+            app.run.run_loop(settings)
     with pytest.raises(ConfigError, match="model_type"):
-        app.loop.fresh_start(load_settings(env=env), trains=False)
+        app.job.fresh_start(load_settings(env=env), trains=False)
     assert _survived(data) and nothing_starts == []
     good = load_settings(env={"RTRL_DATA_DIR": str(data), "RTRL_MODEL__HF_PATH": str(_checkpoint(tmp_path / "ok"))})
-    app.loop.preflight(good)  # no error: the refusals above are the model's
+    app.job.preflight(good)  # no error: the refusals above are the model's

@@ -515,7 +515,7 @@ def test_rtrl_model_init_writes_a_checkpoint_transformers_loads(family, tmp_path
 def test_the_loop_refuses_a_checkpoint_whose_vocabulary_is_not_the_tasks(checkpoints):
     """`rtrl run` with model.hf_path: the simulator's tasks need its 32-token vocabulary; another checkpoint is one
     error naming the loop and the fix (not a disagreement with a model.vocab_size the user never set)."""
-    from app.loop import loop_model_config
+    from app.serving import loop_model_config
 
     folder, _ = checkpoints("qwen2", False)
     with pytest.raises(ConfigError, match=r"vocabulary of 100 tokens; the closed loop's tasks use the simulator's 32"):

@@ -453,7 +453,8 @@ def test_exact_solve_probability_matches_sampled_completions():
 
     import torch
 
-    from app.loop import loop_model_config, loop_settings
+    from app.loop_config import loop_settings
+    from app.serving import loop_model_config
     from simulator.policy import sample, solve_probability, warm_start
     from simulator.tasks import KINDS, held_out, sample_task, score
     from trainer.model import build_model, init_parallel

@@ -326,7 +326,7 @@ def test_rtrl_run_never_cleans_a_folder_it_did_not_create(tmp_path):
     (project / "logs" / "keep.txt").write_text("mine")
     with pytest.raises(ConfigError, match="was not created by rtrl"):
         check_cleanable(project)
-    from app.loop import fresh_start
+    from app.job import fresh_start
 
     with pytest.raises(ConfigError, match="was not created by rtrl"):
         fresh_start(load_settings(env={"RTRL_DATA_DIR": str(project)}))

@@ -160,7 +160,7 @@ def test_solve_probability_counts_only_the_tool_the_org_wants():
     required tool, the org's tool alone for one with (the greedy and sampled scores agree)."""
     import torch
 
-    from app.loop import loop_model_config
+    from app.serving import loop_model_config
     from simulator.policy import _logits, solve_probability
     from trainer.model import build_model, init_parallel
 
@@ -767,10 +767,10 @@ def test_the_batch_flow_sends_a_wanted_orgs_batches_to_its_adapter_topic_after_i
 
 @pytest.mark.slow  # ~10 s on 2 cores: a policy model and its completions server
 def test_the_loops_policy_server_asks_specialised_orgs_tasks_under_their_convention(broker, topic_prefix, monkeypatch):
-    """loop.specialised_orgs reaches the policy server (app.loop.policy_server): the tasks it serves carry their
+    """loop.specialised_orgs reaches the policy server (app.serving.policy_server): the tasks it serves carry their
     org's required tool on the org's convention kinds and none elsewhere; the prompts do not show it."""
     import simulator.serve as serve
-    from app.loop import loop_model_config, policy_server
+    from app.serving import loop_model_config, policy_server
     from client.sdk import RtrlClient
     from tests.test_policy_server import _announce, _refresh
     from trainer.model import init_parallel
@@ -1065,8 +1065,8 @@ def test_an_org_the_base_alone_served_trains_its_kept_adapter_weights_on_the_del
     the PPO path; the shared copies never change."""
     import torch
 
-    from app.loop import loop_model_config
     from app.per_org import Experiment, _Adapters, _settings, arm_settings
+    from app.serving import loop_model_config
     from trainer.model import build_model, init_parallel
 
     exp = Experiment(eval_tasks=8, repeats=1)
@@ -1111,8 +1111,8 @@ def test_the_experiment_rescales_a_refused_revalidation_before_it_retires_the_ad
     here as a rule on the judged adapter's lora_B norm: what is checked is which weights are judged and kept.)"""
     import torch
 
-    from app.loop import loop_model_config
     from app.per_org import Experiment, _Adapters, _serving_slot, _settings, arm_settings
+    from app.serving import loop_model_config
     from evalgate.gate import Decision
     from tests.test_adapters import randomize_b
     from trainer import lora
@@ -1178,7 +1178,9 @@ def test_the_main_job_rescales_a_refused_revalidation_saves_it_and_announces_eve
     import torch
 
     from app.adapters import OrgAdapters
-    from app.loop import loop_gate_rules, loop_model_config, loop_settings
+    from app.loop import loop_gate_rules
+    from app.loop_config import loop_settings
+    from app.serving import loop_model_config
     from evalgate.adapters import AdapterLedger
     from evalgate.gate import Decision
     from rtrl.settings import load_settings

@@ -10,7 +10,8 @@ import pytest
 from confluent_kafka import Producer
 from prometheus_client import REGISTRY
 
-from app.loop import SEQ_LEN, end_running_experiments
+from app.deployments import end_running_experiments
+from app.loop_config import SEQ_LEN
 from client.sdk import RtrlClient
 from rtrl.kafka import producer_config, read_topic
 from rtrl.settings import load_settings

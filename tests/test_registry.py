@@ -9,10 +9,10 @@ On a tiny random Qwen2 built from a config here (no hub access) and imported as 
   Megatron model's logits; no temporary folder is left; exporting the version again is a no-op with the same hash;
   another model under the same version replaces it with a warning; the default tiny (non Hugging Face) model is not
   exported and says so in one log line; older announcements without the new fields still decode;
-- announced on the real broker with ``app.loop.announce``, the ``rtrl.deployments`` message and the ClickHouse row carry
+- announced on the real broker with ``app.deployments.announce``, the ``rtrl.deployments`` message and the ClickHouse row carry
   the path and hash; the fleet follower reloads the project's completions server over HTTP (SGLang's
   ``/update_weights_from_disk``), after which the server's log-probs are the exported model's as transformers
-  computes them; ``app.loop.rollback`` re-points it to the parent's export; a tampered export is refused by hash and
+  computes them; ``app.deployments.rollback`` re-points it to the parent's export; a tampered export is refused by hash and
   the server keeps its weights; ``rtrl fleet follow --once`` does the same from the command line;
 - the vLLM kind sends ``POST /collective_rpc`` with ``reload_weights(weights_path=...)`` (checked against a stub
   server), and every failure (refusal, 404, 5xx after retries, no answer, nothing listening) is one line naming
@@ -264,7 +264,7 @@ def test_promotion_reaches_the_fleet_and_a_rollback_repoints_it(
     from confluent_kafka import Producer
 
     from app.cli import main
-    from app.loop import announce, rollback
+    from app.deployments import announce, rollback
     from rtrl import clickhouse
     from rtrl.kafka import producer_config
 

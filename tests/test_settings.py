@@ -156,7 +156,7 @@ def test_updated_copies_are_validated(monkeypatch):
 def test_the_loop_refuses_settings_it_would_have_to_change():
     """The loop fits flows and trainer to its tiny tasks; a user value that differs is an error that says
     why, never silently replaced. Unset (or equal) values are applied."""
-    from app.loop import LOOP_FIXED, loop_settings
+    from app.loop_config import LOOP_FIXED, loop_settings
 
     fitted = loop_settings(load_settings(env={}))
     for name, (value, _why) in LOOP_FIXED.items():
@@ -187,7 +187,7 @@ def test_shipped_example_configs_load(tmp_path):
     deploy = Path(__file__).resolve().parent.parent / "deploy"
     assert (deploy / "rtrl.example.toml").read_text() == example_toml(), "regenerate: rtrl config --example"
     assert load_settings(deploy / "rtrl.example.toml", env={}) == Settings()
-    from app.loop import loop_settings
+    from app.loop_config import loop_settings
 
     loop_settings(load_settings(deploy / "rtrl.example.toml", env={}))  # a copy of the example runs the main job
     with pytest.raises(ConfigError, match="sdk.salt is the public default"):  # its secret comes from the environment

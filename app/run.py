@@ -1,0 +1,102 @@
+"""The main job, ``rtrl run``: every part on threads in one process, or each in its own process.
+
+:func:`run_loop` runs ``loop.cycles`` cycles on the configured services, then the table and plots. With
+``loop.processes`` every part is its own process under :mod:`app.supervisor`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from rich.console import Console
+
+from app.adapters import describe
+from app.deployments import end_running_experiments
+from app.job import cycle_progress, final_report, fresh_start, preflight
+from app.loop import Loop
+from app.loop_config import (
+    loop_settings,
+)
+from rtrl import clickhouse, metrics
+from rtrl.settings import Settings
+
+if TYPE_CHECKING:
+    from app.services import Services
+
+
+def run_loop(settings: Settings, console: Console | None = None, resume: bool = False) -> list[dict]:
+    """The main job: ``loop.cycles`` cycles on the configured services, then the table and plots
+    (with ``loop.processes``, every part in its own process: :func:`app.supervisor.run_processes`).
+    Without ``resume`` it starts afresh (:func:`fresh_start`); with it, it continues the run the data
+    folder holds - its decisions, the flows' recovery state, the topics and tables - up to ``loop.cycles``."""
+    from app.services import Services
+
+    console = console or Console()
+    settings = loop_settings(settings)  # refuses settings the loop cannot honour before anything starts
+    if settings.loop.processes:
+        from app.supervisor import run_processes
+
+        return run_processes(settings, console, resume=resume)
+    console.rule("[bold]rtrl main job: the closed loop")
+    if resume:
+        preflight(settings)
+    else:
+        fresh_start(settings)
+    torch.set_num_threads(1)  # the policy server, the flows and the broker share the cores
+    t0 = time.monotonic()
+    services = Services(settings)
+    try:  # the local broker stops whatever ends the run (Ctrl-C included, a metrics port in use too)
+        with metrics.serve_part(settings, "run") as endpoint:  # one process: every part's metrics on one endpoint
+            endpoint.ready()
+            return _run_in_process(settings, services, console, resume, t0)
+    finally:
+        services.close()
+
+
+def _run_in_process(settings: Settings, services: Services, console: Console, resume: bool, t0: float) -> list[dict]:
+    loop = Loop(settings, services.bootstrap, services.ch)
+    ls, rv = loop.settings.loop, loop.settings.rewards.train_version
+    try:
+        console.print(
+            f"broker {services.bootstrap} · ClickHouse {clickhouse.redact(settings.clickhouse_dsn)} · "
+            f"training on reward {rv} · {ls.cycles} cycles of {ls.samples_per_cycle:,} samples"
+            + (f" · model from {loop.settings.model.hf_path}" if loop.settings.model.hf_path else "")
+        )
+        # before anything serves (the policy server reads the experiments once its thread starts)
+        for key in end_running_experiments(loop.settings, services.bootstrap, loop.producer):
+            console.print(f"ended experiment {key}, left running by an earlier run", highlight=False)
+        if resume and loop.resume():
+            console.print(f"resumed: {loop.version} decisions made, serving v{loop.serving}")
+        else:
+            loop.initial()
+            console.print(
+                f"v0 (warm start): held-out solve rate {loop.evals[0]['solve_rate']:.3f}, broken calls "
+                f"{loop.evals[0]['broken_tool_call_rate']:.3f}"
+            )
+        loop.start_flows()
+        loop.start_server()
+        with cycle_progress(console) as bar:
+            task = bar.add_task("loop", total=ls.cycles, completed=loop.version, info="")
+            while loop.version < ls.cycles:
+                r = loop.cycle()
+                colour = "green" if r.status == "promoted" else "red"
+                bar.console.print(
+                    f"v{r.version} <- v{r.parent}: [{colour}]{r.status}[/] after {len(r.steps)} steps "
+                    f"({r.seconds['train']:.0f}s): {r.reason}"
+                )
+                for a in r.adapters:
+                    bar.console.print(describe(a, markup=True), highlight=False)
+                bar.update(
+                    task,
+                    advance=1,
+                    info=f"serving v{loop.serving}, held-out solve {loop.evals[loop.serving]['solve_rate']:.3f}",
+                )
+        ab = loop.final_ab(console)  # the seed's table: the final version against v0, live
+    finally:
+        loop.close()
+    if loop.threads:  # the flows ran (and have stopped): what they moved
+        for line in loop.flow_summaries():
+            console.print(line, highlight=False, soft_wrap=True)
+    return final_report(settings, services.ch, console, t0, ab)
