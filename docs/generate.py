@@ -923,7 +923,7 @@ FILE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("simulator/", ("simulator/*.py",)),
     ("rtrl/", ("rtrl/*.py",)),
     ("schemas/", ("schemas/*.py", "schemas/migrations/*.sql")),
-    ("devservices/", ("devservices/*.py",)),
+    ("devservices/", ("devservices/*.py", "devservices/chserver/*.py")),
     ("examples/", ("examples/*.py",)),
     ("bench/", ("bench/*.py", "bench/*.png", "bench/*.md")),
     ("deploy/", ("deploy/**/*",)),

@@ -1,4 +1,4 @@
-"""The embedded ClickHouse front is safe by default (devservices/chserver.py), and deploy/clickhouse/security.sql
+"""The embedded ClickHouse front is safe by default (devservices/chserver/), and deploy/clickhouse/security.sql
 is the same split for a real server. Every test talks real HTTP to a real front process on a free loopback port,
 every statement runs on the real engine (chdb); every wait is bounded."""
 

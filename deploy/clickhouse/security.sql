@@ -5,7 +5,7 @@
 --   flows, trainer, `rtrl run`:  clickhouse.dsn = https://rtrl_writer@HOST:8443/
 --                                clickhouse.password_file = a file holding the writer's password
 --   analysts:                    user rtrl_analyst (read-only, SELECT on the tables below only)
--- The embedded front (devservices/chserver.py) applies the same split to its two users
+-- The embedded front (devservices/chserver/) applies the same split to its two users
 -- (rtrl_writer, rtrl_analyst); tests/test_chserver_security.py checks that this file parses on the
 -- engine and that its analyst grants are the front's (rtrl.clickhouse.ANALYST_TABLES).
 
