@@ -913,7 +913,7 @@ def _record_anchor(cls: type) -> str:
 #: with the patterns of its files; Python modules and SQL migrations describe themselves
 FILE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("top level", ("Makefile", "pyproject.toml", "LICENSE", "CHANGELOG.md", "CONTRIBUTING.md", "README.md")),
-    ("app/", ("app/*.py",)),
+    ("app/", ("app/*.py", "app/report/*.py")),
     ("rewards/", ("rewards/*.py",)),
     ("monitors/", ("monitors/*.py", "monitors/*.md")),
     ("evalgate/", ("evalgate/*.py",)),

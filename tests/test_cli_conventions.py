@@ -422,7 +422,7 @@ def test_the_per_version_table_with_intervals_fits_100_columns():
 def test_rtrl_config_fits_100_columns():
     """`rtrl config`: each setting's name and value stay on one line, long help and long values wrap in their
     column; nothing is cut."""
-    from app.cli import settings_grid
+    from app.cli_services import settings_grid
     from rtrl.settings import describe
 
     dsn = "https://rtrl_writer@clickhouse-0.clickhouse.analytics.svc.cluster.local:8443/?password_file=/run/w"
@@ -447,7 +447,7 @@ def test_the_summaries_fit_100_columns():
     """The lines `rtrl simulate` and `rtrl train` end with fit 100 columns for realistic numbers."""
     from pathlib import Path
 
-    from app.cli import simulated
+    from app.cli_loop import simulated
     from trainer.run import summary
 
     settings = load_settings(env={})
