@@ -320,6 +320,25 @@ class Loop:
         for t in self.threads:
             t.join(timeout_s)
 
+    def drain_flows(self) -> None:
+        """How a run ends: the policy server stops first and sends what it still holds, then both flows run from
+        their recovery state to the end of their topics and close every window still open. Afterwards every
+        event served has its reward in ClickHouse, so what reads the rewards at the end reads the whole run."""
+        from app.flow_state import recovery_config
+
+        self.stop_flows()  # the server's thread and the flows' threads: every one of them stops at a snapshot
+        if self.server is not None:  # the users' persistence checks still due go out now
+            self.server.close()
+            self.client.close()
+            self.server = None
+        if any(t.is_alive() for t in self.threads):
+            log.warning("a flow did not stop within its wait: the flows are not drained, rewards may be missing")
+            return
+        drained = self.settings.updated({"flow.tail": False, "batching.tail": False})
+        for name, make in (("rewards", reward_flow), ("batches", batch_flow)):
+            flow = make(drained, bootstrap=self.bootstrap, stop=threading.Event(), counts=self.flow_counts[name])
+            run_main(flow, recovery_config=recovery_config(drained, name), epoch_interval=timedelta(seconds=10))
+
     def flow_summaries(self) -> list[str]:
         """One line per in-process flow: what it read and wrote in this process (after :meth:`stop_flows`; a flow
         that did not stop within its wait is said to be counted so far)."""

@@ -34,6 +34,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -47,11 +49,9 @@ from app.flow_state import (
     recovery_config,
 )
 from rtrl import metrics
-from rtrl.errors import ConfigError, RtrlError, ServiceUnavailable
+from rtrl.errors import RtrlError, ServiceUnavailable
 from rtrl.quiet import quiet_known_warnings
 from rtrl.settings import Settings, load_settings
-
-PARTS = ("rewards", "batches", "serve", "train")
 
 
 def run_flow(
@@ -227,10 +227,49 @@ def train(settings: Settings, bootstrap: str) -> None:
     except Stopped as e:
         print(f"{e}: the step checkpoint holds what was trained; a restart resumes there", flush=True)
     finally:
+        signalled = stop.is_set()  # read before close(), which sets the stop event at every end, a normal one too
         loop.close()
         endpoint.close()
-    if stop.is_set():
+    if signalled:
         print("stopped cleanly", flush=True)
+    else:
+        print(f"done: {loop.version} decisions made", flush=True)
+
+
+def _flow(name: str) -> Callable[[Settings, str], None]:
+    def run(settings: Settings, bootstrap: str) -> None:
+        # one of a Bytewax cluster when BYTEWAX_PROCESS_ID (or a StatefulSet's pod name) and addresses are set
+        print(run_flow(settings, name, bootstrap, cluster=cluster_from()), flush=True)
+
+    return run
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part of the closed loop, defined once: every runner starts, waits for and stops it from here."""
+
+    name: str
+    run: Callable[[Settings, str], None]
+    """Its body in a process of its own: the settings and the broker's address. It returns at its end or on
+    SIGTERM or SIGINT, stopping cleanly."""
+    needs_clickhouse: bool
+    """Whether it writes to ClickHouse: it starts only once the ClickHouse front is ready."""
+    flow: bool
+    """A Bytewax flow: ``--to-end`` runs it to the end of its topics and closes every window still open."""
+    stops_first: bool
+    """Stopped before the other parts: the policy server sends the events and rollouts it still holds, which
+    the flows then read."""
+
+
+#: the closed loop's parts in start order: the flows first, so they read what the server writes from its start
+PART_LIST = (
+    Part("rewards", _flow("rewards"), needs_clickhouse=True, flow=True, stops_first=False),
+    Part("batches", _flow("batches"), needs_clickhouse=True, flow=True, stops_first=False),
+    Part("serve", serve, needs_clickhouse=False, flow=False, stops_first=True),
+    Part("train", train, needs_clickhouse=True, flow=False, stops_first=False),
+)
+DEFINED = {p.name: p for p in PART_LIST}
+PARTS = tuple(DEFINED)
 
 
 #: set by the supervisor for its parts: the part stops (cleanly, as on SIGTERM) when that process is gone
@@ -256,37 +295,27 @@ def main(argv: list[str] | None = None, settings: Settings | None = None) -> int
     argv = sys.argv[1:] if argv is None else argv
     quiet_known_warnings()
     to_end = argv[1:] == ["--to-end"]
-    if not argv or argv[0] not in PARTS or (len(argv) > 1 and not (to_end and argv[0] in ("rewards", "batches"))):
+    part = DEFINED.get(argv[0]) if argv else None
+    if part is None or (len(argv) > 1 and not (to_end and part.flow)):
         print(f"usage: python -m app.parts {'|'.join(PARTS)}  (flows: --to-end)", file=sys.stderr)
         return 2
     from app.loop_config import loop_settings  # not app.loop: the flow parts never import torch
     from app.services import preflight
 
-    name = argv[0]
     try:  # settings and services checked before the long work (a warm start, a flow's recovery)
-        settings = loop_settings(settings or load_settings(), trains=name == "train")
+        settings = loop_settings(settings or load_settings(), trains=part.name == "train")
         if to_end:
             settings = settings.updated({"flow.tail": False, "batching.tail": False})
-        bootstrap = preflight(settings, clickhouse_too=name != "serve")
+        bootstrap = preflight(settings, clickhouse_too=part.needs_clickhouse)
     except RtrlError as e:
-        print(f"error: part {name}: {e}", file=sys.stderr)
+        print(f"error: part {part.name}: {e}", file=sys.stderr)
         return 2
     _stop_with_supervisor()
-    if name in ("rewards", "batches"):
-        try:  # one of a Bytewax cluster when BYTEWAX_PROCESS_ID (or a StatefulSet's pod name) and addresses are set
-            cluster = cluster_from()
-            print(run_flow(settings, name, bootstrap, cluster=cluster), flush=True)
-        except ConfigError as e:
-            print(f"error: part {name}: {e}", file=sys.stderr)
-            return 2
-    elif name == "serve":
-        try:  # serving.url unreachable, or not serving serving.model: one line naming it
-            serve(settings, bootstrap)
-        except RtrlError as e:
-            print(f"error: part serve: {e}", file=sys.stderr)
-            return 2
-    else:
-        train(settings, bootstrap)
+    try:  # a flow's recovery that does not fit, serving.url unreachable ...: one line naming it
+        part.run(settings, bootstrap)
+    except RtrlError as e:
+        print(f"error: part {part.name}: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -94,6 +94,7 @@ def _run_in_process(settings: Settings, services: Services, console: Console, re
                     info=f"serving v{loop.serving}, held-out solve {loop.evals[loop.serving]['solve_rate']:.3f}",
                 )
         ab = loop.final_ab(console)  # the seed's table: the final version against v0, live
+        loop.drain_flows()  # every event served has its reward before anything reads the rewards
     finally:
         loop.close()
     if loop.threads:  # the flows ran (and have stopped): what they moved

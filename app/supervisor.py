@@ -40,7 +40,7 @@ from confluent_kafka import Producer
 from app.deployments import end_running_experiments
 from app.job import FinalAB, final_ab
 from app.loop_config import loop_settings
-from app.parts import PARTS, SUPERVISOR_PID, PatientClickHouse
+from app.parts import DEFINED, PARTS, SUPERVISOR_PID, PatientClickHouse
 from app.services import Services, spawn_embedded_clickhouse
 from rtrl import clickhouse
 from rtrl.errors import ServiceUnavailable
@@ -128,6 +128,9 @@ class Supervisor:
         self.failure: str | None = None
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        self.clickhouse_ready = threading.Event()  # clear while the embedded front restarts
+        self.clickhouse_ready.set()
+        self._ch_restart: threading.Thread | None = None
 
     @property
     def restarts(self) -> collections.Counter[str]:
@@ -237,25 +240,41 @@ class Supervisor:
         self.failed.set()
         self.done.set()
 
+    def _restart_clickhouse(self) -> None:
+        """The front again, on its port and token files; its readiness lets the parts that wait for it start."""
+        try:
+            self._spawn_clickhouse()
+        except ServiceUnavailable as e:
+            self.failure = f"the ClickHouse front could not be restarted: {e}"
+            self.failed.set()
+            self.done.set()
+            return
+        self.clickhouse_ready.set()
+
     def _watch(self) -> None:
+        """Restart what died. The front restarts on a thread of its own, so the parts' restarts do not queue
+        behind it; a part that writes to ClickHouse waits for the front's readiness before it is restarted,
+        instead of failing its start and spending its restart budget."""
+        waiting: dict[str, int | None] = {}  # dead parts to restart, with their exit codes
         while not self._stop.wait(0.2):
             with self.lock:
                 items = list(self.procs.items())
                 ch = self.ch_proc
-            if ch is not None and ch.poll() is not None and not self._stop.is_set():
+            if self.failed.is_set():
+                return
+            busy = self._ch_restart is not None and self._ch_restart.is_alive()
+            if ch is not None and not busy and ch.poll() is not None and not self._stop.is_set():
                 self.exits.append((CLICKHOUSE, ch.returncode))
                 if not self.budget.allow(CLICKHOUSE):
                     return self._give_up(CLICKHOUSE, ch.returncode)
-                try:
-                    self._spawn_clickhouse()
-                except ServiceUnavailable as e:
-                    self.failure = f"the ClickHouse front could not be restarted: {e}"
-                    self.failed.set()
-                    self.done.set()
-                    return
+                self.clickhouse_ready.clear()
+                self._ch_restart = threading.Thread(
+                    target=self._restart_clickhouse, name="clickhouse-restart", daemon=True
+                )
+                self._ch_restart.start()
             for name, proc in items:
                 rc = proc.poll()
-                if rc is None or self._stop.is_set():
+                if rc is None or name in waiting or self._stop.is_set():
                     continue
                 end_group(proc.pid)  # whatever the dead part forked goes with it
                 self.exits.append((name, rc))
@@ -265,6 +284,11 @@ class Supervisor:
                         self.procs.pop(name, None)
                     self.done.set()
                     continue
+                waiting[name] = rc
+            for name, rc in list(waiting.items()):
+                if self._stop.is_set() or (DEFINED[name].needs_clickhouse and not self.clickhouse_ready.is_set()):
+                    continue
+                del waiting[name]
                 if not self.budget.allow(name):
                     return self._give_up(name, rc)
                 self.start(name)
@@ -319,10 +343,12 @@ class Supervisor:
         self._stop.set()
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(30)
+        if self._ch_restart is not None:  # a front it is starting must be there for close() to stop
+            self._ch_restart.join(60)
         with self.lock:
             procs = dict(self.procs)
-        order = [("serve", procs.pop("serve"))] if "serve" in procs else []
-        for group in (order, list(procs.items())):
+        first = [(name, procs.pop(name)) for name in list(procs) if DEFINED[name].stops_first]
+        for group in (first, list(procs.items())):
             running = [(name, proc) for name, proc in group if proc.poll() is None]
             for _, proc in running:
                 proc.send_signal(signal.SIGTERM)
@@ -337,17 +363,19 @@ class Supervisor:
             for _, proc in group:
                 end_group(proc.pid, timeout_s=2.0)  # whatever a part forked and left behind
 
-    def drain_rewards(self, timeout_s: float = 300.0) -> None:
-        """Run the reward flow from its recovery state to the end of ``rtrl.events`` and close every
-        window still open (no traffic is coming any more): afterwards every event has its reward."""
-        proc = self.start("rewards", "--to-end")
-        try:
-            rc = proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            rc = None
-        end_group(proc.pid)
-        if rc != 0:
-            raise ServiceUnavailable(f"draining the reward flow failed (exit code {rc}):\n{self.log_tail('rewards')}")
+    def drain_flows(self, timeout_s: float = 300.0) -> None:
+        """After :meth:`stop_parts`: run the reward flow, then the batch flow, from its recovery state to the end of
+        its topics, closing every window still open (no traffic is coming any more). Afterwards every event has
+        its reward in ClickHouse and every reward its place in a micro-batch."""
+        for name in (p.name for p in DEFINED.values() if p.flow):
+            proc = self.start(name, "--to-end")
+            try:
+                rc = proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                rc = None
+            end_group(proc.pid)
+            if rc != 0:
+                raise ServiceUnavailable(f"draining the {name} flow failed (exit code {rc}):\n{self.log_tail(name)}")
 
     def close(self) -> None:
         self.stop_parts()
@@ -414,6 +442,7 @@ def run_processes(settings: Settings, console, resume: bool = False) -> list[dic
             tick()
         ab = sup.final_ab(console)  # the seed's table: the serve part serves the experiment it announces
         sup.stop_parts()
+        sup.drain_flows()  # every event served has its reward before anything reads the rewards
         return final_report(settings, sup.ch, console, t0, ab)
     finally:
         sup.close()

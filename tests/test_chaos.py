@@ -193,7 +193,7 @@ def test_seeded_kill_schedule_keeps_every_invariant(tmp_path):
         sup.start_all()
         sup.wait(720, tick)  # three cycles, each with two orgs' adapters, through the stop and the kills
         sup.stop_parts()
-        sup.drain_rewards()
+        sup.drain_flows()
 
         # the clean stop: exit 0 without a decision; the stop saved every step trained, so the restarted
         # trainer went on at the next one (cycle 1's steps 1..n once each, none lost, none trained again)

@@ -42,8 +42,12 @@ stats = ch.query("SELECT sum(samples) FROM rtrl.batch_stats FINAL").result_rows[
 arms = ch.query("SELECT policy_version, arm, count() FROM rtrl.trajectories FINAL GROUP BY 1, 2").result_rows
 users = {a: {u for (u,) in ch.query("SELECT DISTINCT user_hash FROM rtrl.trajectories FINAL WHERE arm = {a:String}",
                                     parameters={"a": a}).result_rows} for a in ("ab-v0", "ab-final")}
+# trajectories the reward flow read events of and closed no window for: none once a run's end drained the flows
+served = ch.query("SELECT uniqExact(trajectory_id) FROM rtrl.events").result_rows[0][0]
+unrewarded = ch.query("SELECT count() FROM (SELECT DISTINCT trajectory_id FROM rtrl.events) "
+                      "WHERE trajectory_id NOT IN (SELECT trajectory_id FROM rtrl.rewards)").result_rows[0][0]
 print(json.dumps({"checkpoints": [[v, p, s, r, dict(e)] for v, p, s, r, e in rows], "steps": list(steps),
-                  "rewards": rewards, "batched": stats, "arms": [[v, a, n] for v, a, n in arms],
+                  "rewards": rewards, "batched": stats, "served": served, "unrewarded": unrewarded, "arms": [[v, a, n] for v, a, n in arms],
                   "final_ab_users": [len(users["ab-v0"]), len(users["ab-final"]),
                                      len(users["ab-v0"] & users["ab-final"])]}))
 """

@@ -746,6 +746,8 @@ def test_processes_mode_crashed_then_resumed(tmp_path):
     assert json.loads(state.read_text())["version"] == 2
     d = _dump(tmp_path)
     assert [c[0] for c in d["checkpoints"]] == [0, 1, 2], d["checkpoints"]
+    # the supervisor's end drained the flows: every trajectory served has its reward in ClickHouse
+    assert d["served"] > 0 and d["unrewarded"] == 0, (d["served"], d["unrewarded"])
     serving = max(c[0] for c in d["checkpoints"] if c[2] == "promoted")
     if serving:
         assert f"Live A/B, v{serving} against v0: users randomised by hashed user id" in out, _out(run)
@@ -802,6 +804,8 @@ def test_make_demo(tmp_path):
         assert 0.0 <= ev["on_policy_fraction"] <= 1.0
     n_steps, tokens, _ = d["steps"]
     assert n_steps > 0 and tokens > 0 and d["rewards"] > 0 and d["batched"] > 0
+    # the run's end drained the flows: every trajectory served has its reward, none is left in an open window
+    assert d["served"] > 0 and d["unrewarded"] == 0, (d["served"], d["unrewarded"])
     serving = max([0] + [v for v, _, status, *_ in decisions if status == "promoted"])
     if not serving:
         assert "no final A/B: no candidate was promoted" in out, _out(run)

@@ -105,6 +105,57 @@ def test_a_part_stops_cleanly_when_its_supervisor_is_killed(tmp_path):
     assert done.read_text() == "clean"
 
 
+def test_a_part_waits_for_the_restarting_clickhouse_front_and_the_others_do_not_queue(tmp_path, monkeypatch):
+    """The ClickHouse front, the reward flow and the policy server die at once. The front restarts on a thread of
+    its own and is ready 1.5 s later. The policy server, which writes nothing to ClickHouse, is restarted at once,
+    not behind the front. The reward flow is restarted once the front is ready, and only once: it does not start
+    against a missing front, fail and spend its restart budget. The parts and the front are real processes; what
+    they run is a sleep, since the supervisor's restart order is what is tested."""
+    from app.supervisor import CLICKHOUSE, Supervisor
+    from rtrl.settings import load_settings
+
+    sup = Supervisor(load_settings(env={"RTRL_DATA_DIR": str(tmp_path)}))
+    started: list[tuple[str, float]] = []
+    ready: list[float] = []
+
+    def sleeper() -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+
+    def start(name: str, *args: str) -> subprocess.Popen:
+        proc = sleeper()
+        started.append((name, time.monotonic()))
+        with sup.lock:
+            sup.procs[name] = proc
+        return proc
+
+    def spawn_front() -> str:
+        time.sleep(1.5)  # what a front takes to open its folder and answer (4-10 s with a real one)
+        proc = sleeper()
+        with sup.lock:
+            sup.ch_proc = proc
+        ready.append(time.monotonic())
+        return "http://127.0.0.1:1"
+
+    monkeypatch.setattr(sup, "start", start)
+    monkeypatch.setattr(sup, "_spawn_clickhouse", spawn_front)
+    sup.ch_proc = sleeper()
+    try:
+        sup.start_all()
+        started.clear()
+        for proc in (sup.ch_proc, sup.procs["rewards"], sup.procs["serve"]):
+            os.killpg(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while len(started) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        again = dict(started)
+        assert sorted(again) == ["rewards", "serve"] and len(ready) == 1, (started, ready)
+        assert again["serve"] < ready[0] <= again["rewards"], (started, ready)
+        assert sup.restarts == {CLICKHOUSE: 1, "rewards": 1, "serve": 1}, sup.restarts
+        assert not sup.failed.is_set()
+    finally:
+        sup.close()
+
+
 @pytest.mark.slow  # waits out its 2 s of patience
 def test_the_supervisors_queries_fail_as_one_line_when_clickhouse_is_gone():
     dsn = f"http://127.0.0.1:{free_port()}"
