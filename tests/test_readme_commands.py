@@ -743,6 +743,8 @@ def test_processes_mode_crashed_then_resumed(tmp_path):
     assert "v0 (warm start)" in crashed, crashed[-3000:]
     assert "v0 (warm start)" not in resumed, resumed[-3000:]  # the crashed run's data folder was kept, not wiped
     assert [int(v) for v in re.findall(r"^v(\d+) <- v\d+:", resumed, flags=re.M)] == [2], resumed[-3000:]
+    # a trainer that made every decision says so; "stopped cleanly" is for a signal's stop only
+    assert "done: 2 decisions made" in resumed and "stopped cleanly" not in resumed, resumed[-3000:]
     assert json.loads(state.read_text())["version"] == 2
     d = _dump(tmp_path)
     assert [c[0] for c in d["checkpoints"]] == [0, 1, 2], d["checkpoints"]
