@@ -2,7 +2,8 @@
 
 Contract pinned here:
 
-- the generated reference pages (docs/reference/*.md) equal what ``docs/generate.py`` makes from the code now;
+- the generated reference pages (docs/reference/*.md) equal what ``docs/generate.py`` (and the ``docs/gen_*.py``
+  page builders it calls) makes from the code now;
   a page that differs fails with the page named and the command that regenerates it;
 - the generator really reads the code: a settings tree with one more field, a parser with one more command
   (nested subcommands too), one more record, one more migration each change the page they feed, and its
@@ -19,13 +20,10 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import importlib.util
 import re
 import shutil
 import struct
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Annotated
 
 import msgspec
@@ -33,25 +31,14 @@ import pytest
 from pydantic import Field
 
 import app.cli
+from docs import gen_commands, gen_files, gen_markdown, gen_records, gen_settings, gen_tables
+from docs import generate as gen
 from rtrl.settings import KafkaSettings, Settings, _s
 from schemas.fields import Label, doc
 from schemas.records import RECORDS
 
 ROOT = Path(__file__).resolve().parent.parent
 REGENERATE = ".venv/bin/python -m docs.generate"
-
-
-def _load_generator() -> ModuleType:
-    """docs/generate.py by its path (docs/ is a dev-only namespace folder, not an installed package)."""
-    spec = importlib.util.spec_from_file_location("docs_generate_under_test", ROOT / "docs" / "generate.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = _load_generator()
 
 
 def _first_difference(have: str, want: str) -> str:
@@ -133,7 +120,7 @@ def test_a_new_setting_changes_the_settings_page():
     class Settings2(Settings):
         kafka: Kafka2 = Field(default_factory=Kafka2)
 
-    before, after = gen.settings_page(), gen.settings_page(Settings2)
+    before, after = gen_settings.settings_page(), gen_settings.settings_page(Settings2)
     assert after != before
     row = next(line for line in after.splitlines() if "`kafka.sasl_mechanism`" in line)
     assert "`RTRL_KAFKA__SASL_MECHANISM`" in row and "SASL mechanism of the brokers" in row and '`""`' in row
@@ -142,11 +129,11 @@ def test_a_new_setting_changes_the_settings_page():
 def test_every_setting_is_on_the_settings_page():
     from rtrl.settings import describe, env_name
 
-    page = gen.settings_page()
+    page = gen_settings.settings_page()
     for name, _, help_text in describe():
         row = next((line for line in page.splitlines() if line.startswith(f"| `{name}` |")), None)
         assert row is not None, f"{name} is not on the settings page"
-        assert f"`{env_name(name)}`" in row and gen.cell(help_text) in row
+        assert f"`{env_name(name)}`" in row and gen_markdown.cell(help_text) in row
 
 
 def test_a_new_command_changes_the_commands_page(monkeypatch):
@@ -162,9 +149,9 @@ def test_a_new_command_changes_the_commands_page(monkeypatch):
         nested.add_parser("gently", help="one by one").add_argument("--pause-s", help="seconds between two")
         return p
 
-    before = gen.commands_page()
+    before = gen_commands.commands_page()
     monkeypatch.setattr(app.cli, "parser", parser)
-    after = gen.commands_page()
+    after = gen_commands.commands_page()
     assert after != before
     assert "[`rtrl frobnicate`](#rtrl-frobnicate)" in after and "frobnicate the widgets" in after
     assert "how many (default: 3)" in after
@@ -173,14 +160,14 @@ def test_a_new_command_changes_the_commands_page(monkeypatch):
 
 def test_commands_page_lists_every_command_and_argument():
     p = app.cli.parser()
-    page = gen.commands_page()
+    page = gen_commands.commands_page()
     sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
     for name, cmd in sub.choices.items():
         assert f"## `rtrl {name}`" in page
         for a in cmd._actions:
             if a.help and a.help is not argparse.SUPPRESS and a.default is not argparse.SUPPRESS:
                 if not isinstance(a, argparse._HelpAction):
-                    assert gen._argument_name(a) in page, f"rtrl {name} {a.dest}"
+                    assert gen_commands._argument_name(a) in page, f"rtrl {name} {a.dest}"
 
 
 def test_a_new_record_changes_the_records_page():
@@ -190,8 +177,8 @@ def test_a_new_record_changes_the_records_page():
         who: Annotated[Label, doc("The analyst's name.")]
         rows: Annotated[int, msgspec.Meta(ge=0), doc("Rows read.")] = 0
 
-    page = gen.records_page([*RECORDS, Audit])
-    assert page != gen.records_page()
+    page = gen_records.records_page([*RECORDS, Audit])
+    assert page != gen_records.records_page()
     assert "## Audit" in page and "Who looked at what (test-only record)." in page
     assert "| `who` | `label` | 1..128 chars | required |" in page
     assert "| `rows` | `int` | 0 <= x | `0` |" in page and "Rows read." in page
@@ -201,10 +188,10 @@ def test_every_record_field_and_its_doc_is_on_the_records_page():
     from schemas.records import EVENT_TYPES
     from schemas.types import field_docs
 
-    page = gen.records_page()
+    page = gen_records.records_page()
     for cls in (*RECORDS, *EVENT_TYPES):
         for name, text in field_docs(cls).items():
-            assert f"| `{name}` |" in page and gen.cell(text) in page, f"{cls.__name__}.{name}"
+            assert f"| `{name}` |" in page and gen_markdown.cell(text) in page, f"{cls.__name__}.{name}"
 
 
 def test_a_new_migration_changes_the_topics_and_tables_page(tmp_path):
@@ -219,8 +206,8 @@ def test_a_new_migration_changes_the_topics_and_tables_page(tmp_path):
         "FROM {db}.audit FINAL\nGROUP BY who;\n",
         encoding="utf-8",
     )
-    page = gen.topics_tables_page(folder)
-    assert page != gen.topics_tables_page()
+    page = gen_tables.topics_tables_page(folder)
+    assert page != gen_tables.topics_tables_page()
     assert "### audit" in page and "Who looked at what." in page
     assert "| `who` | `LowCardinality(String)` |" in page and "| `rows` | `UInt64` |" in page
     assert "### audit_totals" in page and "| `total_rows` | `sum(rows)` |" in page and "| `who` | `who` |" in page
@@ -231,13 +218,13 @@ def test_every_table_and_topic_is_on_the_topics_and_tables_page():
     from schemas.topics import TOPICS
     from schemas.types import columns
 
-    page = gen.topics_tables_page()
+    page = gen_tables.topics_tables_page()
     for t in TOPICS:
         assert f"| `rtrl.{t.name}` |" in page
     for table, cls in TABLES.items():
         assert f"### {table}" in page
         for c in columns(cls):
-            assert f"| `{c.name}` | {gen.code(c.clickhouse)} |" in page, f"{table}.{c.name}"
+            assert f"| `{c.name}` | {gen_markdown.code(c.clickhouse)} |" in page, f"{table}.{c.name}"
 
 
 def _tiny_repo(root: Path) -> None:
@@ -254,12 +241,12 @@ def test_the_files_page_describes_each_file_from_its_own_text(tmp_path):
     """A module's docstring, a migration's comment and a guide's opening give their first sentence; a new module
     changes the page."""
     _tiny_repo(tmp_path)
-    page = gen.files_page(tmp_path)
+    page = gen_files.files_page(tmp_path)
     assert "| [`app/cli.py`](../../app/cli.py) | The command line. |" in page
     assert "| [`schemas/migrations/0001_init.sql`](../../schemas/migrations/0001_init.sql) | The tables. |" in page
     assert "| [`docs/guide.md`](../../docs/guide.md) | This page explains it. |" in page
     (tmp_path / "app" / "loop.py").write_text('"""The closed loop."""\n', encoding="utf-8")
-    assert "The closed loop." in gen.files_page(tmp_path)
+    assert "The closed loop." in gen_files.files_page(tmp_path)
 
 
 def test_an_undescribed_file_fails_the_files_page_naming_it(tmp_path):
@@ -268,13 +255,13 @@ def test_an_undescribed_file_fails_the_files_page_naming_it(tmp_path):
     (tmp_path / "app" / "bare.py").write_text("x = 1\n", encoding="utf-8")
     (tmp_path / "bench").mkdir()
     (tmp_path / "bench" / "new.png").write_bytes(b"\x89PNG")
-    with pytest.raises(gen.UndescribedFile) as e:
-        gen.files_page(tmp_path)
+    with pytest.raises(gen_files.UndescribedFile) as e:
+        gen_files.files_page(tmp_path)
     assert "app/bare.py has no module docstring" in str(e.value) and "bench/new.png" in str(e.value)
 
 
 def test_every_module_of_the_project_is_on_the_files_page():
-    page = gen.files_page()
+    page = gen_files.files_page()
     for pkg in ("app", "client", "evalgate", "flows", "monitors", "rewards", "rtrl", "schemas", "simulator"):
         for path in sorted((ROOT / pkg).glob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
@@ -291,10 +278,10 @@ def test_every_module_of_the_project_is_on_the_files_page():
 
 def test_shorten_cuts_at_a_clause_outside_parentheses():
     text = "A thing (with, commas inside), then a long tail, " + "word " * 40
-    short = gen.shorten(text, 60)
+    short = gen_files.shorten(text, 60)
     assert short == "A thing (with, commas inside), then a long tail ..." and len(short) <= 64
-    assert gen.shorten("short.", 60) == "short."
-    assert gen.first_sentence("One line\nwrapped. Second sentence.\n\nNext paragraph.") == "One line wrapped."
+    assert gen_files.shorten("short.", 60) == "short."
+    assert gen_files.first_sentence("One line\nwrapped. Second sentence.\n\nNext paragraph.") == "One line wrapped."
 
 
 # ---------------------------------------------------------------- the diagram and the links
@@ -317,7 +304,7 @@ _REFERENCE = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+\"[^\"]*\")?\s*$
 
 
 def _links(text: str) -> list[str]:
-    prose = gen.strip_code_blocks(text)
+    prose = gen_markdown.strip_code_blocks(text)
     prose = re.sub(r"(`+)(?:(?!\1).)+?\1", "", prose)  # inline code spans hold no links
     return _INLINE.findall(prose) + _REFERENCE.findall(prose)
 
@@ -366,7 +353,7 @@ def test_links_to_headings_find_them():
             page = (md.parent / path).resolve() if path else md
             if page.suffix != ".md" or not page.exists():
                 continue
-            if anchor not in gen.anchors(page.read_text(encoding="utf-8")):
+            if anchor not in gen_markdown.anchors(page.read_text(encoding="utf-8")):
                 problems.append(f"{md.relative_to(ROOT)}: {target} names no heading of {page.relative_to(ROOT)}")
     assert not problems, "links to missing headings:\n" + "\n".join(problems)
 
@@ -384,5 +371,5 @@ def test_link_checks_catch_escapes_and_missing_files(tmp_path):
     problems = link_problems(page, root)
     assert len(problems) == 3, problems
     assert "outside the repository" in problems[0] and "does not exist" in problems[1] and "absolute" in problems[2]
-    assert "rtrl-run" in gen.anchors("## `rtrl run`\n") and "kafka" in gen.anchors("## kafka\n")
-    assert gen.anchors("## a\n## a\n```\n## not a heading\n```\n") == {"a", "a-1"}
+    assert "rtrl-run" in gen_markdown.anchors("## `rtrl run`\n") and "kafka" in gen_markdown.anchors("## kafka\n")
+    assert gen_markdown.anchors("## a\n## a\n```\n## not a heading\n```\n") == {"a", "a-1"}
