@@ -11,7 +11,7 @@ import ast
 import re
 from pathlib import Path
 
-from docs.gen_markdown import GENERATOR, PAGE_NAMES, ROOT, cell, header, rst_to_md, strip_code_blocks
+from docs.gen_markdown import PAGE_NAMES, ROOT, cell, header, rst_to_md, strip_code_blocks
 
 #: the folders of the files page, in order (top-down through the floors, then what surrounds the product), each
 #: with the patterns of its files; Python modules and SQL migrations describe themselves
@@ -74,7 +74,7 @@ FILE_NOTES: dict[str, str] = {
     "deploy/production.example.toml": "wiring for a Kafka cluster and a ClickHouse server",
     "deploy/prometheus/rtrl-alerts.yml": "alert rules: behaviour (the gate's rules, live), lag, dead letters, trainer, rollback",
     "deploy/rtrl.example.toml": "every setting with its default and help (`rtrl config --example`)",
-    "docs/architecture.png": "the architecture diagram, drawn by `docs/generate.py`",
+    "docs/architecture.png": "the architecture diagram, drawn by `docs/gen_diagram.py`",
     "docs/reference/commands.md": "(generated) every `rtrl` command and argument",
     "docs/reference/files.md": "(generated) this page: every file and what it is for",
     "docs/reference/records.md": "(generated) every record and event type, field by field",
@@ -178,7 +178,7 @@ def files_page(root: Path | None = None) -> str:
     lines += [
         "One line per file: what it is for. Python modules and migrations describe themselves (the first sentence of "
         "the docstring or the leading comment); other files have a line in `FILE_NOTES` of "
-        f"[`{GENERATOR}`](../generate.py).",
+        "[`docs/gen_files.py`](../gen_files.py).",
         "",
     ]
     missing = []
