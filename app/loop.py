@@ -41,6 +41,7 @@ import random
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -52,7 +53,7 @@ from bytewax.testing import run_main
 from confluent_kafka import Producer
 from rich.console import Console
 
-from app.adapters import AdapterDecision, OrgAdapters, ServedThrough
+from app.adapters import AdapterDecision, OrgAdapters, ServedThrough, describe
 from app.deployments import announce
 from app.job import FinalAB, final_ab
 from app.loop_config import (
@@ -191,6 +192,15 @@ class CycleResult:
     steps: list[TrainStep] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     adapters: list[AdapterDecision] = field(default_factory=list)  # the cycle's per-org adapter decisions
+
+    def lines(self, markup: bool = False) -> list[str]:
+        """What every runner prints for the cycle: its decision, then each org adapter's (rich markup or plain)."""
+        status = f"[{'green' if self.status == 'promoted' else 'red'}]{self.status}[/]" if markup else self.status
+        head = (
+            f"v{self.version} <- v{self.parent}: {status} after {len(self.steps)} steps "
+            f"({self.seconds['train']:.0f}s): {self.reason}"
+        )
+        return [head] + [describe(a, markup=markup) for a in self.adapters]
 
 
 #: what the A/B mode guards live, per user, with the direction that is bad (the monitors' default rules' metrics
@@ -401,6 +411,22 @@ class Loop:
                 "start afresh (rtrl run without --resume)"
             )
         return self.cycle_reward
+
+    def begin(self, resume: bool = True) -> str:
+        """Continue the run the data folder holds (``resume``) or make the warm start; the line that says which."""
+        if resume and self.resume():
+            return f"resumed: {self.version} decisions made, serving v{self.serving}"
+        self.initial()
+        return (
+            f"v0 (warm start): held-out solve rate {self.evals[0]['solve_rate']:.3f}, broken calls "
+            f"{self.evals[0]['broken_tool_call_rate']:.3f}"
+        )
+
+    def run_cycles(self, report: Callable[[CycleResult], object], stop: threading.Event | None = None) -> None:
+        """The one driver loop of the main job, whichever runner runs it: a cycle at a time, each reported, until
+        ``loop.cycles`` decisions exist or ``stop`` is set."""
+        while self.version < self.settings.loop.cycles and not (stop is not None and stop.is_set()):
+            report(self.cycle())
 
     def initial(self) -> None:
         """Version 0: the warm-started policy, promoted without a gate."""

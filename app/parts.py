@@ -201,7 +201,6 @@ def train(settings: Settings, bootstrap: str) -> None:
     stop = _stop_on_term()  # before the slow imports and the warm start: a signal then is a clean stop too
     import torch
 
-    from app.adapters import describe
     from app.loop import Loop, Stopped
 
     torch.set_num_threads(1)
@@ -210,20 +209,9 @@ def train(settings: Settings, bootstrap: str) -> None:
     loop.stop = stop  # ends the trainer's waits and its cycle before the next step
     endpoint.ready()
     try:
-        if loop.resume():
-            print(f"resumed: {loop.version} decisions made, serving v{loop.serving}", flush=True)
-        elif not stop.is_set():
-            loop.initial()
-            print(f"v0 (warm start): held-out solve rate {loop.evals[0]['solve_rate']:.3f}", flush=True)
-        while loop.version < settings.loop.cycles and not stop.is_set():
-            r = loop.cycle()
-            print(
-                f"v{r.version} <- v{r.parent}: {r.status} after {len(r.steps)} steps "
-                f"({r.seconds['train']:.0f}s): {r.reason}",
-                flush=True,
-            )
-            for a in r.adapters:
-                print(describe(a), flush=True)
+        if not stop.is_set():
+            print(loop.begin(), flush=True)
+        loop.run_cycles(lambda r: print("\n".join(r.lines()), flush=True), stop)
     except Stopped as e:
         print(f"{e}: the step checkpoint holds what was trained; a restart resumes there", flush=True)
     finally:

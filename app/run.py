@@ -12,10 +12,9 @@ from typing import TYPE_CHECKING
 import torch
 from rich.console import Console
 
-from app.adapters import describe
 from app.deployments import end_running_experiments
 from app.job import cycle_progress, final_report, fresh_start, preflight
-from app.loop import Loop
+from app.loop import CycleResult, Loop
 from app.loop_config import (
     loop_settings,
 )
@@ -67,32 +66,24 @@ def _run_in_process(settings: Settings, services: Services, console: Console, re
         # before anything serves (the policy server reads the experiments once its thread starts)
         for key in end_running_experiments(loop.settings, services.bootstrap, loop.producer):
             console.print(f"ended experiment {key}, left running by an earlier run", highlight=False)
-        if resume and loop.resume():
-            console.print(f"resumed: {loop.version} decisions made, serving v{loop.serving}")
-        else:
-            loop.initial()
-            console.print(
-                f"v0 (warm start): held-out solve rate {loop.evals[0]['solve_rate']:.3f}, broken calls "
-                f"{loop.evals[0]['broken_tool_call_rate']:.3f}"
-            )
+        console.print(loop.begin(resume))
         loop.start_flows()
         loop.start_server()
         with cycle_progress(console) as bar:
             task = bar.add_task("loop", total=ls.cycles, completed=loop.version, info="")
-            while loop.version < ls.cycles:
-                r = loop.cycle()
-                colour = "green" if r.status == "promoted" else "red"
-                bar.console.print(
-                    f"v{r.version} <- v{r.parent}: [{colour}]{r.status}[/] after {len(r.steps)} steps "
-                    f"({r.seconds['train']:.0f}s): {r.reason}"
-                )
-                for a in r.adapters:
-                    bar.console.print(describe(a, markup=True), highlight=False)
+
+            def report(r: CycleResult) -> None:
+                head, *adapters = r.lines(markup=True)
+                bar.console.print(head)
+                for line in adapters:
+                    bar.console.print(line, highlight=False)
                 bar.update(
                     task,
                     advance=1,
                     info=f"serving v{loop.serving}, held-out solve {loop.evals[loop.serving]['solve_rate']:.3f}",
                 )
+
+            loop.run_cycles(report)
         ab = loop.final_ab(console)  # the seed's table: the final version against v0, live
         loop.drain_flows()  # every event served has its reward before anything reads the rewards
     finally:
