@@ -1,6 +1,6 @@
 """The closed loop's reward hack: the main job run as a user would on the buggy v1 reward and on v2, and the
 helpers other main-job tests share. (The whole loop with its records in ClickHouse, the final live A/B and a
-rollback: test_make_demo in tests/test_readme_commands.py; the gate's pure decisions: tests/test_evalgate.py.)"""
+rollback: test_make_demo in tests/test_readme_main_job.py; the gate's pure decisions: tests/test_evalgate.py.)"""
 
 from __future__ import annotations
 

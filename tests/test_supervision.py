@@ -5,7 +5,7 @@ under a seeded random kill schedule is tests/test_chaos.py.
 - Ending a dead part ends its whole process group: a helper it forked does not outlive it.
 - The supervisor's own ClickHouse queries wait out a restart of the front, then fail as one line.
 - ``rtrl run --resume`` continues a crashed run instead of wiping it: the process mode's end-to-end test,
-  tests/test_readme_commands.py::test_processes_mode_crashed_then_resumed, crashes its run after the first
+  tests/test_readme_main_job.py::test_processes_mode_crashed_then_resumed, crashes its run after the first
   decision and resumes it.
 """
 
