@@ -29,7 +29,8 @@ The policy server serves a promoted version: this launcher announces the untrain
 checkpoint in ``<data_dir>/cluster/v0``), as the loop's trainer does after its warm start. The trainer takes
 ``--steps`` steps (``train.steps``), from the same initial weights, then exits; everything else is stopped then
 (SIGTERM: the policy server first, then the flows with a final snapshot), the ClickHouse front and the broker
-last, and no process of the run is left. The last line says what the run did::
+last, and no process of the run is left. Before the rewards are counted the flows are drained: each runs again
+from its recovery to the end of its topics and closes the windows still open. The last line says what the run did::
 
     local cluster: 2,147 rewards in ClickHouse (reward flow: 2 processes, 6,236 + 6,170 events windowed), 1 step
     trained by 2 ranks (8 micro-batches a step), every process stopped in 73s
@@ -68,6 +69,8 @@ class Proc:
     name: str
     popen: subprocess.Popen
     log: Path
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -83,8 +86,25 @@ class LocalCluster:
             popen = subprocess.Popen(
                 args, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
-        self.procs[name] = Proc(name, popen, log)
+        self.procs[name] = Proc(name, popen, log, args, env)
         return self.procs[name]
+
+    def drain(self, names: list[str], setting: str, timeout_s: float = 300.0) -> None:
+        """Run the stopped processes ``names`` (one flow's) again with ``setting`` (its ``tail``) false, together, to
+        the end of their topics: they resume from their recovery and close every window still open."""
+        from app.supervisor import end_group
+
+        env_name = "RTRL_" + setting.replace(".", "__").upper()
+        again = [self.start(n, self.procs[n].args, self.procs[n].env | {env_name: "false"}) for n in names]
+        deadline = time.monotonic() + timeout_s
+        for p in again:
+            try:
+                rc = p.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                rc = None
+            end_group(p.popen.pid, timeout_s=2.0)
+            if rc != 0:
+                raise ServiceUnavailable(f"draining {p.name} failed (exit code {rc}); see {p.log}")
 
     def stop(self, names: list[str], timeout_s: float = 60.0) -> None:
         """SIGTERM to each (a clean stop), a bounded wait, then every process group ended."""
@@ -263,6 +283,9 @@ def run(config: str | None, steps: int, timeout_s: float, out=print) -> int:
         # each reward flow process's Kafka partitions and windowed events, from its metrics (metrics.port + its id)
         shares = [flow_share(port + i) for i in range(FLOW_PROCESSES)] if port else []
         cluster.stop([n for n in cluster.procs if n != "serve"])  # the flows: a final snapshot each
+        # then to the end of their topics, closing the windows still open: every event served gets its reward
+        cluster.drain([f"rewards-{i}" for i in range(FLOW_PROCESSES)], "flow.tail")
+        cluster.drain(["batches"], "batching.tail")
         rewards = _count(sup.ch, f"SELECT count() FROM {db}.rewards FINAL")
         steps_done = _rows(sup.ch, f"SELECT count(), max(length(batch_ids)) FROM {db}.train_metrics")
         n_steps, per_step = steps_done[0] if steps_done else (0, 0)
@@ -315,9 +338,9 @@ def flow_share(port: int) -> set[str]:
 
 
 def _windowed(log: Path) -> int:
-    """The events a reward flow process windowed, from the line it printed when it stopped."""
+    """The events a reward flow process windowed, from the lines it printed when it stopped and when it drained."""
     found = re.findall(r"reward flow: ([\d,]+) events", log.read_text(errors="replace")) if log.exists() else []
-    return int(found[-1].replace(",", "")) if found else 0
+    return sum(int(n.replace(",", "")) for n in found)
 
 
 def main(argv: list[str] | None = None) -> int:

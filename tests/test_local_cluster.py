@@ -415,6 +415,12 @@ def test_the_local_cluster_ends_with_rewards_and_a_trained_step(tmp_path):
         rewards = ch.query(f"SELECT count(), uniqExact(trajectory_id, reward_version, revision) FROM {db}.rewards")
         n, distinct = rewards.result_rows[0]
         assert n > 0 and n == distinct, (n, distinct)  # rewards written, none twice
+        # the end drained the flows: every trajectory the reward flow read has its reward, none left in a window
+        unrewarded = ch.query(
+            f"SELECT count() FROM (SELECT DISTINCT trajectory_id FROM {db}.events) "
+            f"WHERE trajectory_id NOT IN (SELECT trajectory_id FROM {db}.rewards)"
+        ).result_rows[0][0]
+        assert unrewarded == 0, unrewarded
         steps = ch.query(f"SELECT step, length(batch_ids), tokens FROM {db}.train_metrics ORDER BY step").result_rows
         per_rank = generated.train.micro_batches_per_step
         # a step of two ranks: each trained micro_batches_per_step micro-batches, gathered into the step's row
