@@ -47,6 +47,7 @@ from app.cli_loop import (
     cmd_train,
 )
 from app.cli_services import cmd_broker, cmd_clickhouse, cmd_config, cmd_erase, cmd_migrate, cmd_retention, cmd_topics
+from app.parts import PARTS
 from rtrl.errors import RtrlError
 from rtrl.quiet import quiet_known_warnings
 from rtrl.settings import load_settings, redact_dsn
@@ -219,7 +220,7 @@ def parser() -> argparse.ArgumentParser:
         "part",
         "one part of the closed loop as its own process (what `rtrl run` supervises with loop.processes = true)",
     )
-    pt.add_argument("name", choices=["rewards", "batches", "serve", "train"], help="which part to run")
+    pt.add_argument("name", choices=PARTS, help="which part to run")
     pt.add_argument("--to-end", action="store_true", help="flows: stop at the end of the topics")
     pt.set_defaults(fn=cmd_part)
     s = command("simulate", "send simulated users' events through the SDK")

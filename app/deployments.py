@@ -7,7 +7,6 @@ promotion. The experiments' announcements start and end a live A/B.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import msgspec
 from confluent_kafka import Producer
@@ -18,9 +17,6 @@ from rtrl.kafka import connection, producer_config, read_topic
 from rtrl.settings import Settings
 from schemas.codec import Invalid, JsonCodec
 from schemas.records import Checkpoint, Experiment
-
-if TYPE_CHECKING:
-    pass
 
 
 def end_running_experiments(settings: Settings, bootstrap: str, producer: Producer) -> list[str]:

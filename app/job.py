@@ -10,9 +10,8 @@ from __future__ import annotations
 import shutil
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import msgspec
 from confluent_kafka import Producer
@@ -28,9 +27,6 @@ from rtrl.errors import ServiceUnavailable
 from rtrl.files import RUN_PARTS, check_cleanable, data_folder
 from rtrl.settings import Settings
 from schemas.records import Experiment
-
-if TYPE_CHECKING:
-    pass
 
 
 def cycle_progress(console: Console, label: str = "cycles"):
@@ -57,6 +53,7 @@ class FinalAB:
     trajectories: dict[str, int]
     """trajectories per arm ('ab-v0', 'ab-final') in ClickHouse when it ended"""
     rows: list[ABRow]
+    """per metric the change and its interval; empty until :func:`final_report` reads them, after the drain"""
     seconds: float
     wanted: int
 
@@ -75,12 +72,12 @@ def final_ab(
 ) -> FinalAB | str:
     """The main job's ending: the final version (what serves) and v0 serve side by side as a live A/B, each user in
     one arm by the hash of the user id and the experiment's key (:func:`simulator.serve.ab_bucket`, 50/50), until
-    each arm has ``loop.final_ab_trajectories`` trajectories in ClickHouse (or ``loop.final_ab_max_s`` passed);
-    then per metric the relative change, its 95% interval and p-value over users, from the analyst views
-    (:func:`monitors.queries.live_ab`). The experiment is announced on ``rtrl.experiments`` (running, then ended),
+    each arm has ``loop.final_ab_trajectories`` trajectories in ClickHouse (or ``loop.final_ab_max_s`` passed).
+    :func:`final_report` then reads per metric the relative change, its 95% interval and p-value over users from
+    the analyst views (:func:`monitors.queries.live_ab`), once the runner has drained the flows. The experiment is announced on ``rtrl.experiments`` (running, then ended),
     so a policy server in its own process (``loop.processes``) serves it as one in this process does. A line
     saying why when it cannot run."""
-    ls, rv, db = settings.loop, settings.rewards.train_version, settings.clickhouse.database
+    ls, db = settings.loop, settings.clickhouse.database
     if not ls.final_ab_trajectories:
         return "no final A/B (loop.final_ab_trajectories = 0)"
     if final == 0:
@@ -123,8 +120,7 @@ def final_ab(
             announce_experiments(settings, producer, [ended])
         except ServiceUnavailable as e:
             console.print(f"warning: {e}; the next `rtrl run` ends it", markup=False, highlight=False)
-    rows = live_ab(ch, db, Side(0, FINAL_ARMS["baseline"]), Side(final, FINAL_ARMS["treatment"]), rv, since_ms=since)
-    return FinalAB(final, since, counts, rows, time.monotonic() - t0, wanted)
+    return FinalAB(final, since, counts, [], time.monotonic() - t0, wanted)
 
 
 def preflight(settings: Settings, trains: bool = True) -> None:
@@ -166,9 +162,12 @@ def final_report(settings: Settings, ch, console: Console, t0: float, ab: FinalA
     table (the final live A/B, :meth:`app.loop.Loop.final_ab`), the table per checkpoint from ClickHouse and the PNG plots."""
     from app import report
 
-    rv = settings.rewards.train_version
-    rows = report.checkpoint_rows(ch, settings.clickhouse.database, rv)
-    final_ab = ab if isinstance(ab, FinalAB) else None
+    rv, db = settings.rewards.train_version, settings.clickhouse.database
+    rows = report.checkpoint_rows(ch, db, rv)
+    final_ab = None
+    if isinstance(ab, FinalAB):  # read now: the runner drained the flows, so every trajectory served has its reward
+        arms = Side(0, FINAL_ARMS["baseline"]), Side(ab.final, FINAL_ARMS["treatment"])
+        final_ab = replace(ab, rows=live_ab(ch, db, *arms, rv, since_ms=ab.since_ms))
     for line in report.summary_lines(ch, settings.clickhouse.database, rows, rv, ab=final_ab):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     if final_ab is not None:

@@ -45,7 +45,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import msgspec
 import torch
@@ -93,9 +92,6 @@ from trainer.dedup import TrainedSet
 from trainer.factory import Policy, build_policy
 from trainer.registry import export_checkpoint
 from trainer.train import Hooks, train
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("rtrl.loop")
 
@@ -347,7 +343,8 @@ class Loop:
         drained = self.settings.updated({"flow.tail": False, "batching.tail": False})
         for name, make in (("rewards", reward_flow), ("batches", batch_flow)):
             flow = make(drained, bootstrap=self.bootstrap, stop=threading.Event(), counts=self.flow_counts[name])
-            run_main(flow, recovery_config=recovery_config(drained, name), epoch_interval=timedelta(seconds=10))
+            epoch = timedelta(seconds=max(10.0, self.settings.flow.snapshot_s))  # as start_flows runs them
+            run_main(flow, recovery_config=recovery_config(drained, name), epoch_interval=epoch)
 
     def flow_summaries(self) -> list[str]:
         """One line per in-process flow: what it read and wrote in this process (after :meth:`stop_flows`; a flow

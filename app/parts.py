@@ -5,7 +5,9 @@
 
 A flow part is one process of a Bytewax cluster when the environment says so, as for ``python -m bytewax.run``:
 ``BYTEWAX_PROCESS_ID`` (or a StatefulSet pod's ``BYTEWAX_POD_NAME`` and ``BYTEWAX_STATEFULSET_NAME``) and
-``BYTEWAX_ADDRESSES`` (``host:port;host:port``, or a ``BYTEWAX_HOSTFILE_PATH``): :func:`cluster_from`.
+``BYTEWAX_ADDRESSES`` (``host:port;host:port``, or a ``BYTEWAX_HOSTFILE_PATH``): :func:`app.flow_state.cluster_from`.
+
+Each part is defined once in :data:`PART_LIST`; the part entry point and the supervisor start it from there.
 
 ``rewards``, ``batches``  the reward and batch flows under Bytewax with recovery (a restart after
                           kill -9 resumes from the last snapshot; sinks are at-least-once and
@@ -16,7 +18,7 @@ A flow part is one process of a Bytewax cluster when the environment says so, as
                           resumes from ``loop/state.json`` and the cycle's newest step checkpoint,
                           exits 0 once ``loop.cycles`` decisions are made
 
-Every part uses the loop's settings (:func:`app.loop.loop_settings`), ``kafka.bootstrap`` and
+Every part uses the loop's settings (:func:`app.loop_config.loop_settings`), ``kafka.bootstrap`` and
 ``clickhouse.dsn`` (a server: chdb holds a folder in one process only).
 
 SIGTERM and SIGINT stop every part cleanly with exit code 0: the flows end their input, take a final

@@ -9,7 +9,6 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from app.loop_config import (
     loop_settings,
@@ -25,9 +24,6 @@ from simulator.tasks import decode as decode_tokens
 from trainer import checkpoint
 from trainer.config import ModelConfig, PrecisionConfig
 from trainer.factory import build, model_config
-
-if TYPE_CHECKING:
-    pass
 
 
 def loop_model_config(settings: Settings) -> tuple[ModelConfig, PrecisionConfig]:

@@ -257,12 +257,13 @@ class Supervisor:
         instead of failing its start and spending its restart budget."""
         waiting: dict[str, int | None] = {}  # dead parts to restart, with their exit codes
         while not self._stop.wait(0.2):
+            # before the front is read: a restart that ends in between has already put the new front in place
+            busy = self._ch_restart is not None and self._ch_restart.is_alive()
             with self.lock:
                 items = list(self.procs.items())
                 ch = self.ch_proc
             if self.failed.is_set():
                 return
-            busy = self._ch_restart is not None and self._ch_restart.is_alive()
             if ch is not None and not busy and ch.poll() is not None and not self._stop.is_set():
                 self.exits.append((CLICKHOUSE, ch.returncode))
                 if not self.budget.allow(CLICKHOUSE):
@@ -343,8 +344,8 @@ class Supervisor:
         self._stop.set()
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(30)
-        if self._ch_restart is not None:  # a front it is starting must be there for close() to stop
-            self._ch_restart.join(60)
+        if self._ch_restart is not None:  # a front it is starting must be there for close() to stop (spawn is bounded)
+            self._ch_restart.join()
         with self.lock:
             procs = dict(self.procs)
         first = [(name, procs.pop(name)) for name in list(procs) if DEFINED[name].stops_first]
@@ -442,7 +443,10 @@ def run_processes(settings: Settings, console, resume: bool = False) -> list[dic
             tick()
         ab = sup.final_ab(console)  # the seed's table: the serve part serves the experiment it announces
         sup.stop_parts()
-        sup.drain_flows()  # every event served has its reward before anything reads the rewards
+        try:  # every event served has its reward before anything reads the rewards
+            sup.drain_flows()
+        except ServiceUnavailable as e:  # the cycles are done: their report still comes, with this said first
+            console.print(f"warning: {e}; the rewards in ClickHouse may miss the last trajectories", markup=False)
         return final_report(settings, sup.ch, console, t0, ab)
     finally:
         sup.close()

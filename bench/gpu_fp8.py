@@ -158,13 +158,14 @@ def train_steps(cfg, precision, shape: Shape, micro_batch: int, warmup: int, ste
     """Build the model under ``precision`` and time ``steps`` optimizer steps after ``warmup``."""
     import torch
 
-    from trainer.model import build_model, forward_logprobs, layer_spec
+    from trainer.factory import build
+    from trainer.model import forward_logprobs, layer_spec
 
     spec = layer_spec(precision)
     qkv = spec.submodules.self_attention.submodules.linear_qkv
     qkv = getattr(qkv, "module", qkv)
     spec_name = "TE" if getattr(qkv, "__name__", "").startswith("TE") else "local"
-    model = build_model(cfg, precision)
+    model = build(cfg, precision)  # with cfg.hf_path: the checkpoint's weights, through trainer.hf.load
     n_params = sum(p.numel() for p in model.parameters())
     # parameters in matmuls: 2-D weights less the input embedding table, plus the output layer when tied to it
     tied = getattr(cfg, "tie_embeddings", False)

@@ -1,4 +1,4 @@
-"""Typed configs for the Megatron-Core trainer model: architecture, parallel layout, precision.
+"""Typed configs for the trainer: the model's architecture, parallel layout and precision, and how a run trains.
 
 Each config validates itself in ``__post_init__`` and raises :class:`ConfigError` naming the
 field (``model.hidden_size``, ``precision.fp8`` ...) and the fix. ``ModelConfig.tiny()`` is

@@ -1,8 +1,9 @@
 """The one place a trainer is built: from settings to the policy, its frozen reference and its optimizer.
 
-Every caller that trains or serves the policy builds it here: the trainer job, the loop's trainer and policy
-server, the per-org adapters, the local cluster's first checkpoint and the experiments on simulated time. So a
-model built anywhere has the same layout, precision and initial weights.
+Every job that trains or serves the policy builds it here: the trainer job, the loop's trainer and policy
+server, the per-org adapters, the local cluster's first checkpoint, the experiments on simulated time and the
+GPU bench. So a model built by any of them has the same layout, precision and initial weights. Tests and CPU
+benches that need a bare model with megatron's init call :func:`trainer.model.build_model` directly.
 
 - :func:`model_config` turns the settings' ``model``, ``parallel`` and ``precision`` sections into a model.
 - :func:`build` gives a model with ``cfg``'s initial weights. Those are megatron's seeded init, or with

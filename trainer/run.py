@@ -50,11 +50,12 @@ def run(settings: Settings, bootstrap: str, console: Console | None = None) -> l
     torch.set_num_threads(torch_threads(ts.torch_threads))
     cfg, precision = model_config(settings)
     check_input_shapes(settings)
+    # each rank its own endpoint: metrics.port + the local rank (torchrun's LOCAL_RANK; ranks share a host); up
+    # before the models are built, so a long Hugging Face load is covered by the startup probe, not the liveness one
+    endpoint = metrics.serve_part(settings, "trainer", int(os.environ.get("LOCAL_RANK", "0")))
     policy = build_policy(cfg, precision)
     info, model, reference = policy.parallel, policy.model, policy.reference
     assert info is not None  # build_policy started the parallel groups
-    # each rank its own endpoint: metrics.port + the local rank (torchrun's LOCAL_RANK; ranks share a host)
-    endpoint = metrics.serve_part(settings, "trainer", int(os.environ.get("LOCAL_RANK", "0")))
     # The KL reference: the run's initial weights (with model.hf_path the checkpoint's, which the factory
     # loaded; train() then resumes the policy from the run's own newest checkpoint, if any: it wins).
     reference.load_state_dict(model.state_dict())
