@@ -9,6 +9,7 @@ its own (the two queue tests share one), so none of them waits on tests/test_chs
 from __future__ import annotations
 
 import gzip
+import http.client
 import re
 import socket
 import tempfile
@@ -20,7 +21,7 @@ import pytest
 
 from devservices import chserver
 from rtrl import clickhouse
-from tests.chserver_helpers import _threads, address, analyst, request, rows
+from tests.chserver_helpers import _threads, address, analyst, basic, request, rows
 
 
 @pytest.mark.slow
@@ -43,6 +44,39 @@ def test_connections_are_bounded(tmp_path):
             s.close()
         time.sleep(0.3)
         assert rows(dsn, "SELECT 7") == b"7\n"
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
+@pytest.mark.slow
+def test_a_kept_alive_connection_may_idle_past_the_header_deadline(tmp_path):
+    """A client's pool keeps a connection between requests: idle past the header deadline (1 s here) but within
+    the read limit (4 s), its next request is answered on it, so a pooled connection never closes under a request
+    being sent (an insert cannot be retried). Idle past the read limit, it is closed; a request's line and headers
+    still must arrive within the header deadline from their first byte."""
+    proc, dsn = chserver.spawn(tmp_path / "ch", extra_args=["--header-timeout-s", "1", "--read-timeout-s", "4"])
+    try:
+        host, port = address(dsn)
+        auth = {"Authorization": basic(dsn).decode().split(": ", 1)[1].strip()}
+        conn = http.client.HTTPConnection(host, port, timeout=10)
+        try:
+            kept = None
+            for _ in range(2):
+                conn.request("GET", "/?query=SELECT%207", headers=auth)
+                answer = conn.getresponse()
+                assert (answer.status, answer.read()) == (200, b"7\n")
+                kept = kept or conn.sock
+                assert conn.sock is kept  # the same connection, kept alive
+                time.sleep(2.0)  # past the header deadline, within the read limit
+            time.sleep(3.0)  # 5 s idle in all: past the read limit
+            assert kept is not None and kept.recv(16) == b""
+        finally:
+            conn.close()
+        with socket.create_connection((host, port), timeout=10) as s:  # a slow client: half a request line
+            s.sendall(b"GET /?query=SEL")
+            time.sleep(2.0)
+            assert s.recv(16) == b""
     finally:
         proc.kill()
         proc.wait(30)

@@ -92,14 +92,29 @@ class Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         super().setup()
         self.connection.settimeout(self.limits.read_timeout_s)
+        self.served = 0  # requests answered on this connection
 
     def handle_one_request(self) -> None:
-        # the request line and headers within the (short) header deadline: a slow or idle client is cut off
+        if self.served:
+            # a kept-alive connection may idle up to read_timeout_s before its next request, as a client's pool
+            # keeps it: cut at the header deadline, a pooled connection could close under a request being sent
+            self.server.arm(self.connection, self.limits.read_timeout_s)
+            try:
+                first = self.rfile.peek(1)  # type: ignore[attr-defined]  # a BufferedReader: a byte, or EOF
+            except (OSError, ValueError):
+                first = b""
+            if not first:
+                self.server.disarm(self.connection)
+                self.close_connection = True
+                return
+        # from its first byte, the request line and headers within the (short) header deadline: a slow client is
+        # cut off
         self.server.arm(self.connection, min(self.limits.header_timeout_s, self.limits.read_timeout_s))
         try:
             super().handle_one_request()
         finally:
             self.server.disarm(self.connection)
+            self.served += 1
 
     def _chunk_size(self) -> int:
         """The size on a chunk-size line (``hex[;extensions]``); 400 for anything else."""

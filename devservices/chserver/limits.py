@@ -28,7 +28,7 @@ class Limits:
     read_timeout_s: float = 30.0  #: to read one request, headers and body (also a keep-alive's idle time)
     max_connections: int = 64  #: connections served at once (one thread each); the excess get 503
     max_execution_time_s: float = 300.0  #: default and ceiling of a statement's max_execution_time
-    header_timeout_s: float = 10.0  #: to read a request's line and headers (at most read_timeout_s)
+    header_timeout_s: float = 10.0  #: to read a request's line and headers from its first byte (at most read_timeout_s)
     queue_timeout_s: float = 30.0  #: to wait for the engine (statements run one at a time); then 503
     max_inflating: int = 2  #: compressed request bodies inflated at once (the others wait, then 503)
     #: inflated request bodies held at once, server-wide (while inflating and while waiting for the engine)
