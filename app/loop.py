@@ -45,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import torch
@@ -302,21 +303,28 @@ class Loop:
 
     # ------------------------------------------------------------ parts
 
-    def start_flows(self) -> None:
-        """Both flows as threads, with Bytewax recovery in ``<data_dir>/recovery/<name>`` (what ``--resume``
-        continues from after a crash)."""
+    def _flows(self, settings: Settings, stop: threading.Event) -> list[tuple[str, Any, dict[str, Any]]]:
+        """(name, dataflow, ``run_main``'s keyword arguments) of both flows, with Bytewax recovery in
+        ``<data_dir>/recovery/<name>`` (what ``--resume`` continues from after a crash)."""
         from app.flow_state import recovery_config
 
+        out = []
         for name, make in (("rewards", reward_flow), ("batches", batch_flow)):
-            flow = make(self.settings, bootstrap=self.bootstrap, stop=self.stop, counts=self.flow_counts[name])
+            flow = make(settings, bootstrap=self.bootstrap, stop=stop, counts=self.flow_counts[name])
             # snapshots at Bytewax's default 10 s, not flow.snapshot_s: each one pickles the partition's
             # windows, closed ones included until allowed_lateness, so on two shared cores a 2 s epoch made
             # the main job's cycles grow from ~15 s to ~100 s by cycle 9 (bench/RESULTS.md); a crash
             # replays at most 10 s of events from Kafka, exactly once either way
             kwargs = {
-                "recovery_config": recovery_config(self.settings, name),
-                "epoch_interval": timedelta(seconds=max(10.0, self.settings.flow.snapshot_s)),
+                "recovery_config": recovery_config(settings, name),
+                "epoch_interval": timedelta(seconds=max(10.0, settings.flow.snapshot_s)),
             }
+            out.append((name, flow, kwargs))
+        return out
+
+    def start_flows(self) -> None:
+        """Both flows as threads (:meth:`_flows`)."""
+        for name, flow, kwargs in self._flows(self.settings, self.stop):
             t = threading.Thread(target=run_main, args=(flow,), kwargs=kwargs, name=f"{name}-flow", daemon=True)
             t.start()
             self.threads.append(t)
@@ -330,8 +338,6 @@ class Loop:
         """How a run ends: the policy server stops first and sends what it still holds, then both flows run from
         their recovery state to the end of their topics and close every window still open. Afterwards every
         event served has its reward in ClickHouse, so what reads the rewards at the end reads the whole run."""
-        from app.flow_state import recovery_config
-
         self.stop_flows()  # the server's thread and the flows' threads: every one of them stops at a snapshot
         if self.server is not None:  # the users' persistence checks still due go out now
             self.server.close()
@@ -341,10 +347,8 @@ class Loop:
             log.warning("a flow did not stop within its wait: the flows are not drained, rewards may be missing")
             return
         drained = self.settings.updated({"flow.tail": False, "batching.tail": False})
-        for name, make in (("rewards", reward_flow), ("batches", batch_flow)):
-            flow = make(drained, bootstrap=self.bootstrap, stop=threading.Event(), counts=self.flow_counts[name])
-            epoch = timedelta(seconds=max(10.0, self.settings.flow.snapshot_s))  # as start_flows runs them
-            run_main(flow, recovery_config=recovery_config(drained, name), epoch_interval=epoch)
+        for _, flow, kwargs in self._flows(drained, threading.Event()):  # one after the other, to their ends
+            run_main(flow, **kwargs)
 
     def flow_summaries(self) -> list[str]:
         """One line per in-process flow: what it read and wrote in this process (after :meth:`stop_flows`; a flow

@@ -200,10 +200,8 @@ def _reached(start: str) -> dict[str, str]:
     while todo:
         mod = todo.pop()
         for name, _ in _imports(mod, MODULES[mod]):
-            parts = name.split(".")
-            for i in range(1, len(parts) + 1):
-                dep = ".".join(parts[:i])
-                if dep in MODULES and dep not in seen:
+            for dep in _loaded_by(name):
+                if dep not in seen:
                     seen[dep] = mod
                     todo.append(dep)
     return seen
@@ -279,6 +277,13 @@ def test_the_walker_sees_imports_inside_functions(tmp_path):
     assert {"app.loop", "flows.windowing", "trainer.sibling"} <= names
 
 
+def _loaded_by(name: str) -> list[str]:
+    """The project modules an import of ``name`` loads: ``a.b.c`` loads ``a`` and ``a.b`` first (their
+    ``__init__`` runs), then ``a.b.c`` where that is a module."""
+    parts = name.split(".")
+    return [m for m in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if m in MODULES]
+
+
 def _module_graph() -> dict[str, set[str]]:
     """module -> the project modules it imports (top of file or inside functions)."""
     graph: dict[str, set[str]] = {}
@@ -286,9 +291,7 @@ def _module_graph() -> dict[str, set[str]]:
         deps = set()
         own = {".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 2)}  # itself and its packages
         for name, _ in _imports(module, path):
-            parts = name.split(".")
-            reached = [".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in MODULES]
-            deps |= set(reached) - own  # the deepest module the name reaches and the packages above it
+            deps |= set(_loaded_by(name)) - own  # the deepest module the name reaches and the packages above it
         graph[module] = deps
     return graph
 
