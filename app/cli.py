@@ -50,7 +50,8 @@ from app.cli_services import cmd_broker, cmd_clickhouse, cmd_config, cmd_erase, 
 from app.parts import PARTS
 from rtrl.errors import RtrlError
 from rtrl.quiet import quiet_known_warnings
-from rtrl.settings import load_settings, redact_dsn
+from rtrl.section import redact_dsn
+from rtrl.settings import load_settings
 
 
 def _count(text: str) -> int:

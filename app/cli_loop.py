@@ -17,7 +17,8 @@ from rich.table import Table
 
 from app.cli_services import _bootstrap
 from rtrl.errors import ConfigError
-from rtrl.settings import Settings, redact_dsn
+from rtrl.section import redact_dsn
+from rtrl.settings import Settings
 
 
 def cmd_run(settings: Settings, args: argparse.Namespace, console: Console) -> int:

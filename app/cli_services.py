@@ -18,7 +18,8 @@ from rich.table import Table
 from rich.text import Text
 
 from rtrl.errors import ConfigError
-from rtrl.settings import Settings, describe, redact_dsn
+from rtrl.section import redact_dsn
+from rtrl.settings import Settings, describe
 
 
 def _bootstrap(settings: Settings, clickhouse_too: bool = False) -> str:
@@ -73,10 +74,10 @@ def cmd_retention(settings: Settings, args: argparse.Namespace, console: Console
     deleted."""
     import time
 
+    from app.config import RETAINED_TABLES
     from flows.sinks import prune_archive
     from rtrl import clickhouse
     from rtrl.clickhouse_cluster import cluster_of
-    from rtrl.settings import RETAINED_TABLES
 
     r, dry = settings.retention, args.dry_run
     client = clickhouse.setup_from(settings)

@@ -206,7 +206,8 @@ def run(config: str | None, steps: int, timeout_s: float, out=print) -> int:
     from app.loop_config import loop_settings
     from app.supervisor import Supervisor
     from rtrl.files import write_private
-    from rtrl.settings import load_settings, redact_dsn, settings_toml
+    from rtrl.section import redact_dsn
+    from rtrl.settings import load_settings, settings_toml
 
     settings = loop_settings(load_settings(config), trains=False)
     doomed = fresh_start(settings, trains=False)  # a run of its own: no earlier recovery state, checkpoints or topics

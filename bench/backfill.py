@@ -65,10 +65,11 @@ from flows.sinks import ARCHIVE_COORDS, with_coords, write_archive
 from rewards import compute
 from rewards.versions import registry
 from rtrl import clickhouse
-from rtrl.settings import SimulatorSettings, load_settings
+from rtrl.settings import load_settings
 from schemas.codec import event_codec
 from schemas.records import EventBase, Reward
 from schemas.types import from_arrow, to_arrow
+from simulator.config import SimulatorSettings
 from simulator.generate import generate
 
 SALT = "bench-salt-123"

@@ -13,5 +13,25 @@ the ``kafka`` settings from ``RTRL_KAFKA__*`` (docs/production.md), or pass libr
 ``RtrlClient(bootstrap=..., salt=SECRET, security={"security.protocol": "SASL_SSL", ...})``.
 """
 
-from client.hashing import hash_user  # noqa: F401
-from client.sdk import ClientStats, InvalidEvent, RtrlClient, Trajectory  # noqa: F401
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from client.hashing import hash_user
+    from client.sdk import ClientStats, InvalidEvent, RtrlClient, Trajectory
+
+#: the module each name lives in: it loads on first use, so importing the package's config loads nothing else
+_HOME = {
+    "hash_user": "client.hashing",
+    "ClientStats": "client.sdk",
+    "InvalidEvent": "client.sdk",
+    "RtrlClient": "client.sdk",
+    "Trajectory": "client.sdk",
+}
+__all__ = ["ClientStats", "InvalidEvent", "RtrlClient", "Trajectory", "hash_user"]
+
+
+def __getattr__(name: str) -> object:
+    if name in _HOME:
+        return getattr(importlib.import_module(_HOME[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -37,9 +37,10 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rewards.config import RewardDefinition
 from rewards.functions import V1_DISCARD_BROKEN, V2, RewardConfig
 from rtrl.errors import ConfigError
-from rtrl.settings import RewardDefinition, Settings
+from rtrl.settings import Settings
 from schemas.records import RewardVersionRecord
 
 #: the weights of a version: every RewardConfig field but its name, in declaration order

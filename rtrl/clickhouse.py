@@ -32,7 +32,8 @@ import pyarrow as pa
 from rtrl.clickhouse_cluster import LOCAL, SYNC_INSERT, Cluster, cluster_of, render
 from rtrl.errors import ConfigError, SchemaMismatch, ServiceUnavailable
 from rtrl.files import private_dir
-from rtrl.settings import Settings, redact_dsn
+from rtrl.section import redact_dsn
+from rtrl.settings import Settings
 from schemas.erasure import DenyList
 from schemas.records import (
     BatchStats,

@@ -15,8 +15,9 @@ from typing import Any
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
+from rtrl.config import KafkaSettings
 from rtrl.errors import ConfigError, SchemaMismatch, ServiceUnavailable
-from rtrl.settings import KafkaSettings, Settings
+from rtrl.settings import Settings
 from schemas.topics import TOPICS, TopicSpec
 
 log = logging.getLogger("rtrl.kafka")

@@ -30,7 +30,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rtrl.settings import SimulatorSettings
 from schemas.records import (
     ClarifyingQuestion,
     EditAccepted,
@@ -48,6 +47,7 @@ from schemas.records import (
     Verdict,
     event_type,
 )
+from simulator.config import SimulatorSettings
 from simulator.population import (
     EDIT_PROPENSITY,
     TASK_KINDS,

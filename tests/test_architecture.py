@@ -6,12 +6,17 @@ Contract pinned here (every module's imports are parsed, including imports insid
   (pure logic first), the application. A package may import only packages ranked at or below it.
 - No cycle exists between top-level packages (a strictly ranked order already forbids one; the
   cycle check reports the path, which is what a reader needs when the order test fails).
+- Each package's ``config`` module holds its components' settings sections; :mod:`rtrl.settings` composes them into
+  the tree. A config ranks with the foundation: any module may import it, and it loads (its packages' ``__init__``
+  included) nothing but :mod:`rtrl.section`, :mod:`rtrl.errors`, records, pure modules and other configs. An import of a config
+  is therefore no edge between packages in the order.
 - ``devservices`` (the local broker wrapper, the embedded ClickHouse HTTP front) is dev-only: it
   may import the foundation and records, and only ``app.services`` (the embedded defaults), tests
   and benchmarks may import it - no production code path does.
 - Pure modules (windows, rewards, batching, loss, dedup, alerts, the eval gate) import no I/O
   library, directly or through any project module they import (packages' ``__init__`` included),
   and no project module that does I/O (Kafka, ClickHouse, sinks, the trainer's input stream).
+- Imports under ``if TYPE_CHECKING:`` never run: they are annotations' names, not edges.
 - No cycle exists between modules either: a module imports another that imports it back, directly or through
   others, neither at the top nor inside a function. An import of ``a.b.c`` is an edge to the deepest module it
   names and to the packages above it, whose ``__init__`` runs first, except the importer's own.
@@ -71,6 +76,9 @@ PURE = [
     "monitors.reward_compare",
     "evalgate",
     "rtrl.clickhouse_cluster",
+    "client.hashing",
+    "simulator.generate",
+    "simulator.population",
 ]
 #: project modules whose job is I/O: a pure module may not reach them
 IO_MODULES = {"rtrl.kafka", "rtrl.clickhouse", "flows.sinks", "flows.kafka_io", "trainer.data", "app", "devservices"}
@@ -89,12 +97,17 @@ IO_LIBS = {
 #: pure parts of those libraries (string parsing): ``urllib.parse`` splits a DSN, it opens nothing
 PURE_LIBS = ("urllib.parse",)
 PACKAGES = ORDER + [DEV]
+#: the settings sections beside their components, and their base: the foundation's loader imports them
+CONFIGS = {"rtrl.section", "rtrl.config", "rewards.config", "client.config", "flows.config", "trainer.config"}
+CONFIGS |= {"simulator.config", "app.config"}
+CONFIG_PACKAGES = {m.split(".")[0] for m in CONFIGS}
+#: what a config may load besides other configs, records and pure modules (a package's ``__init__`` may load its
+#: pure core: ``rewards``, ``simulator``)
+CONFIG_MAY_LOAD = {"rtrl", "rtrl.errors"}
 #: the longest a hand-written source file may be
 MAX_LINES = 800
 #: hand-written files still over MAX_LINES, with why; a file that fits again must leave the list
-LONG_FILES = {
-    "rtrl/settings.py": "every section of the tree is still defined here; they move beside their components next",
-}
+LONG_FILES: dict[str, str] = {}
 #: files a program writes (their generator is checked instead)
 GENERATED = ("deploy/clickhouse/cluster.sql", "deploy/k8s/", "docs/reference/")
 
@@ -110,10 +123,25 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """The ids of the nodes under ``if TYPE_CHECKING:``: they never run."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        test = node.test if isinstance(node, ast.If) else None
+        if test is not None and (ast.unparse(test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")):
+            out |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return out
+
+
 def _imports(module: str, path: Path) -> list[tuple[str, int]]:
-    """Every absolute module name ``module`` imports (top of file or inside functions), with its line."""
+    """Every absolute module name ``module`` imports (top of file or inside functions, never under
+    ``if TYPE_CHECKING:``), with its line."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    skip = _type_checking_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             found += [(a.name, node.lineno) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -140,9 +168,33 @@ def _edges() -> dict[str, dict[str, list[str]]]:
         src = module.split(".")[0]
         for name, line in _imports(module, path):
             dst = name.split(".")[0]
+            if _config(name):
+                continue  # a config ranks with the foundation (test_configs_load_only_configs)
             if dst in PACKAGES and dst != src:
                 edges[src][dst].append(f"{module}:{line}")
     return edges
+
+
+def _config(name: str) -> bool:
+    """Whether an import of ``name`` (a module, or a name in a module) imports a config."""
+    return name in CONFIGS or name.rpartition(".")[0] in CONFIGS
+
+
+def test_configs_load_only_configs():
+    """Every config loads, with its packages' ``__init__``, only configs, records, rtrl.section, rtrl.errors and
+    pure modules: the loader imports them all without loading a component that does I/O."""
+    assert CONFIGS <= set(MODULES), f"no such config module: {CONFIGS - set(MODULES)}"
+    on_disk = {m for m in MODULES if m.endswith(".config") and m.count(".") == 1}
+    assert on_disk <= CONFIGS, f"list these in CONFIGS: {on_disk - CONFIGS}"
+    allowed = CONFIGS | CONFIG_MAY_LOAD | CONFIG_PACKAGES
+    pure = tuple(PURE)
+    bad = [
+        f"{config} loads {mod} (imported by {via})"
+        for config in sorted(CONFIGS)
+        for mod, via in _reached(config).items()
+        if mod not in allowed and mod.split(".")[0] != "schemas" and not (mod in pure or mod.startswith(pure))
+    ]
+    assert not bad, "a config must load no component (move what it needs into a config):\n" + "\n".join(bad)
 
 
 def test_every_package_is_placed():
@@ -214,6 +266,8 @@ def test_pure_modules_do_no_io(pure):
     bad = []
     for root in roots:
         for mod, via in _reached(root).items():
+            if mod in CONFIGS or mod in CONFIG_PACKAGES:
+                continue  # a config, or a package above one: test_configs_load_only_configs checks what they load
             if any(mod == io or mod.startswith(io + ".") for io in IO_MODULES):
                 bad.append(f"{root} reaches the I/O module {mod} (imported by {via})")
             bad += [

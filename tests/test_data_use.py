@@ -10,6 +10,7 @@ from bytewax.testing import run_main
 from prometheus_client import REGISTRY
 
 from client import RtrlClient
+from client.config import GovernanceSettings
 from flows.adapters import OrgRouter
 from flows.batch_flow import build_flow
 from flows.batching import BatchBuilder, BatchConfig
@@ -17,7 +18,7 @@ from flows.processor import Message, RewardProcessor
 from flows.reward_flow import window_config
 from rtrl.errors import ConfigError
 from rtrl.kafka import ensure_topics, read_topic
-from rtrl.settings import GovernanceSettings, load_settings
+from rtrl.settings import load_settings
 from schemas.codec import Invalid, JsonCodec, decode_batch, encode_batch, event_codec
 from schemas.data_use import DATA_USES, stricter
 from schemas.records import DeadLetter, MicroBatch, Reward, Rollout, event_type

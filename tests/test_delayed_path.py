@@ -30,12 +30,13 @@ from hypothesis import strategies as st
 from flows.batch_flow import batch_config, build_flow
 from flows.batching import BatchBuilder, BatchConfig
 from rtrl.kafka import producer_config, read_topic
-from rtrl.settings import LossSettings, load_settings
+from rtrl.settings import load_settings
 from schemas.codec import JsonCodec, decode_batch, encode_batch
 from schemas.records import MicroBatch, Reward, Rollout
 from trainer.batch import Batch
+from trainer.config import LossSettings
 from trainer.dedup import TrainedSet
-from trainer.loss import GUARDED, LossConfig, policy_loss
+from trainer.loss import GUARDED, PLAIN, policy_loss
 from trainer.train import prepare
 
 T0 = 1_767_225_600_000  # 2026-01-01, ms
@@ -247,7 +248,7 @@ def test_delayed_flags_travel_through_the_arrow_codec():
 # ---------------------------------------------------------------- the loss
 
 
-def _single(lp: float, b: float, adv: float, config: LossConfig) -> tuple[float, float]:
+def _single(lp: float, b: float, adv: float, config: LossSettings) -> tuple[float, float]:
     """(value weight, gradient weight) of one delayed token: loss = -w*A and d loss / d lp = -w*A with norm 1."""
     x = torch.tensor([lp], dtype=F64, requires_grad=True)
     one = torch.ones(1, dtype=torch.bool)
@@ -270,7 +271,7 @@ def _single(lp: float, b: float, adv: float, config: LossConfig) -> tuple[float,
 def test_a_delayed_tokens_weight_never_exceeds_the_cap(lp, b, adv, cap, guarded):
     """For any log-probs, behaviour log-probs and advantage, the weight of a delayed token's value and gradient
     is in [0, cap]; with the guards off it is exactly min(exp(lp - b), cap), for either sign of A."""
-    config = replace(GUARDED if guarded else LossConfig(), kl_coef=0.0, delayed_is_cap=cap)
+    config = (GUARDED if guarded else PLAIN).model_copy(update=dict(kl_coef=0.0, delayed_is_cap=cap))
     value_w, grad_w = _single(lp, b, adv, config)
     for w in (value_w, grad_w):
         assert 0.0 <= w <= cap * (1 + 1e-12)
@@ -282,7 +283,7 @@ def test_a_delayed_tokens_weight_never_exceeds_the_cap(lp, b, adv, cap, guarded)
 def test_delayed_weight_is_truncated_importance_sampling_and_counted():
     """r = e^2 is capped at D = 1 (value and gradient weight 1, counted truncated); r = e^-2 is kept; the
     gradient does not vanish where the cap binds (no PPO clip on delayed tokens)."""
-    config = replace(GUARDED, kl_coef=0.0)
+    config = GUARDED.model_copy(update=dict(kl_coef=0.0))
     assert _single(-1.0, -3.0, 1.0, config) == pytest.approx((1.0, 1.0))
     assert _single(-3.0, -1.0, -2.0, config) == pytest.approx((np.exp(-2), np.exp(-2)))
     lp = torch.tensor([-1.0, -3.0, -1.0], dtype=F64, requires_grad=True)
@@ -310,7 +311,7 @@ def test_no_correction_is_the_plain_reinforce_gradient():
     b = lp + torch.randn(4, 9, generator=g, dtype=F64) * 4  # far from the current policy
     adv = torch.randn(4, 9, generator=g, dtype=F64)
     mask = torch.rand(4, 9, generator=g) < 0.7
-    config = replace(GUARDED, kl_coef=0.0, delayed_correction="none", delayed_is_cap=1.0)
+    config = GUARDED.model_copy(update=dict(kl_coef=0.0, delayed_correction="none", delayed_is_cap=1.0))
     x = lp.clone().requires_grad_(True)
     out = policy_loss(x, b, lp, adv, mask, torch.ones_like(mask), 16.0, config, delayed=torch.ones_like(mask))
     out.loss.backward()
@@ -346,7 +347,7 @@ def test_on_and_near_policy_tokens_are_unchanged_bit_for_bit(guard, correction, 
     """No delayed token (None or all 0): the same loss, gradient and metrics, bit for bit. Some sequences delayed:
     every other token's gradient is still bit-identical."""
     lp, b, ref, adv, mask, off, seq = _random_inputs(seed)
-    config = replace(GUARDED, seq_ratio_guard=guard, delayed_correction=correction)
+    config = GUARDED.model_copy(update=dict(seq_ratio_guard=guard, delayed_correction=correction))
 
     def run(delayed):
         x = lp.clone().requires_grad_(True)
@@ -367,9 +368,9 @@ def test_on_and_near_policy_tokens_are_unchanged_bit_for_bit(guard, correction, 
 
 def test_bad_delayed_settings_are_refused():
     with pytest.raises(ValueError, match="delayed_is_cap"):
-        LossConfig(delayed_is_cap=0.5)
+        LossSettings(delayed_is_cap=0.5)
     with pytest.raises(ValueError, match="delayed_correction"):
-        LossConfig(delayed_correction="clip")
+        LossSettings(delayed_correction="clip")
     for key, value in (("delayed_is_cap", 0.9), ("delayed_correction", "ppo")):
         with pytest.raises(ValueError):
             LossSettings(**{key: value})
@@ -483,7 +484,7 @@ def test_one_step_on_delayed_samples_splits_train_metrics(tiny, correction):
         micro_batches_per_step=2,
         max_policy_lag=1,
         max_delayed_lag=4,
-        loss=replace(GUARDED, delayed_correction=correction),
+        loss=GUARDED.model_copy(update=dict(delayed_correction=correction)),
     )
     (step,) = train(Policy(model, reference, version=6), lambda off: MemorySource(batches, off), tc)
     prepared = [prepare(b, 6, 1, 4) for b in batches]

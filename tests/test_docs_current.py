@@ -33,7 +33,9 @@ from pydantic import Field
 import app.cli
 from docs import gen_commands, gen_files, gen_markdown, gen_records, gen_settings, gen_tables
 from docs import generate as gen
-from rtrl.settings import KafkaSettings, Settings, _s
+from rtrl.config import KafkaSettings
+from rtrl.section import setting as _s
+from rtrl.settings import Settings
 from schemas.fields import Label, doc
 from schemas.records import RECORDS
 

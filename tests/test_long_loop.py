@@ -22,7 +22,7 @@ from rewards.functions import RewardConfig
 from rewards.versions import BUILTIN, RewardVersion
 from rtrl.clickhouse import insert
 from rtrl.errors import ConfigError
-from rtrl.settings import SimulatorSettings, load_settings
+from rtrl.settings import load_settings
 from schemas.codec import event_codec
 from schemas.records import (
     Checkpoint,
@@ -36,6 +36,7 @@ from schemas.records import (
     TrajectoryEnded,
     TrajectoryStarted,
 )
+from simulator.config import SimulatorSettings
 from simulator.generate import BACKGROUND, generate, stats
 from simulator.population import PolicyProfile
 

@@ -24,10 +24,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rtrl.errors import ConfigError
-from rtrl.settings import LossSettings, load_settings
-from trainer.loss import GUARDED, LossConfig, policy_loss
+from rtrl.settings import load_settings
+from trainer.config import LossSettings
+from trainer.loss import GUARDED, PLAIN, policy_loss
 
-PLAIN = LossConfig()  # every guard off: the formula as it was before the guards
+PLAIN = PLAIN  # every guard off: the formula as it was before the guards
 F64 = torch.float64
 
 
@@ -40,7 +41,7 @@ def k3_root(k: float) -> float:
     return lo
 
 
-def bounds(cfg: LossConfig) -> tuple[float, float, float]:
+def bounds(cfg: LossSettings) -> tuple[float, float, float]:
     """(per |A| bound on |pg_t| and its gradient, bound on kl_t, bound on |d kl_t / d lp|) of the docstring."""
     return max(1 + cfg.eps_high, cfg.dual_clip), cfg.k3_clamp, max(1.0, cfg.k3_clamp + k3_root(cfg.k3_clamp))
 
@@ -100,12 +101,14 @@ def test_extreme_reference_logprob_is_k3_clamped(ref_minus_lp):
     lp = t([-5.0], torch.float32)
     ref = lp + ref_minus_lp
     one, zero = t([1.0]), t([0.0])
-    cfg = LossConfig(kl_coef=0.5, log_ratio_clamp=20.0, dual_clip=3.0, k3_clamp=10.0)
+    cfg = PLAIN.model_copy(update=dict(kl_coef=0.5, log_ratio_clamp=20.0, dual_clip=3.0, k3_clamp=10.0))
     out, g = loss_and_grad(lp, lp, ref, zero.float(), one, zero, norm=1.0, cfg=cfg)
     assert out.loss.item() == pytest.approx(0.5 * 10.0) and out.kl == pytest.approx(10.0)
     assert g.item() == 0.0
     if ref_minus_lp >= 100:
-        plain, _ = loss_and_grad(lp, lp, ref, zero.float(), one, zero, norm=1.0, cfg=LossConfig(kl_coef=0.5))
+        plain, _ = loss_and_grad(
+            lp, lp, ref, zero.float(), one, zero, norm=1.0, cfg=PLAIN.model_copy(update=dict(kl_coef=0.5))
+        )
         assert not math.isfinite(plain.loss.item())
 
 
@@ -114,7 +117,7 @@ def test_k3_clamp_gradient_below_the_clamp_is_within_the_bound():
     x_k = k3_root(10.0)
     lp = t([-5.0])
     ref = lp + (x_k - 1e-6)
-    cfg = LossConfig(kl_coef=1.0, log_ratio_clamp=20.0, k3_clamp=10.0)
+    cfg = PLAIN.model_copy(update=dict(kl_coef=1.0, log_ratio_clamp=20.0, k3_clamp=10.0))
     out, g = loss_and_grad(lp, lp, ref, t([0.0]), t([1.0]), t([0.0]), norm=1.0, cfg=cfg)
     _, _, dkl = bounds(cfg)
     assert out.kl < 10.0 and 12.0 < abs(g.item()) <= dkl
@@ -182,8 +185,12 @@ def test_guards_change_nothing_without_outliers(seed, dtype):
     wide = {"seq_ratio_low": 0.1, "seq_ratio_high": 10.0}
     for cfg in (
         GUARDED,
-        LossConfig(log_ratio_clamp=20.0, dual_clip=3.0, k3_clamp=10.0, seq_ratio_guard="mask", **wide),
-        LossConfig(log_ratio_clamp=20.0, dual_clip=3.0, k3_clamp=10.0, seq_ratio_guard="truncate", **wide),
+        PLAIN.model_copy(
+            update=dict(log_ratio_clamp=20.0, dual_clip=3.0, k3_clamp=10.0, seq_ratio_guard="mask", **wide)
+        ),
+        PLAIN.model_copy(
+            update=dict(log_ratio_clamp=20.0, dual_clip=3.0, k3_clamp=10.0, seq_ratio_guard="truncate", **wide)
+        ),
     ):
         out, g = loss_and_grad(lp, b, ref, adv, mask, off, 96.0, cfg, seq)
         assert torch.equal(out.loss, plain.loss), cfg
@@ -219,7 +226,9 @@ def test_dual_clip_never_binds_within_its_ratio():
 def test_nan_and_inf_in_padding_never_reach_the_loss(guard):
     """Untrained positions holding nan/inf in lp, b, ref and A: the loss, gradient and metrics equal the
     computation without them, and their own gradient is exactly 0."""
-    cfg = LossConfig(log_ratio_clamp=20.0, dual_clip=3.0, k3_clamp=10.0, kl_coef=0.3, seq_ratio_guard=guard)
+    cfg = PLAIN.model_copy(
+        update=dict(log_ratio_clamp=20.0, dual_clip=3.0, k3_clamp=10.0, kl_coef=0.3, seq_ratio_guard=guard)
+    )
     nan, inf = float("nan"), float("inf")
     lp = t([-1.0, -0.7, nan, inf, -inf, -2.0])
     b = t([-1.1, -0.9, nan, -inf, inf, nan])
@@ -259,10 +268,10 @@ def test_sequence_guard_mask_drops_exactly_the_sequences_outside_the_band():
     """mask: sequences 1 (g = 3 > 2) and 2 (g = 0.3 < 0.5) leave the loss and the metrics; the result
     equals the plain loss with their tokens' mask set to 0."""
     lp, b, ref, adv, mask, off, seq = _sequences()
-    cfg = LossConfig(kl_coef=0.1, seq_ratio_guard="mask", seq_ratio_low=0.5, seq_ratio_high=2.0)
+    cfg = PLAIN.model_copy(update=dict(kl_coef=0.1, seq_ratio_guard="mask", seq_ratio_low=0.5, seq_ratio_high=2.0))
     out, g = loss_and_grad(lp, b, ref, adv, mask, off, 5.0, cfg, seq)
     kept = mask * ((seq != 1) & (seq != 2))
-    want, g_want = loss_and_grad(lp, b, ref, adv, kept, off, 5.0, LossConfig(kl_coef=0.1))
+    want, g_want = loss_and_grad(lp, b, ref, adv, kept, off, 5.0, PLAIN.model_copy(update=dict(kl_coef=0.1)))
     assert torch.equal(out.loss, want.loss) and torch.equal(g, g_want)
     assert out.tokens == 6 and out.seq_guarded_tokens == 6
     assert g[3:9].tolist() == [0.0] * 6 and (g[:3] != 0).all()
@@ -274,7 +283,7 @@ def test_sequence_guard_truncate_caps_exactly_the_sequences_above_the_band():
     """truncate: sequence 1 (g = 3) has its policy-gradient terms scaled by 2/3 (the KL term untouched);
     sequence 2 (g = 0.3, below the band) and the sequences inside are unchanged."""
     lp, b, ref, adv, mask, off, seq = _sequences()
-    cfg = LossConfig(kl_coef=0.1, seq_ratio_guard="truncate", seq_ratio_low=0.5, seq_ratio_high=2.0)
+    cfg = PLAIN.model_copy(update=dict(kl_coef=0.1, seq_ratio_guard="truncate", seq_ratio_low=0.5, seq_ratio_high=2.0))
     out, g = loss_and_grad(lp, b, ref, adv, mask, off, 5.0, cfg, seq)
     # per-token reference, with the plain per-token values
     total, grads = 0.0, []
@@ -298,7 +307,7 @@ def test_sequence_guard_truncate_caps_exactly_the_sequences_above_the_band():
 def test_sequence_guard_needs_sequence_ids():
     lp, b, ref, adv, mask, off, _ = _sequences()
     with pytest.raises(ValueError, match="seq_ids"):
-        policy_loss(lp, b, ref, adv, mask, off, 1.0, LossConfig(seq_ratio_guard="mask"))
+        policy_loss(lp, b, ref, adv, mask, off, 1.0, PLAIN.model_copy(update=dict(seq_ratio_guard="mask")))
     with pytest.raises(ValueError, match="seq_ids"):
         policy_loss(lp, b, ref, adv, mask, off, 1.0, GUARDED, torch.zeros(13))  # float ids
 
@@ -351,7 +360,7 @@ def test_bad_guard_settings_name_the_setting(key, value):
 )
 def test_bad_guard_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
-        LossConfig(**{field: value})
+        LossSettings(**{field: value})
 
 
 # ---------------------------------------------------------------- the trainer: clipping and metrics end to end

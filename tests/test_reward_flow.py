@@ -31,9 +31,10 @@ from flows.sinks import read_archive
 from rewards import compute
 from rtrl import clickhouse
 from rtrl.kafka import ensure_topics, producer_config, read_topic
-from rtrl.settings import SimulatorSettings, load_settings
+from rtrl.settings import load_settings
 from schemas.codec import JsonCodec, event_codec
 from schemas.records import EventBase, Reward
+from simulator.config import SimulatorSettings
 from simulator.generate import generate
 
 SALT = "flow-test-salt"

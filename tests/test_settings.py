@@ -263,7 +263,8 @@ def _cli(args, env_extra, tmp_path):
 def test_dsn_query_secrets_are_redacted_when_shown(tmp_path, name):
     """A credential in a DSN's query never shows: not in describe (what `rtrl config` prints), repr, a settings
     file's refusal, or a generated settings file; the rest of the DSN stays readable."""
-    from rtrl.settings import redact_dsn, settings_toml
+    from rtrl.section import redact_dsn
+    from rtrl.settings import settings_toml
 
     dsn = f"http://rtrl@ch.example:8123/?database=rtrl&{name}=hunter2&compress=1"
     shown = f"http://rtrl@ch.example:8123/?database=rtrl&{name}=***&compress=1"
@@ -286,7 +287,7 @@ def test_dsn_query_secrets_are_redacted_when_shown(tmp_path, name):
 def test_redaction_keeps_what_is_not_a_secret():
     """Paths to secrets, switches and ordinary parameters stay; a password in the user part goes, however
     it is written (an unescaped / ? or @ in it, no scheme, a broker list)."""
-    from rtrl.settings import redact_dsn
+    from rtrl.section import redact_dsn
 
     plain = "https://rtrl@ch:8443/?password_file=/run/secrets/p&client_cert_key=/k.pem&verify=false&user=bob"
     assert redact_dsn(plain) == plain
@@ -357,7 +358,8 @@ def test_clickhouse_connection_error_never_shows_a_dsn_secret(tmp_path):
 
 def _numbers() -> list[str]:
     """Every setting that holds a number (a count, size, port, seed, rate or duration)."""
-    from rtrl.settings import SECTIONS, _numeric
+    from rtrl.section import _numeric
+    from rtrl.settings import SECTIONS
 
     return [
         f"{sec}.{key}"

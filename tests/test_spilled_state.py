@@ -22,7 +22,6 @@ from devservices.broker import free_port
 from flows.spill import KEEP_GENERATIONS, SqliteStore, StateError, partition_file
 from flows.windowing import KindRules, MemoryStore, PartitionWindows, WindowConfig
 from rtrl.kafka import ensure_topics
-from rtrl.settings import SimulatorSettings
 from schemas.records import (
     EditAccepted,
     EditPersisted,
@@ -31,6 +30,7 @@ from schemas.records import (
     TrajectoryEnded,
     TrajectoryStarted,
 )
+from simulator.config import SimulatorSettings
 from simulator.generate import generate
 from tests.test_reward_flow import _dump, _env, _flow_cmd, _produce, _run_then_kill, reference  # noqa: F401  # reference: fixture
 

@@ -1,8 +1,10 @@
-"""Typed configs for the trainer: the model's architecture, parallel layout and precision, and how a run trains.
+"""The trainer's sections of the settings tree, and its typed configs: the model's architecture, parallel layout
+and precision, and how a run trains.
 
-Each config validates itself in ``__post_init__`` and raises :class:`ConfigError` naming the
-field (``model.hidden_size``, ``precision.fp8`` ...) and the fix. ``ModelConfig.tiny()`` is
-the preset the CPU tests and the local simulator train: a few seconds per step on 2 cores.
+The sections (``loss``, ``train``, ``model``, ``parallel``, ``precision``, ``adapters``) are what the settings
+file and the environment set. The loss section is itself the loss's config. Each dataclass config validates itself
+in ``__post_init__`` and raises :class:`ConfigError` naming the field (``model.hidden_size`` ...) and the fix.
+``ModelConfig.tiny()`` is the preset the CPU tests and the local simulator train: a few seconds per step on 2 cores.
 """
 
 from __future__ import annotations
@@ -11,16 +13,299 @@ import math
 import os
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import ConfigDict, field_validator, model_validator
+from pydantic_settings import NoDecode
 
 from rtrl.errors import ConfigError
-from rtrl.settings import Settings
-from trainer.loss import GUARDED, LossConfig
+from rtrl.section import Section
+from rtrl.section import setting as _s
+
+if TYPE_CHECKING:
+    from rtrl.settings import Settings
 
 FP8_FORMATS = ("hybrid", "e4m3")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
 ROPE_SCALINGS = ("", "llama3", "linear")
+
+
+class LossSettings(Section):
+    """Dr. GRPO clipped ratio, truncated importance weights, k3 KL."""
+
+    # the config trainer.loss.policy_loss takes; frozen, as trainer.loss.GUARDED and PLAIN are shared
+    model_config = Section.model_config | ConfigDict(frozen=True)
+
+    eps_low: float = _s(0.2, "clip range below a ratio of 1", gt=0, lt=1)
+    eps_high: float = _s(0.28, "clip range above a ratio of 1 (clip-higher)", gt=0)
+    is_cap: float = _s(2.0, "cap of an off-policy token's importance weight", ge=1)
+    kl_coef: float = _s(0.01, "weight of the k3 KL term to the reference model (0 = off)", ge=0)
+    norm_tokens: int = _s(0, "constant loss normaliser (Dr. GRPO); 0 = micro-batches x rows x seq_len of a step", ge=0)
+    log_ratio_clamp: float = _s(
+        20.0, "clamp log-ratios (trainer vs behaviour, reference vs trainer) to +-this before exp (0 = off)", ge=0
+    )
+    dual_clip: float = _s(
+        3.0, "dual-clip: a negative-advantage token's loss is at most this x |advantage| (> 1; 0 = off)", ge=0
+    )
+    k3_clamp: float = _s(10.0, "clamp each token's KL term (k3 or full) to at most this (0 = off)", ge=0)
+    kl_estimator: Literal["k3", "full"] = _s(
+        "k3",
+        "the KL term per trained token: k3 (on the sampled token; cheap, but blind to mass moved onto tokens the "
+        "policy rarely samples) or full (the exact KL over the whole vocabulary; costs the reference's [B, S, V] "
+        "log-softmax per micro-batch)",
+    )
+    seq_ratio_guard: Literal["off", "mask", "truncate"] = _s(
+        "off",
+        "per-sequence importance-ratio guard on the geometric-mean ratio to the behaviour policy: "
+        "mask (drop sequences outside [seq_ratio_low, seq_ratio_high]), truncate (cap a sequence's "
+        "weight at seq_ratio_high) or off",
+    )
+    seq_ratio_low: float = _s(0.5, "lower end of the sequence guard's band of geometric-mean ratios", gt=0, le=1)
+    seq_ratio_high: float = _s(2.0, "upper end of the sequence guard's band of geometric-mean ratios", ge=1)
+    delayed_correction: Literal["truncated_is", "none"] = _s(
+        "truncated_is",
+        "how a delayed sample (policy lag over train.max_policy_lag, within train.max_delayed_lag) is corrected: "
+        "truncated_is (each token's gradient weighted by min(ratio to its behaviour policy, delayed_is_cap)) or "
+        "none (no correction: plain advantage x grad log-prob, an experiment's control arm)",
+    )
+    delayed_is_cap: float = _s(
+        1.0,
+        "cap of a delayed token's importance weight (>= 1: a cap below 1 would shrink even a token whose "
+        "probability did not change; 1 = delayed tokens are only ever down-weighted)",
+        ge=1,
+    )
+
+    @field_validator("dual_clip")
+    @classmethod
+    def _dual_clip(cls, v: float) -> float:
+        if v != 0 and not v > 1:
+            raise ValueError("must be > 1 (a bound below the ratio 1 would clip on-policy tokens), or 0 = off")
+        return v
+
+
+class TrainSettings(Section):
+    """The optimizer and the training run."""
+
+    run_id: str = _s("", "training run id kept across resumes; empty = derived from the checkpoint folder")
+    steps: int = _s(20, "optimizer steps to take (a resumed run continues to this total)", gt=0)
+    micro_batches_per_step: int = _s(2, "micro-batches accumulated into one optimizer step", gt=0)
+    updates_per_step: int = _s(
+        1,
+        "optimizer updates on each step's micro-batches (PPO's epochs): the first is what one update does, the "
+        "later ones reuse the samples' behaviour log-probs, the clip bounding how far they move; 1 = each "
+        "micro-batch trains once",
+        gt=0,
+        le=64,
+    )
+    lr: float = _s(1e-3, "AdamW peak learning rate", gt=0)
+    beta1: float = _s(0.9, "AdamW beta1", ge=0, lt=1)
+    beta2: float = _s(0.999, "AdamW beta2", ge=0, lt=1)
+    weight_decay: float = _s(0.0, "AdamW decoupled weight decay", ge=0)
+    warmup_steps: int = _s(0, "steps of linear learning-rate warm-up from 0 to lr", ge=0)
+    grad_clip: float = _s(1.0, "clip the global gradient norm to this (0 = off); on by default", ge=0)
+    max_policy_lag: int = _s(
+        1,
+        "samples older than this many policy versions are dropped (counted) or, within max_delayed_lag, delayed",
+        ge=0,
+    )
+    max_delayed_lag: int = _s(
+        4,
+        "samples with a policy lag over max_policy_lag but at most this train on the delayed path (their own "
+        "baseline, a truncated importance weight: loss.delayed_correction); older ones are dropped (counted); "
+        "0 = no delayed path (every sample over max_policy_lag is dropped)",
+        ge=0,
+    )
+    checkpoint_every: int = _s(10, "steps between checkpoints (one is also written at the end)", gt=0)
+    checkpoint_dir: str = _s("", "where checkpoints go; empty = <data_dir>/checkpoints")
+    idle_timeout_s: float = _s(30.0, "stop when no micro-batch arrives for this long", gt=0)
+    torch_threads: int = _s(
+        0, "CPU threads for torch; 0 = auto: all cores but one on a CPU-only machine (the broker needs one)", ge=0
+    )
+
+    @model_validator(mode="after")
+    def _delayed_beyond_near(self) -> TrainSettings:
+        if 0 < self.max_delayed_lag <= self.max_policy_lag:
+            raise ValueError(
+                f"train.max_delayed_lag = {self.max_delayed_lag} is not above train.max_policy_lag = "
+                f"{self.max_policy_lag}, so no sample would take the delayed path; fix: set train.max_delayed_lag "
+                "above train.max_policy_lag, or to 0 to drop every sample over train.max_policy_lag"
+            )
+        return self
+
+
+class ModelSettings(Section):
+    """The policy's architecture (a megatron-core GPTModel). Defaults: the tiny CPU model."""
+
+    hf_path: str = _s(
+        "",
+        "a Hugging Face checkpoint folder (config.json + safetensors; dense Llama, Qwen2 or Qwen3): the "
+        "architecture comes from its config.json (a shape setting below that disagrees is refused) and the "
+        "weights of the policy and its KL reference from its tensors; empty = the shape settings, random init",
+    )
+
+    @field_validator("hf_path")
+    @classmethod
+    def _absolute_hf_path(cls, v: str) -> str:
+        """Absolute, so every part of the loop (started in the repository's folder) finds the same checkpoint."""
+        return os.path.abspath(os.path.expanduser(v)) if v else v
+
+    num_layers: int = _s(2, "transformer layers", gt=0)
+    hidden_size: int = _s(64, "model width", gt=0)
+    num_attention_heads: int = _s(4, "attention heads", gt=0)
+    num_query_groups: int = _s(0, "key/value heads for grouped-query attention; 0 = one per attention head", ge=0)
+    ffn_hidden_size: int = _s(0, "MLP width; 0 = 4 x hidden_size", ge=0)
+    vocab_size: int = _s(256, "vocabulary size", gt=0)
+    seq_length: int = _s(64, "longest sequence (packed micro-batch row) the model is built for", gt=0)
+    normalization: Literal["LayerNorm", "RMSNorm"] = _s("LayerNorm", "LayerNorm or RMSNorm")
+    activation: Literal["gelu", "swiglu"] = _s("gelu", "MLP activation: gelu, or swiglu (gated SiLU)")
+    position_embedding_type: Literal["rope", "learned_absolute"] = _s("rope", "rope or learned_absolute")
+    rope_base: float = _s(10000.0, "RoPE base frequency (theta)", gt=0)
+    tie_embeddings: bool = _s(False, "share the input embedding and output layer weights")
+    qkv_bias: bool = _s(False, "bias on the query/key/value projections (Qwen2 style)")
+    linear_bias: bool = _s(True, "biases on the other linear layers (GPT-2 style; Llama and Qwen: false)")
+    hidden_dropout: float = _s(0.0, "dropout after attention and MLP (RL compares log-probs: keep 0)", ge=0, lt=1)
+    attention_dropout: float = _s(0.0, "dropout of attention probabilities", ge=0, lt=1)
+    init_method_std: float = _s(0.02, "standard deviation of the weight init", gt=0)
+    seed: int = _s(1234, "seed of the weight init and megatron's RNG tracker")
+
+
+class ParallelSettings(Section):
+    """How one model replica is split over ranks: world size = tp x pp x dp."""
+
+    tp: int = _s(1, "tensor-parallel size: each matmul and the vocabulary split over this many ranks", gt=0)
+    pp: int = _s(1, "pipeline-parallel size: the layers split into this many stages", gt=0)
+    dp: int = _s(0, "data-parallel size; 0 = derived as world_size / (tp x pp)", ge=0)
+    sequence_parallel: bool = _s(
+        False,
+        "split layer-norm and dropout activations along the sequence over the tensor-parallel ranks (needs tp > 1)",
+    )
+
+    @model_validator(mode="after")
+    def _sp(self) -> ParallelSettings:
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("parallel.sequence_parallel needs parallel.tp > 1; fix: raise parallel.tp or turn it off")
+        return self
+
+
+class PrecisionSettings(Section):
+    """Number formats. FP8 needs Transformer Engine and a GPU (the trainer refuses it otherwise)."""
+
+    bf16: bool = _s(False, "parameters and activations in bfloat16 (on CPU ~10x slower than fp32)")
+    fp8: Literal["", "hybrid", "e4m3"] = _s(
+        "", "FP8 GEMMs through Transformer Engine: hybrid (e4m3 forward, e5m2 backward) or e4m3; empty = off"
+    )
+    fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = _s(
+        "delayed", "FP8 scaling recipe (mxfp8 needs Blackwell); read only when fp8 is set"
+    )
+
+    @model_validator(mode="after")
+    def _fp8_needs_bf16(self) -> PrecisionSettings:
+        if self.fp8 and not self.bf16:
+            raise ValueError(
+                f"precision.fp8 = {self.fp8!r} needs precision.bf16 = true (FP8 training keeps bf16 "
+                "parameters); fix: set precision.bf16 = true"
+            )
+        return self
+
+
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
+"""The megatron linears a LoRA adapter may target (in every layer attention's fused QKV and output projections and
+the MLP's two; and the model's output layer)."""
+
+
+class AdapterSettings(Section):
+    """Per-organisation LoRA adapters on the shared policy (issue 17): which orgs get one, their shape, and what the
+    shared policy trains on. An org's adapter trains only on that org's samples; it is gated and promoted on its own."""
+
+    orgs: Annotated[list[str], NoDecode] = _s(
+        [],
+        "organisations that get their own adapter once they pass adapters.min_samples; '*' = every org that does; "
+        "empty = no adapters (comma-separated in the environment)",
+    )
+    min_samples: int = _s(
+        256,
+        "samples an org must have sent through the batch flow before its adapter stream starts (the "
+        "minimum-traffic threshold); until then its samples train only the shared policy",
+        ge=0,
+    )
+    shared_traffic: Literal["all", "unadapted", "served"] = _s(
+        "served",
+        "what the shared policy trains on: all traffic with each adapted org's samples trained through the "
+        "adapter version that served them, frozen (served: the importance ratio compares with the real behaviour "
+        "policy, and the base is not pulled towards an org's own habit where its adapter follows it); all traffic "
+        "on the base alone (all: the global orgs lost about 0.03 of P(solve), bench/RESULTS.md); or only the orgs "
+        "without an adapter (unadapted)",
+    )
+    revalidate_scales: Annotated[list[float], NoDecode] = _s(
+        [0.5],
+        "when a serving adapter's re-validation on a new base is refused, the adapter is judged again with its "
+        "effect scaled by each of these in turn (its lora_B times the factor: the base may have learnt part of "
+        "what the adapter does) and the first that passes serves, as a new version; empty = retire it at once "
+        "(comma-separated in the environment)",
+    )
+    rank: int = _s(8, "LoRA rank r of every adapter", gt=0, le=1024)
+    alpha: float = _s(16.0, "LoRA alpha: the adapter's update is scaled by alpha / rank", gt=0)
+    targets: Annotated[list[str], NoDecode] = _s(
+        list(LORA_TARGETS),
+        "megatron linears that carry the adapter: linear_qkv, linear_proj, linear_fc1, linear_fc2 of every layer "
+        "and the output layer (output_layer, Hugging Face's lm_head: with it an adapter can raise one token without "
+        "those whose output rows lie near it; leave it out for an engine that serves no lm_head LoRA); "
+        "comma-separated in the environment",
+        min_length=1,
+    )
+    dropout: float = _s(0.0, "dropout on the adapter's input (RL compares log-probs: keep 0)", ge=0, lt=1)
+    lr: float = _s(0.0, "AdamW learning rate of an adapter; 0 = train.lr", ge=0)
+    updates_per_step: int = _s(
+        4,
+        "optimizer updates on each step's micro-batches of an adapter run (train.updates_per_step for adapters: an "
+        "org's adapter sees a fraction of the traffic, so it reuses each batch); 0 = train.updates_per_step",
+        ge=0,
+        le=64,
+    )
+    kl_coef: float = _s(
+        0.3,
+        "weight of an adapter run's KL term to the base alone (it keeps what the org does not ask for, such as "
+        "the broken-call rate, at the base's); 0 = loss.kl_coef",
+        ge=0,
+    )
+    kl_estimator: Literal["", "k3", "full"] = _s(
+        "full",
+        "an adapter run's KL estimator (loss.kl_estimator's choices): full by default, as k3 on the sampled token "
+        "does not see the broken tool calls an adapter's updates make likelier; '' = loss.kl_estimator",
+    )
+    max_loaded: int = _s(64, "adapters the policy server holds in memory at once (least recently used leave)", gt=0)
+
+    @field_validator("orgs", "targets", "revalidate_scales", mode="before")
+    @classmethod
+    def _split(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = [x.strip() for x in v.split(",") if x.strip()]
+        return v
+
+    @field_validator("revalidate_scales")
+    @classmethod
+    def _scales(cls, v: list[float]) -> list[float]:
+        bad = [x for x in v if not 0 < x < 1]
+        if bad:
+            raise ValueError(
+                f"holds {bad}: each factor must lie between 0 and 1 (exclusive); fix: e.g. 0.5 or 0.75,0.5"
+            )
+        return v
+
+    @field_validator("targets")
+    @classmethod
+    def _known(cls, v: list[str]) -> list[str]:
+        bad = [t for t in v if t not in LORA_TARGETS]
+        if bad:
+            raise ValueError(f"names unknown modules {bad}; fix: choose among {list(LORA_TARGETS)}")
+        if len(set(v)) != len(v):
+            raise ValueError(f"names a module twice: {v}")
+        return v
+
+    def wants(self, org: str) -> bool:
+        """Whether ``org`` may get an adapter (traffic threshold apart)."""
+        return "*" in self.orgs or org in self.orgs
 
 
 class TransformerEngineMissing(ConfigError):
@@ -318,13 +603,11 @@ class TrainConfig:
     max_delayed_lag: int = 0
     """Delayed samples (``MicroBatch.delayed``) train up to this policy lag, with ``loss.delayed_correction``;
     0 = no delayed path (they are masked like stale samples)."""
-    norm_tokens: int = 0
-    """Constant loss normaliser (Dr. GRPO); 0 = micro_batches_per_step x rows x seq_len of the first batch."""
     checkpoint_every: int = 5
     checkpoint_dir: str = ""
     idle_timeout_s: float = 30.0
-    loss: LossConfig = field(default_factory=lambda: GUARDED)
-    """The loss and its guards; default :data:`trainer.loss.GUARDED` (= the settings' ``loss`` defaults)."""
+    loss: LossSettings = field(default_factory=LossSettings)
+    """The loss, its guards and its normaliser: the settings' ``loss`` section."""
     reward_version: str = ""
     """Train only micro-batches of this reward version (others are skipped: the batch flow may make batches for
     several, :meth:`rtrl.settings.RewardSettings.trainable`); empty = any. Recorded in each ``TrainStep``."""
@@ -358,6 +641,10 @@ class TrainConfig:
         if set(run) - owned:
             raise TypeError(f"TrainConfig.from_settings: {sorted(set(run) - owned)} come from settings only")
         ts, ls = settings.train, settings.loss
+        ad = settings.adapters
+        adapter_loss = {
+            k: v for k, v in (("kl_coef", ad.kl_coef), ("kl_estimator", ad.kl_estimator)) if run.get("adapter") and v
+        }
         params: dict[str, Any] = {
             "micro_batches_per_step": ts.micro_batches_per_step,
             "updates_per_step": (settings.adapters.updates_per_step or ts.updates_per_step)
@@ -370,27 +657,10 @@ class TrainConfig:
             "grad_clip": ts.grad_clip,
             "max_policy_lag": ts.max_policy_lag,
             "max_delayed_lag": ts.max_delayed_lag,
-            "norm_tokens": ls.norm_tokens,
             "checkpoint_every": ts.checkpoint_every,
             "idle_timeout_s": ts.idle_timeout_s,
             "reward_version": settings.rewards.train_version,
             "lr": (settings.adapters.lr or ts.lr) if run.get("adapter") else ts.lr,
-            "loss": LossConfig(
-                eps_low=ls.eps_low,
-                eps_high=ls.eps_high,
-                is_cap=ls.is_cap,
-                kl_coef=(settings.adapters.kl_coef or ls.kl_coef) if run.get("adapter") else ls.kl_coef,
-                log_ratio_clamp=ls.log_ratio_clamp,
-                dual_clip=ls.dual_clip,
-                k3_clamp=ls.k3_clamp,
-                seq_ratio_guard=ls.seq_ratio_guard,
-                seq_ratio_low=ls.seq_ratio_low,
-                seq_ratio_high=ls.seq_ratio_high,
-                delayed_correction=ls.delayed_correction,
-                delayed_is_cap=ls.delayed_is_cap,
-                kl_estimator=(settings.adapters.kl_estimator or ls.kl_estimator)
-                if run.get("adapter")
-                else ls.kl_estimator,
-            ),
+            "loss": ls.model_copy(update=adapter_loss) if adapter_loss else ls,
         } | run
         return cls(**params)

@@ -76,7 +76,7 @@ log-softmax ``[B, S, V]`` per micro-batch. The clamp K (``k3_clamp``) bounds eit
   every token's kl_t is in [0, K] and |d kl_t / d lp_t| <= max(1, K + x_K) where x_K > 0 solves
   exp(x) - x - 1 = K (x_K ~ 2.61 for K = 10). So the loss and its gradient are bounded by the
   advantages and the config, whatever lp, b and ref are.
-- Guards off (L = c = K = 0, the ``LossConfig()`` defaults; the trainer's settings turn them on, see
+- Guards off (L = c = K = 0, :data:`PLAIN`; the trainer's settings turn them on, see
   :data:`GUARDED`): the plain formula. With every guard on and no token beyond a guard's threshold,
   the loss and its gradient are bit-identical to the plain formula (clamp and where select the same
   values; their gradients are exactly the same).
@@ -126,88 +126,26 @@ Inputs in half precision are computed in float32; float64 stays float64.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from trainer.config import LossSettings
+
 __all__ = [
-    "DELAYED_CORRECTIONS",
     "GUARDED",
-    "KL_ESTIMATORS",
-    "SEQ_RATIO_GUARDS",
-    "LossConfig",
+    "PLAIN",
     "LossOutput",
     "policy_loss",
     "token_logprobs",
 ]
 
-#: values of LossConfig.seq_ratio_guard
-SEQ_RATIO_GUARDS = ("off", "mask", "truncate")
-#: values of LossConfig.delayed_correction
-DELAYED_CORRECTIONS = ("truncated_is", "none")
-#: values of LossConfig.kl_estimator
-KL_ESTIMATORS = ("k3", "full")
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """Hyper-parameters of :func:`policy_loss` (validated on construction). The numeric guards default
-    to 0 = off (the plain formula); :data:`GUARDED` (= the settings' defaults) turns them on."""
-
-    eps_low: float = 0.2  # clip range below 1: in (0, 1)
-    eps_high: float = 0.28  # clip range above 1 ("clip-higher"): > 0
-    is_cap: float = 2.0  # C, cap of off-policy tokens' IS weight: >= 1 (a cap below 1 would shrink r = 1)
-    kl_coef: float = 0.01  # beta, weight of the k3 KL to the reference: >= 0 (0 disables it)
-    log_ratio_clamp: float = 0.0  # L, |lp - b| and |ref - lp| clamped to L before exp: > 0, or 0 = off
-    dual_clip: float = 0.0  # c, a negative-advantage token's pg is at most -c*A: > 1, or 0 = off
-    k3_clamp: float = 0.0  # K, each token's k3 KL is at most K: > 0, or 0 = off
-    seq_ratio_guard: str = "off"  # per-sequence geometric-mean ratio guard: off | mask | truncate
-    seq_ratio_low: float = 0.5  # lo of the band: in (0, 1]
-    seq_ratio_high: float = 2.0  # hi of the band: >= 1
-    delayed_correction: str = "truncated_is"  # delayed tokens: truncated_is | none (plain REINFORCE)
-    delayed_is_cap: float = 1.0  # D, cap of a delayed token's IS weight: >= 1 (below 1 would shrink r = 1)
-    kl_estimator: str = "k3"  # the KL term per trained token: k3 (sampled token) | full (exact, whole vocabulary)
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.name in ("seq_ratio_guard", "delayed_correction", "kl_estimator"):
-                allowed = {
-                    "seq_ratio_guard": SEQ_RATIO_GUARDS,
-                    "delayed_correction": DELAYED_CORRECTIONS,
-                    "kl_estimator": KL_ESTIMATORS,
-                }[f.name]
-                if v not in allowed:
-                    raise ValueError(f"LossConfig.{f.name} must be one of {allowed}, got {v!r}")
-                continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ValueError(f"LossConfig.{f.name} must be a finite number, got {v!r}")
-        if not 0.0 < self.eps_low < 1.0:
-            raise ValueError(f"LossConfig.eps_low must be in (0, 1), got {self.eps_low!r}")
-        if not self.eps_high > 0.0:
-            raise ValueError(f"LossConfig.eps_high must be > 0, got {self.eps_high!r}")
-        if not self.is_cap >= 1.0:
-            raise ValueError(f"LossConfig.is_cap must be >= 1, got {self.is_cap!r}")
-        if not self.kl_coef >= 0.0:
-            raise ValueError(f"LossConfig.kl_coef must be >= 0, got {self.kl_coef!r}")
-        if not self.log_ratio_clamp >= 0.0:
-            raise ValueError(f"LossConfig.log_ratio_clamp must be > 0 (or 0 = off), got {self.log_ratio_clamp!r}")
-        if not (self.dual_clip == 0.0 or self.dual_clip > 1.0):
-            raise ValueError(f"LossConfig.dual_clip must be > 1 (or 0 = off), got {self.dual_clip!r}")
-        if not self.k3_clamp >= 0.0:
-            raise ValueError(f"LossConfig.k3_clamp must be > 0 (or 0 = off), got {self.k3_clamp!r}")
-        if not 0.0 < self.seq_ratio_low <= 1.0:
-            raise ValueError(f"LossConfig.seq_ratio_low must be in (0, 1], got {self.seq_ratio_low!r}")
-        if not self.seq_ratio_high >= 1.0:
-            raise ValueError(f"LossConfig.seq_ratio_high must be >= 1, got {self.seq_ratio_high!r}")
-        if not self.delayed_is_cap >= 1.0:
-            raise ValueError(f"LossConfig.delayed_is_cap must be >= 1, got {self.delayed_is_cap!r}")
-
-
-#: the guards the trainer runs with by default (the settings' ``loss`` defaults): log-ratio clamp 20,
-#: dual-clip 3, k3 clamp 10 (the values veRL and dual-clip PPO use); the sequence guard stays off
-GUARDED = LossConfig(log_ratio_clamp=20.0, dual_clip=3.0, k3_clamp=10.0)
+#: the trainer's loss by default, the ``loss`` section's defaults: log-ratio clamp 20, dual-clip 3 and k3 clamp 10
+#: (the values veRL and dual-clip PPO use); the sequence guard stays off
+GUARDED = LossSettings()
+#: every numeric guard off: the plain formula
+PLAIN = LossSettings(log_ratio_clamp=0.0, dual_clip=0.0, k3_clamp=0.0)
 
 
 @dataclass(frozen=True)
@@ -243,7 +181,7 @@ def _as_flag(x: Tensor, name: str, shape: torch.Size) -> Tensor:
 
 
 def _sequence_guard(
-    log_ratio: Tensor, mask: Tensor, seq_ids: Tensor, cfg: LossConfig
+    log_ratio: Tensor, mask: Tensor, seq_ids: Tensor, cfg: LossSettings
 ) -> tuple[Tensor, Tensor | None, Tensor]:
     """(mask after the guard, per-token pg factor or None, tokens whose sequence was guarded).
 
@@ -273,7 +211,7 @@ def policy_loss(
     loss_mask: Tensor,
     off_policy: Tensor,
     norm: float,
-    config: LossConfig | None = None,
+    config: LossSettings | None = None,
     seq_ids: Tensor | None = None,
     delayed: Tensor | None = None,
     full_kl: Tensor | None = None,
@@ -284,7 +222,7 @@ def policy_loss(
     marks the tokens of delayed samples, trained with ``config.delayed_correction``. ``full_kl`` (the shape of
     ``logprobs``, differentiable; :func:`trainer.model.full_kl`) is each position's exact KL(pi || ref) over the
     vocabulary: the KL term when ``config.kl_estimator = "full"`` (required then, and ignored otherwise)."""
-    cfg = config if config is not None else LossConfig()
+    cfg = config if config is not None else PLAIN
     if isinstance(norm, bool) or not isinstance(norm, (int, float)) or not math.isfinite(norm) or norm <= 0:
         raise ValueError(f"norm must be a finite number > 0, got {norm!r}")
     if not logprobs.is_floating_point():

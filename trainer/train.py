@@ -32,10 +32,10 @@ from rtrl import metrics
 from schemas.records import TrainStep
 from trainer import checkpoint, lora
 from trainer.batch import Batch
-from trainer.config import TrainConfig
+from trainer.config import LossSettings, TrainConfig
 from trainer.dedup import TrainedSet
 from trainer.factory import Policy, optimizer
-from trainer.loss import LossConfig, LossOutput, policy_loss
+from trainer.loss import LossOutput, policy_loss
 from trainer.model import (
     forward_logprobs,
     forward_logprobs_and_log_softmax,
@@ -247,7 +247,7 @@ def _ref_logprobs(
 
 
 def _policy_loss(
-    p: Prepared, lp: torch.Tensor, ref: torch.Tensor, norm: float, cfg: LossConfig, kl_full: torch.Tensor | None
+    p: Prepared, lp: torch.Tensor, ref: torch.Tensor, norm: float, cfg: LossSettings, kl_full: torch.Tensor | None
 ) -> LossOutput:
     """:func:`trainer.loss.policy_loss` on one prepared micro-batch (both the pp = 1 path and the pipeline's)."""
     return policy_loss(
@@ -296,7 +296,7 @@ def _train(
             trained.discard()  # the partial step is not trained: its batches are read again by the next run
             break  # a partial step would change the effective batch size: wait for the next run
         # Dr. GRPO: one constant for the whole global batch (all DP ranks), not the token count
-        norm = cfg.norm_tokens or cfg.micro_batches_per_step * dp.size * batches[0].tokens.size
+        norm = cfg.loss.norm_tokens or cfg.micro_batches_per_step * dp.size * batches[0].tokens.size
         # prepared once: every update of the step trains the same micro-batches
         prepared = [prepare(b, policy_version, cfg.max_policy_lag, cfg.max_delayed_lag) for b in batches]
         # each micro-batch through the adapter that served it (None: the base alone); None: as the run is set up
@@ -507,7 +507,7 @@ def _schedule_config(model: Any, variable_seq_lengths: bool) -> Iterator[None]:
 
 
 def pipeline_step(
-    model: Any, reference: Any, prepared: list[Prepared], norm: float, loss_cfg: LossConfig
+    model: Any, reference: Any, prepared: list[Prepared], norm: float, loss_cfg: LossSettings
 ) -> list[LossOutput]:
     """One optimizer step's forward and backward passes through megatron's pipeline schedule (pp > 1).
 
