@@ -22,11 +22,11 @@ from simulator.serve import PolicyServer
 from simulator.tasks import VOCAB, conventions_for
 from simulator.tasks import decode as decode_tokens
 from trainer import checkpoint
-from trainer.config import ModelConfig, PrecisionConfig
+from trainer.config import ModelConfig, PrecisionSettings
 from trainer.factory import build, model_config
 
 
-def loop_model_config(settings: Settings) -> tuple[ModelConfig, PrecisionConfig]:
+def loop_model_config(settings: Settings) -> tuple[ModelConfig, PrecisionSettings]:
     """The policy every part of the loop builds (trainer, reference, policy server): the settings'
     ``model`` and ``precision`` sections (the tiny fp32 CPU model by default) over the simulator's
     vocabulary."""

@@ -6,8 +6,8 @@ the exact count is printed) and times forward + backward + optimizer steps (``fo
 mean negative log-likelihood of random tokens, ``torch.optim.AdamW(fused=True)`` on the bf16
 parameters) under
 
-  (a) bf16: ``PrecisionConfig(bf16=True)``, and
-  (b) FP8: ``PrecisionConfig(bf16=True, fp8="hybrid", fp8_recipe="delayed")`` (``--fp8``,
+  (a) bf16: ``PrecisionSettings(bf16=True)``, and
+  (b) FP8: ``PrecisionSettings(bf16=True, fp8="hybrid", fp8_recipe="delayed")`` (``--fp8``,
       ``--fp8-recipe`` change it) through Transformer Engine's layer spec.
 
 Warm-up steps are not timed; the timed steps are bracketed by ``torch.cuda.synchronize()``.
@@ -401,7 +401,7 @@ def main(argv=None) -> int:
 
 def model_runs(args, shape: Shape, peak: float | None, results: dict) -> int:
 
-    from trainer.config import ModelConfig, PrecisionConfig, TransformerEngineMissing
+    from trainer.config import ModelConfig, PrecisionSettings, TransformerEngineMissing
     from trainer.model import init_parallel, transformer_engine_status
 
     te_ok, te_detail = transformer_engine_status()
@@ -424,12 +424,12 @@ def model_runs(args, shape: Shape, peak: float | None, results: dict) -> int:
     info = init_parallel(cfg)
     runs = []
     if not args.skip_bf16:
-        runs.append(("bf16", PrecisionConfig(bf16=True)))
+        runs.append(("bf16", PrecisionSettings(bf16=True)))
     if not args.skip_fp8:
         runs.append(
             (
                 f"fp8 {args.fp8}/{args.fp8_recipe} (TE)",
-                PrecisionConfig(bf16=True, fp8=args.fp8, fp8_recipe=args.fp8_recipe),
+                PrecisionSettings(bf16=True, fp8=args.fp8, fp8_recipe=args.fp8_recipe),
             )
         )
     rc = 0
@@ -523,7 +523,7 @@ def write_qwen(out: str, seq: int) -> str:
 def dry_run_cpu() -> int:
     """Small variant on CPU through the same build + step path; checks the parameter-count formula."""
 
-    from trainer.config import ModelConfig, PrecisionConfig, TransformerEngineMissing
+    from trainer.config import ModelConfig, PrecisionSettings, TransformerEngineMissing
     from trainer.model import init_parallel
 
     small = Shape(layers=2, hidden=128, heads=4, ffn=512, vocab=512, seq=128, kv_heads=4)
@@ -536,7 +536,7 @@ def dry_run_cpu() -> int:
         seq_length=small.seq,
     )
     info = init_parallel(cfg)
-    r = train_steps(cfg, PrecisionConfig(), small, micro_batch=2, warmup=1, steps=2, device=info.device)
+    r = train_steps(cfg, PrecisionSettings(), small, micro_batch=2, warmup=1, steps=2, device=info.device)
     formula = analytic_params(small)["total"]
     ok = r["params"] == formula
     print(
@@ -548,7 +548,7 @@ def dry_run_cpu() -> int:
     try:
         from trainer.model import build_model
 
-        build_model(cfg, PrecisionConfig(bf16=True, fp8="hybrid"))
+        build_model(cfg, PrecisionSettings(bf16=True, fp8="hybrid"))
         print("FP8 request on CPU: built (unexpected)")
     except TransformerEngineMissing as e:
         print(f"FP8 request on CPU is refused as on a GPU without TE: {str(e)[:120]}...")
@@ -570,7 +570,7 @@ def dry_run_cpu() -> int:
         )
         init_hf(f"{tmp}/q", hf)
         qcfg = config_from_hf(f"{tmp}/q", seq_length=small.seq)
-        q = train_steps(qcfg, PrecisionConfig(), small, micro_batch=2, warmup=1, steps=2, device=info.device)
+        q = train_steps(qcfg, PrecisionSettings(), small, micro_batch=2, warmup=1, steps=2, device=info.device)
         print(
             f"--hf path on CPU (tiny Qwen2 through trainer/hf/): {q['params']:,} parameters, "
             f"{q['matmul_params']:,} in matmuls, loss {q['loss']:.3f}"

@@ -36,7 +36,7 @@ from safetensors.torch import load_file  # noqa: E402
 from devservices.broker import free_port  # noqa: E402
 from rtrl.errors import ConfigError  # noqa: E402
 from rtrl.settings import load_settings  # noqa: E402
-from trainer.config import ModelConfig, ParallelConfig  # noqa: E402
+from trainer.config import ModelConfig, ParallelSettings  # noqa: E402
 from trainer.factory import build, model_config  # noqa: E402
 from trainer.hf.config import config_from_hf  # noqa: E402
 from trainer.hf.export import export_hf  # noqa: E402
@@ -387,21 +387,21 @@ def test_transformers_4_style_config_is_read():
 def test_vocab_padding_rule():
     """Up to a multiple of lcm(128, tp): the same for tp 1, 2, 4, ... (checkpoints reshard); no padding by default."""
     for tp in (1, 2):
-        assert config_from_hf(_dict(), parallel=ParallelConfig(tp=tp)).padded_vocab_size == 128
+        assert config_from_hf(_dict(), parallel=ParallelSettings(tp=tp)).padded_vocab_size == 128
     assert config_from_hf(_dict(vocab_size=129)).padded_vocab_size == 256
     assert config_from_hf(_dict(vocab_size=128)).padded_vocab_size == 128
     for tp in (4, 8):
         wide = ModelConfig.tiny(
-            num_attention_heads=8, vocab_size=100, vocab_multiple=128, parallel=ParallelConfig(tp=tp)
+            num_attention_heads=8, vocab_size=100, vocab_multiple=128, parallel=ParallelSettings(tp=tp)
         )
         assert wide.padded_vocab_size == 128
     odd = ModelConfig.tiny(
         hidden_size=96, num_attention_heads=6, ffn_hidden_size=384, vocab_size=100, vocab_multiple=128
     )
-    assert replace(odd, parallel=ParallelConfig(tp=3)).padded_vocab_size == 384  # lcm(128, 3)
+    assert replace(odd, parallel=ParallelSettings(tp=3)).padded_vocab_size == 384  # lcm(128, 3)
     assert ModelConfig.tiny().padded_vocab_size == 256 and ModelConfig.tiny(vocab_size=100).padded_vocab_size == 100
     with pytest.raises(ConfigError, match=r"model\.vocab_size = 100 must be divisible by parallel\.tp = 3"):
-        replace(odd, vocab_multiple=0, parallel=ParallelConfig(tp=3))
+        replace(odd, vocab_multiple=0, parallel=ParallelSettings(tp=3))
 
 
 # --------------------------------------------------------------------------- name tables

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from rtrl.errors import ConfigError
 from trainer import checkpoint, cpu_compat
-from trainer.config import ModelConfig, ParallelConfig, PrecisionConfig, TransformerEngineMissing
+from trainer.config import ModelConfig, ParallelSettings, PrecisionSettings, TransformerEngineMissing
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist" / "trainer_worker.py"
@@ -71,18 +72,18 @@ def test_config_validation_names_the_field():
     with pytest.raises(ConfigError, match=r"model\.hidden_size = 65 must be divisible by model\.num_attention_heads"):
         ModelConfig.tiny(hidden_size=65)
     with pytest.raises(ConfigError, match=r"model\.vocab_size = 255 must be divisible by parallel\.tp = 2"):
-        ModelConfig.tiny(vocab_size=255, parallel=ParallelConfig(tp=2))
-    with pytest.raises(ConfigError, match=r"precision\.fp8 = 'e5m2'"):
-        PrecisionConfig(bf16=True, fp8="e5m2")
-    with pytest.raises(ConfigError, match=r"precision\.fp8_recipe = 'fast'"):
-        PrecisionConfig(fp8_recipe="fast")
-    with pytest.raises(ConfigError, match=r"precision\.bf16 = False must be true when precision\.fp8 = 'hybrid'"):
-        PrecisionConfig(fp8="hybrid")
-    with pytest.raises(ConfigError, match=r"parallel\.tp = 0"):
-        ParallelConfig(tp=0)
+        ModelConfig.tiny(vocab_size=255, parallel=ParallelSettings(tp=2))
+    with pytest.raises(ValidationError, match=r"fp8\n.*'hybrid' or 'e4m3'"):
+        PrecisionSettings(bf16=True, fp8="e5m2")
+    with pytest.raises(ValidationError, match=r"fp8_recipe\n.*'delayed', 'tensorwise', 'mxfp8' or 'blockwise'"):
+        PrecisionSettings(fp8_recipe="fast")
+    with pytest.raises(ValidationError, match=r"precision\.fp8 = 'hybrid' needs precision\.bf16 = true"):
+        PrecisionSettings(fp8="hybrid")
+    with pytest.raises(ValidationError, match=r"tp\n.*greater than 0"):
+        ParallelSettings(tp=0)
     with pytest.raises(ConfigError, match=r"parallel\.dp = 2 but world size 2"):
-        ParallelConfig(tp=2, dp=2).resolve_dp(2)
-    assert ParallelConfig(tp=2).resolve_dp(4) == 2
+        ParallelSettings(tp=2, dp=2).resolve_dp(2)
+    assert ParallelSettings(tp=2).resolve_dp(4) == 2
     t = ModelConfig.tiny()
     assert (t.num_layers, t.hidden_size, t.num_attention_heads, t.vocab_size, t.seq_length) == (2, 64, 4, 256, 64)
 
@@ -96,7 +97,7 @@ def test_fp8_without_transformer_engine_is_a_hard_error():
         with pytest.raises(
             TransformerEngineMissing, match=r"precision\.fp8 = 'hybrid' needs NVIDIA Transformer Engine"
         ):
-            build_model(ModelConfig.tiny(), PrecisionConfig(bf16=True, fp8="hybrid", fp8_recipe=recipe))
+            build_model(ModelConfig.tiny(), PrecisionSettings(bf16=True, fp8="hybrid", fp8_recipe=recipe))
     assert issubclass(TransformerEngineMissing, ConfigError)
 
 
@@ -211,7 +212,7 @@ def test_bf16_model_on_cpu(tiny):
     from trainer.model import build_model, forward_logprobs
 
     cfg = tiny[0]
-    model = build_model(cfg, PrecisionConfig(bf16=True))
+    model = build_model(cfg, PrecisionSettings(bf16=True))
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     tokens, pos, targets = _batch(cfg, b=2, s=16)
     with torch.no_grad():

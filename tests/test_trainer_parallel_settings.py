@@ -99,7 +99,7 @@ def test_every_model_parallel_precision_setting_reaches_the_model_config():
             assert getattr(obj, key) == want, f"{section}.{key}"
     default, default_precision = model_config(defaults)
     assert default.ffn_hidden_size == 4 * default.hidden_size and default.num_query_groups is None
-    assert default.parallel.dp is None and default_precision.fp8 is None
+    assert default.parallel.dp == 0 and default_precision.fp8 == ""
 
 
 def test_shape_errors_name_the_setting():

@@ -25,8 +25,6 @@ from rtrl.section import setting as _s
 if TYPE_CHECKING:
     from rtrl.settings import Settings
 
-FP8_FORMATS = ("hybrid", "e4m3")
-FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
 ROPE_SCALINGS = ("", "llama3", "linear")
 
@@ -181,6 +179,22 @@ class ParallelSettings(Section):
         "split layer-norm and dropout activations along the sequence over the tensor-parallel ranks (needs tp > 1)",
     )
 
+    def resolve_dp(self, world_size: int) -> int:
+        """The data-parallel size for ``world_size`` ranks; error if the layout does not fit."""
+        mp = self.tp * self.pp
+        if world_size % mp:
+            raise ConfigError(
+                f"parallel.tp * parallel.pp = {mp} does not divide the world size {world_size}; "
+                "launch a multiple of tp*pp ranks or change parallel.tp/parallel.pp"
+            )
+        dp = world_size // mp
+        if self.dp and self.dp != dp:
+            raise ConfigError(
+                f"parallel.dp = {self.dp} but world size {world_size} / (tp {self.tp} * pp {self.pp}) = {dp}; "
+                "set parallel.dp to 0 (derived) or launch tp*pp*dp ranks"
+            )
+        return dp
+
     @model_validator(mode="after")
     def _sp(self) -> ParallelSettings:
         if self.sequence_parallel and self.tp == 1:
@@ -322,70 +336,6 @@ def _positive_int(name: str, value) -> None:
 
 
 @dataclass
-class ParallelConfig:
-    """How one model replica is split over ranks. ``world_size = tp * pp * dp``."""
-
-    tp: int = 1
-    """Tensor-parallel size: each matmul (and the vocabulary) is split over this many ranks."""
-    pp: int = 1
-    """Pipeline-parallel size: the layers are split into this many stages."""
-    dp: int | None = None
-    """Data-parallel size; ``None`` = derived as ``world_size // (tp * pp)`` at init."""
-    sequence_parallel: bool = False
-    """Split layer-norm/dropout activations along the sequence over the tp ranks (needs tp > 1)."""
-
-    def __post_init__(self) -> None:
-        _positive_int("parallel.tp", self.tp)
-        _positive_int("parallel.pp", self.pp)
-        if self.dp is not None:
-            _positive_int("parallel.dp", self.dp)
-        if self.sequence_parallel and self.tp == 1:
-            _fail("parallel.sequence_parallel", True, "needs parallel.tp > 1")
-
-    def resolve_dp(self, world_size: int) -> int:
-        """The data-parallel size for ``world_size`` ranks; error if the layout does not fit."""
-        mp = self.tp * self.pp
-        if world_size % mp:
-            raise ConfigError(
-                f"parallel.tp * parallel.pp = {mp} does not divide the world size {world_size}; "
-                "launch a multiple of tp*pp ranks or change parallel.tp/parallel.pp"
-            )
-        dp = world_size // mp
-        if self.dp is not None and self.dp != dp:
-            raise ConfigError(
-                f"parallel.dp = {self.dp} but world size {world_size} / (tp {self.tp} * pp {self.pp}) = {dp}; "
-                "set parallel.dp to None (derived) or launch tp*pp*dp ranks"
-            )
-        return dp
-
-
-@dataclass
-class PrecisionConfig:
-    """Number formats. FP8 needs Transformer Engine and a GPU; it implies bf16."""
-
-    bf16: bool = False
-    """Keep parameters and activations in bfloat16 (on CPU ~10x slower than fp32)."""
-    fp8: Literal["hybrid", "e4m3"] | None = None
-    """FP8 GEMMs through Transformer Engine: ``hybrid`` (e4m3 fwd, e5m2 bwd) or ``e4m3``; None = off."""
-    fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = "delayed"
-    """FP8 scaling recipe (``mxfp8`` needs Blackwell); only read when ``fp8`` is set."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.bf16, bool):
-            _fail("precision.bf16", self.bf16, "must be true or false")
-        if self.fp8 is not None and self.fp8 not in FP8_FORMATS:
-            _fail("precision.fp8", self.fp8, f"must be None or one of {', '.join(FP8_FORMATS)}")
-        if self.fp8_recipe not in FP8_RECIPES:
-            _fail("precision.fp8_recipe", self.fp8_recipe, f"must be one of {', '.join(FP8_RECIPES)}")
-        if self.fp8 is not None and not self.bf16:
-            _fail(
-                "precision.bf16",
-                self.bf16,
-                f"must be true when precision.fp8 = {self.fp8!r} (FP8 training keeps bf16 parameters)",
-            )
-
-
-@dataclass
 class ModelConfig:
     """A GPT (decoder-only) model for megatron-core's ``GPTModel``."""
 
@@ -417,7 +367,7 @@ class ModelConfig:
     init_method_std: float = 0.02
     seed: int = 1234
     """Seed for weight init and megatron's RNG tracker (same model on any tp for a given seed on CPU)."""
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    parallel: ParallelSettings = field(default_factory=ParallelSettings)
     head_dim: int | None = None
     """Width of one attention head (megatron's ``kv_channels``); ``None`` = hidden_size / num_attention_heads
     (Qwen3 sets it independently of the width)."""
@@ -487,8 +437,8 @@ class ModelConfig:
             _fail("model.rope_scaling", self.rope_scaling, "needs model.position_embedding_type = 'rope'")
         if not isinstance(self.vocab_multiple, int) or isinstance(self.vocab_multiple, bool) or self.vocab_multiple < 0:
             _fail("model.vocab_multiple", self.vocab_multiple, "must be an integer >= 0")
-        if not isinstance(self.parallel, ParallelConfig):
-            _fail("model.parallel", self.parallel, "must be a ParallelConfig")
+        if not isinstance(self.parallel, ParallelSettings):
+            _fail("model.parallel", self.parallel, "must be a ParallelSettings")
         tp = self.parallel.tp
         kv_heads = self.num_query_groups or self.num_attention_heads
         for name, v in (
@@ -514,9 +464,9 @@ class ModelConfig:
         m = math.lcm(self.vocab_multiple, self.parallel.tp)
         return -(-self.vocab_size // m) * m
 
-    def check_precision(self, precision: PrecisionConfig) -> None:
+    def check_precision(self, precision: PrecisionSettings) -> None:
         """Shape constraints that only apply under a given precision (FP8 GEMMs want multiples of 16)."""
-        if precision.fp8 is None:
+        if not precision.fp8:
             return
         for name in ("hidden_size", "ffn_hidden_size"):
             v = getattr(self, name)
@@ -532,13 +482,11 @@ class ModelConfig:
         base.update(overrides)
         return cls(**base)
 
-    def with_parallel(
-        self, tp: int = 1, pp: int = 1, dp: int | None = None, sequence_parallel: bool = False
-    ) -> ModelConfig:
+    def with_parallel(self, tp: int = 1, pp: int = 1, dp: int = 0, sequence_parallel: bool = False) -> ModelConfig:
         """A copy of this config with another parallel layout (checkpoints reshard between them)."""
         from dataclasses import replace
 
-        return replace(self, parallel=ParallelConfig(tp=tp, pp=pp, dp=dp, sequence_parallel=sequence_parallel))
+        return replace(self, parallel=ParallelSettings(tp=tp, pp=pp, dp=dp, sequence_parallel=sequence_parallel))
 
 
 def check_input_shapes(settings: Settings) -> None:

@@ -21,14 +21,14 @@ from typing import Any
 import torch
 
 from rtrl.settings import Settings
-from trainer.config import ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig
+from trainer.config import ModelConfig, ParallelSettings, PrecisionSettings, TrainConfig
 from trainer.dedup import TrainedSet
 from trainer.hf.config import config_from_settings
 from trainer.hf.load import load_hf
 from trainer.model import ParallelInfo, build_model, init_parallel
 
 
-def model_config(settings: Settings) -> tuple[ModelConfig, PrecisionConfig]:
+def model_config(settings: Settings) -> tuple[ModelConfig, PrecisionSettings]:
     """The trainer's model and precision from the settings' ``model``, ``parallel`` and ``precision``
     sections: the one place those sections become a model (the trainer job, the loop and the
     policy server all call it). Shape errors name the setting (``model.hidden_size`` ...).
@@ -37,17 +37,16 @@ def model_config(settings: Settings) -> tuple[ModelConfig, PrecisionConfig]:
     (:func:`trainer.hf.config.config_from_settings`). A shape setting the user also set that disagrees is
     refused."""
     m, p, pr = settings.model, settings.parallel, settings.precision
-    parallel = ParallelConfig(tp=p.tp, pp=p.pp, dp=p.dp or None, sequence_parallel=p.sequence_parallel)
+    parallel = p
     if m.hf_path:
         cfg = config_from_settings(m, parallel)
     else:
         cfg = _shape_config(settings, parallel)
-    precision = PrecisionConfig(bf16=pr.bf16, fp8=pr.fp8 or None, fp8_recipe=pr.fp8_recipe)  # type: ignore[arg-type]
-    cfg.check_precision(precision)
-    return cfg, precision
+    cfg.check_precision(pr)
+    return cfg, pr
 
 
-def _shape_config(settings: Settings, parallel: ParallelConfig) -> ModelConfig:
+def _shape_config(settings: Settings, parallel: ParallelSettings) -> ModelConfig:
     m = settings.model
     return ModelConfig(
         num_layers=m.num_layers,
@@ -72,7 +71,7 @@ def _shape_config(settings: Settings, parallel: ParallelConfig) -> ModelConfig:
     )
 
 
-def build(cfg: ModelConfig, precision: PrecisionConfig | None = None) -> Any:
+def build(cfg: ModelConfig, precision: PrecisionSettings | None = None) -> Any:
     """A megatron-core ``GPTModel`` with ``cfg``'s initial weights, for this rank's stage and shard.
 
     The weights are megatron's init seeded with ``cfg.seed`` (:func:`trainer.model.build_model`). With
@@ -107,7 +106,7 @@ class Policy:
     """This process's place in the parallel layout, where :func:`build_policy` started it."""
 
 
-def build_policy(cfg: ModelConfig, precision: PrecisionConfig) -> Policy:
+def build_policy(cfg: ModelConfig, precision: PrecisionSettings) -> Policy:
     """Start the parallel groups for ``cfg`` and build the policy, then its reference from the same weights."""
     info = init_parallel(cfg)
     model = build(cfg, precision)

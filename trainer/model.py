@@ -27,7 +27,7 @@ import torch
 
 from rtrl.errors import ConfigError
 from trainer import cpu_compat
-from trainer.config import ModelConfig, PrecisionConfig, TransformerEngineMissing, world_from_env
+from trainer.config import ModelConfig, PrecisionSettings, TransformerEngineMissing, world_from_env
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +61,9 @@ def transformer_engine_status() -> tuple[bool, str]:
     return True, getattr(transformer_engine, "__version__", "unknown version")
 
 
-def require_transformer_engine(precision: PrecisionConfig) -> None:
+def require_transformer_engine(precision: PrecisionSettings) -> None:
     """Raise :class:`TransformerEngineMissing` when FP8 is asked for and TE cannot be imported."""
-    if precision.fp8 is None:
+    if not precision.fp8:
         return
     ok, detail = transformer_engine_status()
     if not ok:
@@ -164,14 +164,14 @@ def seed_everything(seed: int, torch_only: bool = False) -> None:
         pass
 
 
-def transformer_config(cfg: ModelConfig, precision: PrecisionConfig):
+def transformer_config(cfg: ModelConfig, precision: PrecisionSettings):
     """The megatron ``TransformerConfig`` for ``cfg`` under ``precision`` (FP8 fields only set when asked)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if precision.bf16 else torch.float32
     kwargs: dict = {}
-    if precision.fp8 is not None:
+    if precision.fp8:
         kwargs.update(fp8=precision.fp8, fp8_recipe=precision.fp8_recipe)
     if cfg.activation == "swiglu":  # Llama/Qwen MLP: silu(x W_gate) * (x W_up)
         kwargs.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=False)
@@ -206,7 +206,7 @@ def transformer_config(cfg: ModelConfig, precision: PrecisionConfig):
     )
 
 
-def layer_spec(precision: PrecisionConfig, normalization: str = "LayerNorm", qk_layernorm: bool = False):
+def layer_spec(precision: PrecisionSettings, normalization: str = "LayerNorm", qk_layernorm: bool = False):
     """The local spec on CPU (or GPU without TE); the Transformer Engine spec on GPU with TE.
 
     FP8 requires the TE spec, so it requires TE (checked by :func:`require_transformer_engine`).
@@ -223,7 +223,7 @@ def layer_spec(precision: PrecisionConfig, normalization: str = "LayerNorm", qk_
     return get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
 
 
-def build_model(cfg: ModelConfig, precision: PrecisionConfig | None = None):
+def build_model(cfg: ModelConfig, precision: PrecisionSettings | None = None):
     """A megatron-core ``GPTModel`` for this rank's pipeline stage and tensor-parallel shard.
 
     Deterministic: the weights depend only on ``cfg`` (``cfg.seed`` reseeds every RNG first, see
@@ -231,7 +231,7 @@ def build_model(cfg: ModelConfig, precision: PrecisionConfig | None = None):
     with its weights through :func:`trainer.factory.build`. Call :func:`init_parallel` first. Raises :class:`TransformerEngineMissing` when
     ``precision.fp8`` is set and Transformer Engine cannot be imported.
     """
-    precision = precision or PrecisionConfig()
+    precision = precision or PrecisionSettings()
     cfg.check_precision(precision)
     require_transformer_engine(precision)  # before anything else: the clear error first
     if cfg.parallel.sequence_parallel and not (torch.cuda.is_available() and transformer_engine_status()[0]):

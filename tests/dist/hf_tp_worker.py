@@ -27,7 +27,7 @@ from trainer.hf.config import config_from_hf  # noqa: E402
 from trainer.hf.export import export_hf  # noqa: E402
 import trainer.hf.load as hf_load  # noqa: E402
 from trainer.hf.load import load_hf  # noqa: E402
-from trainer.config import ParallelConfig  # noqa: E402
+from trainer.config import ParallelSettings  # noqa: E402
 from trainer.model import causal_mask, init_parallel  # noqa: E402
 
 B, S = 2, 64
@@ -76,7 +76,7 @@ def pipeline(src: Path, out: Path) -> None:
     import torch.distributed as dist
     from safetensors import safe_open
 
-    cfg = config_from_hf(src, parallel=ParallelConfig(pp=2))
+    cfg = config_from_hf(src, parallel=ParallelSettings(pp=2))
     init_parallel(cfg)
     model = build(cfg)
     rank = dist.get_rank()
@@ -103,7 +103,7 @@ def main(src: Path, out: Path) -> None:
     seen: list = []
     real_open = hf_load.safe_open
     hf_load.safe_open = lambda *a, **k: _Handle(real_open(*a, **k), seen)  # type: ignore[assignment]
-    cfg = config_from_hf(src, parallel=ParallelConfig(tp=2))
+    cfg = config_from_hf(src, parallel=ParallelSettings(tp=2))
     init_parallel(cfg)
     model = build(cfg)  # with cfg.hf_path: loads this rank's shards
     seen_at_build = list(seen)

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from trainer import lora  # noqa: E402
-from trainer.config import ModelConfig, ParallelConfig  # noqa: E402
+from trainer.config import ModelConfig, ParallelSettings  # noqa: E402
 from trainer.model import (  # noqa: E402
     build_model,
     causal_mask,
@@ -42,7 +42,7 @@ def model_config(tp: int) -> ModelConfig:
         activation="swiglu",
         num_query_groups=2,
         ffn_hidden_size=96,
-        parallel=ParallelConfig(tp=tp),
+        parallel=ParallelSettings(tp=tp),
     )
 
 

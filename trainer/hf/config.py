@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rtrl.errors import ConfigError
-from trainer.config import ModelConfig, ParallelConfig
+from trainer.config import ModelConfig, ParallelSettings
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 #: the vocabulary is padded to a multiple of lcm(VOCAB_MULTIPLE, tp) (Megatron-LM's default make_vocab_size_divisible_by)
@@ -222,7 +222,7 @@ _SHAPE_SETTINGS: tuple[tuple[str, str, Any], ...] = (
 )
 
 
-def config_from_settings(m: Any, parallel: ParallelConfig) -> ModelConfig:
+def config_from_settings(m: Any, parallel: ParallelSettings) -> ModelConfig:
     """The model of ``model.hf_path`` (``m`` is the settings' ``model`` section): the architecture from the
     checkpoint; ``seq_length`` (when set), dropouts, init std and seed from the settings. A shape setting the
     user set (config file or environment) that disagrees with the checkpoint is refused, naming both."""
