@@ -1,8 +1,9 @@
 """The closed loop: serve -> events and rollouts -> rewards -> micro-batches -> train -> eval gate -> promote.
 
-By default one process runs every part: the reward flow and the batch flow as in-process Bytewax
-runs (threads, stopped cleanly at the end), the policy server (:mod:`simulator.serve`) and the
-trainer (:func:`trainer.train.train`) on the main thread. With ``loop.processes`` each part is its
+By default one process runs every part: each flow part as an in-process Bytewax run (a thread,
+stopped cleanly at the end), the policy server (:mod:`simulator.serve`) and the trainer
+(:func:`trainer.train.train`) on the main thread. The flows come from the caller
+(:meth:`Loop.start_flows`), which takes them from ``app.parts.PART_LIST``. With ``loop.processes`` each part is its
 own process (:mod:`app.parts`) under :mod:`app.supervisor`; :class:`Loop` is then the trainer's.
 A cycle:
 

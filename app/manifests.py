@@ -15,6 +15,9 @@ engines a team already has.
   service makes the topics and applies the migrations, then ``rtrl run`` runs the main job (the closed loop on
   the defaults) on them. Secrets come from the environment (``.env``) as compose secrets.
 
+Each part with a ``workload`` in :data:`app.parts.PART_LIST` gets its file: :data:`WORKLOADS` makes its kind's
+resources. Its name and its replicas' :class:`Shape` field come from the part. A part without one is not deployed.
+
 The embedded ClickHouse front (:mod:`devservices.chserver`) is not deployed: it binds loopback only, by design (a
 dev stand-in for one machine); a cluster runs a ClickHouse server (the compose file's, or an operator's on
 Kubernetes) and ``clickhouse.dsn`` names it. Made by ``python -m app.deploy [--config FILE] [--out DIR]`` from

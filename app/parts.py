@@ -7,7 +7,9 @@ A flow part is one process of a Bytewax cluster when the environment says so, as
 ``BYTEWAX_PROCESS_ID`` (or a StatefulSet pod's ``BYTEWAX_POD_NAME`` and ``BYTEWAX_STATEFULSET_NAME``) and
 ``BYTEWAX_ADDRESSES`` (``host:port;host:port``, or a ``BYTEWAX_HOSTFILE_PATH``): :func:`app.flow_state.cluster_from`.
 
-Each part is defined once in :data:`PART_LIST`; the part entry point and the supervisor start it from there.
+Each part is defined once in :data:`PART_LIST`, and every runner takes it from there.
+The part entry point and the supervisor run its body. The main job's threads runner runs its :class:`Flow` on a thread.
+The local cluster starts its :class:`Local` processes. The Kubernetes manifests make its :class:`Workload`.
 
 ``rewards``, ``batches``  the reward and batch flows under Bytewax with recovery (a restart after
                           kill -9 resumes from the last snapshot; sinks are at-least-once and

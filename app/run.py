@@ -2,6 +2,8 @@
 
 :func:`run_loop` runs ``loop.cycles`` cycles on the configured services, then the table and plots. With
 ``loop.processes`` every part is its own process under :mod:`app.supervisor`.
+In one process each flow part of :data:`app.parts.PART_LIST` runs on a thread, and so does the policy server.
+The trainer runs on the main thread.
 """
 
 from __future__ import annotations
