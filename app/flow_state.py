@@ -4,20 +4,40 @@ A flow part is one process of a Bytewax cluster when the environment says so, as
 ``BYTEWAX_PROCESS_ID`` (or a StatefulSet pod's ``BYTEWAX_POD_NAME`` and ``BYTEWAX_STATEFULSET_NAME``) and
 ``BYTEWAX_ADDRESSES`` (``host:port;host:port``, or a ``BYTEWAX_HOSTFILE_PATH``): :func:`cluster_from`.
 Every runner of a flow takes its recovery folder from here: the parts, the main job's threads and retention.
+:class:`Flow` is what every runner needs to know about one flow part (:data:`app.parts.PART_LIST` holds them).
+It is defined here, below :mod:`app.loop`, so the threads runner takes flows without importing the parts.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from flows.counts import FlowCounts
 from rtrl.errors import ConfigError, ServiceUnavailable
 from rtrl.files import private_dir
 from rtrl.settings import Settings
+
+
+@dataclass(frozen=True)
+class Flow:
+    """One flow part as every runner runs it: in a process of its own, on a thread, or drained to its end."""
+
+    name: str
+    """The part's name: its recovery folder's and its metrics' too."""
+    build: Callable[[Settings, str, threading.Event, FlowCounts, Mapping[int, str] | None], Any]
+    """Its dataflow: the settings, the broker's address, the stop event, the counts it keeps, the partition keys."""
+    summary: Callable[[FlowCounts, Settings, float | None], str]
+    """The line it prints at its end: what it read and wrote, in how many seconds if known."""
+    tail: str
+    """The setting that keeps it following its topics: false runs it to their end (a drain)."""
+    windowed: bool = False
+    """It keeps windows: their state spills to ``flow.state_dir``, and a cluster spreads its keys over every worker."""
 
 
 def recovery_path(settings: Settings, name: str) -> Path:

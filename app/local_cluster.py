@@ -25,6 +25,9 @@ serve                ``rtrl part serve``: the policy server and the    the infer
 trainer              ``torchrun --nproc_per_node 2 -m trainer``        the training job (DP=2)
 ===================  ================================================  ============================================
 
+Each process comes from its part in :data:`app.parts.PART_LIST`: its command line from ``Part.local``, its pods'
+names from ``Part.workload``. The parts start in that order, and their metrics ports follow the same order.
+
 The policy server serves a promoted version: this launcher announces the untrained policy as v0 first (its
 checkpoint in ``<data_dir>/cluster/v0``), as the loop's trainer does after its warm start. The trainer takes
 ``--steps`` steps (``train.steps``), from the same initial weights, then exits; everything else is stopped then
@@ -54,14 +57,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from app.parts import DEFINED, PART_LIST
 from rtrl.errors import RtrlError, ServiceUnavailable
 from rtrl.quiet import quiet_known_warnings
 
 ROOT = Path(__file__).resolve().parents[1]
-#: the reward flow's StatefulSet: its pods are <name>-0, <name>-1, ...
-REWARDS_STATEFULSET = "rtrl-reward-flow"  # the StatefulSet of deploy/k8s/20-reward-flow.yaml
-FLOW_PROCESSES = 2
-TRAIN_RANKS = 2
 
 
 @dataclass
@@ -237,27 +237,30 @@ def run(config: str | None, steps: int, timeout_s: float, out=print) -> int:
             return {"RTRL_METRICS__PORT": str(port + offset)} if port else {}
 
         py, cfg = sys.executable, ["--config", str(conf)]
-        addresses = ";".join(f"127.0.0.1:{free_port()}" for _ in range(FLOW_PROCESSES))
-        for i in range(FLOW_PROCESSES):  # the StatefulSet's pods: identity from the pod name, as bytewax.run reads it
-            identity = {
-                "BYTEWAX_POD_NAME": f"{REWARDS_STATEFULSET}-{i}",
-                "BYTEWAX_STATEFULSET_NAME": REWARDS_STATEFULSET,
-                "BYTEWAX_ADDRESSES": addresses,
-            }
-            args = [py, "-m", "app.cli", "flow", "rewards", "-w", "1", *cfg]
-            cluster.start(f"rewards-{i}", args, env | identity | metrics_at(0))
-        cluster.start("batches", [py, "-m", "app.cli", "flow", "batches", *cfg], env | metrics_at(FLOW_PROCESSES))
-        cluster.start("serve", [py, "-m", "app.cli", "part", "serve", *cfg], env | metrics_at(FLOW_PROCESSES + 1))
-        torchrun = [py, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(TRAIN_RANKS)]
-        trainer = cluster.start(
-            "trainer",
-            [*torchrun, "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "trainer", *cfg],
-            env | metrics_at(FLOW_PROCESSES + 2),
-        )
-        out(
-            f"started: reward flow as {FLOW_PROCESSES} Bytewax processes ({addresses}), batch flow, policy server, "
-            f"trainer (torchrun, {TRAIN_RANKS} ranks, {steps} step{'s' if steps != 1 else ''})"
-        )
+        started, offset, offsets = [], 0, {}  # each part's metrics ports follow the ports of the parts before it
+        for part in PART_LIST:
+            local, said = part.local, part.title
+            args = [py, *local.args, *cfg]
+            if local.ranks:  # torchrun on this one node: its ranks and a rendezvous port of their own
+                torchrun = [py, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(local.ranks)]
+                args = [*torchrun, "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *local.args, *cfg]
+                said += f" (torchrun, {local.ranks} ranks, {steps} step{'s' if steps != 1 else ''})"
+            identity: list[dict[str, str]] = [{} for _ in local.names()]
+            if local.processes > 1 and part.workload is not None:  # the StatefulSet's pods, as bytewax.run reads them
+                addresses = ";".join(f"127.0.0.1:{free_port()}" for _ in range(local.processes))
+                sts = part.workload.name
+                identity = [
+                    {"BYTEWAX_POD_NAME": f"{sts}-{i}", "BYTEWAX_STATEFULSET_NAME": sts, "BYTEWAX_ADDRESSES": addresses}
+                    for i in range(local.processes)
+                ]
+                said += f" as {local.processes} Bytewax processes ({addresses})"
+            for name, ident in zip(local.names(), identity, strict=True):
+                cluster.start(name, args, env | ident | metrics_at(offset))
+            started.append(said)
+            offsets[part.name], offset = offset, offset + local.processes
+        ends = next(p for p in PART_LIST if p.finishes)  # the trainer: it exits after its steps
+        trainer = cluster.procs[ends.local.process]
+        out(f"started: {', '.join(started)}")
         shown: tuple[int, int] = (-1, -1)
         deadline = t0 + timeout_s
         while trainer.popen.poll() is None:
@@ -268,7 +271,7 @@ def run(config: str | None, steps: int, timeout_s: float, out=print) -> int:
                     )
             if time.monotonic() > deadline:
                 raise ServiceUnavailable(
-                    f"the trainer did not finish within {timeout_s:g}s:\n{sup.log_tail('trainer', 20)}"
+                    f"the {ends.title} did not finish within {timeout_s:g}s:\n{sup.log_tail(trainer.name, 20)}"
                 )
             now = (
                 _count(sup.ch, f"SELECT count() FROM {db}.rewards"),
@@ -279,21 +282,28 @@ def run(config: str | None, steps: int, timeout_s: float, out=print) -> int:
                 out(f"{time.monotonic() - t0:5.0f}s  rewards {now[0]:,} · trained steps {now[1]}")
             time.sleep(2)
         if trainer.popen.returncode != 0:
-            raise ServiceUnavailable(f"the trainer exited {trainer.popen.returncode}:\n{sup.log_tail('trainer', 20)}")
-        cluster.stop(["serve"])  # the policy server first: it flushes its rollouts and the users' events
-        # each reward flow process's Kafka partitions and windowed events, from its metrics (metrics.port + its id)
-        shares = [flow_share(port + i) for i in range(FLOW_PROCESSES)] if port else []
-        cluster.stop([n for n in cluster.procs if n != "serve"])  # the flows: a final snapshot each
+            raise ServiceUnavailable(
+                f"the {ends.title} exited {trainer.popen.returncode}:\n{sup.log_tail(trainer.name, 20)}"
+            )
+        # the policy server first: it flushes its rollouts and the users' events
+        first = [n for p in PART_LIST if p.stops_first for n in p.local.names()]
+        cluster.stop(first)
+        # the report is the reward flow's: each of its processes' Kafka partitions and windowed events, from its
+        # metrics (metrics.port + its offset + its id)
+        reward_flow = DEFINED["rewards"].local
+        shares = [flow_share(port + offsets["rewards"] + i) for i in range(reward_flow.processes)] if port else []
+        cluster.stop([n for n in cluster.procs if n not in first])  # the flows: a final snapshot each
         # then to the end of their topics, closing the windows still open: every event served gets its reward
         try:
-            cluster.drain([f"rewards-{i}" for i in range(FLOW_PROCESSES)], "flow.tail")
-            cluster.drain(["batches"], "batching.tail")
+            for part in PART_LIST:
+                if part.flow is not None:
+                    cluster.drain(part.local.names(), part.flow.tail)
         except ServiceUnavailable as e:  # the trainer's steps are done: say so, and count what there is
             out(f"warning: {e}; the rewards in ClickHouse may miss the last trajectories")
         rewards = _count(sup.ch, f"SELECT count() FROM {db}.rewards FINAL")
         steps_done = _rows(sup.ch, f"SELECT count(), max(length(batch_ids)) FROM {db}.train_metrics")
         n_steps, per_step = steps_done[0] if steps_done else (0, 0)
-        windowed = [_windowed(cluster.procs[f"rewards-{i}"].log) for i in range(FLOW_PROCESSES)]
+        windowed = [_windowed(cluster.procs[n].log) for n in reward_flow.names()]
         left = [n for n, p in cluster.procs.items() if p.popen.poll() is None]
         if shares:  # e.g. "process 0 read partitions 0,2 and windowed 0 events; process 1 read 1,3 and ..."
             out(
@@ -305,9 +315,9 @@ def run(config: str | None, steps: int, timeout_s: float, out=print) -> int:
                 )
             )
         out(
-            f"local cluster: {rewards:,} rewards in ClickHouse (reward flow: {FLOW_PROCESSES} processes, "
+            f"local cluster: {rewards:,} rewards in ClickHouse (reward flow: {reward_flow.processes} processes, "
             f"{' + '.join(f'{w:,}' for w in windowed)} events windowed), {n_steps} step{'s' if n_steps != 1 else ''} "
-            f"trained by {TRAIN_RANKS} ranks ({per_step} micro-batches a step), "
+            f"trained by {ends.local.ranks} ranks ({per_step} micro-batches a step), "
             + ("every process stopped" if not left else f"still running: {', '.join(left)}")
             + f" in {time.monotonic() - t0:.0f}s"
         )

@@ -1,8 +1,9 @@
 """The closed loop: serve -> events and rollouts -> rewards -> micro-batches -> train -> eval gate -> promote.
 
-By default one process runs every part: the reward flow and the batch flow as in-process Bytewax
-runs (threads, stopped cleanly at the end), the policy server (:mod:`simulator.serve`) and the
-trainer (:func:`trainer.train.train`) on the main thread. With ``loop.processes`` each part is its
+By default one process runs every part: each flow part as an in-process Bytewax run (a thread,
+stopped cleanly at the end), the policy server (:mod:`simulator.serve`) and the trainer
+(:func:`trainer.train.train`) on the main thread. The flows come from the caller
+(:meth:`Loop.start_flows`), which takes them from ``app.parts.PART_LIST``. With ``loop.processes`` each part is its
 own process (:mod:`app.parts`) under :mod:`app.supervisor`; :class:`Loop` is then the trainer's.
 A cycle:
 
@@ -41,7 +42,7 @@ import random
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -55,6 +56,7 @@ from rich.console import Console
 
 from app.adapters import AdapterDecision, OrgAdapters, ServedThrough, describe
 from app.deployments import announce
+from app.flow_state import Flow, recovery_config
 from app.job import FinalAB, final_ab
 from app.loop_config import (
     SAMPLES_PER_STEP,
@@ -64,11 +66,7 @@ from app.loop_config import (
 from app.serving import loop_model_config, policy_server, serve_until
 from client.sdk import RtrlClient
 from evalgate import EvalSuite, GateRules, run_gate
-from flows.batch_flow import build_flow as batch_flow
-from flows.batch_flow import summary as batch_summary
 from flows.counts import FlowCounts
-from flows.reward_flow import build_flow as reward_flow
-from flows.reward_flow import summary as reward_summary
 from flows.reward_versions import register_settings
 from monitors.alerts import MismatchRule
 from monitors.queries import Side, cohort_users, user_sums, users_of
@@ -260,7 +258,8 @@ class Loop:
         self.rules = rules if rules is not None else loop_gate_rules(self.settings)
         self.stop = threading.Event()
         self.threads: list[threading.Thread] = []
-        self.flow_counts = {"rewards": FlowCounts(), "batches": FlowCounts()}  # what the in-process flows moved
+        self.flows: list[Flow] = []  # the flows on threads here (start_flows)
+        self.flow_counts: dict[str, FlowCounts] = {}  # what each of them moved
         self.offsets: dict[str, int] | None = None
         self.producer = Producer(producer_config(connection(s.kafka, bootstrap), s.kafka.compression))
         self.server: PolicyServer | None = None
@@ -304,26 +303,26 @@ class Loop:
     # ------------------------------------------------------------ parts
 
     def _flows(self, settings: Settings, stop: threading.Event) -> list[tuple[str, Any, dict[str, Any]]]:
-        """(name, dataflow, ``run_main``'s keyword arguments) of both flows, with Bytewax recovery in
-        ``<data_dir>/recovery/<name>`` (what ``--resume`` continues from after a crash)."""
-        from app.flow_state import recovery_config
-
+        """(name, dataflow, ``run_main``'s keyword arguments) of each flow :meth:`start_flows` was given, with
+        Bytewax recovery in ``<data_dir>/recovery/<name>`` (what ``--resume`` continues from after a crash)."""
         out = []
-        for name, make in (("rewards", reward_flow), ("batches", batch_flow)):
-            flow = make(settings, bootstrap=self.bootstrap, stop=stop, counts=self.flow_counts[name])
+        for f in self.flows:
+            flow = f.build(settings, self.bootstrap, stop, self.flow_counts[f.name], None)
             # snapshots at Bytewax's default 10 s, not flow.snapshot_s: each one pickles the partition's
             # windows, closed ones included until allowed_lateness, so on two shared cores a 2 s epoch made
             # the main job's cycles grow from ~15 s to ~100 s by cycle 9 (bench/RESULTS.md); a crash
             # replays at most 10 s of events from Kafka, exactly once either way
             kwargs = {
-                "recovery_config": recovery_config(settings, name),
+                "recovery_config": recovery_config(settings, f.name),
                 "epoch_interval": timedelta(seconds=max(10.0, settings.flow.snapshot_s)),
             }
-            out.append((name, flow, kwargs))
+            out.append((f.name, flow, kwargs))
         return out
 
-    def start_flows(self) -> None:
-        """Both flows as threads (:meth:`_flows`)."""
+    def start_flows(self, flows: Sequence[Flow]) -> None:
+        """Each flow as a thread (:meth:`_flows`), in the order given: the parts' (``app.parts.PART_LIST``)."""
+        self.flows = list(flows)
+        self.flow_counts = {f.name: FlowCounts() for f in self.flows}
         for name, flow, kwargs in self._flows(self.settings, self.stop):
             t = threading.Thread(target=run_main, args=(flow,), kwargs=kwargs, name=f"{name}-flow", daemon=True)
             t.start()
@@ -335,8 +334,8 @@ class Loop:
             t.join(timeout_s)
 
     def drain_flows(self) -> None:
-        """How a run ends: the policy server stops first and sends what it still holds, then both flows run from
-        their recovery state to the end of their topics and close every window still open. Afterwards every
+        """How a run ends: the policy server stops first and sends what it still holds, then each flow runs from
+        its recovery state to the end of its topics and closes every window still open. Afterwards every
         event served has its reward in ClickHouse, so what reads the rewards at the end reads the whole run."""
         self.stop_flows()  # the server's thread and the flows' threads: every one of them stops at a snapshot
         if self.server is not None:  # the users' persistence checks still due go out now
@@ -346,7 +345,7 @@ class Loop:
         if any(t.is_alive() for t in self.threads):
             log.warning("a flow did not stop within its wait: the flows are not drained, rewards may be missing")
             return
-        drained = self.settings.updated({"flow.tail": False, "batching.tail": False})
+        drained = self.settings.updated({f.tail: False for f in self.flows})
         for _, flow, kwargs in self._flows(drained, threading.Event()):  # one after the other, to their ends
             run_main(flow, **kwargs)
 
@@ -354,10 +353,7 @@ class Loop:
         """One line per in-process flow: what it read and wrote in this process (after :meth:`stop_flows`; a flow
         that did not stop within its wait is said to be counted so far)."""
         partial = " (still stopping: counted so far)" if any(t.is_alive() for t in self.threads) else ""
-        return [
-            reward_summary(self.flow_counts["rewards"], self.settings.rewards.versions) + partial,
-            batch_summary(self.flow_counts["batches"]) + partial,
-        ]
+        return [f.summary(self.flow_counts[f.name], self.settings, None) + partial for f in self.flows]
 
     def announce(self, ck: Checkpoint) -> None:
         announce(self.settings, self.ch, self.producer, ck)

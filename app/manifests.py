@@ -15,6 +15,9 @@ engines a team already has.
   service makes the topics and applies the migrations, then ``rtrl run`` runs the main job (the closed loop on
   the defaults) on them. Secrets come from the environment (``.env``) as compose secrets.
 
+Each part with a ``workload`` in :data:`app.parts.PART_LIST` gets its file: :data:`WORKLOADS` makes its kind's
+resources. Its name and its replicas' :class:`Shape` field come from the part. A part without one is not deployed.
+
 The embedded ClickHouse front (:mod:`devservices.chserver`) is not deployed: it binds loopback only, by design (a
 dev stand-in for one machine); a cluster runs a ClickHouse server (the compose file's, or an operator's on
 Kubernetes) and ``clickhouse.dsn`` names it. Made by ``python -m app.deploy [--config FILE] [--out DIR]`` from
@@ -23,9 +26,11 @@ Kubernetes) and ``clickhouse.dsn`` names it. Made by ``python -m app.deploy [--c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from app.parts import PART_LIST, Part, Workload
 from rtrl.settings import Settings, settings_toml
 
 #: where a container finds the settings (the ConfigMap) and the secrets (the Secret's files)
@@ -202,10 +207,16 @@ def secret(settings: Settings, shape: Shape) -> list[dict]:
     ]
 
 
-def flow(settings: Settings, shape: Shape, name: str) -> list[dict]:
-    """A Bytewax cluster of one flow: a headless Service for the processes' addresses and a StatefulSet."""
-    processes = shape.reward_processes if name == "rewards" else shape.batch_processes
-    sts = f"rtrl-{'reward' if name == 'rewards' else 'batch'}-flow"
+def _replicas(shape: Shape, workload: Workload) -> int:
+    """The pods or nodes ``workload`` has: the shape's field it names."""
+    return int(getattr(shape, workload.replicas))
+
+
+def flow(settings: Settings, shape: Shape, part: Part) -> list[dict]:
+    """A Bytewax cluster of one flow part: a headless Service for the processes' addresses and a StatefulSet."""
+    if part.workload is None:
+        raise ValueError(f"part {part.name} is not deployed")
+    name, sts, processes = part.name, part.workload.name, _replicas(shape, part.workload)
     addresses = ";".join(f"{sts}-{i}.{sts}:{BYTEWAX_PORT}" for i in range(processes))
     env = _env(settings) + [
         {"name": "BYTEWAX_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -219,6 +230,9 @@ def flow(settings: Settings, shape: Shape, name: str) -> list[dict]:
     }
     if shape.storage_class:
         claim["spec"]["storageClassName"] = shape.storage_class
+    state_mount, claims = [], {}
+    if part.workload.recovery_volume:  # the recovery folder (and spilled window state) of each process
+        state_mount, claims = [{"name": "state", "mountPath": DATA_DIR}], {"volumeClaimTemplates": [claim]}
     return [
         {
             "apiVersion": "v1",
@@ -262,7 +276,7 @@ def flow(settings: Settings, shape: Shape, name: str) -> list[dict]:
                                     {"name": "bytewax", "containerPort": BYTEWAX_PORT},
                                     {"name": "metrics", "containerPort": METRICS_PORT},
                                 ],
-                                "volumeMounts": [*_mounts(), {"name": "state", "mountPath": DATA_DIR}],
+                                "volumeMounts": [*_mounts(), *state_mount],
                                 "resources": {
                                     "requests": {"cpu": str(shape.workers_per_process), "memory": "2Gi"},
                                     "limits": {"memory": "8Gi"},
@@ -274,17 +288,19 @@ def flow(settings: Settings, shape: Shape, name: str) -> list[dict]:
                         "volumes": _config_volumes(),
                     },
                 },
-                # the recovery folder (and spilled window state, on the same volume) of this process
-                "volumeClaimTemplates": [claim],
+                **claims,
             },
         },
     ]
 
 
-def trainer(settings: Settings, shape: Shape) -> list[dict]:
+def trainer(settings: Settings, shape: Shape, part: Part) -> list[dict]:
     """The trainer as a Kubeflow PyTorchJob: ``torchrun -m trainer`` on each node; the training operator sets
     ``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK`` and ``PET_MASTER_ADDR/PORT``, which torchrun reads.
     Checkpoints go to a volume every node shares (ReadWriteMany)."""
+    if part.workload is None:
+        raise ValueError(f"part {part.name} is not deployed")
+    nodes = _replicas(shape, part.workload)
     claim: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
@@ -339,12 +355,12 @@ def trainer(settings: Settings, shape: Shape) -> list[dict]:
         }
 
     specs = {"Master": replica(1)}
-    if shape.trainer_nodes > 1:
-        specs["Worker"] = replica(shape.trainer_nodes - 1)
+    if nodes > 1:
+        specs["Worker"] = replica(nodes - 1)
     job = {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
-        "metadata": _meta("rtrl-trainer", shape, "trainer"),
+        "metadata": _meta(part.workload.name, shape, "trainer"),
         "spec": {
             "nprocPerNode": str(shape.gpus_per_node),
             "runPolicy": {"backoffLimit": 20, "cleanPodPolicy": "None"},
@@ -434,18 +450,22 @@ def retention_cronjob(settings: Settings, shape: Shape) -> list[dict]:
     ]
 
 
+#: a part's workload kind -> what makes its resources
+WORKLOADS: dict[str, Callable[[Settings, Shape, Part], list[dict]]] = {"StatefulSet": flow, "PyTorchJob": trainer}
+
+
 def kubernetes(settings: Settings, shape: Shape = Shape()) -> dict[str, list[dict]]:
     """File name (under deploy/k8s) -> its resources, in the order to apply them (``secret/``: not applied with
     the folder; the Secret is created once, filled, by the operator)."""
-    return {
+    out = {
         "00-config.yaml": config(settings, shape),
         "secret/rtrl-secrets.example.yaml": secret(settings, shape),
         "10-setup-job.yaml": setup_job(settings, shape),
-        "20-reward-flow.yaml": flow(settings, shape, "rewards"),
-        "30-batch-flow.yaml": flow(settings, shape, "batches"),
-        "40-trainer.yaml": trainer(settings, shape),
-        "50-retention-cronjob.yaml": retention_cronjob(settings, shape),
     }
+    for part in PART_LIST:  # each deployed part as its workload's kind runs it
+        if part.workload is not None:
+            out[part.workload.file] = WORKLOADS[part.workload.kind](settings, shape, part)
+    return out | {"50-retention-cronjob.yaml": retention_cronjob(settings, shape)}
 
 
 # ---------------------------------------------------------------- docker-compose

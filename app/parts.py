@@ -7,7 +7,9 @@ A flow part is one process of a Bytewax cluster when the environment says so, as
 ``BYTEWAX_PROCESS_ID`` (or a StatefulSet pod's ``BYTEWAX_POD_NAME`` and ``BYTEWAX_STATEFULSET_NAME``) and
 ``BYTEWAX_ADDRESSES`` (``host:port;host:port``, or a ``BYTEWAX_HOSTFILE_PATH``): :func:`app.flow_state.cluster_from`.
 
-Each part is defined once in :data:`PART_LIST`; the part entry point and the supervisor start it from there.
+Each part is defined once in :data:`PART_LIST`, and every runner takes it from there.
+The part entry point and the supervisor run its body. The main job's threads runner runs its :class:`Flow` on a thread.
+The local cluster starts its :class:`Local` processes. The Kubernetes manifests make its :class:`Workload`.
 
 ``rewards``, ``batches``  the reward and batch flows under Bytewax with recovery (a restart after
                           kill -9 resumes from the last snapshot; sinks are at-least-once and
@@ -36,13 +38,14 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from app.flow_state import (
     Cluster,
+    Flow,
     check_state_volume,
     cluster_from,
     partition_keys,
@@ -50,6 +53,7 @@ from app.flow_state import (
     process_recovery_path,
     recovery_config,
 )
+from flows.counts import FlowCounts
 from rtrl import metrics
 from rtrl.errors import RtrlError, ServiceUnavailable
 from rtrl.quiet import quiet_known_warnings
@@ -74,13 +78,14 @@ def run_flow(
     Returns the one-line summary of what this process read and wrote (:mod:`flows.counts`)."""
     from bytewax.run import cli_main
 
-    from flows import batch_flow, reward_flow
-    from flows.counts import FlowCounts
     from flows.kafka_io import stop_on_signals
 
+    spec = DEFINED[name].flow
+    if spec is None:
+        raise ValueError(f"part {name} is not a flow")
     cluster = cluster or Cluster()
     counts, t0 = FlowCounts(), time.monotonic()
-    if name == "rewards":
+    if spec.windowed:
         check_state_volume(settings)
     folder = process_recovery_path(settings, name, cluster)
     from app.retention import hold, prune_at_start
@@ -88,16 +93,18 @@ def run_flow(
     with hold(folder):  # from before its first look: `rtrl retention apply` keeps a folder a flow holds
         fresh = not partitions_in(folder)
         recovery = recovery_config(settings, name, cluster)  # refused before anything starts when it does not fit
-        if name == "rewards":  # spill files nothing uses go after retention.state_days, before Bytewax starts
+        if spec.windowed:  # spill files nothing uses go after retention.state_days, before Bytewax starts
             prune_at_start(settings)
         endpoint = metrics.serve_part(settings, f"flow-{name}", cluster.local_index)
         try:
             stop = stop if stop is not None else stop_on_signals()
-            if name == "rewards":  # its partitions' keys spread over every worker of the cluster (flows.routing)
-                keys = partition_keys(settings, bootstrap, workers * cluster.processes, folder, fresh)
-                flow = reward_flow.build_flow(settings, bootstrap=bootstrap, stop=stop, counts=counts, keys=keys)
-            else:
-                flow = batch_flow.build_flow(settings, bootstrap=bootstrap, stop=stop, counts=counts)
+            # a windowed flow's partitions' keys spread over every worker of the cluster (flows.routing)
+            keys = (
+                partition_keys(settings, bootstrap, workers * cluster.processes, folder, fresh)
+                if spec.windowed
+                else None
+            )
+            flow = spec.build(settings, bootstrap, stop, counts, keys)
             endpoint.ready()  # its broker and topics checked, its sinks configured: it reads from here on
             cli_main(
                 flow,
@@ -111,9 +118,35 @@ def run_flow(
             endpoint.close()
     seconds = time.monotonic() - t0
     where = f"process {cluster.process_id} of {cluster.processes}: " if cluster.addresses else ""
-    if name == "rewards":
-        return where + reward_flow.summary(counts, settings.rewards.versions, seconds)
-    return where + batch_flow.summary(counts, seconds)
+    return where + spec.summary(counts, settings, seconds)
+
+
+def _reward_flow(
+    settings: Settings, bootstrap: str, stop: threading.Event, counts: FlowCounts, keys: Mapping[int, str] | None
+) -> Any:
+    from flows import reward_flow  # here, not at the top: `rtrl --help` and the serve part never load Bytewax
+
+    return reward_flow.build_flow(settings, bootstrap=bootstrap, stop=stop, counts=counts, keys=keys)
+
+
+def _reward_summary(counts: FlowCounts, settings: Settings, seconds: float | None) -> str:
+    from flows import reward_flow
+
+    return reward_flow.summary(counts, settings.rewards.versions, seconds)
+
+
+def _batch_flow(
+    settings: Settings, bootstrap: str, stop: threading.Event, counts: FlowCounts, keys: Mapping[int, str] | None
+) -> Any:
+    from flows import batch_flow
+
+    return batch_flow.build_flow(settings, bootstrap=bootstrap, stop=stop, counts=counts)
+
+
+def _batch_summary(counts: FlowCounts, settings: Settings, seconds: float | None) -> str:
+    from flows import batch_flow
+
+    return batch_flow.summary(counts, seconds)
 
 
 def _stop_on_term() -> threading.Event:
@@ -235,28 +268,114 @@ def _flow(name: str) -> Callable[[Settings, str], None]:
 
 
 @dataclass(frozen=True)
+class Workload:
+    """How the Kubernetes manifests run a part (:func:`app.manifests.kubernetes`)."""
+
+    file: str
+    """Its file under ``deploy/k8s``: the number orders the files as they are applied."""
+    kind: str
+    """``StatefulSet``: a Bytewax cluster. ``PyTorchJob``: ``torchrun`` on every node."""
+    name: str
+    """The workload's name. A StatefulSet's pods are ``<name>-0``, ``<name>-1`` and so on."""
+    replicas: str
+    """The field of :class:`app.manifests.Shape` that says how many pods or nodes it has."""
+    recovery_volume: bool = False
+    """Each pod gets a volume of its own for its recovery state."""
+
+
+@dataclass(frozen=True)
+class Local:
+    """How the cluster's shape on one machine starts a part (:mod:`app.local_cluster`)."""
+
+    process: str
+    """Its process's name, and its log's. Several processes are ``<process>-0``, ``<process>-1`` and so on."""
+    args: tuple[str, ...]
+    """What follows the interpreter: the module and its arguments. ``--config`` comes after them."""
+    processes: int = 1
+    """Bytewax processes of one cluster. Each takes its identity from the workload's pod names."""
+    ranks: int = 0
+    """``torchrun``'s ranks on this machine. With 0 the part is one plain process."""
+
+    def names(self) -> list[str]:
+        """Its processes' names, in process-id order."""
+        return [f"{self.process}-{i}" for i in range(self.processes)] if self.processes > 1 else [self.process]
+
+
+@dataclass(frozen=True)
 class Part:
     """One part of the closed loop, defined once: every runner starts, waits for and stops it from here."""
 
     name: str
+    title: str
+    """What a runner's lines call it, e.g. ``reward flow``."""
     run: Callable[[Settings, str], None]
     """Its body in a process of its own: the settings and the broker's address. It returns at its end or on
     SIGTERM or SIGINT, stopping cleanly."""
     needs_clickhouse: bool
     """Whether it writes to ClickHouse: it starts only once the ClickHouse front is ready."""
-    flow: bool
-    """A Bytewax flow: ``--to-end`` runs it to the end of its topics and closes every window still open."""
+    flow: Flow | None
+    """A Bytewax flow: how to build it, summarise it and drain it. ``--to-end`` runs it to the end of its
+    topics and closes every window still open. The main job's threads runner runs it on a thread."""
     stops_first: bool
     """Stopped before the other parts: the policy server sends the events and rollouts it still holds, which
     the flows then read."""
+    local: Local
+    """How the local cluster starts it."""
+    workload: Workload | None = None
+    """How Kubernetes runs it. None: it is not deployed, as the policy server (the inference fleet serves)."""
+    finishes: bool = False
+    """Its clean exit ends the run: the trainer's, once its steps or decisions are done. The others run until
+    they are stopped."""
+
+    def __post_init__(self) -> None:
+        if self.flow is not None and self.flow.name != self.name:
+            raise ValueError(f"part {self.name}: its flow is named {self.flow.name}")
+        if self.local.processes > 1 and (self.flow is None or self.workload is None):
+            raise ValueError(f"part {self.name}: only a deployed flow runs as several Bytewax processes")
 
 
 #: the closed loop's parts in start order: the flows first, so they read what the server writes from its start
 PART_LIST = (
-    Part("rewards", _flow("rewards"), needs_clickhouse=True, flow=True, stops_first=False),
-    Part("batches", _flow("batches"), needs_clickhouse=True, flow=True, stops_first=False),
-    Part("serve", serve, needs_clickhouse=False, flow=False, stops_first=True),
-    Part("train", train, needs_clickhouse=True, flow=False, stops_first=False),
+    Part(
+        "rewards",
+        "reward flow",
+        _flow("rewards"),
+        needs_clickhouse=True,
+        flow=Flow("rewards", _reward_flow, _reward_summary, tail="flow.tail", windowed=True),
+        stops_first=False,
+        local=Local("rewards", ("-m", "app.cli", "flow", "rewards", "-w", "1"), processes=2),
+        workload=Workload("20-reward-flow.yaml", "StatefulSet", "rtrl-reward-flow", "reward_processes", True),
+    ),
+    Part(
+        "batches",
+        "batch flow",
+        _flow("batches"),
+        needs_clickhouse=True,
+        flow=Flow("batches", _batch_flow, _batch_summary, tail="batching.tail"),
+        stops_first=False,
+        local=Local("batches", ("-m", "app.cli", "flow", "batches")),
+        workload=Workload("30-batch-flow.yaml", "StatefulSet", "rtrl-batch-flow", "batch_processes", True),
+    ),
+    Part(
+        "serve",
+        "policy server",
+        serve,
+        needs_clickhouse=False,
+        flow=None,
+        stops_first=True,
+        local=Local("serve", ("-m", "app.cli", "part", "serve")),
+    ),
+    Part(
+        "train",
+        "trainer",
+        train,
+        needs_clickhouse=True,
+        flow=None,
+        stops_first=False,
+        local=Local("trainer", ("-m", "trainer"), ranks=2),
+        workload=Workload("40-trainer.yaml", "PyTorchJob", "rtrl-trainer", "trainer_nodes"),
+        finishes=True,
+    ),
 )
 DEFINED = {p.name: p for p in PART_LIST}
 PARTS = tuple(DEFINED)
@@ -286,7 +405,7 @@ def main(argv: list[str] | None = None, settings: Settings | None = None) -> int
     quiet_known_warnings()
     to_end = argv[1:] == ["--to-end"]
     part = DEFINED.get(argv[0]) if argv else None
-    if part is None or (len(argv) > 1 and not (to_end and part.flow)):
+    if part is None or (len(argv) > 1 and not (to_end and part.flow is not None)):
         print(f"usage: python -m app.parts {'|'.join(PARTS)}  (flows: --to-end)", file=sys.stderr)
         return 2
     from app.loop_config import loop_settings  # not app.loop: the flow parts never import torch
@@ -294,8 +413,8 @@ def main(argv: list[str] | None = None, settings: Settings | None = None) -> int
 
     try:  # settings and services checked before the long work (a warm start, a flow's recovery)
         settings = loop_settings(settings or load_settings(), trains=part.name == "train")
-        if to_end:
-            settings = settings.updated({"flow.tail": False, "batching.tail": False})
+        if to_end and part.flow is not None:
+            settings = settings.updated({part.flow.tail: False})
         bootstrap = preflight(settings, clickhouse_too=part.needs_clickhouse)
     except RtrlError as e:
         print(f"error: part {part.name}: {e}", file=sys.stderr)

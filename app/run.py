@@ -2,6 +2,8 @@
 
 :func:`run_loop` runs ``loop.cycles`` cycles on the configured services, then the table and plots. With
 ``loop.processes`` every part is its own process under :mod:`app.supervisor`.
+In one process each flow part of :data:`app.parts.PART_LIST` runs on a thread, and so does the policy server.
+The trainer runs on the main thread.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from app.loop import CycleResult, Loop
 from app.loop_config import (
     loop_settings,
 )
+from app.parts import PART_LIST
 from rtrl import clickhouse, metrics
 from rtrl.settings import Settings
 
@@ -67,8 +70,8 @@ def _run_in_process(settings: Settings, services: Services, console: Console, re
         for key in end_running_experiments(loop.settings, services.bootstrap, loop.producer):
             console.print(f"ended experiment {key}, left running by an earlier run", highlight=False)
         console.print(loop.begin(resume))
-        loop.start_flows()
-        loop.start_server()
+        loop.start_flows([p.flow for p in PART_LIST if p.flow is not None])  # each flow part on a thread
+        loop.start_server()  # the serve part on a thread; the train part is this thread's run_cycles
         with cycle_progress(console) as bar:
             task = bar.add_task("loop", total=ls.cycles, completed=loop.version, info="")
 

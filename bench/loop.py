@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from app.loop import Loop  # noqa: E402
+from app.parts import PART_LIST  # noqa: E402
 from app.services import Services  # noqa: E402
 from rtrl.kafka import read_topic  # noqa: E402
 from rtrl.settings import load_settings  # noqa: E402
@@ -70,7 +71,7 @@ def main() -> None:
     try:
         t = time.monotonic()
         loop.initial()
-        loop.start_flows()
+        loop.start_flows([p.flow for p in PART_LIST if p.flow is not None])
         loop.start_server()
         startup = time.monotonic() - t
         for _ in range(args.cycles):

@@ -300,6 +300,26 @@ def test_each_flow_pod_finds_its_place_in_the_cluster_from_the_manifests_environ
             assert cluster.local_index == 0  # its own address: metrics on the probed port
 
 
+def test_each_deployed_part_is_one_file_sized_by_its_shape_field():
+    """The manifests come from the part table: one file per part with a workload, its kind's builder, its name, and
+    as many pods (or trainer nodes) as the Shape field it names says."""
+    from app.parts import PART_LIST
+
+    shape = manifests.Shape(reward_processes=3, batch_processes=2, trainer_nodes=4)
+    files = manifests.kubernetes(load_settings(), shape)
+    deployed = [p for p in PART_LIST if p.workload is not None]
+    assert deployed and all(p.workload.kind in manifests.WORKLOADS for p in deployed)
+    for part in deployed:
+        (workload,) = [d for d in files[part.workload.file] if d["kind"] == part.workload.kind]
+        assert workload["metadata"]["name"] == part.workload.name
+        size = getattr(shape, part.workload.replicas)
+        if part.workload.kind == "StatefulSet":
+            assert workload["spec"]["replicas"] == size
+            assert ("volumeClaimTemplates" in workload["spec"]) is part.workload.recovery_volume
+        else:
+            assert sum(r["replicas"] for r in workload["spec"]["pytorchReplicaSpecs"].values()) == size
+
+
 def test_the_trainer_is_a_multi_node_torchrun_job():
     (job,) = _kind("PyTorchJob")
     specs = job["spec"]["pytorchReplicaSpecs"]
