@@ -462,7 +462,7 @@ class OrgAdapters:
             tc = TrainConfig.from_settings(
                 self.settings,
                 run_id=adapter_run_id(ls.seed, org, version),
-                max_steps=n // mbps,
+                steps=n // mbps,
                 checkpoint_dir="",
                 idle_timeout_s=0.01,
                 adapter=name,

@@ -255,7 +255,7 @@ def train_steps(
     wire = [to_batch(encode_batch(mb), 0, k) for k, mb in enumerate(todo)]
     run = {"adapter": adapter, "adapter_base": adapter_base} if adapter else {}
     tc = TrainConfig.from_settings(
-        settings, run_id=run_id, max_steps=10**9, checkpoint_dir="", idle_timeout_s=0.01, resume=False, **run
+        settings, run_id=run_id, steps=10**9, checkpoint_dir="", idle_timeout_s=0.01, resume=False, **run
     )
     source = MemorySource(wire)
     policy = Policy(model, reference, optimizer, policy_version, trained)

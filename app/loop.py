@@ -566,7 +566,7 @@ class Loop:
         tc = TrainConfig.from_settings(
             s,
             run_id=run_id,
-            max_steps=10**9,
+            steps=10**9,
             checkpoint_every=ls.checkpoint_every,
             # step checkpoints make a killed trainer resumable: only where it is its
             # own process

@@ -380,9 +380,12 @@ def run_training(args: argparse.Namespace, cfg: Any, progress: Progress, task: A
                 run_id=f"bench-{mode}-{r}",
                 adapter=adapter,
                 micro_batches_per_step=args.micro_batches,
-                max_steps=args.train_steps,
+                steps=args.train_steps,
                 idle_timeout_s=0.01,
                 resume=False,
+                max_policy_lag=4,
+                max_delayed_lag=0,
+                checkpoint_every=5,
             )
             source = functools.partial(memory_source, batches[mode])
             steps = train(Policy(model, ref, version=1), source, tc, Hooks(on_step=stamp(ends)))

@@ -27,7 +27,6 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -121,9 +120,8 @@ def main() -> None:
         mem = [to_batch(batches[b], 0, i) for i, b in enumerate(ids) if b in batches]
         loop.model.load_state_dict(loop.reference.state_dict())
         # the loop's own training config (one mapping: TrainConfig.from_settings), every replayed sample kept
-        tc = replace(
-            TrainConfig.from_settings(loop.settings, max_steps=len(r.steps), resume=False), max_policy_lag=10**6
-        )
+        tc = TrainConfig.from_settings(loop.settings, steps=len(r.steps), resume=False)
+        tc = tc.model_copy(update={"max_policy_lag": 10**6})
         t = time.monotonic()
         train(Policy(loop.model, loop.reference, version=r.parent), lambda _o, m=mem: MemorySource(m), tc)  # type: ignore[misc]
         base = time.monotonic() - t

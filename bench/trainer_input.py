@@ -163,11 +163,13 @@ def train_round(
     ends: list[float] = []
     tc = TrainConfig(
         run_id=f"bench-{source_kind}",
-        max_steps=steps,
+        steps=steps,
         micro_batches_per_step=mbs,
         checkpoint_dir="",
         idle_timeout_s=30,
         max_policy_lag=4,
+        max_delayed_lag=0,
+        checkpoint_every=5,
     )
     b0, c0 = broker_cpu_s(broker_dir), time.process_time()
     t0 = time.perf_counter()

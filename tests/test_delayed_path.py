@@ -480,11 +480,12 @@ def test_one_step_on_delayed_samples_splits_train_metrics(tiny, correction):
     ]
     tc = TrainConfig(
         run_id="delayed",
-        max_steps=1,
+        steps=1,
         micro_batches_per_step=2,
         max_policy_lag=1,
         max_delayed_lag=4,
         loss=GUARDED.model_copy(update=dict(delayed_correction=correction)),
+        checkpoint_every=5,
     )
     (step,) = train(Policy(model, reference, version=6), lambda off: MemorySource(batches, off), tc)
     prepared = [prepare(b, 6, 1, 4) for b in batches]

@@ -388,7 +388,15 @@ def _one_step(tiny_trainer, grad_clip: float):
 
     model, reference, init, batches = tiny_trainer
     model.load_state_dict(init)
-    tc = TrainConfig(run_id="safety", max_steps=1, micro_batches_per_step=2, grad_clip=grad_clip, max_policy_lag=1)
+    tc = TrainConfig(
+        run_id="safety",
+        steps=1,
+        micro_batches_per_step=2,
+        grad_clip=grad_clip,
+        max_policy_lag=1,
+        max_delayed_lag=0,
+        checkpoint_every=5,
+    )
     (step,) = train(Policy(model, reference, version=1), lambda off: MemorySource(batches, off), tc)
     norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters() if p.grad is not None))
     return step, norm
@@ -438,7 +446,6 @@ def test_a_kept_optimizer_carries_its_moments_across_train_calls(tiny_trainer):
     """Policy.optimizer (the in-process experiments keep one across cycles): two calls of one step each with
     one kept AdamW end on the same weights as one call of two steps; a new optimizer per call does not (its
     first step is a sign step again). An optimizer over other parameters is refused."""
-    from dataclasses import replace
 
     from tests.dist.train_run import synthetic_batches
     from trainer.config import TrainConfig
@@ -448,7 +455,9 @@ def test_a_kept_optimizer_carries_its_moments_across_train_calls(tiny_trainer):
 
     model, reference, init, _ = tiny_trainer
     batches = synthetic_batches(4)
-    tc = TrainConfig(run_id="kept", max_steps=2, micro_batches_per_step=2, max_policy_lag=1)
+    tc = TrainConfig(
+        run_id="kept", steps=2, micro_batches_per_step=2, max_policy_lag=1, max_delayed_lag=0, checkpoint_every=5
+    )
 
     def run(calls: int, keep: bool) -> dict[str, torch.Tensor]:
         model.load_state_dict(init)
@@ -456,11 +465,18 @@ def test_a_kept_optimizer_carries_its_moments_across_train_calls(tiny_trainer):
         per, trained = 2 // calls, TrainedSet()
         for c in range(calls):
             part = batches[c * 2 * per : (c + 1) * 2 * per]
-            tcc = TrainConfig(run_id="kept", max_steps=per, micro_batches_per_step=2, max_policy_lag=1)
+            tcc = TrainConfig(
+                run_id="kept",
+                steps=per,
+                micro_batches_per_step=2,
+                max_policy_lag=1,
+                max_delayed_lag=0,
+                checkpoint_every=5,
+            )
             train(
                 Policy(model, reference, optimizer=opt, version=1, trained=trained),
                 _source(part),
-                replace(tcc, resume=False),
+                tcc.model_copy(update=dict(resume=False)),
             )
         return {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
 
@@ -472,7 +488,7 @@ def test_a_kept_optimizer_carries_its_moments_across_train_calls(tiny_trainer):
         train(
             Policy(model, reference, optimizer=wrong, version=1),
             lambda off: MemorySource(batches, off),
-            replace(tc, resume=False),
+            tc.model_copy(update=dict(resume=False)),
         )
 
 

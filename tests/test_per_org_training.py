@@ -17,8 +17,6 @@ The routing that makes these batches: tests/test_per_org.py.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import msgspec
 import pytest
 
@@ -329,14 +327,18 @@ def test_an_adapter_trains_on_its_orgs_batches_only_and_the_base_stays_frozen(tm
         adapter="o1",
         adapter_base="v1",
         micro_batches_per_step=1,
-        max_steps=2,
+        steps=2,
         idle_timeout_s=0.01,
         checkpoint_dir=str(tmp_path / "o1"),
         checkpoint_every=1,
         lr=1e-2,
+        max_policy_lag=4,
+        max_delayed_lag=0,
     )
     steps = train(Policy(model, None, version=1), lambda _: MemorySource(wire), tc)
-    steps += train(Policy(model, None, version=1), lambda off: MemorySource(wire, off), replace(tc, max_steps=10))
+    steps += train(
+        Policy(model, None, version=1), lambda off: MemorySource(wire, off), tc.model_copy(update=dict(steps=10))
+    )
     assert [st.step for st in steps] == [1, 2, 3] and {st.adapter for st in steps} == {"o1"}
     assert {s for st in steps for s in st.sample_ids} == {f"o1-{i}" for i in range(12)}
     assert all(torch.equal(v, base[k]) for k, v in model.state_dict().items() if v is not None)
@@ -346,8 +348,17 @@ def test_an_adapter_trains_on_its_orgs_batches_only_and_the_base_stays_frozen(tm
     assert lora.read_adapter_checkpoint(lora.latest_adapter(tmp_path / "o1"))["base"] == "v1"
     # the shared policy: the shared stream only (every org's samples, one policy served each), adapter ""
     shared, reference = build_model(cfg), build_model(cfg)
-    tc = TrainConfig(micro_batches_per_step=1, max_steps=100, idle_timeout_s=0.01)
-    steps = train(Policy(shared, reference, version=1), lambda _: MemorySource(wire), replace(tc, resume=False))
+    tc = TrainConfig(
+        micro_batches_per_step=1,
+        steps=100,
+        idle_timeout_s=0.01,
+        max_policy_lag=4,
+        max_delayed_lag=0,
+        checkpoint_every=5,
+    )
+    steps = train(
+        Policy(shared, reference, version=1), lambda _: MemorySource(wire), tc.model_copy(update=dict(resume=False))
+    )
     assert {st.adapter for st in steps} == {""} and len(steps) == 9
     ids = [s for st in steps for s in st.sample_ids]
     assert sorted(ids) == sorted(f"{o}-{i}" for o in ("o0", "o1", "o2") for i in range(12))
@@ -400,7 +411,15 @@ def test_updates_per_step_reuse_a_step_and_the_base_can_train_through_the_servin
     def base(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in model.state_dict().items() if v is not None}
 
-    tc = TrainConfig(micro_batches_per_step=1, max_steps=10, idle_timeout_s=0.01, lr=1e-2)
+    tc = TrainConfig(
+        micro_batches_per_step=1,
+        steps=10,
+        idle_timeout_s=0.01,
+        lr=1e-2,
+        max_policy_lag=4,
+        max_delayed_lag=0,
+        checkpoint_every=5,
+    )
     start, _ = fresh()
     runs = {}
     for k in (1, 3):
@@ -408,7 +427,7 @@ def test_updates_per_step_reuse_a_step_and_the_base_can_train_through_the_servin
         steps = train(
             Policy(model, reference, version=1),
             lambda _: MemorySource(wire),
-            replace(replace(tc, updates_per_step=k), resume=False),
+            tc.model_copy(update=dict(updates_per_step=k, resume=False)),
         )
         runs[k] = (steps, base(model))
     (one, w1), (three, w3) = runs[1], runs[3]
@@ -422,7 +441,7 @@ def test_updates_per_step_reuse_a_step_and_the_base_can_train_through_the_servin
     via = train(
         Policy(through, reference, version=1),
         lambda _: MemorySource(wire),
-        replace(tc, resume=False),
+        tc.model_copy(update=dict(resume=False)),
         Hooks(served_by=lambda b: "o1"),
     )
     # train_metrics says so: every trained token of these steps went through the serving adapter, none without it
@@ -430,9 +449,11 @@ def test_updates_per_step_reuse_a_step_and_the_base_can_train_through_the_servin
     assert all(s.served_through_tokens == 0 for s in one)
     active, reference = fresh()
     with lora.activate(active, "o1"):
-        train(Policy(active, reference, version=1), lambda _: MemorySource(wire), replace(tc, resume=False))
+        train(
+            Policy(active, reference, version=1), lambda _: MemorySource(wire), tc.model_copy(update=dict(resume=False))
+        )
     alone, reference = fresh()
-    train(Policy(alone, reference, version=1), lambda _: MemorySource(wire), replace(tc, resume=False))
+    train(Policy(alone, reference, version=1), lambda _: MemorySource(wire), tc.model_copy(update=dict(resume=False)))
     assert lora.active_adapter(through) is None  # train() leaves no adapter active
     assert all(torch.equal(v, base(active)[k]) for k, v in base(through).items())
     assert any(not torch.equal(v, base(alone)[k]) for k, v in base(through).items())
@@ -443,7 +464,7 @@ def test_updates_per_step_reuse_a_step_and_the_base_can_train_through_the_servin
         plain = train(
             Policy(none, reference, version=1),
             lambda _: MemorySource(wire),
-            replace(tc, resume=False),
+            tc.model_copy(update=dict(resume=False)),
             Hooks(served_by=lambda b: None),
         )
     assert all(torch.equal(v, base(alone)[k]) for k, v in base(none).items())
@@ -452,13 +473,13 @@ def test_updates_per_step_reuse_a_step_and_the_base_can_train_through_the_servin
         train(
             Policy(through, None, version=1),
             lambda _: MemorySource(wire),
-            replace(tc, adapter="o1"),
+            tc.model_copy(update=dict(adapter="o1")),
             Hooks(served_by=lambda b: "o1"),
         )
     # with checkpoints (the trainer as a process of its own): the serving adapters on the model are not the
     # base's, so neither its optimizer nor its checkpoints hold them, and a resumed run goes on from the checkpoint
     saved, reference = fresh()
-    ck = replace(tc, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=1, max_steps=1)
+    ck = tc.model_copy(update=dict(checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=1, steps=1))
     first = train(
         Policy(saved, reference, version=1), lambda _: MemorySource(wire), ck, Hooks(served_by=lambda b: "o1")
     )
@@ -466,7 +487,7 @@ def test_updates_per_step_reuse_a_step_and_the_base_can_train_through_the_servin
     more = train(
         Policy(resumed, reference, version=1),
         lambda _: MemorySource(wire),
-        replace(ck, max_steps=2),
+        ck.model_copy(update=dict(steps=2)),
         Hooks(served_by=lambda b: "o1"),
     )
     assert [s.step for s in first] == [1] and [s.step for s in more] == [2]

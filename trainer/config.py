@@ -13,9 +13,9 @@ import math
 import os
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
-from pydantic import ConfigDict, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from rtrl.errors import ConfigError
@@ -528,37 +528,15 @@ def world_from_env() -> tuple[int, int, int]:
     )
 
 
-@dataclass
-class TrainConfig:
-    """How the loop trains (the model's shape is trainer.config.ModelConfig)."""
+class TrainConfig(TrainSettings):
+    """One training run: the ``train`` section, the loss, and what the caller owns (the model's shape is
+    :class:`ModelConfig`). A new ``train`` setting reaches the run with no other change."""
 
-    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    micro_batches_per_step: int = 2
-    updates_per_step: int = 1
-    """Optimizer updates on each step's micro-batches (PPO's epochs; 1 = each trains once). The later updates
-    reuse the behaviour log-probs, so the clip bounds how far they move; the step's ``TrainStep`` figures are its
-    first update's (what one update does), ``grad_norm`` too."""
-    max_steps: int = 10
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    """Linear learning-rate warm-up from 0 to ``lr`` over this many steps."""
-    grad_clip: float = 1.0
-    """Clip the global gradient norm (over every rank's shard) to this; 0 = off. The norm before clipping is
-    recorded either way (``TrainStep.grad_norm``)."""
-    max_policy_lag: int = 4
-    max_delayed_lag: int = 0
-    """Delayed samples (``MicroBatch.delayed``) train up to this policy lag, with ``loss.delayed_correction``;
-    0 = no delayed path (they are masked like stale samples)."""
-    checkpoint_every: int = 5
-    checkpoint_dir: str = ""
-    idle_timeout_s: float = 30.0
-    loss: LossSettings = field(default_factory=LossSettings)
+    loss: LossSettings = Field(default_factory=LossSettings)
     """The loss, its guards and its normaliser: the settings' ``loss`` section."""
     reward_version: str = ""
     """Train only micro-batches of this reward version (others are skipped: the batch flow may make batches for
-    several, :meth:`rtrl.settings.RewardSettings.trainable`); empty = any. Recorded in each ``TrainStep``."""
+    several, :meth:`rewards.config.RewardSettings.trainable`); empty = any. Recorded in each ``TrainStep``."""
     adapter: str = ""
     """Train this org's LoRA adapter (:mod:`trainer.lora`; already on the model) on that org's micro-batches only
     (``MicroBatch.adapter``), the base frozen and the KL reference the base alone; empty = the shared policy, on
@@ -570,45 +548,31 @@ class TrainConfig:
     """Resume from the newest complete checkpoint in ``checkpoint_dir``, if any: its weights, optimizer, offsets,
     step and policy version win over what the caller passed."""
 
+    @model_validator(mode="after")
+    def _run_id(self) -> TrainConfig:
+        if not self.run_id:  # the section's '' = derived: a caller without a checkpoint folder gets a fresh one
+            self.run_id = uuid.uuid4().hex[:12]
+        return self
+
+    #: what a caller owns: the rest comes from the settings only
+    OWNED: ClassVar[frozenset[str]] = frozenset(
+        ("run_id", "steps", "checkpoint_dir", "checkpoint_every", "idle_timeout_s")
+        + ("reward_version", "adapter", "adapter_base", "resume")
+    )
+
     @classmethod
     def from_settings(cls, settings: Settings, **run: Any) -> TrainConfig:
-        """The ``train`` and ``loss`` sections as a TrainConfig: the one mapping from settings to the training
-        loop (the trainer job and the closed loop both use it). ``run`` sets what a caller owns: run_id,
-        max_steps, checkpoint_dir, idle_timeout_s ... - never the optimizer or the loss."""
-        owned = {
-            "run_id",
-            "max_steps",
-            "checkpoint_dir",
-            "checkpoint_every",
-            "idle_timeout_s",
-            "reward_version",
-            "adapter",
-            "adapter_base",
-            "resume",
-        }
-        if set(run) - owned:
-            raise TypeError(f"TrainConfig.from_settings: {sorted(set(run) - owned)} come from settings only")
-        ts, ls = settings.train, settings.loss
-        ad = settings.adapters
-        adapter_loss = {
-            k: v for k, v in (("kl_coef", ad.kl_coef), ("kl_estimator", ad.kl_estimator)) if run.get("adapter") and v
-        }
-        params: dict[str, Any] = {
-            "micro_batches_per_step": ts.micro_batches_per_step,
-            "updates_per_step": (settings.adapters.updates_per_step or ts.updates_per_step)
-            if run.get("adapter")
-            else ts.updates_per_step,
-            "max_steps": ts.steps,
-            "betas": (ts.beta1, ts.beta2),
-            "weight_decay": ts.weight_decay,
-            "warmup_steps": ts.warmup_steps,
-            "grad_clip": ts.grad_clip,
-            "max_policy_lag": ts.max_policy_lag,
-            "max_delayed_lag": ts.max_delayed_lag,
-            "checkpoint_every": ts.checkpoint_every,
-            "idle_timeout_s": ts.idle_timeout_s,
-            "reward_version": settings.rewards.train_version,
-            "lr": (settings.adapters.lr or ts.lr) if run.get("adapter") else ts.lr,
-            "loss": ls.model_copy(update=adapter_loss) if adapter_loss else ls,
-        } | run
-        return cls(**params)
+        """The run the settings describe: the ``train`` and ``loss`` sections as they are, the reward version
+        ``rewards.train_version`` and, for an adapter run, the ``adapters`` section's own lr, updates and KL.
+        ``run`` sets what a caller owns (:attr:`OWNED`): run_id, steps, checkpoint_dir ... - never the optimizer
+        or the loss."""
+        if set(run) - cls.OWNED:
+            raise TypeError(f"TrainConfig.from_settings: {sorted(set(run) - cls.OWNED)} come from settings only")
+        ad, loss = settings.adapters, settings.loss
+        own: dict[str, Any] = {}
+        if run.get("adapter"):
+            own = {k: v for k, v in (("lr", ad.lr), ("updates_per_step", ad.updates_per_step)) if v}
+            kl = {k: v for k, v in (("kl_coef", ad.kl_coef), ("kl_estimator", ad.kl_estimator)) if v}
+            loss = loss.model_copy(update=kl)
+        doc = settings.train.model_dump() | own | {"reward_version": settings.rewards.train_version} | run
+        return cls.model_validate(doc | {"loss": loss})

@@ -116,4 +116,4 @@ def build_policy(cfg: ModelConfig, precision: PrecisionSettings) -> Policy:
 def optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:
     """The run's AdamW over ``params``, from the ``train`` section's betas and weight decay. Its learning rate is
     set again before every step from ``cfg``."""
-    return torch.optim.AdamW(list(params), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(list(params), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)

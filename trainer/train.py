@@ -162,7 +162,7 @@ def train(
     cfg: TrainConfig,
     hooks: Hooks | None = None,
 ) -> list[TrainStep]:
-    """Train ``policy`` until ``max_steps``, until no micro-batch arrives within ``idle_timeout_s``, or until
+    """Train ``policy`` until ``cfg.steps``, until no micro-batch arrives within ``idle_timeout_s``, or until
     ``hooks.should_stop()`` says so before a step.
 
     ``source(offsets)`` opens the input at the offsets of the checkpoint being resumed, or at None without one:
@@ -270,7 +270,7 @@ def _train(
 ) -> list[TrainStep]:
     dp, pipe = DataParallel(), Pipeline()
     steps: list[TrainStep] = []
-    while step < cfg.max_steps and not (should_stop is not None and pipe.all_ranks_true(dp, should_stop())):
+    while step < cfg.steps and not (should_stop is not None and pipe.all_ranks_true(dp, should_stop())):
         t0 = time.monotonic()
         batches: list[Batch] = []
         useful = time.monotonic()  # when the last batch of the trained reward version arrived

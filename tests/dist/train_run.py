@@ -134,18 +134,18 @@ def run(args: argparse.Namespace, name: str | None = None) -> None:
         make = lambda off: MemorySource(batches, off)  # noqa: E731
     tc = TrainConfig(
         run_id="test",
-        max_steps=args.steps,
+        steps=args.steps,
         micro_batches_per_step=2 // info.dp,
         checkpoint_every=args.checkpoint_every,
         checkpoint_dir=args.out,
         idle_timeout_s=10,
         max_policy_lag=1,
-        updates_per_step=args.updates,
+        updates_per_step=args.updates, max_delayed_lag=0,
     )
     if args.kl_estimator == "full":
         from dataclasses import replace
 
-        tc = replace(tc, loss=replace(tc.loss, kl_estimator="full", kl_coef=0.5))
+        tc = tc.model_copy(update=dict(loss=tc.loss.model_copy(update=dict(kl_estimator="full", kl_coef=0.5))))
 
     tag = {} if name is None else {"run": name}
 
