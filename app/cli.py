@@ -47,7 +47,7 @@ from app.cli_loop import (
     cmd_train,
 )
 from app.cli_services import cmd_broker, cmd_clickhouse, cmd_config, cmd_erase, cmd_migrate, cmd_retention, cmd_topics
-from app.parts import PARTS
+from app.parts import PART_LIST, PARTS
 from rtrl.errors import RtrlError
 from rtrl.quiet import quiet_known_warnings
 from rtrl.section import redact_dsn
@@ -233,7 +233,8 @@ def parser() -> argparse.ArgumentParser:
     )
     s.set_defaults(fn=cmd_simulate)
     f = command("flow", "run a streaming flow with Bytewax recovery")
-    f.add_argument("name", choices=["rewards", "batches"], help="rewards: the reward flow; batches: micro-batches")
+    flows = [p for p in PART_LIST if p.flow]
+    f.add_argument("name", choices=[p.name for p in flows], help="; ".join(f"{p.name}: the {p.title}" for p in flows))
     f.add_argument("-w", "--workers", type=_count, default=1, help="worker threads in this process")
     f.add_argument(
         "-i",

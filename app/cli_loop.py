@@ -120,11 +120,14 @@ def simulated(s: dict, policy_version: int) -> list[str]:
 
 def cmd_flow(settings: Settings, args: argparse.Namespace, console: Console) -> int:
     from app.flow_state import cluster_from, process_recovery_path
-    from app.parts import run_flow
+    from app.parts import DEFINED, run_flow
 
     # one process of a Bytewax cluster with -i/-a (or bytewax.run's environment: a StatefulSet's pod name)
     cluster = cluster_from(args.process_id, args.addresses)
-    tail = settings.flow.tail if args.name == "rewards" else settings.batching.tail
+    flow = DEFINED[args.name].flow
+    assert flow is not None  # the command's choices are the flow parts
+    section, _, key = flow.tail.partition(".")
+    tail = getattr(getattr(settings, section), key)
     console.print(
         f"{args.name} flow, {cluster.describe(args.workers)}: recovery in "
         f"{process_recovery_path(settings, args.name, cluster)}, snapshot every {settings.flow.snapshot_s:g}s "

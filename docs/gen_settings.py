@@ -1,7 +1,7 @@
 """The settings page (docs/reference/settings.md): every setting of the typed tree and what ``rtrl run`` fixes.
 
-Read from the settings tree (``rtrl/settings.py``: pydantic models, their fields' types, defaults, constraints
-and help) and from what the closed loop fixes (``LOOP_FIXED``/``LOOP_OWNS`` in ``app/loop_config.py``, read
+Read from the settings tree (``rtrl/settings.py`` composes the sections of each package's ``config.py``: pydantic
+models, their fields' types, defaults, constraints and help) and from what the closed loop fixes (``LOOP_FIXED``/``LOOP_OWNS`` in ``app/loop_config.py``, read
 from its source without importing it). A default resolved at run time, such as ``train.torch_threads = 0``, is
 shown as that 0 with the help saying what it means.
 """
@@ -77,9 +77,10 @@ def settings_page(root: type[BaseModel] | None = None, loop_source: Path | None 
     root = root or rs.Settings
     top = {k: f for k, f in root.model_fields.items() if not _is_section(f.annotation)}
     sections = {k: f.annotation for k, f in root.model_fields.items() if _is_section(f.annotation)}
-    lines = header("Settings", "rtrl/settings.py and app/loop_config.py")
+    lines = header("Settings", "each package's config.py, rtrl/settings.py and app/loop_config.py")
     lines += [
-        "One typed tree (`rtrl/settings.py`, pydantic-settings) holds every setting; a section per component.",
+        "One typed tree (`rtrl/settings.py`, pydantic-settings) holds every setting: a section per component, defined "
+        "beside it in its package's `config.py`.",
         "Sources, later ones winning: the defaults below, a TOML file (`rtrl --config FILE` or "
         f"`{rs.ENV_CONFIG_FILE}=FILE`), then environment variables `{rs.ENV_PREFIX}<SECTION>__<KEY>` "
         "(list settings: comma-separated). Unknown keys are errors, a bad value is refused naming the setting, "

@@ -194,7 +194,14 @@ def test_configs_load_only_configs():
         for mod, via in _reached(config).items()
         if mod not in allowed and mod.split(".")[0] != "schemas" and not (mod in pure or mod.startswith(pure))
     ]
-    assert not bad, "a config must load no component (move what it needs into a config):\n" + "\n".join(bad)
+    bad += [
+        f"{config} loads {mod}:{line}, which imports {name}"
+        for config in sorted(CONFIGS)
+        for mod in _reached(config)
+        for name, line in _imports(mod, MODULES[mod])
+        if name.split(".")[0] in IO_LIBS and not name.startswith(PURE_LIBS)
+    ]
+    assert not bad, "a config must load no component and no I/O (move what it needs into a config):\n" + "\n".join(bad)
 
 
 def test_every_package_is_placed():
@@ -266,9 +273,8 @@ def test_pure_modules_do_no_io(pure):
     bad = []
     for root in roots:
         for mod, via in _reached(root).items():
-            if mod in CONFIGS or mod in CONFIG_PACKAGES:
-                continue  # a config, or a package above one: test_configs_load_only_configs checks what they load
-            if any(mod == io or mod.startswith(io + ".") for io in IO_MODULES):
+            config = mod in CONFIGS or mod in CONFIG_PACKAGES  # test_configs_load_only_configs checks what they load
+            if not config and any(mod == io or mod.startswith(io + ".") for io in IO_MODULES):
                 bad.append(f"{root} reaches the I/O module {mod} (imported by {via})")
             bad += [
                 f"{root} reaches {mod}:{line}, which imports {name}"

@@ -364,7 +364,7 @@ def test_zero_advantage_is_never_clipped():
     ],
 )
 def test_config_rejects_bad_values_naming_the_field(field, value):
-    """Each invalid LossConfig value raises ValueError whose message names the field."""
+    """Each invalid loss setting raises ValueError whose message names the field."""
     with pytest.raises(ValueError, match=field):
         LossSettings(**{field: value})
 

@@ -192,7 +192,13 @@ def test_train_and_loss_sections_make_the_train_config():
         }
     )
     tc = TrainConfig.from_settings(s, run_id="r", checkpoint_dir="/tmp/x")
-    assert (tc.lr, (tc.beta1, tc.beta2), tc.weight_decay, tc.warmup_steps, tc.grad_clip) == (0.0003, (0.9, 0.95), 0.1, 5, 1.0)
+    assert (tc.lr, (tc.beta1, tc.beta2), tc.weight_decay, tc.warmup_steps, tc.grad_clip) == (
+        0.0003,
+        (0.9, 0.95),
+        0.1,
+        5,
+        1.0,
+    )
     assert (tc.loss.kl_coef, tc.loss.is_cap, tc.run_id, tc.checkpoint_dir) == (0.05, 3.0, "r", "/tmp/x")
     with pytest.raises(TypeError, match="come from settings only"):
         TrainConfig.from_settings(s, lr=1.0)

@@ -171,6 +171,9 @@ class ModelSettings(Section):
 class ParallelSettings(Section):
     """How one model replica is split over ranks: world size = tp x pp x dp."""
 
+    # the model config holds this very object (trainer.factory.model_config): frozen, so no copy is needed
+    model_config = Section.model_config | ConfigDict(frozen=True)
+
     tp: int = _s(1, "tensor-parallel size: each matmul and the vocabulary split over this many ranks", gt=0)
     pp: int = _s(1, "pipeline-parallel size: the layers split into this many stages", gt=0)
     dp: int = _s(0, "data-parallel size; 0 = derived as world_size / (tp x pp)", ge=0)
@@ -204,6 +207,9 @@ class ParallelSettings(Section):
 
 class PrecisionSettings(Section):
     """Number formats. FP8 needs Transformer Engine and a GPU (the trainer refuses it otherwise)."""
+
+    # the trainer holds this very object (trainer.factory.model_config): frozen, so no copy is needed
+    model_config = Section.model_config | ConfigDict(frozen=True)
 
     bf16: bool = _s(False, "parameters and activations in bfloat16 (on CPU ~10x slower than fp32)")
     fp8: Literal["", "hybrid", "e4m3"] = _s(
