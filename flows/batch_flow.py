@@ -53,8 +53,8 @@ from flows.batching import BatchBuilder, BatchConfig
 from flows.counts import FlowCounts, by_kind, dead_letters
 from flows.kafka_io import kafka_source, paused
 from flows.processor import Message
-from flows.reward_flow import window_config
 from flows.sinks import ClickHouseSink, KafkaSink
+from flows.windowing import WindowConfig
 from flows.wiring import injected, require_bootstrap
 from rewards.versions import registry
 from rtrl import clickhouse, metrics
@@ -90,7 +90,7 @@ def batch_config(settings: Settings, reward_version: str | None = None) -> Batch
     # a kind awaiting a verdict: its final reward can come until its deadline + allowed lateness (+ the join slack)
     verdict_wait_ms = tuple(
         (kind, rules.retention_ms + int(b.join_wait_s * 1000))
-        for kind, rules in window_config(settings).kinds
+        for kind, rules in WindowConfig(settings.flow).kinds
         if rules.awaits_verdict
     )
     return BatchConfig(

@@ -15,7 +15,7 @@ from flows.adapters import OrgRouter
 from flows.batch_flow import build_flow
 from flows.batching import BatchBuilder, BatchConfig
 from flows.processor import Message, RewardProcessor
-from flows.reward_flow import window_config
+from flows.windowing import WindowConfig
 from rtrl.errors import ConfigError
 from rtrl.kafka import ensure_topics, read_topic
 from rtrl.settings import load_settings
@@ -133,7 +133,7 @@ def test_the_reward_flow_carries_the_class_to_rewards_and_summaries():
         }
         raw += [msgspec.json.encode(start), msgspec.json.encode(end | base)]
     settings = load_settings(env={"RTRL_SDK__SALT": SALT})
-    proc = RewardProcessor("rtrl.events", window_config(settings), ["v2"])
+    proc = RewardProcessor("rtrl.events", WindowConfig(settings.flow), ["v2"])
     out = proc.process([Message(b"k", v, 0, i) for i, v in enumerate(raw)])
     out.extend(proc.finish())
     assert not out.dead_letters and codec.decode(raw[0]).data_use == "monitor_only"
