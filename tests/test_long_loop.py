@@ -528,15 +528,15 @@ def test_resumed_batch_builders_take_the_current_config_and_expire_what_they_hol
     import pickle
 
     from flows.batch_flow import _configured, batch_config
-    from flows.batching import BatchBuilder, BatchConfig
-    from tests.test_batching import ro
+    from flows.batching import BatchBuilder
+    from tests.test_batching import config, ro
 
     settings = load_settings(env={"RTRL_SDK__SALT": SALT})
-    old = BatchBuilder(BatchConfig(join_wait_ms=1000))
+    old = BatchBuilder(config(join_wait_s=1))
     old.add_rollout(ro("t1", at=0))
     del old.__dict__["_waits"]  # as pickled before the index existed
     resumed = _configured(pickle.loads(pickle.dumps(old)), batch_config(settings))
-    assert resumed.config == batch_config(settings) and resumed.config.max_delayed_lag == 4
+    assert resumed.config == batch_config(settings) and resumed.config.train.max_delayed_lag == 4
     assert resumed.config.verdict_wait(BACKGROUND) is not None
     resumed.advance_to(60_000 + 2)  # past the current join wait (batching.join_wait_s = 60 s)
     assert resumed.counts["unmatched_rollout"] == 1 and not resumed.rollouts
