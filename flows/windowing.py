@@ -27,7 +27,7 @@ Later events for it, events older than the retention horizon, duplicates, events
 the watermark (a hostile clock), and the events of trajectories that never started are rejected
 with a dead-letter kind and reason — never silently dropped.
 
-**Task kinds.** ``WindowConfig.kinds`` (from ``flow.task_kinds``) gives a task kind its own deadline and allowed lateness
+**Task kinds.** ``WindowConfig.kinds`` (``flow.task_kinds``) gives a task kind its own deadline and allowed lateness
 (minutes for an interactive bugfix, days for a background task judged by a verdict long after it
 ended). A window's kind is known once its ``trajectory_started`` arrives; from then on its deadline,
 retention and tombstone horizons are its kind's (before that, the defaults). A deadline that moves
