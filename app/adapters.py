@@ -155,12 +155,6 @@ class ServedThrough:
         return name
 
 
-def lora_config(settings: Settings) -> lora.LoraConfig:
-    """The ``adapters`` section's shape as the trainer's :class:`trainer.lora.LoraConfig`."""
-    a = settings.adapters
-    return lora.LoraConfig(rank=a.rank, alpha=a.alpha, targets=tuple(a.targets), dropout=a.dropout)
-
-
 @dataclass
 class AdapterDecision:
     """One org's decision of a cycle (for the progress line and the report)."""
@@ -213,7 +207,7 @@ class OrgAdapters:
         self.root, self.conventions, self.rules = root, conventions, rules
         self.announce_one, self.save, self.on_step = announce, save, on_step
         self.model = build(cfg, precision)  # the serving base, with the adapters on it
-        self.lora = lora_config(settings)
+        self.lora = settings.adapters.shape()
         self.ledger = AdapterLedger()
         self.offsets: dict[str, int] = {}
         self.orgs: dict[str, _OrgState] = {}

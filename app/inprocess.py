@@ -33,7 +33,8 @@ from client.sdk import Trajectory
 from flows.batch_flow import batch_config, cohort_of
 from flows.batching import BatchBuilder
 from flows.processor import Message, RewardProcessor
-from flows.reward_flow import verdict_kinds, window_config
+from flows.reward_flow import verdict_kinds
+from flows.windowing import WindowConfig
 from rtrl.settings import Settings
 from schemas.codec import encode_batch, event_codec
 from schemas.records import EventBase, MicroBatch, Rollout, TaskVerdict, TrainStep, TrajectoryStarted
@@ -82,7 +83,7 @@ class InProcessLoop:
         self.trained = TrainedSet()
         self.leftover: list[MicroBatch] = []
         self.processor = RewardProcessor(
-            name, window_config(settings), [settings.rewards.train_version], verdict_kinds=verdict_kinds(settings)
+            name, WindowConfig(settings.flow), [settings.rewards.train_version], verdict_kinds=verdict_kinds(settings)
         )
         self.bcfg = batch_config(settings)
         self.builders: dict[str, BatchBuilder] = {}

@@ -266,9 +266,7 @@ class _Adapters:
     def __init__(self, model: torch.nn.Module, s: Settings, exp: Experiment, conventions: Conventions):
         self.model, self.s, self.exp = model, s, exp
         self.orgs = [org for org in conventions if s.adapters.wants(org)]
-        cfg = lora.LoraConfig(
-            rank=s.adapters.rank, alpha=s.adapters.alpha, targets=tuple(s.adapters.targets), dropout=s.adapters.dropout
-        )
+        cfg = s.adapters.shape()
         for org in self.orgs:
             lora.add_adapter(model, org, cfg, seed=exp.seed)
             lora.add_adapter(model, _serving_slot(org), cfg, seed=exp.seed)

@@ -60,8 +60,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from flows import backfill as bf
-from flows.reward_flow import window_config
 from flows.sinks import ARCHIVE_COORDS, with_coords, write_archive
+from flows.windowing import WindowConfig
 from rewards import compute
 from rewards.versions import registry
 from rtrl import clickhouse
@@ -184,7 +184,7 @@ def baseline(files: list[str]) -> dict:
 def no_beam(settings, files: list[str], out: str) -> dict:
     """The pipeline's DoFns called directly, in this process: read, group by partition, window, write Parquet."""
     chosen = registry(settings).select([VERSION], "--reward-version")[0]
-    spec = bf.Spec(chosen.config, window_config(settings), out, None, None, settings.sdk.max_event_bytes, 0)
+    spec = bf.Spec(chosen.config, WindowConfig(settings.flow), out, None, None, settings.sdk.max_event_bytes, 0)
     shutil.rmtree(out, ignore_errors=True)
     t = time.perf_counter()
     read, window = bf.ReadFile(spec), bf.WindowPartition(spec)
@@ -239,7 +239,7 @@ def profile_pipeline(settings, files: list[str], top: int = 20) -> None:
     """The 1-worker pipeline under cProfile (its in-memory SDK worker runs in this process)."""
     chosen = registry(settings).select([VERSION], "--reward-version")[0]
     out = str(settings.data_path / "profile-out")
-    spec = bf.Spec(chosen.config, window_config(settings), out, None, None, settings.sdk.max_event_bytes, 0)
+    spec = bf.Spec(chosen.config, WindowConfig(settings.flow), out, None, None, settings.sdk.max_event_bytes, 0)
     options = bf.pipeline_options(settings, 1)
     prof = cProfile.Profile()
     prof.enable()

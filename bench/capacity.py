@@ -358,7 +358,7 @@ def measure_storage(trajectories: int = 5_000, seed: int = 0) -> dict[str, float
     import random
 
     from flows.processor import Message, RewardProcessor
-    from flows.reward_flow import window_config
+    from flows.windowing import WindowConfig
     from rtrl import clickhouse
     from rtrl.settings import load_settings
     from schemas.codec import event_codec
@@ -371,7 +371,7 @@ def measure_storage(trajectories: int = 5_000, seed: int = 0) -> dict[str, float
     sim = settings.simulator.model_copy(update={"trajectories": trajectories, "seed": seed})
     emissions = generate(sim, salt)
     codec = event_codec()
-    proc = RewardProcessor("capacity", window_config(settings), ["v2", "v1-discard-broken"])
+    proc = RewardProcessor("capacity", WindowConfig(settings.flow), ["v2", "v1-discard-broken"])
     msgs = [Message(e.event.trajectory_id.encode(), codec.encode(e.event), 0, i) for i, e in enumerate(emissions)]
     out = proc.process(msgs, now_ms=1)
     out.extend(proc.finish(now_ms=2))

@@ -66,6 +66,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
 from client.sdk import RtrlClient
 from devservices.broker import LocalBroker
+from flows.config import FlowSettings
 from flows.reward_flow import build_flow
 from flows.windowing import PartitionWindows, WindowConfig
 from rtrl import clickhouse
@@ -503,7 +504,7 @@ def latency(args, bootstrap: str, dsn: str, ch, tmp: str) -> dict:
 def memory(args) -> dict:
     codec = event_codec()
     rnd = random.Random(7)
-    w = PartitionWindows(WindowConfig(deadline_ms=10 * 3600 * 1000), partition=0)
+    w = PartitionWindows(WindowConfig(FlowSettings(deadline_s=10 * 3600, task_kinds={})), partition=0)
     payload_bytes = 0
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]

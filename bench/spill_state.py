@@ -34,12 +34,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from flows.config import FlowSettings  # noqa: E402
 from flows.spill import SqliteStore  # noqa: E402
 from flows.windowing import MemoryStore, PartitionWindows, WindowConfig  # noqa: E402
 from schemas.records import EditProposed, EventBase, ToolCall, TrajectoryStarted  # noqa: E402
 
 BASE = 1_780_000_000_000
-CFG = WindowConfig(deadline_ms=10 * 86_400_000)
+CFG = WindowConfig(FlowSettings(deadline_s=10 * 86_400, task_kinds={}))
 
 
 def trajectory(rnd: random.Random, i: int, n_events: int = 3, started: bool = True) -> list[EventBase]:
@@ -112,7 +113,11 @@ def calibrate(n: int = 20_000) -> dict:
         tracemalloc.start()
         before = tracemalloc.get_traced_memory()[0]
         batches = [trajectory(rnd, i, n_events, started) for i in range(n)]
-        cfg = WindowConfig(deadline_ms=1000, allowed_lateness_ms=10**12, max_future_ms=10**12) if close else CFG
+        cfg = (
+            WindowConfig(FlowSettings(deadline_s=1, allowed_lateness_s=10**9, max_future_s=10**9, task_kinds={}))
+            if close
+            else CFG
+        )
         w = PartitionWindows(cfg, store=MemoryStore(), budget_bytes=10**15)
         for i, evs in enumerate(batches):
             for e in evs:

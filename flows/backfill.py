@@ -56,7 +56,7 @@ from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
 
 from flows.processor import RewardProcessor
-from flows.reward_flow import verdict_kinds, window_config
+from flows.reward_flow import verdict_kinds
 from flows.reward_versions import register
 from flows.sinks import ARCHIVE_COORDS, archive_schema
 from flows.windowing import WindowConfig
@@ -439,7 +439,7 @@ def describe_plan(
         f"FnApiRunner with {options.view_as(DirectOptions).direct_num_workers} worker processes"
     )
     archive = settings.archive_root
-    files = archive_files(archive, since_ms, window_config(settings).retention_ms)
+    files = archive_files(archive, since_ms, WindowConfig(settings.flow).retention_ms)
     return (
         f"backfill {version}: trajectories starting in [{_span(since_ms, 'the start')}, {_span(until_ms, 'the end')}) "
         f"from {len(files):,} archive files in {archive}; runner {runner}; output "
@@ -485,7 +485,7 @@ def backfill(
     reg = registry(settings)
     chosen = reg.select([version], "--reward-version")[0]
     options = pipeline_options(settings, workers, extra_options)
-    window = window_config(settings)
+    window = WindowConfig(settings.flow)
     archive = settings.archive_root
     files = archive_files(archive, since_ms, window.retention_ms)
     out = out_dir(settings, version, since_ms, until_ms)

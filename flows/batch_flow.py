@@ -53,7 +53,6 @@ from flows.batching import BatchBuilder, BatchConfig
 from flows.counts import FlowCounts, by_kind, dead_letters
 from flows.kafka_io import kafka_source, paused
 from flows.processor import Message
-from flows.reward_flow import window_config
 from flows.sinks import ClickHouseSink, KafkaSink
 from flows.wiring import injected, require_bootstrap
 from rewards.versions import registry
@@ -80,33 +79,13 @@ def batch_configs(settings: Settings) -> dict[str, BatchConfig]:
 
 
 def batch_config(settings: Settings, reward_version: str | None = None) -> BatchConfig:
-    """The ``batching`` section (with the trained reward version, or ``reward_version``, the policy-lag and
-    delayed-lag limits, and the wait for the final reward of each ``flow.task_kinds`` kind that awaits a verdict)
-    as the pure builder's config, with each org's data-use policy (``governance``) and the orgs that may have an
-    adapter: the one mapping of those settings."""
+    """The pure builder's config for ``reward_version`` (default: the trained one): the sections it reads."""
     if reward_version is None:
         registry(settings).check([settings.rewards.train_version], "rewards.train_version")
-    b = settings.batching
-    # a kind awaiting a verdict: its final reward can come until its deadline + allowed lateness (+ the join slack)
-    verdict_wait_ms = tuple(
-        (kind, rules.retention_ms + int(b.join_wait_s * 1000))
-        for kind, rules in window_config(settings).kinds
-        if rules.awaits_verdict
-    )
+    s = settings
+    version = s.rewards.train_version if reward_version is None else reward_version
     return BatchConfig(
-        reward_version=settings.rewards.train_version if reward_version is None else reward_version,
-        max_policy_lag=settings.train.max_policy_lag,
-        max_delayed_lag=settings.train.max_delayed_lag,
-        verdict_wait_ms=verdict_wait_ms,
-        join_wait_ms=int(b.join_wait_s * 1000),
-        group_wait_ms=int(b.group_wait_s * 1000),
-        seq_len=b.seq_len,
-        rows=b.rows,
-        flush_ms=int(b.flush_s * 1000),
-        baseline_alpha=b.baseline_alpha,
-        data_use_policy=tuple(sorted(settings.governance.orgs.items())),
-        default_data_use=settings.governance.default,
-        adapter_orgs=tuple(settings.adapters.orgs),
+        version, batching=s.batching, train=s.train, flow=s.flow, governance=s.governance, adapters=s.adapters
     )
 
 

@@ -21,8 +21,8 @@ join, group and baseline without talking to any other. Steps, in order:
    minus its ``policy_version``. Lag <= ``max_policy_lag``: a normal (on- or near-on-policy) sample.
    ``max_policy_lag`` < lag <= ``max_delayed_lag``: a **delayed** sample (``MicroBatch.delayed``), which the
    trainer corrects with a truncated importance weight (``trainer.loss``). Over both (or over
-   ``max_policy_lag`` with ``max_delayed_lag`` = 0, BatchConfig's default, no delayed path; the setting
-   ``train.max_delayed_lag`` defaults to 4): dropped and counted per lag.
+   ``max_policy_lag`` with ``max_delayed_lag`` = 0: no delayed path; the setting ``train.max_delayed_lag``
+   defaults to 4): dropped and counted per lag.
 3. **Advantages** (Dr. GRPO, no std normalisation), separately for the normal and the delayed samples
    of a group: two or more of one kind use ``reward - mean(their rewards)``; a single one uses
    ``reward - baseline`` with its kind's running mean, which it then updates. The delayed samples have
@@ -32,9 +32,9 @@ join, group and baseline without talking to any other. Steps, in order:
    ``group_size`` members; verdict-kind members whose final rewards arrive further apart than that
    become groups of one (the group is not held for hours: it would go stale).
 4. **Data use** (issue 38): a joined sample's class is the strictest of its rollout's, its reward's (from the
-   trajectory's start) and its org's policy (``data_use_policy``, the settings ``governance``). A
+   trajectory's start) and its org's policy (the settings ``governance``). A
    ``monitor_only`` or ``none`` one is never a sample (counted ``data_use:monitor_only``, ``data_use:none``); an
-   ``adapter_only`` one is kept only for an org that may have an adapter (``adapter_orgs``; else counted
+   ``adapter_only`` one is kept only for an org that may have an adapter (``adapters.orgs``; else counted
    ``data_use:adapter_only_without_adapter``). A rollout or reward whose own class already rules it out is
    counted when it arrives, once per trajectory, and does not wait for its other half: the SDK publishes no
    rollout of a ``monitor_only`` trajectory, so its reward would otherwise wait and count as unmatched. A micro-batch holds samples of one class, so an org's router can
@@ -54,55 +54,69 @@ import hashlib
 import heapq
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import cached_property
 
-from schemas.data_use import DataUse, org_policy, stricter
+from client.config import GovernanceSettings
+from flows.config import BatchingSettings, FlowSettings
+from flows.windowing import WindowConfig
+from schemas.data_use import DataUse
 from schemas.records import MicroBatch, Reward, Rollout
+from trainer.config import AdapterSettings, TrainSettings
 
 
 @dataclass(frozen=True)
 class BatchConfig:
+    """One builder's rules: the sections it reads and the reward version it makes micro-batches for.
+
+    ``batching`` gives the waits and the packing, ``train`` the policy-lag limits, ``governance`` each org's data
+    use, ``adapters`` the orgs that may have an adapter. ``flow`` gives the kinds that await a verdict.
+    The waits in milliseconds are computed once, on first use, and kept.
+    """
+
     reward_version: str = "v2"
-    max_policy_lag: int = 1
-    join_wait_ms: int = 60_000
-    group_wait_ms: int = 10_000
-    seq_len: int = 128
-    rows: int = 8
-    flush_ms: int = 2_000
-    baseline_alpha: float = 0.2
-    max_delayed_lag: int = 0
-    """Samples with max_policy_lag < lag <= this are delayed (trained with correction); 0 = none, they are dropped."""
-    verdict_wait_ms: tuple[tuple[str, int], ...] = ()
-    """(task kind, ms) for each kind that awaits the user's verdict: its rollouts wait this long for the final
-    reward (provisional ones are never joined); kinds not listed join revision 0 within join_wait_ms."""
-    data_use_policy: tuple[tuple[str, DataUse], ...] = ()
-    """(org, class) for each org with its own data-use policy (settings governance.orgs)."""
-    default_data_use: DataUse = "train"
-    """The data-use class of every other org (settings governance.default)."""
-    adapter_orgs: tuple[str, ...] = ()
-    """Orgs that may have an adapter ('*' = every org; settings adapters.orgs): only theirs keep adapter_only
-    samples."""
+    batching: BatchingSettings = field(default_factory=BatchingSettings)
+    train: TrainSettings = field(default_factory=TrainSettings)
+    flow: FlowSettings = field(default_factory=FlowSettings)
+    governance: GovernanceSettings = field(default_factory=GovernanceSettings)
+    adapters: AdapterSettings = field(default_factory=AdapterSettings)
 
     def __post_init__(self) -> None:
-        for name in ("join_wait_ms", "group_wait_ms", "flush_ms", "max_policy_lag", "max_delayed_lag"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
-        if any(ms < 0 for _, ms in self.verdict_wait_ms):
-            raise ValueError("verdict_wait_ms must be >= 0")
-        if self.seq_len < 2 or self.rows < 1:
-            raise ValueError("seq_len must be >= 2 and rows >= 1")
-        if not 0.0 < self.baseline_alpha <= 1.0:
-            raise ValueError("baseline_alpha must be in (0, 1]")
+        if self.batching.seq_len < 2:
+            raise ValueError("batching.seq_len must be >= 2")
+
+    @cached_property
+    def join_wait_ms(self) -> int:
+        return int(self.batching.join_wait_s * 1000)
+
+    @cached_property
+    def group_wait_ms(self) -> int:
+        return int(self.batching.group_wait_s * 1000)
+
+    @cached_property
+    def flush_ms(self) -> int:
+        return int(self.batching.flush_s * 1000)
+
+    @cached_property
+    def verdict_wait_ms(self) -> tuple[tuple[str, int], ...]:
+        """(task kind, ms) for each kind that awaits the user's verdict: its rollouts wait this long for the final
+        reward (its deadline + allowed lateness + the join wait); other kinds join revision 0 within join_wait_ms."""
+        kinds = WindowConfig(self.flow).kinds
+        return tuple((kind, rules.retention_ms + self.join_wait_ms) for kind, rules in kinds if rules.awaits_verdict)
+
+    @cached_property
+    def _verdict_waits(self) -> dict[str, int]:
+        return dict(self.verdict_wait_ms)
 
     def data_use(self, org: str, *classes: DataUse) -> DataUse:
         """The class of a sample of ``org`` whose records say ``classes``: the strictest with the org's policy."""
-        return stricter(org_policy(self.data_use_policy, org, self.default_data_use), *classes)
+        return self.governance.effective(org, *classes)
 
     def has_adapter(self, org: str) -> bool:
-        return "*" in self.adapter_orgs or org in self.adapter_orgs
+        return self.adapters.wants(org)
 
     def verdict_wait(self, task_kind: str) -> int | None:
         """How long a rollout of ``task_kind`` waits for its final reward; None = the kind awaits no verdict."""
-        return next((ms for kind, ms in self.verdict_wait_ms if kind == task_kind), None)
+        return self._verdict_waits.get(task_kind)
 
 
 @dataclass
@@ -250,7 +264,7 @@ class BatchBuilder:
             self.counts["duplicate_rollout"] += 1
         elif self._govern(tid, r.org_id, r.data_use):
             self.rewards.pop(tid, None)
-        elif self.config.seq_len < len(r.prompt_ids) + len(r.completion_ids):
+        elif self.config.batching.seq_len < len(r.prompt_ids) + len(r.completion_ids):
             self.counts["too_long"] += 1
         elif tid in self.rewards:
             self._join(r, self.rewards.pop(tid))
@@ -346,9 +360,9 @@ class BatchBuilder:
         kept, normal, delayed = [], [], []
         for s in g.samples:
             lag = self.serving_version - s.rollout.policy_version
-            if lag <= cfg.max_policy_lag:
+            if lag <= cfg.train.max_policy_lag:
                 normal.append(s)
-            elif lag <= cfg.max_delayed_lag:
+            elif lag <= cfg.train.max_delayed_lag:
                 s.delayed = True
                 delayed.append(s)
             else:
@@ -373,7 +387,7 @@ class BatchBuilder:
         s = samples[0]
         base = s.reward if baseline is None else baseline
         s.advantage = s.reward - base
-        return base + self.config.baseline_alpha * (s.reward - base)
+        return base + self.config.batching.baseline_alpha * (s.reward - base)
 
     def _advance(self) -> list[MicroBatch]:
         cfg, now = self.config, self.clock
@@ -422,7 +436,7 @@ class BatchBuilder:
         """Whether the ready samples of one data-use class fill more than ``rows`` rows."""
         for use in {s.data_use for s in self.ready}:
             same = [s.tokens for s in self.ready if s.data_use == use]
-            if rows_needed(same, self.config.seq_len) > self.config.rows:
+            if rows_needed(same, self.config.batching.seq_len) > self.config.batching.rows:
                 return True
         return False
 
@@ -431,7 +445,9 @@ class BatchBuilder:
         rows: a micro-batch holds one class."""
         cfg, n, use = self.config, 1, self.ready[0].data_use
         same = [s for s in self.ready if s.data_use == use]
-        while n < len(same) and rows_needed([s.tokens for s in same[: n + 1]], cfg.seq_len) <= cfg.rows:
+        while (
+            n < len(same) and rows_needed([s.tokens for s in same[: n + 1]], cfg.batching.seq_len) <= cfg.batching.rows
+        ):
             n += 1
         take = same[:n]
         if len(same) == len(self.ready):
@@ -439,4 +455,4 @@ class BatchBuilder:
         else:
             taken = {id(s) for s in take}
             self.ready = [s for s in self.ready if id(s) not in taken]
-        return pack(take, cfg.seq_len, self.clock, cfg.reward_version)
+        return pack(take, cfg.batching.seq_len, self.clock, cfg.reward_version)

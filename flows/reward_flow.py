@@ -42,7 +42,7 @@ from flows.kafka_io import kafka_source, paused
 from flows.processor import FlowOutput, RewardProcessor
 from flows.sinks import ClickHouseSink, KafkaSink
 from flows.spill import SqliteStore, partition_file
-from flows.windowing import KindRules, PartitionWindows, WindowConfig
+from flows.windowing import PartitionWindows, WindowConfig
 from flows.wiring import injected, require_bootstrap
 from rewards.versions import registry
 from rtrl import clickhouse, metrics
@@ -60,35 +60,10 @@ INPUTS = ("events",)
 OUTPUTS = ("clickhouse", "kafka")
 
 
-def window_config(settings: Settings) -> WindowConfig:
-    """The windows' rules from ``flow``: the defaults, and per task kind (``flow.task_kinds``) its own deadline and
-    allowed lateness (unset: the defaults) and whether it awaits a verdict."""
-    f = settings.flow
-
-    def ms(seconds: float | None, default: float) -> int:
-        return int((default if seconds is None else seconds) * 1000)
-
-    kinds = tuple(
-        (
-            name,
-            KindRules(ms(k.deadline_s, f.deadline_s), ms(k.allowed_lateness_s, f.allowed_lateness_s), k.awaits_verdict),
-        )
-        for name, k in sorted(f.task_kinds.items())
-    )
-    return WindowConfig(
-        deadline_ms=int(f.deadline_s * 1000),
-        grace_ms=int(f.grace_s * 1000),
-        allowed_lateness_ms=int(f.allowed_lateness_s * 1000),
-        max_future_ms=int(f.max_future_s * 1000),
-        kinds=kinds,
-        max_skew_ms=int(f.max_clock_skew_s * 1000),
-    )
-
-
 def verdict_kinds(settings: Settings) -> tuple[str, ...]:
     """The task kinds that end with the user's verdict (``flow.task_kinds.NAME.awaits_verdict``): their rewards
     are provisional until it arrives."""
-    return tuple(name for name, rules in window_config(settings).kinds if rules.awaits_verdict)
+    return WindowConfig(settings.flow).verdict_kinds
 
 
 def count(counts: FlowCounts | None, messages: int, out: FlowOutput) -> FlowOutput:
@@ -251,7 +226,7 @@ def build_flow(
     ``deny`` lists the erased subjects whose events are skipped; with the service outputs it defaults to the one
     ClickHouse holds (:func:`rtrl.clickhouse.deny_watch`)."""
     source_topic = settings.topic("events")
-    cfg = window_config(settings)
+    cfg = WindowConfig(settings.flow)
     # every listed version is scored (shadow scoring); unknown or ill-defined ones fail here, before any I/O
     versions = registry(settings).configs(settings.rewards.versions)
     sources = kafka_inputs(settings, bootstrap, stop, keys) if sources is None else injected(sources, INPUTS, "sources")

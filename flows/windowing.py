@@ -27,7 +27,7 @@ Later events for it, events older than the retention horizon, duplicates, events
 the watermark (a hostile clock), and the events of trajectories that never started are rejected
 with a dead-letter kind and reason — never silently dropped.
 
-**Task kinds.** ``WindowConfig.kinds`` gives a task kind its own deadline and allowed lateness
+**Task kinds.** ``WindowConfig.kinds`` (``flow.task_kinds``) gives a task kind its own deadline and allowed lateness
 (minutes for an interactive bugfix, days for a background task judged by a verdict long after it
 ended). A window's kind is known once its ``trajectory_started`` arrives; from then on its deadline,
 retention and tombstone horizons are its kind's (before that, the defaults). A deadline that moves
@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal, NamedTuple, Protocol
 
+from flows.config import FlowSettings
 from schemas.records import (
     CloseReason,
     DeadLetterKind,
@@ -77,17 +78,63 @@ class KindRules:
         return self.deadline_ms + self.allowed_lateness_ms
 
 
-@dataclass(frozen=True)
-class WindowConfig:
-    """Event-time rules of the reward windows (milliseconds). ``kinds`` holds ``(task kind, rules)``
-    pairs (a tuple, so the config stays hashable and picklable); other kinds use the defaults."""
+def _ms(seconds: float) -> int:
+    return int(seconds * 1000)
 
-    deadline_ms: int = 3_600_000
-    grace_ms: int = 10_000
-    allowed_lateness_ms: int = 86_400_000
-    max_future_ms: int = 86_400_000  # ahead of the watermark, for input without record timestamps
-    kinds: tuple[tuple[str, KindRules], ...] = ()
-    max_skew_ms: int = 600_000  # ahead of the Kafka record's timestamp (the broker's or producer's clock)
+
+@dataclass(frozen=True, eq=False)
+class WindowConfig:
+    """Event-time rules of the reward windows: the ``flow`` section, read in milliseconds.
+
+    The milliseconds and the per-kind rules are computed once, on first use, and kept.
+    Two configs are equal when their rules are, whatever the flow's other settings (sinks, snapshots).
+    A config pickled before it held the section carries the same names, so it still compares and reads.
+    """
+
+    flow: FlowSettings = field(default_factory=FlowSettings)
+
+    @cached_property
+    def deadline_ms(self) -> int:
+        return _ms(self.flow.deadline_s)
+
+    @cached_property
+    def grace_ms(self) -> int:
+        return _ms(self.flow.grace_s)
+
+    @cached_property
+    def allowed_lateness_ms(self) -> int:
+        return _ms(self.flow.allowed_lateness_s)
+
+    @cached_property
+    def max_future_ms(self) -> int:
+        """How far ahead of the watermark an event may be, for input without record timestamps."""
+        return _ms(self.flow.max_future_s)
+
+    @cached_property
+    def max_skew_ms(self) -> int:
+        """How far ahead of its Kafka record's timestamp (the broker's or producer's clock) an event may be."""
+        return _ms(self.flow.max_clock_skew_s)
+
+    @cached_property
+    def kinds(self) -> tuple[tuple[str, KindRules], ...]:
+        """``(task kind, rules)`` by name; a kind's unset times are the flow's."""
+        f = self.flow
+        return tuple(
+            (
+                name,
+                KindRules(
+                    _ms(f.deadline_s if k.deadline_s is None else k.deadline_s),
+                    _ms(f.allowed_lateness_s if k.allowed_lateness_s is None else k.allowed_lateness_s),
+                    k.awaits_verdict,
+                ),
+            )
+            for name, k in sorted(f.task_kinds.items())
+        )
+
+    @property
+    def verdict_kinds(self) -> tuple[str, ...]:
+        """The task kinds that end with the user's verdict."""
+        return tuple(name for name, rules in self.kinds if rules.awaits_verdict)
 
     @property
     def retention_ms(self) -> int:
@@ -106,6 +153,22 @@ class WindowConfig:
         if kind is None or not self.kinds:
             return self.default_rules
         return self._by_kind.get(kind, self.default_rules)
+
+    def _key(self) -> tuple:
+        return (
+            self.deadline_ms,
+            self.grace_ms,
+            self.allowed_lateness_ms,
+            self.max_future_ms,
+            self.kinds,
+            self.max_skew_ms,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, WindowConfig) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from client.config import GovernanceSettings
 from flows.batching import (
     BatchBuilder,
     BatchConfig,
@@ -14,7 +15,28 @@ from flows.batching import (
     pack,
     rows_needed,
 )
+from flows.config import BatchingSettings, FlowSettings
 from schemas.records import Reward, Rollout
+from trainer.config import AdapterSettings, TrainSettings
+
+
+def config(
+    reward_version: str = "v2",
+    *,
+    train: TrainSettings | None = None,
+    governance: GovernanceSettings | None = None,
+    adapters: AdapterSettings | None = None,
+    **batching,
+) -> BatchConfig:
+    """A builder config with these ``batching`` settings: no delayed path, no verdict kinds, unless given."""
+    return BatchConfig(
+        reward_version,
+        BatchingSettings(**batching),
+        train or TrainSettings(max_delayed_lag=0),
+        FlowSettings(task_kinds={}),
+        governance or GovernanceSettings(),
+        adapters or AdapterSettings(),
+    )
 
 
 def ro(
@@ -98,7 +120,7 @@ def test_pack_lays_out_prompt_completion_and_padding():
 
 
 def test_join_in_either_order_and_group_relative_advantages():
-    bb = BatchBuilder(BatchConfig(flush_ms=100), serving_version=1)
+    bb = BatchBuilder(config(flush_s=0.1), serving_version=1)
     assert bb.add_rollout(ro("t1", group="g", size=2)) == []
     assert bb.add_reward(rw("t2", 0.0)) == []  # reward before its rollout
     assert bb.add_reward(rw("t1", 1.0)) == []
@@ -112,7 +134,7 @@ def test_join_in_either_order_and_group_relative_advantages():
 
 
 def test_singletons_use_the_cohort_running_baseline():
-    bb = BatchBuilder(BatchConfig(flush_ms=0, baseline_alpha=0.5), serving_version=1)
+    bb = BatchBuilder(config(flush_s=0, baseline_alpha=0.5), serving_version=1)
     first = bb.add_rollout(ro("a")) + bb.add_reward(rw("a", 1.0))
     second = bb.add_rollout(ro("b")) + bb.add_reward(rw("b", 0.0))
     third = bb.add_rollout(ro("c")) + bb.add_reward(rw("c", 1.0))
@@ -122,7 +144,7 @@ def test_singletons_use_the_cohort_running_baseline():
 
 
 def test_unmatched_sides_wait_then_are_counted():
-    bb = BatchBuilder(BatchConfig(join_wait_ms=500), serving_version=1)
+    bb = BatchBuilder(config(join_wait_s=0.5), serving_version=1)
     bb.add_rollout(ro("lonely", at=1000))
     bb.add_reward(rw("orphan", 1.0, at=1200))
     bb.advance_to(1500)
@@ -135,7 +157,7 @@ def test_unmatched_sides_wait_then_are_counted():
 
 
 def test_stale_samples_are_dropped_and_counted_per_lag():
-    bb = BatchBuilder(BatchConfig(max_policy_lag=1, flush_ms=0), serving_version=3)
+    bb = BatchBuilder(config(train=TrainSettings(max_policy_lag=1, max_delayed_lag=0), flush_s=0), serving_version=3)
     for tid, v in (("old", 1), ("ok", 2), ("fresh", 3)):
         bb.add_rollout(ro(tid, version=v))
         bb.add_reward(rw(tid, 1.0, policy=v))
@@ -145,7 +167,7 @@ def test_stale_samples_are_dropped_and_counted_per_lag():
 
 
 def test_other_versions_revisions_and_duplicates_are_not_trained():
-    bb = BatchBuilder(BatchConfig(reward_version="v2", flush_ms=0), serving_version=1)
+    bb = BatchBuilder(config("v2", flush_s=0), serving_version=1)
     bb.add_reward(rw("a", 1.0, version="v1-discard-broken"))
     bb.add_rollout(ro("a"))
     bb.add_reward(rw("a", 1.0, revision=1))
@@ -158,7 +180,7 @@ def test_other_versions_revisions_and_duplicates_are_not_trained():
 
 
 def test_full_batches_are_emitted_without_waiting():
-    bb = BatchBuilder(BatchConfig(seq_len=10, rows=2, flush_ms=10**9), serving_version=1)
+    bb = BatchBuilder(config(seq_len=10, rows=2, flush_s=10**6), serving_version=1)
     out = []
     for i in range(5):  # 5 samples of 5 tokens: 2 per row, 4 per batch
         out += bb.add_rollout(ro(f"t{i}", prompt=2, completion=3)) + bb.add_reward(rw(f"t{i}", float(i)))
@@ -167,7 +189,7 @@ def test_full_batches_are_emitted_without_waiting():
 
 
 def test_too_long_rollouts_are_counted():
-    bb = BatchBuilder(BatchConfig(seq_len=4), serving_version=1)
+    bb = BatchBuilder(config(seq_len=4), serving_version=1)
     bb.add_rollout(ro("big", prompt=2, completion=3))
     assert bb.counts["too_long"] == 1 and not bb.rollouts
 
@@ -212,7 +234,14 @@ def _run(items, cfg):
 @settings(max_examples=60, deadline=None)
 @given(streams(), st.integers(12, 24), st.integers(1, 3))
 def test_every_accepted_sample_is_packed_exactly_once(items, seq_len, rows):
-    cfg = BatchConfig(seq_len=seq_len, rows=rows, max_policy_lag=2, join_wait_ms=40, group_wait_ms=20, flush_ms=30)
+    cfg = config(
+        train=TrainSettings(max_policy_lag=2, max_delayed_lag=0),
+        seq_len=seq_len,
+        rows=rows,
+        join_wait_s=0.04,
+        group_wait_s=0.02,
+        flush_s=0.03,
+    )
     bb, batches = _run(items, cfg)
     packed = [sid for b in batches for sid in b.sample_ids]
     assert len(packed) == len(set(packed)) == sum(bb.lag_counts.values())
@@ -235,9 +264,9 @@ def test_every_accepted_sample_is_packed_exactly_once(items, seq_len, rows):
         dict(rows=0),
         dict(baseline_alpha=0.0),
         dict(baseline_alpha=1.5),
-        dict(verdict_wait_ms=(("background", -1),)),
+        dict(join_wait_s=-1),
     ],
 )
 def test_batch_config_refuses_impossible_shapes(bad):
     with pytest.raises(ValueError):
-        BatchConfig(**bad)
+        config(**bad)

@@ -32,7 +32,7 @@ from app.loop_config import loop_settings
 from app.parts import PARTS
 from app.supervisor import CLICKHOUSE, Supervisor
 from flows.processor import Message, RewardProcessor
-from flows.reward_flow import window_config
+from flows.windowing import WindowConfig
 from rtrl import clickhouse
 from rtrl.kafka import read_topic
 from rtrl.settings import load_settings
@@ -55,7 +55,7 @@ def _reference_rewards(settings, bootstrap: str) -> dict[tuple, tuple]:
         by_partition[m.partition()].append(Message(m.key(), m.value(), m.partition(), m.offset()))
     out = {}
     for msgs in by_partition.values():
-        proc = RewardProcessor(topic, window_config(settings), settings.rewards.versions)
+        proc = RewardProcessor(topic, WindowConfig(settings.flow), settings.rewards.versions)
         res = proc.process(sorted(msgs, key=lambda m: m.offset))
         res.rewards.extend(proc.finish().rewards)
         for r in res.rewards:

@@ -234,7 +234,7 @@ def test_flow_rewards_ends_with_one_line_of_what_it_read_and_wrote(broker, topic
     """`rtrl flow rewards` to the end of its topic: the last line counts the events it read, the trajectories
     and rewards it wrote and the dead letters by kind, equal to the reward logic run over the same messages."""
     from flows.processor import Message, RewardProcessor
-    from flows.reward_flow import window_config
+    from flows.windowing import WindowConfig
     from schemas.codec import event_codec
     from simulator.config import SimulatorSettings
     from simulator.generate import generate
@@ -249,7 +249,7 @@ def test_flow_rewards_ends_with_one_line_of_what_it_read_and_wrote(broker, topic
     env = _services_env(broker, topic_prefix, tmp_path) | {"RTRL_FLOW__TAIL": "false"}
 
     settings = load_settings(env=env)
-    proc = RewardProcessor(settings.topic("events"), window_config(settings), ["v2"], settings.sdk.max_event_bytes)
+    proc = RewardProcessor(settings.topic("events"), WindowConfig(settings.flow), ["v2"], settings.sdk.max_event_bytes)
     out = proc.process([Message(b"k", v, 0, i) for i, v in enumerate(values)])
     out.extend(proc.finish())
     kinds = Counter(d.kind for d in out.dead_letters)

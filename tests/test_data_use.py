@@ -13,9 +13,9 @@ from client import RtrlClient
 from client.config import GovernanceSettings
 from flows.adapters import OrgRouter
 from flows.batch_flow import build_flow
-from flows.batching import BatchBuilder, BatchConfig
+from flows.batching import BatchBuilder
 from flows.processor import Message, RewardProcessor
-from flows.reward_flow import window_config
+from flows.windowing import WindowConfig
 from rtrl.errors import ConfigError
 from rtrl.kafka import ensure_topics, read_topic
 from rtrl.settings import load_settings
@@ -23,10 +23,11 @@ from schemas.codec import Invalid, JsonCodec, decode_batch, encode_batch, event_
 from schemas.data_use import DATA_USES, stricter
 from schemas.records import DeadLetter, MicroBatch, Reward, Rollout, event_type
 from tests.test_batch_flow import _produce
-from tests.test_batching import ro, rw
+from tests.test_batching import config, ro, rw
 from tests.test_trainer_data import _batch
 from tests.test_trainer_data import _produce as _produce_batches
 from trainer.batch import BatchLimits, to_batch
+from trainer.config import AdapterSettings
 from trainer.data import BatchStream
 
 SALT = "data-use-salt"
@@ -133,7 +134,7 @@ def test_the_reward_flow_carries_the_class_to_rewards_and_summaries():
         }
         raw += [msgspec.json.encode(start), msgspec.json.encode(end | base)]
     settings = load_settings(env={"RTRL_SDK__SALT": SALT})
-    proc = RewardProcessor("rtrl.events", window_config(settings), ["v2"])
+    proc = RewardProcessor("rtrl.events", WindowConfig(settings.flow), ["v2"])
     out = proc.process([Message(b"k", v, 0, i) for i, v in enumerate(raw)])
     out.extend(proc.finish())
     assert not out.dead_letters and codec.decode(raw[0]).data_use == "monitor_only"
@@ -161,7 +162,13 @@ def test_the_builder_trains_only_what_each_class_allows_and_counts_the_rest():
     none never become samples; adapter_only does only for an org that may have an adapter; each exclusion is
     counted by reason, once per trajectory, when the first record that rules it out arrives. A micro-batch holds
     one class, and says it per sample."""
-    cfg = BatchConfig(flush_ms=10_000, seq_len=16, rows=4, data_use_policy=(("o", "train"),), adapter_orgs=("o",))
+    cfg = config(
+        flush_s=10,
+        seq_len=16,
+        rows=4,
+        governance=GovernanceSettings(orgs={"o": "train"}),
+        adapters=AdapterSettings(orgs=["o"]),
+    )
     bb = BatchBuilder(cfg, serving_version=1)
     out = []
     cases = {
@@ -181,7 +188,9 @@ def test_the_builder_trains_only_what_each_class_allows_and_counts_the_rest():
     assert by_class == {("train",): ["t"], ("adapter_only", "adapter_only"): ["a", "r"]}
     assert +bb.counts == {"data_use:monitor_only": 2, "data_use:none": 1}  # and nothing unmatched
     # the org's policy is stricter than the records; and an org that may have no adapter keeps no adapter_only
-    strict = BatchBuilder(BatchConfig(flush_ms=0, seq_len=16, default_data_use="adapter_only"), serving_version=1)
+    strict = BatchBuilder(
+        config(flush_s=0, seq_len=16, governance=GovernanceSettings(default="adapter_only")), serving_version=1
+    )
     strict.add_rollout(ro("x"))
     strict.add_reward(rw("x", 1.0))
     assert strict.flush() == [] and +strict.counts == {"data_use:adapter_only_without_adapter": 1}

@@ -34,7 +34,7 @@ from rtrl.settings import load_settings
 from schemas.codec import JsonCodec, decode_batch, encode_batch
 from schemas.records import MicroBatch, Reward, Rollout
 from trainer.batch import Batch
-from trainer.config import LossSettings
+from trainer.config import LossSettings, TrainSettings
 from trainer.dedup import TrainedSet
 from trainer.loss import GUARDED, PLAIN, policy_loss
 from trainer.train import prepare
@@ -93,9 +93,11 @@ def reward(
     )
 
 
-def cfg(**kw) -> BatchConfig:
-    """The settings' builder config (background awaits a verdict: 1 day + 7 days + 60 s), flushed at once."""
-    return replace(batch_config(load_settings(env={})), **({"flush_ms": 0} | kw))
+def cfg(train: TrainSettings | None = None, **batching) -> BatchConfig:
+    """The settings' builder config (background awaits a verdict: 1 day + 7 days + 60 s), flushed at once unless
+    ``batching`` says otherwise."""
+    c = batch_config(load_settings(env={}))
+    return replace(c, batching=c.batching.model_copy(update={"flush_s": 0.0} | batching), train=train or c.train)
 
 
 def samples(batches: list[MicroBatch]) -> dict[str, tuple[float, bool]]:
@@ -118,7 +120,7 @@ def test_settings_make_the_verdict_wait_and_the_delayed_lag():
     c = batch_config(load_settings(env={}))
     assert c.verdict_wait_ms == (("background", (86_400 + 7 * 86_400 + 60) * 1000),)
     assert c.verdict_wait("background") == 691_260_000 and c.verdict_wait("bugfix") is None
-    assert (c.max_policy_lag, c.max_delayed_lag) == (1, 4)
+    assert (c.train.max_policy_lag, c.train.max_delayed_lag) == (1, 4)
     s = load_settings(
         env={
             "RTRL_TRAIN__MAX_DELAYED_LAG": "0",
@@ -126,7 +128,7 @@ def test_settings_make_the_verdict_wait_and_the_delayed_lag():
         }
     )
     c = batch_config(s)  # review: its deadline, the flow's lateness (1 day), the join slack
-    assert c.verdict_wait_ms == (("review", (600 + 86_400 + 60) * 1000),) and c.max_delayed_lag == 0
+    assert c.verdict_wait_ms == (("review", (600 + 86_400 + 60) * 1000),) and c.train.max_delayed_lag == 0
 
 
 def test_a_verdict_kind_trains_once_on_its_final_reward_never_the_provisional_one():
@@ -224,13 +226,13 @@ def test_a_delayed_group_is_its_own_baseline_and_a_normal_batch_has_no_flags():
 
 
 def test_without_the_delayed_path_stale_samples_are_dropped_as_before():
-    bb = BatchBuilder(cfg(max_delayed_lag=0), serving_version=5)
+    bb = BatchBuilder(cfg(TrainSettings(max_delayed_lag=0)), serving_version=5)
     out = bb.add_rollout(rollout("old", 2, kind="bugfix")) + bb.add_reward(reward("old", 1.0, 2, T0, kind="bugfix"))
     assert out + bb.flush() == [] and bb.dropped_lag == {3: 1} and bb.delayed_baseline is None
 
 
 def test_delayed_flags_travel_through_the_arrow_codec():
-    bb = BatchBuilder(cfg(flush_ms=HOUR), serving_version=5)
+    bb = BatchBuilder(cfg(flush_s=HOUR / 1000), serving_version=5)
     for tid, version in (("on", 5), ("late", 3)):
         bb.add_rollout(rollout(tid, version, kind="bugfix"))
         bb.add_reward(reward(tid, 1.0, version, T0, kind="bugfix"))

@@ -22,6 +22,7 @@ from flows import batch_flow, reward_flow
 from flows.batching import BatchBuilder
 from flows.counts import FlowCounts
 from flows.processor import Message, RewardProcessor
+from flows.windowing import WindowConfig
 from rewards import compute
 from rtrl.errors import ConfigError
 from rtrl.settings import load_settings
@@ -128,7 +129,7 @@ def _offline_rewards(items) -> tuple[dict[str, list], int]:
     discarded = 0
     for msgs in by_partition.values():
         proc = RewardProcessor(
-            settings.topic("events"), reward_flow.window_config(settings), VERSIONS, settings.sdk.max_event_bytes
+            settings.topic("events"), WindowConfig(settings.flow), VERSIONS, settings.sdk.max_event_bytes
         )
         out = proc.process(msgs)
         out.extend(proc.finish())

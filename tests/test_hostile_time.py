@@ -33,9 +33,8 @@ from client.sdk import InvalidEvent, RtrlClient
 from devservices.broker import free_port
 from flows.backfill import conform, to_events
 from flows.processor import FlowOutput, Message, RewardProcessor
-from flows.reward_flow import window_config
 from flows.sinks import read_archive
-from flows.windowing import PartitionWindows
+from flows.windowing import PartitionWindows, WindowConfig
 from rtrl.errors import SchemaMismatch
 from rtrl.kafka import describe_topic, ensure_topics, producer_config, read_topic
 from rtrl.settings import load_settings
@@ -58,7 +57,7 @@ def _settings():
 
 
 def _processor() -> RewardProcessor:
-    return RewardProcessor("rtrl.events", window_config(_settings()), VERSIONS.split(","))
+    return RewardProcessor("rtrl.events", WindowConfig(_settings().flow), VERSIONS.split(","))
 
 
 def _event(kind: str, tid: str, ts: int, eid: str, **payload) -> bytes:
@@ -164,7 +163,7 @@ def test_a_snapshot_whose_clock_an_attack_moved_is_pulled_back_to_the_broker_clo
     record with a timestamp: the real trajectory after it is rewarded as on a clean partition."""
     honest = _trajectory("real", NOW - 60_000)
     clean, _ = _run(honest, _stamps(honest))
-    poisoned = PartitionWindows(window_config(_settings()))
+    poisoned = PartitionWindows(WindowConfig(_settings().flow))
     poisoned.ingest(CODEC.decode(_event("trajectory_started", "evil", YEAR_2299, "evil-0", task_kind="x")), 0)
     assert poisoned.watermark == YEAR_2299 and poisoned.record_clock is None
     del poisoned.__dict__["record_clock"]  # as unpickled from a state written before the field existed

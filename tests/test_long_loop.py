@@ -16,7 +16,8 @@ from collections import defaultdict
 import pytest
 
 from flows.processor import Message, RewardProcessor
-from flows.reward_flow import verdict_kinds, window_config
+from flows.reward_flow import verdict_kinds
+from flows.windowing import WindowConfig
 from rewards import features, get_config, reward
 from rewards.functions import RewardConfig
 from rewards.versions import BUILTIN, RewardVersion
@@ -216,7 +217,7 @@ def _messages(events, partition=0):
 def test_reward_flow_emits_a_provisional_reward_then_the_verdicts_final_revision():
     settings = load_settings(env={"RTRL_SDK__SALT": SALT})
     assert verdict_kinds(settings) == (BACKGROUND,)
-    proc = RewardProcessor("test", window_config(settings), ["v2"], verdict_kinds=verdict_kinds(settings))
+    proc = RewardProcessor("test", WindowConfig(settings.flow), ["v2"], verdict_kinds=verdict_kinds(settings))
     events = sorted(_task("merged"), key=lambda e: e.ts)
     env = dict(org_id="org-1", user_hash="0" * 32, policy_version=3, arm="control")
     # later short trajectories move the partition's clock past the background task's end, up to its verdict
@@ -237,7 +238,7 @@ def test_reward_flow_emits_a_provisional_reward_then_the_verdicts_final_revision
 def test_simulated_background_tasks_get_final_rewards_through_the_reward_processor():
     settings = load_settings(env={"RTRL_SDK__SALT": SALT})
     emissions = generate(_sim(trajectories=400, verdict_min_h=1, verdict_max_h=6), SALT)
-    proc = RewardProcessor("test", window_config(settings), ["v2"], verdict_kinds=verdict_kinds(settings))
+    proc = RewardProcessor("test", WindowConfig(settings.flow), ["v2"], verdict_kinds=verdict_kinds(settings))
     codec = event_codec()
     out = proc.process(
         [Message(em.event.trajectory_id.encode(), codec.encode(em.event), 0, i) for i, em in enumerate(emissions)],
@@ -490,22 +491,28 @@ def test_resumed_windows_take_the_current_window_rules_unless_some_are_spilled(t
     naming the settings and the fix."""
     import pickle
 
+    from flows.config import FlowSettings
     from flows.reward_flow import reconfigure
     from flows.spill import SqliteStore
-    from flows.windowing import PartitionWindows, WindowConfig
+    from flows.windowing import PartitionWindows
 
     env = dict(trajectory_id="bg", org_id="o", user_hash="0" * 32, policy_version=0, arm="control")
-    old = PartitionWindows(WindowConfig(deadline_ms=HOUR))  # before per-kind rules: background closes at 1 h
+    old = PartitionWindows(
+        WindowConfig(FlowSettings(deadline_s=HOUR / 1000, task_kinds={}))
+    )  # before per-kind rules: background closes at 1 h
     old.ingest(TrajectoryStarted(event_id="s", ts=0, task_kind=BACKGROUND, **env), 0)
     resumed = pickle.loads(pickle.dumps(old))
-    new = window_config(load_settings(env={"RTRL_SDK__SALT": SALT}))
+    new = WindowConfig(load_settings(env={"RTRL_SDK__SALT": SALT}).flow)
     reconfigure(resumed, new)
     tick = dict(env, trajectory_id="other")
     later = TrajectoryStarted(event_id="t", ts=2 * HOUR, task_kind="bugfix", **tick)
     assert [c.trajectory_id for c in old.ingest(later, 1) if hasattr(c, "close_reason")] == ["bg"]  # old: closed
     assert not [c for c in resumed.ingest(later, 1) if getattr(c, "trajectory_id", "") == "bg"]  # new: a day
 
-    spilled = PartitionWindows(WindowConfig(deadline_ms=HOUR), store=SqliteStore.fresh(tmp_path / "p0.sqlite"))
+    spilled = PartitionWindows(
+        WindowConfig(FlowSettings(deadline_s=HOUR / 1000, task_kinds={})),
+        store=SqliteStore.fresh(tmp_path / "p0.sqlite"),
+    )
     spilled.budget_bytes = 1  # everything goes to the file
     spilled.ingest(TrajectoryStarted(event_id="s", ts=0, task_kind=BACKGROUND, **env), 0)
     spilled.ingest(later, 1)
@@ -521,15 +528,15 @@ def test_resumed_batch_builders_take_the_current_config_and_expire_what_they_hol
     import pickle
 
     from flows.batch_flow import _configured, batch_config
-    from flows.batching import BatchBuilder, BatchConfig
-    from tests.test_batching import ro
+    from flows.batching import BatchBuilder
+    from tests.test_batching import config, ro
 
     settings = load_settings(env={"RTRL_SDK__SALT": SALT})
-    old = BatchBuilder(BatchConfig(join_wait_ms=1000))
+    old = BatchBuilder(config(join_wait_s=1))
     old.add_rollout(ro("t1", at=0))
     del old.__dict__["_waits"]  # as pickled before the index existed
     resumed = _configured(pickle.loads(pickle.dumps(old)), batch_config(settings))
-    assert resumed.config == batch_config(settings) and resumed.config.max_delayed_lag == 4
+    assert resumed.config == batch_config(settings) and resumed.config.train.max_delayed_lag == 4
     assert resumed.config.verdict_wait(BACKGROUND) is not None
     resumed.advance_to(60_000 + 2)  # past the current join wait (batching.join_wait_s = 60 s)
     assert resumed.counts["unmatched_rollout"] == 1 and not resumed.rollouts

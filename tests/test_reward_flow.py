@@ -26,8 +26,9 @@ from confluent_kafka import Producer
 
 from devservices.broker import free_port
 from flows.processor import Message, RewardProcessor
-from flows.reward_flow import build_flow, window_config
+from flows.reward_flow import build_flow
 from flows.sinks import read_archive
+from flows.windowing import WindowConfig
 from rewards import compute
 from rtrl import clickhouse
 from rtrl.kafka import ensure_topics, producer_config, read_topic
@@ -67,7 +68,7 @@ def test_processor_rewards_every_started_trajectory_once_per_version():
     each late persistence check, dead-letters exactly the duplicates, and each trajectory's final revision
     equals the reward of all its distinct events computed directly."""
     payloads = _payloads(300, seed=5, duplicate_rate=0.05, late_check_rate=0.2)
-    proc = RewardProcessor("rtrl.events", window_config(_settings({})), VERSIONS.split(","))
+    proc = RewardProcessor("rtrl.events", WindowConfig(_settings({}).flow), VERSIONS.split(","))
     out = proc.process([Message(k, v, 0, i) for i, (k, v) in enumerate(payloads)])
     out.extend(proc.finish())
 
@@ -101,7 +102,7 @@ def test_out_of_order_delivery_changes_no_final_reward():
     shuffled = [p for _, p in sorted(((i + rng.uniform(0, 40), p) for i, p in enumerate(payloads)), key=lambda x: x[0])]
     finals = []
     for order in (payloads, shuffled):
-        proc = RewardProcessor("rtrl.events", window_config(_settings({})), ["v2"])
+        proc = RewardProcessor("rtrl.events", WindowConfig(_settings({}).flow), ["v2"])
         out = proc.process([Message(k, v, 0, i) for i, (k, v) in enumerate(order)])
         out.extend(proc.finish())
         assert not out.dead_letters

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 
 import flows.windowing as windowing
 from devservices.broker import free_port
+from flows.config import FlowSettings, TaskKindSettings
 from flows.spill import KEEP_GENERATIONS, SqliteStore, StateError, partition_file
-from flows.windowing import KindRules, MemoryStore, PartitionWindows, WindowConfig
+from flows.windowing import MemoryStore, PartitionWindows, WindowConfig
 from rtrl.kafka import ensure_topics
 from schemas.records import (
     EditAccepted,
@@ -35,11 +36,16 @@ from simulator.generate import generate
 from tests.test_reward_flow import _dump, _env, _flow_cmd, _produce, _run_then_kill, reference  # noqa: F401  # reference: fixture
 
 CFG = WindowConfig(
-    deadline_ms=1000,
-    grace_ms=10,
-    allowed_lateness_ms=2000,
-    max_future_ms=5000,
-    kinds=(("quick", KindRules(300, 1000)), ("slow", KindRules(3000, 4000, True))),
+    FlowSettings(
+        deadline_s=1,
+        grace_s=0.01,
+        allowed_lateness_s=2,
+        max_future_s=5,
+        task_kinds={
+            "quick": TaskKindSettings(deadline_s=0.3, allowed_lateness_s=1),
+            "slow": TaskKindSettings(deadline_s=3, allowed_lateness_s=4, awaits_verdict=True),
+        },
+    )
 )
 ENV = dict(org_id="o", user_hash="0" * 32, policy_version=1, arm="control")
 TYPES = [TrajectoryStarted, ToolCall, TrajectoryEnded, EditAccepted, EditPersisted, TaskVerdict]
@@ -108,7 +114,7 @@ def test_simulator_stream_spilled_equals_in_memory(tmp_path):
     """The simulator's stream (duplicates, reordering, late checks) through a 30 kB budget: the same outputs,
     with most windows on disk at any time and read back when an event or the clock needs them."""
     events = [e.event for e in generate(SimulatorSettings(trajectories=1500, seed=3, late_check_rate=0.2), "salt")]
-    cfg = WindowConfig(deadline_ms=600_000, allowed_lateness_ms=3_600_000)
+    cfg = WindowConfig(FlowSettings(deadline_s=600, allowed_lateness_s=3600, task_kinds={}))
     memory, w = (
         PartitionWindows(cfg),
         PartitionWindows(cfg, store=SqliteStore.fresh(tmp_path / "p"), budget_bytes=30_000),
@@ -132,7 +138,7 @@ def test_restore_from_snapshot_rolls_back_and_replays_identically(tmp_path, comm
     snapshot whose commit the crash outruns), crash, restore from the first pickle: the file rolls back to it
     and replaying the rest gives exactly the uninterrupted outputs."""
     events = [e.event for e in generate(SimulatorSettings(trajectories=400, seed=8, late_check_rate=0.3), "salt")]
-    cfg = WindowConfig(deadline_ms=600_000, allowed_lateness_ms=1_800_000)
+    cfg = WindowConfig(FlowSettings(deadline_s=600, allowed_lateness_s=1800, task_kinds={}))
     memory = PartitionWindows(cfg)
     expected = run(memory, events) + memory.flush()
     for n, cut in enumerate((50, len(events) // 3, len(events) - 20)):
@@ -232,7 +238,7 @@ def test_memory_stays_within_the_budget(tmp_path):
     """Through 3,000 never-ending trajectories with a 40 kB budget, the estimate of what is in memory never
     exceeds the budget after an event, a few dozen windows stay in memory, and the store holds the rest;
     the end of input closes all of them (read back in chunks) as it would from memory."""
-    budget, cfg = 40_000, WindowConfig(deadline_ms=10**9)
+    budget, cfg = 40_000, WindowConfig(FlowSettings(deadline_s=10**6, task_kinds={}))
     w, memory = (
         PartitionWindows(cfg, store=SqliteStore.fresh(tmp_path / "p"), budget_bytes=budget),
         PartitionWindows(cfg),

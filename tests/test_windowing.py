@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pickle
 
+from flows.config import FlowSettings
 from flows.windowing import Closed, PartitionWindows, Rejected, WindowConfig
 from schemas.records import (
     EditAccepted,
@@ -15,7 +16,7 @@ from schemas.records import (
     TrajectoryStarted,
 )
 
-CFG = WindowConfig(deadline_ms=1000, grace_ms=10, allowed_lateness_ms=5000, max_future_ms=100_000)
+CFG = WindowConfig(FlowSettings(deadline_s=1, grace_s=0.01, allowed_lateness_s=5, max_future_s=100, task_kinds={}))
 ENV = dict(org_id="o", user_hash="0" * 32, policy_version=1, arm="control")
 _n = iter(range(10**9))
 

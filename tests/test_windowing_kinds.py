@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pickle
 
-from flows.reward_flow import window_config
+from flows.config import FlowSettings, TaskKindSettings
 from flows.windowing import KindRules, PartitionWindows, WindowConfig
 from rtrl.settings import load_settings
 from schemas.records import TaskVerdict, ToolCall, TrajectoryEnded, TrajectoryStarted
@@ -17,7 +17,7 @@ H, D = 3_600_000, 86_400_000
 def test_settings_fill_the_kinds():
     """The default settings give background tasks a day's deadline, a week's lateness and awaits_verdict;
     other kinds use the flow's defaults."""
-    cfg = window_config(load_settings(env={}))
+    cfg = WindowConfig(load_settings(env={}).flow)
     assert cfg.rules("background") == KindRules(D, 7 * D, True)
     assert cfg.rules("bugfix") == cfg.rules(None) == KindRules(H, D, False)
     assert hash(cfg) == hash(pickle.loads(pickle.dumps(cfg))) and pickle.loads(pickle.dumps(cfg)) == cfg
@@ -26,7 +26,7 @@ def test_settings_fill_the_kinds():
 def test_background_verdict_two_days_late_revises_bugfix_is_too_late():
     """A background task's task_verdict two days after it ended still revises its window (revision 1, late);
     a bugfix trajectory's late event after the default day of lateness is too_late."""
-    w = PartitionWindows(window_config(load_settings(env={})))
+    w = PartitionWindows(WindowConfig(load_settings(env={}).flow))
     t0 = 1_780_000_000_000
     out = feed(
         w,
@@ -58,11 +58,9 @@ def test_kind_deadline_closes_at_its_own_time_and_stale_entries_do_not():
     """A kind with a shorter deadline closes by deadline at first_ts + its deadline, even when its
     trajectory_started came after the first event; a kind with a longer one is not closed at the default
     deadline by the entry scheduled before its kind was known."""
+    quick, slow = TaskKindSettings(deadline_s=0.3, allowed_lateness_s=5), TaskKindSettings(deadline_s=4)
     cfg = WindowConfig(
-        deadline_ms=1000,
-        grace_ms=10,
-        allowed_lateness_ms=5000,
-        kinds=(("quick", KindRules(300, 5000)), ("slow", KindRules(4000, 5000))),
+        FlowSettings(deadline_s=1, grace_s=0.01, allowed_lateness_s=5, task_kinds={"quick": quick, "slow": slow})
     )
     w = PartitionWindows(cfg)
     out = feed(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
@@ -234,6 +234,51 @@ LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output
 the MLP's two; and the model's output layer)."""
 
 
+@dataclass(frozen=True)
+class LoraConfig:
+    """One adapter's shape: the record an adapter is made with, saved in its checkpoints and PEFT exports.
+
+    An adapter keeps its shape when the settings change, and one read from a file is checked like a setting.
+    :meth:`AdapterSettings.shape` makes one from the ``adapters`` section.
+    """
+
+    rank: int = 8
+    """``r``: the inner width of ``B @ A``."""
+    alpha: float = 16.0
+    """The term added is ``alpha / rank * B(A(x))``."""
+    targets: tuple[str, ...] = LORA_TARGETS
+    """Which linears get the adapter (megatron names: linear_qkv, linear_proj, linear_fc1, linear_fc2 of every layer;
+    output_layer, the model's)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training (0 = none: tp-independent, deterministic)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank <= 0:
+            raise ConfigError(f"adapters.rank = {self.rank!r} must be a positive integer (e.g. 8); fix: set it so")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
+            raise ConfigError(
+                f"adapters.alpha = {self.alpha!r} must be a number > 0; fix: set it, e.g. to 2 * adapters.rank"
+            )
+        targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
+        unknown = [t for t in targets if t not in LORA_TARGETS]
+        if unknown or not targets or len(set(targets)) != len(targets):
+            raise ConfigError(
+                f"adapters.targets = {list(targets)!r}: "
+                + (f"unknown {', '.join(map(repr, unknown))}; " if unknown else "")
+                + f"fix: a non-empty list without repeats of {', '.join(LORA_TARGETS)}"
+            )
+        object.__setattr__(self, "targets", targets)
+        object.__setattr__(self, "alpha", float(self.alpha))
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ConfigError(f"adapters.dropout = {self.dropout!r} must be in [0, 1) (0 = off); fix: set it so")
+        object.__setattr__(self, "dropout", float(self.dropout))
+
+    @property
+    def scale(self) -> float:
+        """``alpha / rank``."""
+        return self.alpha / self.rank
+
+
 class AdapterSettings(Section):
     """Per-organisation LoRA adapters on the shared policy (issue 17): which orgs get one, their shape, and what the
     shared policy trains on. An org's adapter trains only on that org's samples; it is gated and promoted on its own."""
@@ -326,6 +371,10 @@ class AdapterSettings(Section):
     def wants(self, org: str) -> bool:
         """Whether ``org`` may get an adapter (traffic threshold apart)."""
         return "*" in self.orgs or org in self.orgs
+
+    def shape(self) -> LoraConfig:
+        """The shape of a new adapter: this section's settings of each :class:`LoraConfig` field."""
+        return LoraConfig(**{f.name: getattr(self, f.name) for f in fields(LoraConfig)})
 
 
 class TransformerEngineMissing(ConfigError):

@@ -16,8 +16,9 @@ adapters attached); they are saved by :func:`save_adapter` and exported by :func
 
 The package re-exports every public name of its modules, one concern each:
 
-- :mod:`trainer.lora.layers`: :class:`LoraConfig`, the modules on a targeted linear (:class:`LoraPair`,
-  :class:`LoraSlot`), the forward hook, and the tensor-parallel layout of an adapter's tensors.
+- :class:`trainer.config.LoraConfig`: an adapter's shape (beside the ``adapters`` section that makes it).
+- :mod:`trainer.lora.layers`: the modules on a targeted linear (:class:`LoraPair`, :class:`LoraSlot`), the forward
+  hook, and the tensor-parallel layout of an adapter's tensors.
 - :mod:`trainer.lora.adapters`: the adapters on a model: :func:`add_adapter`, :func:`remove_adapter`,
   :func:`activate`, their parameters (:func:`train_only`) and full state dicts (:func:`adapter_state_dict`).
 - :mod:`trainer.lora.checkpoint`: adapter checkpoints (:func:`save_adapter`, :func:`load_adapter`,
@@ -27,6 +28,7 @@ The package re-exports every public name of its modules, one concern each:
 
 from __future__ import annotations
 
+from trainer.config import LoraConfig
 from trainer.lora.adapters import (
     Activation,
     activate,
@@ -53,7 +55,7 @@ from trainer.lora.checkpoint import (
     read_adapter_checkpoint,
     save_adapter,
 )
-from trainer.lora.layers import MODEL_TARGETS, SLOT, TARGETS, LoraConfig, LoraPair, LoraSlot
+from trainer.lora.layers import MODEL_TARGETS, SLOT, TARGETS, LoraPair, LoraSlot
 from trainer.lora.peft import HF_MODULES, PEFT_CONFIG, PEFT_PREFIX, PEFT_WEIGHTS, export_peft, load_peft
 
 __all__ = [

@@ -25,7 +25,8 @@ from torch import nn
 
 from rtrl.errors import ConfigError
 from trainer.checkpoint import unwrap
-from trainer.lora.layers import MODEL_TARGETS, TARGETS, LoraConfig, LoraPair, LoraSlot, _layers, _slot, _slots, _tp
+from trainer.config import LoraConfig
+from trainer.lora.layers import MODEL_TARGETS, TARGETS, LoraPair, LoraSlot, _layers, _slot, _slots, _tp
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 

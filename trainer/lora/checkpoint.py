@@ -26,6 +26,7 @@ from torch import nn
 from rtrl.errors import ConfigError
 from trainer import checkpoint
 from trainer.checkpoint import unwrap
+from trainer.config import LoraConfig
 from trainer.lora.adapters import (
     _full_tensors,
     _pairs,
@@ -36,7 +37,7 @@ from trainer.lora.adapters import (
     add_adapter,
     load_adapter_state_dict,
 )
-from trainer.lora.layers import LoraConfig, _tp
+from trainer.lora.layers import _tp
 
 ADAPTER_FILE = "adapter.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"

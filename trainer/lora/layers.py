@@ -1,8 +1,8 @@
 """The LoRA modules on megatron's linears: an adapter's shape, its tensors, the slot and hook that apply it.
 
-:class:`LoraConfig` is an adapter's shape, :class:`LoraPair` its tensors on one linear, :class:`LoraSlot` the
-child module of a targeted linear that holds its adapters by name, and a forward hook adds the active adapter's
-term to the linear's output; :func:`_slot` attaches them.
+:class:`trainer.config.LoraConfig` is an adapter's shape, :class:`LoraPair` its tensors on one linear,
+:class:`LoraSlot` the child module of a targeted linear that holds its adapters by name, and a forward hook adds
+the active adapter's term to the linear's output; :func:`_slot` attaches them.
 
 Tensor-parallel layout (``tp`` ranks, rank ``t``; ``r`` = LoRA rank):
 
@@ -22,14 +22,13 @@ Tensor-parallel layout (``tp`` ranks, rank ``t``; ``r`` = LoRA rank):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import torch
 from torch import nn
 
-from rtrl.errors import ConfigError
 from trainer.checkpoint import unwrap
+from trainer.config import LORA_TARGETS, LoraConfig
 
 #: the linears an adapter may target -> (their path in a TransformerLayer, or in the model for
 #: :data:`MODEL_TARGETS`; column or row parallel)
@@ -43,52 +42,9 @@ TARGETS: dict[str, tuple[str, Literal["column", "row"]]] = {
 MODEL_TARGETS = ("output_layer",)
 """Targets the model has once (not in every layer): the output layer (Hugging Face's ``lm_head``), whose
 vocabulary-parallel rows an adapter's ``B`` follows like any column-parallel target's."""
+assert tuple(TARGETS) == LORA_TARGETS, "trainer.config.LORA_TARGETS names the targets, in this order"
 SLOT = "lora_adapters"
 """The attribute (child module) of a targeted linear that holds its adapters."""
-
-
-# --------------------------------------------------------------------------- config
-
-
-@dataclass(frozen=True)
-class LoraConfig:
-    """One adapter's shape (the ``adapters`` settings section: ``adapters.rank`` ...)."""
-
-    rank: int = 8
-    """``r``: the inner width of ``B @ A``."""
-    alpha: float = 16.0
-    """The term added is ``alpha / rank * B(A(x))``."""
-    targets: tuple[str, ...] = tuple(TARGETS)
-    """Which linears get the adapter (megatron names: linear_qkv, linear_proj, linear_fc1, linear_fc2 of every layer;
-    output_layer, the model's)."""
-    dropout: float = 0.0
-    """Dropout on the adapter's input while training (0 = none: tp-independent, deterministic)."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank <= 0:
-            raise ConfigError(f"adapters.rank = {self.rank!r} must be a positive integer (e.g. 8); fix: set it so")
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
-            raise ConfigError(
-                f"adapters.alpha = {self.alpha!r} must be a number > 0; fix: set it, e.g. to 2 * adapters.rank"
-            )
-        targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
-        unknown = [t for t in targets if t not in TARGETS]
-        if unknown or not targets or len(set(targets)) != len(targets):
-            raise ConfigError(
-                f"adapters.targets = {list(targets)!r}: "
-                + (f"unknown {', '.join(map(repr, unknown))}; " if unknown else "")
-                + f"fix: a non-empty list without repeats of {', '.join(TARGETS)}"
-            )
-        object.__setattr__(self, "targets", targets)
-        object.__setattr__(self, "alpha", float(self.alpha))
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
-            raise ConfigError(f"adapters.dropout = {self.dropout!r} must be in [0, 1) (0 = off); fix: set it so")
-        object.__setattr__(self, "dropout", float(self.dropout))
-
-    @property
-    def scale(self) -> float:
-        """``alpha / rank``."""
-        return self.alpha / self.rank
 
 
 # --------------------------------------------------------------------------- modules

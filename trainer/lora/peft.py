@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from rtrl.errors import ConfigError
-from trainer.config import ModelConfig
+from trainer.config import LoraConfig, ModelConfig
 from trainer.hf.layout import interleave_qkv, name_table, qkv_geometry, split_qkv
 from trainer.lora.adapters import (
     _pairs,
@@ -30,7 +30,7 @@ from trainer.lora.adapters import (
     load_adapter_state_dict,
     remove_adapter,
 )
-from trainer.lora.layers import MODEL_TARGETS, TARGETS, LoraConfig
+from trainer.lora.layers import MODEL_TARGETS, TARGETS
 
 #: the Hugging Face modules each target becomes in a PEFT export (under ``model.layers.{i}.``; a model target's
 #: at the top)
