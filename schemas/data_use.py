@@ -24,11 +24,6 @@ def stricter(*classes: DataUse) -> DataUse:
     return max(classes, key=DATA_USES.index, default="train")
 
 
-def org_policy(policies: tuple[tuple[str, DataUse], ...], org: str, default: DataUse) -> DataUse:
-    """The class ``policies`` (org, class pairs: settings ``governance.orgs``) give ``org``, else ``default``."""
-    return next((use for o, use in policies if o == org), default)
-
-
 def trains_shared(data_use: str) -> bool:
     """Whether a sample of this class may train the shared policy."""
     return data_use == "train"

@@ -215,7 +215,7 @@ def test_an_adapter_only_batch_goes_to_its_orgs_adapter_alone():
 def test_the_trainer_refuses_a_batch_holding_a_sample_its_class_forbids():
     """The shared policy's batches hold train samples only; an org's adapter batches hold train or adapter_only
     ones, under that org's policy as the trainer's settings say it."""
-    limits = BatchLimits(data_use_policy=(("bank", "monitor_only"),))
+    limits = BatchLimits(governance=GovernanceSettings(orgs={"bank": "monitor_only"}))
     ok = [
         _batch(0),
         msgspec.structs.replace(_batch(1), data_use=["train"]),

@@ -13,13 +13,14 @@ or ``adapter_only`` ones, under that org's policy in ``governance`` as this trai
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from client.config import GovernanceSettings
 from schemas.codec import Invalid, decode_batch
-from schemas.data_use import DataUse, org_policy, stricter, trains_adapter, trains_shared
+from schemas.data_use import stricter, trains_adapter, trains_shared
 
 if TYPE_CHECKING:
     from rtrl.settings import Settings
@@ -56,11 +57,8 @@ class BatchLimits:
     max_rows: int | None = None  # rows per micro-batch
     vocab_size: int | None = None  # token ids must lie below it
     seq_multiple: int = 1  # the model's positions per row (tokens - 1) must be a multiple of it (SP over tp)
-    data_use_policy: tuple[tuple[str, DataUse], ...] = ()  # (org, class) per org with its own (governance.orgs)
-    default_data_use: DataUse = "train"  # every other org's class (governance.default)
-
-    def org_policy(self, org: str) -> DataUse:
-        return org_policy(self.data_use_policy, org, self.default_data_use)
+    governance: GovernanceSettings = field(default_factory=GovernanceSettings)
+    """Each org's data-use class (the ``governance`` section): what its samples may train."""
 
     @classmethod
     def from_settings(cls, settings: Settings) -> BatchLimits:
@@ -68,14 +66,8 @@ class BatchLimits:
         of the model's vocabulary: everything the settings let the batch flow send."""
         b, par = settings.batching, settings.parallel
         multiple = par.tp if par.sequence_parallel else 1
-        g = settings.governance
         return cls(
-            max(b.seq_len, settings.model.seq_length),
-            b.rows,
-            settings.model.vocab_size,
-            multiple,
-            tuple(sorted(g.orgs.items())),
-            g.default,
+            max(b.seq_len, settings.model.seq_length), b.rows, settings.model.vocab_size, multiple, settings.governance
         )
 
 
@@ -131,7 +123,7 @@ def _check_data_use(uses: list[str], adapter: str, sample_ids: list[str], lim: B
     """Refuse a batch holding a sample its data-use class forbids the stream it came on (raises Invalid)."""
     for i, use in enumerate(uses or ["train"] * len(sample_ids)):
         if adapter:
-            use = stricter(lim.org_policy(adapter), use)  # type: ignore[arg-type]  # unknown classes fail below
+            use = stricter(lim.governance.policy(adapter), use)  # type: ignore[arg-type]  # unknown classes fail below
             ok, stream = trains_adapter(use), f"org {adapter}'s adapter"
         else:
             ok, stream = trains_shared(use), "the shared policy"
