@@ -211,7 +211,7 @@ def test_init_is_seeded_by_seed_and_name(tiny):
     assert all(not torch.equal(first[k], other[k]) for k in first if k.endswith("lora_A"))
     a = first["decoder.layers.0.mlp.linear_fc1.lora_A"]
     assert a.shape == (8, cfg.hidden_size) and a.abs().max() <= 1 / cfg.hidden_size**0.5
-    assert first["decoder.layers.0.mlp.linear_fc2.lora_A"].shape == (8, cfg.ffn_hidden_size)
+    assert first["decoder.layers.0.mlp.linear_fc2.lora_A"].shape == (8, cfg.ffn_width)
     with pytest.raises(ConfigError, match="already exists"):
         lora.add_adapter(model, "x")
     with pytest.raises(ConfigError, match="adapter name"):
