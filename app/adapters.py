@@ -56,7 +56,7 @@ from simulator.evalsuite import OrgHeldOutTasks
 from simulator.tasks import Conventions
 from trainer import checkpoint, lora
 from trainer.batch import Batch, BatchLimits
-from trainer.config import ModelConfig, PrecisionSettings, TrainConfig
+from trainer.config import ModelSettings, PrecisionSettings, TrainConfig
 from trainer.data import BatchStream
 from trainer.dedup import TrainedSet
 from trainer.factory import Policy, build
@@ -194,7 +194,7 @@ class OrgAdapters:
         settings: Settings,
         bootstrap: str,
         ch: Any,
-        cfg: ModelConfig,
+        cfg: ModelSettings,
         precision: PrecisionSettings,
         root: Path,
         conventions: Conventions,

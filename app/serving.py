@@ -7,7 +7,6 @@ over that model, or over an external one at ``serving.url``. :func:`serve_until`
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
 from pathlib import Path
 
 from app.loop_config import (
@@ -22,11 +21,11 @@ from simulator.serve import PolicyServer
 from simulator.tasks import VOCAB, conventions_for
 from simulator.tasks import decode as decode_tokens
 from trainer import checkpoint
-from trainer.config import ModelConfig, PrecisionSettings
+from trainer.config import ModelSettings, PrecisionSettings
 from trainer.factory import build, model_config
 
 
-def loop_model_config(settings: Settings) -> tuple[ModelConfig, PrecisionSettings]:
+def loop_model_config(settings: Settings) -> tuple[ModelSettings, PrecisionSettings]:
     """The policy every part of the loop builds (trainer, reference, policy server): the settings'
     ``model`` and ``precision`` sections (the tiny fp32 CPU model by default) over the simulator's
     vocabulary."""
@@ -37,7 +36,7 @@ def loop_model_config(settings: Settings) -> tuple[ModelConfig, PrecisionSetting
             f"tasks use the simulator's {VOCAB}-token vocabulary; fix: give a checkpoint with vocab_size {VOCAB} "
             "(`rtrl model init DIR` writes one), or train other models with rtrl train"
         )
-    return replace(cfg, seed=cfg.seed + settings.loop.seed), precision
+    return cfg.replace(seed=cfg.seed + settings.loop.seed), precision
 
 
 def policy_server(settings: Settings, bootstrap: str, client: RtrlClient, seed: int) -> PolicyServer:

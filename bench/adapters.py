@@ -117,10 +117,10 @@ MB = 1e6
 
 
 def model_config(args: argparse.Namespace) -> Any:
-    from trainer.config import ModelConfig
+    from trainer.config import ModelSettings
 
     ffn = args.ffn or max(64, round(args.hidden * 8 / 3 / 64) * 64)  # Llama's 8/3 x hidden, a multiple of 64
-    return ModelConfig(
+    return ModelSettings(
         num_layers=args.layers,
         hidden_size=args.hidden,
         num_attention_heads=args.heads,
@@ -645,7 +645,7 @@ def main() -> None:
     init_parallel(cfg)
     console.print(
         f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads, FFN "
-        f"{cfg.ffn_hidden_size} (SwiGLU), RMSNorm, RoPE, vocab {cfg.vocab_size}, fp32; adapters rank {args.rank} on "
+        f"{cfg.ffn_width} (SwiGLU), RMSNorm, RoPE, vocab {cfg.vocab_size}, fp32; adapters rank {args.rank} on "
         f"all four targets; torch {torch.__version__}, {torch.get_num_threads()} intra-op thread(s)"
     )
     started = time.monotonic()

@@ -1,6 +1,6 @@
 """FP8 (Transformer Engine) against bf16 training throughput of a ~1B-parameter GPTModel on one GPU.
 
-Builds the trainer's own model (``trainer.config.ModelConfig`` -> ``trainer.model.build_model``; by
+Builds the trainer's own model (``trainer.config.ModelSettings`` -> ``trainer.model.build_model``; by
 default 18 layers, hidden 2048, 16 heads, MLP 8192, seq 2048, vocab 32,768: about 1.04B parameters,
 the exact count is printed) and times forward + backward + optimizer steps (``forward_logprobs``,
 mean negative log-likelihood of random tokens, ``torch.optim.AdamW(fused=True)`` on the bf16
@@ -47,7 +47,7 @@ Usage::
                                                   # trainer/hf/ (``--hf DIR`` times an existing one)
 
 With ``--hf DIR`` (or ``--new-hf-qwen DIR``) the model is the Hugging Face checkpoint imported through
-``trainer.hf`` (``model.hf_path``'s path: config.json -> ModelConfig, weights read per tensor-parallel rank into
+``trainer.hf`` (``model.hf_path``'s path: config.json -> ModelSettings, weights read per tensor-parallel rank into
 the TE spec on a GPU); its shape flags are ignored, MFU counts the built model's matmul parameters (SwiGLU, the
 padded vocabulary). The device machine also needs the ``safetensors`` cp312 wheel in ``.whl`` (step 1).
 Exit codes: 0 all requested measurements ran; 2 no CUDA device (and no ``--dry-run-cpu``); 3 the FP8
@@ -356,8 +356,8 @@ def main(argv=None) -> int:
         c = config_from_hf(args.hf, seq_length=args.seq)
         args.layers, args.hidden, args.heads = c.num_layers, c.hidden_size, c.num_attention_heads
         args.kv_heads, args.ffn, args.vocab = (
-            c.num_query_groups or c.num_attention_heads,
-            c.ffn_hidden_size,
+            c.kv_heads,
+            c.ffn_width,
             c.vocab_size,
         )
     ffn = args.ffn or 4 * args.hidden
@@ -401,7 +401,7 @@ def main(argv=None) -> int:
 
 def model_runs(args, shape: Shape, peak: float | None, results: dict) -> int:
 
-    from trainer.config import ModelConfig, PrecisionSettings, TransformerEngineMissing
+    from trainer.config import ModelSettings, PrecisionSettings, TransformerEngineMissing
     from trainer.model import init_parallel, transformer_engine_status
 
     te_ok, te_detail = transformer_engine_status()
@@ -412,11 +412,11 @@ def model_runs(args, shape: Shape, peak: float | None, results: dict) -> int:
         cfg = config_from_hf(args.hf, seq_length=shape.seq)
         print(f"model from {args.hf} (trainer/hf/ import, {(cfg.hf_config or {}).get('model_type')})")
     else:
-        cfg = ModelConfig(
+        cfg = ModelSettings(
             num_layers=shape.layers,
             hidden_size=shape.hidden,
             num_attention_heads=shape.heads,
-            num_query_groups=args.kv_heads,
+            num_query_groups=args.kv_heads or 0,
             ffn_hidden_size=shape.ffn,
             vocab_size=shape.vocab,
             seq_length=shape.seq,
@@ -523,11 +523,11 @@ def write_qwen(out: str, seq: int) -> str:
 def dry_run_cpu() -> int:
     """Small variant on CPU through the same build + step path; checks the parameter-count formula."""
 
-    from trainer.config import ModelConfig, PrecisionSettings, TransformerEngineMissing
+    from trainer.config import ModelSettings, PrecisionSettings, TransformerEngineMissing
     from trainer.model import init_parallel
 
     small = Shape(layers=2, hidden=128, heads=4, ffn=512, vocab=512, seq=128, kv_heads=4)
-    cfg = ModelConfig(
+    cfg = ModelSettings(
         num_layers=small.layers,
         hidden_size=small.hidden,
         num_attention_heads=small.heads,

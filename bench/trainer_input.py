@@ -4,7 +4,7 @@ memory, same run: does the data path starve the trainer?
 N packed micro-batches (default 40 of 8 rows x 64 tokens, several samples per row, ~60% of tokens
 loss-masked, two policy versions) are encoded once as Arrow IPC and produced once, in order, to one
 partition of a ``batches`` topic on a local noida-db broker. Then, alternating for ``--rounds``
-rounds, the tiny CPU model (``ModelConfig.tiny()``, fp32) is trained with ``trainer.train.train``
+rounds, the tiny CPU model (``ModelSettings.tiny()``, fp32) is trained with ``trainer.train.train``
 
 - from memory: a ``MemorySource`` over the already decoded ``Batch`` objects (decode not timed), and
 - from Kafka: a ``trainer.data.BatchStream`` on the topic (poll + Arrow decode + validation inside
@@ -246,14 +246,14 @@ def main() -> None:
     from rtrl.kafka import ensure_topics, producer_config
     from schemas.codec import encode_batch
     from trainer.batch import to_batch
-    from trainer.config import ModelConfig
+    from trainer.config import ModelSettings
     from trainer.data import BatchStream
     from trainer.model import init_parallel
     from trainer.train import MemorySource
 
     default_threads = torch.get_num_threads()
     thread_settings = [default_threads if t == "default" else int(t) for t in args.torch_threads.split(",")]
-    cfg = ModelConfig.tiny(seq_length=args.seq)
+    cfg = ModelSettings.tiny(seq_length=args.seq)
     records = micro_batches(args.batches, args.rows, args.seq, cfg.vocab_size)
     payloads = [encode_batch(mb) for mb in records]
     batches = [to_batch(p, 0, i) for i, p in enumerate(payloads)]

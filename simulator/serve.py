@@ -102,7 +102,7 @@ class PolicyServer:
             if model is None:
                 raise ValueError("the policy server's own completions server needs a model (or give url)")
             models = {model_name: model} | ({candidate_name: candidate_model} if candidate_model is not None else {})
-            # with the ModelConfig of a Hugging Face model, its server reloads exports (/update_weights_from_disk)
+            # with the ModelSettings of a Hugging Face model, its server reloads exports (/update_weights_from_disk)
             configs = {name: model_config for name in models} if model_config is not None else None
             self.api = CompletionServer(models, seed=seed, configs=configs, max_loras=max_adapters).start()
             url = self.api.url

@@ -22,7 +22,7 @@ import urllib3
 from simulator.openai_server import CompletionServer
 from simulator.tasks import VOCAB, sample_task
 from trainer import lora
-from trainer.config import ModelConfig
+from trainer.config import ModelSettings
 from trainer.model import build_model, causal_mask, init_parallel
 
 SEQ = 32
@@ -30,7 +30,7 @@ SEQ = 32
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = ModelConfig.tiny(vocab_size=VOCAB, seq_length=SEQ)
+    cfg = ModelSettings.tiny(vocab_size=VOCAB, seq_length=SEQ)
     init_parallel(cfg)
     return build_model(cfg)
 

@@ -1,4 +1,4 @@
-"""LoRA adapters on the megatron GPTModel (``trainer/lora/``), on real models built from ``ModelConfig`` on CPU
+"""LoRA adapters on the megatron GPTModel (``trainer/lora/``), on real models built from ``ModelSettings`` on CPU
 and real ``transformers`` + ``peft`` models; nothing is mocked.
 
 Contracts checked here:
@@ -38,7 +38,6 @@ import re
 import signal
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -47,7 +46,7 @@ import torch
 from rtrl.errors import ConfigError
 from tests.test_hf_convert import BASE, VOCAB  # noqa: E402
 from trainer import lora
-from trainer.config import ModelConfig
+from trainer.config import ModelSettings
 from trainer.factory import build
 from trainer.model import causal_mask, forward_logprobs, init_parallel
 
@@ -82,7 +81,7 @@ def randomize_b(model, name: str, seed: int = 5, std: float = 0.05) -> None:
 @pytest.fixture
 def tiny():
     """A tiny megatron model (LayerNorm, GELU, biases: skip_bias_add on linear_proj and linear_fc2) in eval mode."""
-    cfg = ModelConfig.tiny()
+    cfg = ModelSettings.tiny()
     init_parallel(cfg)
     return cfg, build(cfg).eval()
 
@@ -212,7 +211,7 @@ def test_init_is_seeded_by_seed_and_name(tiny):
     assert all(not torch.equal(first[k], other[k]) for k in first if k.endswith("lora_A"))
     a = first["decoder.layers.0.mlp.linear_fc1.lora_A"]
     assert a.shape == (8, cfg.hidden_size) and a.abs().max() <= 1 / cfg.hidden_size**0.5
-    assert first["decoder.layers.0.mlp.linear_fc2.lora_A"].shape == (8, cfg.ffn_hidden_size)
+    assert first["decoder.layers.0.mlp.linear_fc2.lora_A"].shape == (8, cfg.ffn_width)
     with pytest.raises(ConfigError, match="already exists"):
         lora.add_adapter(model, "x")
     with pytest.raises(ConfigError, match="adapter name"):
@@ -246,7 +245,7 @@ def test_sequence_parallel_is_refused(tiny):
 
 
 def test_only_the_active_adapter_changes_in_training():
-    cfg = ModelConfig.tiny(normalization="RMSNorm", activation="swiglu", num_query_groups=2)
+    cfg = ModelSettings.tiny(normalization="RMSNorm", activation="swiglu", num_query_groups=2)
     init_parallel(cfg)
     model = build(cfg)
     lora.add_adapter(model, "org-a", lora.LoraConfig(rank=4), seed=1)
@@ -281,7 +280,7 @@ def test_only_the_active_adapter_changes_in_training():
 # --------------------------------------------------------------------------- checkpoints
 
 
-def _trained(cfg: ModelConfig, steps: int = 2):
+def _trained(cfg: ModelSettings, steps: int = 2):
     model = build(cfg)
     lora.add_adapter(model, "org", lora.LoraConfig(rank=4, targets=("linear_qkv", "linear_fc2")), seed=1)
     lora.activate(model, "org")
@@ -295,7 +294,7 @@ def _trained(cfg: ModelConfig, steps: int = 2):
 
 
 def test_checkpoint_save_load_latest(tmp_path):
-    cfg = ModelConfig.tiny()
+    cfg = ModelSettings.tiny()
     init_parallel(cfg)
     model, opt = _trained(cfg)
     root = tmp_path / "ck"
@@ -551,7 +550,7 @@ def test_peft_export_matches_hf_peft_logits_and_round_trips(hf_folders, family, 
 def test_output_layer_adapter_with_tied_embeddings():
     """With tied embeddings the output layer has no weight of its own: its adapter takes the shared weight's dtype
     and device, a new one leaves the logits unchanged and a trained one changes them."""
-    cfg = ModelConfig.tiny(tie_embeddings=True)
+    cfg = ModelSettings.tiny(tie_embeddings=True)
     init_parallel(cfg)
     model = build(cfg).eval()
     assert model.output_layer.weight is None
@@ -625,4 +624,4 @@ def test_load_peft_refuses_what_cannot_be_fused(hf_folders, tmp_path):
         lora.load_peft(model, cfg, "bad", out)
     assert lora.adapter_names(model) == ["org"]
     with pytest.raises(ConfigError, match="RMSNorm"):
-        lora.export_peft(model, replace(cfg, normalization="LayerNorm"), "org", tmp_path / "x")
+        lora.export_peft(model, cfg.replace(normalization="LayerNorm"), "org", tmp_path / "x")

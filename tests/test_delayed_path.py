@@ -454,10 +454,10 @@ def test_dedup_remembers_delayed_samples_within_their_window():
 
 @pytest.fixture(scope="module")
 def tiny():
-    from trainer.config import ModelConfig
+    from trainer.config import ModelSettings
     from trainer.model import build_model, init_parallel
 
-    cfg = ModelConfig.tiny()
+    cfg = ModelSettings.tiny()
     init_parallel(cfg)
     model, reference = build_model(cfg), build_model(cfg)
     reference.load_state_dict(model.state_dict())

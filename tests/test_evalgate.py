@@ -215,10 +215,10 @@ def test_held_out_tasks_score_a_real_model_deterministically():
 
     from simulator.evalsuite import HeldOutTasks
     from simulator.tasks import VOCAB, held_out
-    from trainer.config import ModelConfig
+    from trainer.config import ModelSettings
     from trainer.model import build_model, init_parallel
 
-    cfg = ModelConfig.tiny(vocab_size=VOCAB, seq_length=32)
+    cfg = ModelSettings.tiny(vocab_size=VOCAB, seq_length=32)
     init_parallel(cfg)
     torch.manual_seed(0)
     model = build_model(cfg)

@@ -22,7 +22,6 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -36,7 +35,7 @@ from safetensors.torch import load_file  # noqa: E402
 from devservices.broker import free_port  # noqa: E402
 from rtrl.errors import ConfigError  # noqa: E402
 from rtrl.settings import load_settings  # noqa: E402
-from trainer.config import ModelConfig, ParallelSettings  # noqa: E402
+from trainer.config import ModelSettings, ParallelSettings  # noqa: E402
 from trainer.factory import build, model_config  # noqa: E402
 from trainer.hf.config import config_from_hf  # noqa: E402
 from trainer.hf.export import export_hf  # noqa: E402
@@ -114,7 +113,7 @@ def fixed_tokens(vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, vocab, (B, S), generator=g), torch.arange(S).expand(B, S).contiguous()
 
 
-def megatron_logits(model, cfg: ModelConfig) -> torch.Tensor:
+def megatron_logits(model, cfg: ModelSettings) -> torch.Tensor:
     tok, pos = fixed_tokens()
     model.eval()
     with torch.no_grad():
@@ -143,7 +142,7 @@ def test_logits_match_hugging_face(checkpoints, family, tie):
     cfg = config_from_hf(folder)
     assert (cfg.vocab_size, cfg.padded_vocab_size, cfg.tie_embeddings) == (VOCAB, 128, tie)
     assert (cfg.qkv_bias, cfg.qk_layernorm) == (family == "qwen2", family == "qwen3")
-    assert cfg.head_dim == (32 if family == "qwen3" else None) and cfg.norm_eps == 1e-6
+    assert cfg.head_dim == (32 if family == "qwen3" else 0) and cfg.norm_eps == 1e-6
     init_parallel(cfg)
     model = build(cfg)
     out = megatron_logits(model, cfg)
@@ -165,7 +164,7 @@ def test_llama3_rope_scaling_is_what_makes_them_agree(checkpoints):
     init_parallel(cfg)
     ref = hf_logits(hf)
     for other in ("", "linear"):
-        out = megatron_logits(build(replace(cfg, rope_scaling=other)), cfg)  # type: ignore[arg-type]
+        out = megatron_logits(build(cfg.replace(rope_scaling=other)), cfg)
         assert (out[..., :VOCAB] - ref).abs().max() > 1e-2, other
 
 
@@ -208,7 +207,7 @@ def test_export_refuses_a_non_empty_folder_and_a_model_without_hf_config(checkpo
     with pytest.raises(FileExistsError, match="not empty"):
         export_hf(model, cfg, tmp_path)
     with pytest.raises(ConfigError, match="hf_config is None"):
-        export_hf(model, replace(cfg, hf_config=None), tmp_path / "new")
+        export_hf(model, cfg.replace(hf_config=None), tmp_path / "new")
 
 
 def test_multi_query_attention_round_trip(tmp_path):
@@ -391,17 +390,17 @@ def test_vocab_padding_rule():
     assert config_from_hf(_dict(vocab_size=129)).padded_vocab_size == 256
     assert config_from_hf(_dict(vocab_size=128)).padded_vocab_size == 128
     for tp in (4, 8):
-        wide = ModelConfig.tiny(
+        wide = ModelSettings.tiny(
             num_attention_heads=8, vocab_size=100, vocab_multiple=128, parallel=ParallelSettings(tp=tp)
         )
         assert wide.padded_vocab_size == 128
-    odd = ModelConfig.tiny(
+    odd = ModelSettings.tiny(
         hidden_size=96, num_attention_heads=6, ffn_hidden_size=384, vocab_size=100, vocab_multiple=128
     )
-    assert replace(odd, parallel=ParallelSettings(tp=3)).padded_vocab_size == 384  # lcm(128, 3)
-    assert ModelConfig.tiny().padded_vocab_size == 256 and ModelConfig.tiny(vocab_size=100).padded_vocab_size == 100
+    assert odd.replace(parallel=ParallelSettings(tp=3)).padded_vocab_size == 384  # lcm(128, 3)
+    assert ModelSettings.tiny().padded_vocab_size == 256 and ModelSettings.tiny(vocab_size=100).padded_vocab_size == 100
     with pytest.raises(ConfigError, match=r"model\.vocab_size = 100 must be divisible by parallel\.tp = 3"):
-        replace(odd, vocab_multiple=0, parallel=ParallelSettings(tp=3))
+        odd.replace(vocab_multiple=0, parallel=ParallelSettings(tp=3))
 
 
 # --------------------------------------------------------------------------- name tables
@@ -415,7 +414,7 @@ def test_name_tables_cover_the_local_and_transformer_engine_specs(checkpoints, f
     folder, _ = checkpoints(family, False)
     cfg = config_from_hf(folder)
     init_parallel(cfg)
-    model = build(replace(cfg, hf_path=""))  # random weights: only names matter
+    model = build(cfg.replace(hf_path=""))  # random weights: only names matter
     local, te = name_table(cfg, "local"), name_table(cfg, "te")
     assert set(local) == {k for k in model.state_dict() if not k.endswith("_extra_state")}
     te_names = set()
@@ -456,6 +455,10 @@ def test_hf_path_setting_builds_that_model_with_its_weights(checkpoints):
         ("VOCAB_SIZE", "256", "vocab_size"),
         ("TIE_EMBEDDINGS", "false", "tie_word_embeddings"),
         ("NORMALIZATION", "LayerNorm", "RMSNorm"),
+        ("HEAD_DIM", "32", "head_dim"),
+        ("NORM_EPS", "1e-05", "rms_norm_eps"),
+        ("QK_LAYERNORM", "true", "model_type"),
+        ("ROPE_SCALING", "linear", "rope_scaling"),
     ):
         env = {"RTRL_MODEL__HF_PATH": str(folder), f"RTRL_MODEL__{key}": value}
         with pytest.raises(ConfigError, match=rf"model\.{key.lower()} = .* disagrees with model\.hf_path.*{field}"):
@@ -465,8 +468,10 @@ def test_hf_path_setting_builds_that_model_with_its_weights(checkpoints):
         model_config(load_settings(env=env))
     with pytest.raises(ConfigError, match=r"no config\.json"):
         model_config(load_settings(env={"RTRL_MODEL__HF_PATH": str(folder / "absent")}))
+    wide = model_config(load_settings(env={"RTRL_MODEL__HF_PATH": str(folder), "RTRL_MODEL__VOCAB_MULTIPLE": "256"}))
+    assert wide[0].padded_vocab_size == 256 and cfg.padded_vocab_size == 128  # 0 = 128 with a checkpoint
     default, _ = model_config(load_settings(env={}))
-    assert default == ModelConfig.tiny() and default.hf_path == "" and default.hf_config is None
+    assert default == ModelSettings.tiny() and default.hf_path == "" and default.hf_config is None
 
 
 def test_checkpoint_tensors_must_fit_the_config(checkpoints, tmp_path):
@@ -474,14 +479,14 @@ def test_checkpoint_tensors_must_fit_the_config(checkpoints, tmp_path):
     folder, _ = checkpoints("llama", False)
     cfg = config_from_hf(folder)
     init_parallel(cfg)
-    wide = replace(cfg, ffn_hidden_size=128, hf_path="")
+    wide = cfg.replace(ffn_hidden_size=128, hf_path="")
     with pytest.raises(
         ConfigError, match=r"do not fit its config.json: .*gate_proj.weight \(96, 64\) \(config: \(128, 64\)\)"
     ):
         load_hf(build(wide), wide, folder)
     qwen3 = config_from_hf(checkpoints("qwen3", False)[0])
     with pytest.raises(ConfigError, match=r"tensors have no place in this model \(.*q_norm"):
-        load_hf(build(replace(cfg, hf_path="")), cfg, checkpoints("qwen3", False)[0])
+        load_hf(build(cfg.replace(hf_path="")), cfg, checkpoints("qwen3", False)[0])
     assert qwen3.qk_layernorm
 
 

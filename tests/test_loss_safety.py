@@ -370,10 +370,10 @@ def test_bad_guard_config_names_the_field(field, value):
 def tiny_trainer():
     """The tiny model on a single-process gloo group in this process, its initial weights and 4 micro-batches."""
     from tests.dist.train_run import synthetic_batches
-    from trainer.config import ModelConfig
+    from trainer.config import ModelSettings
     from trainer.model import build_model, init_parallel
 
-    cfg = ModelConfig.tiny()
+    cfg = ModelSettings.tiny()
     init_parallel(cfg)
     model, reference = build_model(cfg), build_model(cfg)
     reference.load_state_dict(model.state_dict())

@@ -177,10 +177,10 @@ def test_the_shared_trainer_loads_each_serving_adapter_version_and_names_the_one
     from simulator.tasks import VOCAB
     from trainer import lora
     from trainer.batch import to_batch
-    from trainer.config import ModelConfig
+    from trainer.config import ModelSettings
     from trainer.model import build_model, init_parallel
 
-    cfg = ModelConfig.tiny(vocab_size=VOCAB, seq_length=64)
+    cfg = ModelSettings.tiny(vocab_size=VOCAB, seq_length=64)
     init_parallel(cfg)
     torch.manual_seed(0)
     model = build_model(cfg)
@@ -301,7 +301,7 @@ def test_an_adapter_trains_on_its_orgs_batches_only_and_the_base_stays_frozen(tm
     from simulator.tasks import VOCAB
     from trainer import lora
     from trainer.batch import to_batch
-    from trainer.config import ModelConfig, TrainConfig
+    from trainer.config import ModelSettings, TrainConfig
     from trainer.factory import Policy
     from trainer.model import build_model, init_parallel
     from trainer.train import MemorySource, train
@@ -314,7 +314,7 @@ def test_an_adapter_trains_on_its_orgs_batches_only_and_the_base_stays_frozen(tm
             routed += routers[org].route(b) if org in routers else [b]
     wire = [to_batch(encode_batch(mb), 0, i) for i, mb in enumerate(routed)]
     assert {b.adapter for b in wire} == {"", "o1", "o2"}
-    cfg = ModelConfig.tiny(vocab_size=VOCAB, seq_length=64)
+    cfg = ModelSettings.tiny(vocab_size=VOCAB, seq_length=64)
     init_parallel(cfg)
     torch.manual_seed(0)
     model = build_model(cfg)
@@ -376,7 +376,7 @@ def test_updates_per_step_reuse_a_step_and_the_base_can_train_through_the_servin
     from simulator.tasks import VOCAB
     from trainer import lora
     from trainer.batch import to_batch
-    from trainer.config import ModelConfig, TrainConfig
+    from trainer.config import ModelSettings, TrainConfig
     from trainer.factory import Policy
     from trainer.model import build_model, init_parallel
     from trainer.train import Hooks, MemorySource, train
@@ -390,7 +390,7 @@ def test_updates_per_step_reuse_a_step_and_the_base_can_train_through_the_servin
         load_settings(env={"RTRL_TRAIN__UPDATES_PER_STEP": "0"})
 
     wire = [to_batch(encode_batch(batch("o1", 4, first=4 * k)), 0, k) for k in range(2)]
-    cfg = ModelConfig.tiny(vocab_size=VOCAB, seq_length=64)
+    cfg = ModelSettings.tiny(vocab_size=VOCAB, seq_length=64)
     init_parallel(cfg)
 
     def fresh() -> tuple[torch.nn.Module, torch.nn.Module]:

@@ -19,7 +19,7 @@ from schemas.codec import JsonCodec, event_codec
 from schemas.records import Checkpoint, Experiment, Rollout
 from simulator.serve import PolicyServer
 from simulator.tasks import VOCAB
-from trainer.config import ModelConfig
+from trainer.config import ModelSettings
 from trainer.model import build_model, init_parallel
 
 
@@ -51,7 +51,7 @@ def _refresh(server: PolicyServer, load) -> int | None:
 @pytest.mark.slow
 def test_follows_deployments_and_serves_a_quota_per_decision(broker, topic_prefix):
     settings = load_settings(env={"RTRL_KAFKA__TOPIC_PREFIX": topic_prefix})
-    cfg = ModelConfig.tiny(vocab_size=VOCAB, seq_length=SEQ_LEN)
+    cfg = ModelSettings.tiny(vocab_size=VOCAB, seq_length=SEQ_LEN)
     init_parallel(cfg)
     loads: list[str] = []
 
@@ -129,7 +129,7 @@ def test_serves_an_experiment_announced_on_rtrl_experiments(broker, topic_prefix
     overwriting its weights; one left running for another version is not served, and the main job's
     ``end_running_experiments`` ends whatever an earlier run left running."""
     settings = load_settings(env={"RTRL_KAFKA__TOPIC_PREFIX": topic_prefix})
-    cfg = ModelConfig.tiny(vocab_size=VOCAB, seq_length=SEQ_LEN)
+    cfg = ModelSettings.tiny(vocab_size=VOCAB, seq_length=SEQ_LEN)
     init_parallel(cfg)
     loads: list[tuple[str, str]] = []
     deployments, experiments = topic_prefix + "deployments", topic_prefix + "experiments"

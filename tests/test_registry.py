@@ -55,7 +55,7 @@ from schemas.codec import JsonCodec  # noqa: E402
 from schemas.records import Checkpoint  # noqa: E402
 from simulator.openai_server import CompletionServer  # noqa: E402
 from tests.test_hf_convert import BASE, VOCAB  # noqa: E402
-from trainer.config import ModelConfig  # noqa: E402
+from trainer.config import ModelSettings  # noqa: E402
 from trainer.factory import build  # noqa: E402
 from trainer.hf.config import config_from_hf  # noqa: E402
 from trainer.model import causal_mask, init_parallel  # noqa: E402
@@ -83,7 +83,7 @@ def source(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def cfg(source) -> ModelConfig:
+def cfg(source) -> ModelSettings:
     c = config_from_hf(source)
     init_parallel(c)
     return c
@@ -219,7 +219,7 @@ def test_a_model_that_is_not_hugging_face_is_not_exported(tmp_path, caplog):
     settings = _settings(tmp_path)
     ck = _ck(3, 2)
     with caplog.at_level(logging.INFO, logger="trainer.registry"):
-        out = export_checkpoint(settings, None, ModelConfig.tiny(), ck)
+        out = export_checkpoint(settings, None, ModelSettings.tiny(), ck)
     assert out == ck and (out.export_path, out.export_sha256) == ("", "")
     assert [r.getMessage() for r in caplog.records if r.name == "trainer.registry"] == [
         "registry: v3 not exported: the model is not a Hugging Face family (model.hf_path is empty); "

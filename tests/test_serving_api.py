@@ -37,10 +37,10 @@ SEQ = 32
 @pytest.fixture(scope="module")
 def model():
     from simulator.policy import warm_start
-    from trainer.config import ModelConfig
+    from trainer.config import ModelSettings
     from trainer.model import build_model, init_parallel
 
-    cfg = ModelConfig.tiny(vocab_size=VOCAB, seq_length=SEQ)
+    cfg = ModelSettings.tiny(vocab_size=VOCAB, seq_length=SEQ)
     init_parallel(cfg)
     m = build_model(cfg)
     rng = random.Random(0)
@@ -475,10 +475,10 @@ def test_ab_candidate_is_served_under_its_model_name(broker, topic_prefix, model
     from schemas.codec import JsonCodec
     from schemas.records import Checkpoint, Rollout
     from simulator.serve import PolicyServer
-    from trainer.config import ModelConfig
+    from trainer.config import ModelSettings
     from trainer.model import build_model
 
-    candidate = build_model(ModelConfig.tiny(vocab_size=VOCAB, seq_length=SEQ))  # other weights than `model`
+    candidate = build_model(ModelSettings.tiny(vocab_size=VOCAB, seq_length=SEQ))  # other weights than `model`
     settings = load_settings(env={"RTRL_KAFKA__TOPIC_PREFIX": topic_prefix})
     loaded: list[tuple[object, str]] = []
     with RtrlClient.from_settings(settings, bootstrap=broker.bootstrap) as client:

@@ -140,11 +140,11 @@ def test_sampled_logprobs_are_the_trainers(tmp_path):
     from simulator.policy import sample, warm_start
     from simulator.tasks import VOCAB
     from trainer.batch import to_batch
-    from trainer.config import ModelConfig
+    from trainer.config import ModelSettings
     from trainer.model import build_model, forward_logprobs, init_parallel
     from trainer.train import prepare
 
-    cfg = ModelConfig.tiny(vocab_size=VOCAB, seq_length=32)
+    cfg = ModelSettings.tiny(vocab_size=VOCAB, seq_length=32)
     init_parallel(cfg)
     model = build_model(cfg)
     rng = random.Random(0)

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from rtrl.errors import ConfigError
 from trainer import checkpoint, cpu_compat
-from trainer.config import ModelConfig, ParallelSettings, PrecisionSettings, TransformerEngineMissing
+from trainer.config import ModelSettings, ParallelSettings, PrecisionSettings, TransformerEngineMissing
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist" / "trainer_worker.py"
@@ -53,12 +53,12 @@ def tiny():
     """The tiny model on a single-process gloo group in this process (TP=PP=DP=1)."""
     from trainer.model import build_model, init_parallel
 
-    cfg = ModelConfig.tiny()
+    cfg = ModelSettings.tiny()
     info = init_parallel(cfg)
     return cfg, info, build_model(cfg)
 
 
-def _batch(cfg: ModelConfig, b: int = 4, s: int = 32):
+def _batch(cfg: ModelSettings, b: int = 4, s: int = 32):
     g = torch.Generator().manual_seed(3)
     seq = torch.randint(0, cfg.vocab_size, (b, s + 1), generator=g)
     return seq[:, :-1], torch.arange(s).expand(b, s), seq[:, 1:]
@@ -68,11 +68,13 @@ def _batch(cfg: ModelConfig, b: int = 4, s: int = 32):
 
 
 def test_config_validation_names_the_field():
-    """Bad values raise ConfigError naming the field; FP8 implies bf16; the layout must fit the world size."""
-    with pytest.raises(ConfigError, match=r"model\.hidden_size = 65 must be divisible by model\.num_attention_heads"):
-        ModelConfig.tiny(hidden_size=65)
+    """Bad values raise errors naming the field; FP8 implies bf16; the layout must fit the world size."""
+    with pytest.raises(
+        ValidationError, match=r"model\.hidden_size = 65 must be divisible by model\.num_attention_heads"
+    ):
+        ModelSettings.tiny(hidden_size=65)
     with pytest.raises(ConfigError, match=r"model\.vocab_size = 255 must be divisible by parallel\.tp = 2"):
-        ModelConfig.tiny(vocab_size=255, parallel=ParallelSettings(tp=2))
+        ModelSettings.tiny(vocab_size=255, parallel=ParallelSettings(tp=2))
     with pytest.raises(ValidationError, match=r"fp8\n.*'hybrid' or 'e4m3'"):
         PrecisionSettings(bf16=True, fp8="e5m2")
     with pytest.raises(ValidationError, match=r"fp8_recipe\n.*'delayed', 'tensorwise', 'mxfp8' or 'blockwise'"):
@@ -84,7 +86,7 @@ def test_config_validation_names_the_field():
     with pytest.raises(ConfigError, match=r"parallel\.dp = 2 but world size 2"):
         ParallelSettings(tp=2, dp=2).resolve_dp(2)
     assert ParallelSettings(tp=2).resolve_dp(4) == 2
-    t = ModelConfig.tiny()
+    t = ModelSettings.tiny()
     assert (t.num_layers, t.hidden_size, t.num_attention_heads, t.vocab_size, t.seq_length) == (2, 64, 4, 256, 64)
 
 
@@ -97,7 +99,7 @@ def test_fp8_without_transformer_engine_is_a_hard_error():
         with pytest.raises(
             TransformerEngineMissing, match=r"precision\.fp8 = 'hybrid' needs NVIDIA Transformer Engine"
         ):
-            build_model(ModelConfig.tiny(), PrecisionSettings(bf16=True, fp8="hybrid", fp8_recipe=recipe))
+            build_model(ModelSettings.tiny(), PrecisionSettings(bf16=True, fp8="hybrid", fp8_recipe=recipe))
     assert issubclass(TransformerEngineMissing, ConfigError)
 
 
@@ -193,7 +195,6 @@ def test_tiny_model_forward_and_training(tiny):
 def test_build_model_is_deterministic(tiny):
     """The weights depend only on the config: building twice (a policy and its reference) gives the same
     model whatever the RNGs did in between; another cfg.seed gives another model."""
-    from dataclasses import replace
 
     from trainer.model import build_model
 
@@ -201,7 +202,7 @@ def test_build_model_is_deterministic(tiny):
     a = build_model(cfg)
     torch.rand(100)
     b = build_model(cfg)
-    c = build_model(replace(cfg, seed=cfg.seed + 1))
+    c = build_model(cfg.replace(seed=cfg.seed + 1))
     pa, pb, pc = (list(m.state_dict().values()) for m in (a, b, c))
     assert all(torch.equal(x, y) for x, y in zip(pa, pb) if isinstance(x, torch.Tensor))
     assert not all(torch.equal(x, y) for x, y in zip(pa, pc) if isinstance(x, torch.Tensor))

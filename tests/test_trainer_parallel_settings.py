@@ -63,16 +63,21 @@ def test_every_model_parallel_precision_setting_reaches_the_model_config():
             "hidden_size": 128,
             "num_attention_heads": 8,
             "num_query_groups": 2,
+            "head_dim": 32,
             "ffn_hidden_size": 320,
             "vocab_size": 512,
+            "vocab_multiple": 128,
             "seq_length": 96,
             "normalization": "RMSNorm",
+            "norm_eps": 1e-6,
             "activation": "swiglu",
             "position_embedding_type": "learned_absolute",
             "rope_base": 500000.0,
+            "rope_scaling_factor": 8.0,
             "tie_embeddings": True,
             "qkv_bias": True,
             "linear_bias": False,
+            "qk_layernorm": True,
             "hidden_dropout": 0.1,
             "attention_dropout": 0.2,
             "init_method_std": 0.01,
@@ -84,9 +89,9 @@ def test_every_model_parallel_precision_setting_reaches_the_model_config():
     defaults = load_settings(env={})
     for section, kv in values.items():
         # model.hf_path replaces the shape settings by a checkpoint's: tests/test_hf_convert.py
-        # (test_hf_path_setting_builds_that_model_with_its_weights) covers it
-        covered = set(kv) | ({"hf_path"} if section == "model" else set())
-        assert covered == set(getattr(defaults, section).model_fields), f"{section}: test every field"
+        # (test_hf_path_setting_builds_that_model_with_its_weights) covers it; rope_scaling needs rope: below
+        covered = set(kv) | ({"hf_path", "rope_scaling"} if section == "model" else set())
+        assert covered == set(type(getattr(defaults, section)).model_fields), f"{section}: test every field"
         assert all(getattr(getattr(defaults, section), k) != v for k, v in kv.items()), f"{section}: non-defaults"
     env = {
         f"RTRL_{sec.upper()}__{k.upper()}": str(v).lower() if isinstance(v, bool) else str(v)
@@ -97,8 +102,11 @@ def test_every_model_parallel_precision_setting_reaches_the_model_config():
     for section, obj in (("model", cfg), ("parallel", cfg.parallel), ("precision", precision)):
         for key, want in values[section].items():
             assert getattr(obj, key) == want, f"{section}.{key}"
+    scaled, _ = model_config(load_settings(env={"RTRL_MODEL__ROPE_SCALING": "llama3"}))
+    assert scaled.rope_scaling == "llama3" != defaults.model.rope_scaling
     default, default_precision = model_config(defaults)
-    assert default.ffn_hidden_size == 4 * default.hidden_size and default.num_query_groups is None
+    assert (default.ffn_hidden_size, default.num_query_groups, default.head_dim) == (0, 0, 0)  # 0 = derived:
+    assert (default.ffn_width, default.kv_heads, default.kv_channels) == (4 * 64, 4, 64 // 4)
     assert default.parallel.dp == 0 and default_precision.fp8 == ""
 
 

@@ -72,7 +72,7 @@ def test_golden_loss_curve(tmp_path):
     curve = [[s["step"], s["loss"], s["kl"], s["clip_fraction"]] for s in _steps(proc.stdout)]
     if os.environ.get("RTRL_UPDATE_GOLDEN"):
         GOLDEN.write_text(
-            json.dumps({"note": "tests/dist/train_run.py, tiny ModelConfig, 6 steps", "curve": curve}, indent=1)
+            json.dumps({"note": "tests/dist/train_run.py, tiny ModelSettings, 6 steps", "curve": curve}, indent=1)
         )
     golden = json.loads(GOLDEN.read_text())["curve"]
     assert len(curve) == len(golden) == 6

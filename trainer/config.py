@@ -2,9 +2,10 @@
 and precision, and how a run trains.
 
 The sections (``loss``, ``train``, ``model``, ``parallel``, ``precision``, ``adapters``) are what the settings
-file and the environment set. The loss section is itself the loss's config. Each dataclass config validates itself
-in ``__post_init__`` and raises :class:`ConfigError` naming the field (``model.hidden_size`` ...) and the fix.
-``ModelConfig.tiny()`` is the preset the CPU tests and the local simulator train: a few seconds per step on 2 cores.
+file and the environment set. The loss, model, parallel and precision sections are themselves the configs their
+code takes. Their checks name the setting (``model.hidden_size`` ...) and the fix.
+``ModelSettings.tiny()`` is the preset the CPU tests and the local simulator train: a few seconds per step on 2 cores.
+:class:`TrainConfig` is how a run trains, made from the ``train`` and ``loss`` sections.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from __future__ import annotations
 import math
 import os
 import uuid
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from rtrl.errors import ConfigError
@@ -24,9 +26,6 @@ from rtrl.section import setting as _s
 
 if TYPE_CHECKING:
     from rtrl.settings import Settings
-
-POSITION_EMBEDDINGS = ("rope", "learned_absolute")
-ROPE_SCALINGS = ("", "llama3", "linear")
 
 
 class LossSettings(Section):
@@ -132,42 +131,6 @@ class TrainSettings(Section):
         return self
 
 
-class ModelSettings(Section):
-    """The policy's architecture (a megatron-core GPTModel). Defaults: the tiny CPU model."""
-
-    hf_path: str = _s(
-        "",
-        "a Hugging Face checkpoint folder (config.json + safetensors; dense Llama, Qwen2 or Qwen3): the "
-        "architecture comes from its config.json (a shape setting below that disagrees is refused) and the "
-        "weights of the policy and its KL reference from its tensors; empty = the shape settings, random init",
-    )
-
-    @field_validator("hf_path")
-    @classmethod
-    def _absolute_hf_path(cls, v: str) -> str:
-        """Absolute, so every part of the loop (started in the repository's folder) finds the same checkpoint."""
-        return os.path.abspath(os.path.expanduser(v)) if v else v
-
-    num_layers: int = _s(2, "transformer layers", gt=0)
-    hidden_size: int = _s(64, "model width", gt=0)
-    num_attention_heads: int = _s(4, "attention heads", gt=0)
-    num_query_groups: int = _s(0, "key/value heads for grouped-query attention; 0 = one per attention head", ge=0)
-    ffn_hidden_size: int = _s(0, "MLP width; 0 = 4 x hidden_size", ge=0)
-    vocab_size: int = _s(256, "vocabulary size", gt=0)
-    seq_length: int = _s(64, "longest sequence (packed micro-batch row) the model is built for", gt=0)
-    normalization: Literal["LayerNorm", "RMSNorm"] = _s("LayerNorm", "LayerNorm or RMSNorm")
-    activation: Literal["gelu", "swiglu"] = _s("gelu", "MLP activation: gelu, or swiglu (gated SiLU)")
-    position_embedding_type: Literal["rope", "learned_absolute"] = _s("rope", "rope or learned_absolute")
-    rope_base: float = _s(10000.0, "RoPE base frequency (theta)", gt=0)
-    tie_embeddings: bool = _s(False, "share the input embedding and output layer weights")
-    qkv_bias: bool = _s(False, "bias on the query/key/value projections (Qwen2 style)")
-    linear_bias: bool = _s(True, "biases on the other linear layers (GPT-2 style; Llama and Qwen: false)")
-    hidden_dropout: float = _s(0.0, "dropout after attention and MLP (RL compares log-probs: keep 0)", ge=0, lt=1)
-    attention_dropout: float = _s(0.0, "dropout of attention probabilities", ge=0, lt=1)
-    init_method_std: float = _s(0.02, "standard deviation of the weight init", gt=0)
-    seed: int = _s(1234, "seed of the weight init and megatron's RNG tracker")
-
-
 class ParallelSettings(Section):
     """How one model replica is split over ranks: world size = tp x pp x dp."""
 
@@ -227,6 +190,194 @@ class PrecisionSettings(Section):
                 "parameters); fix: set precision.bf16 = true"
             )
         return self
+
+
+class ModelSettings(Section):
+    """The policy's architecture: a megatron-core GPTModel. Defaults: the tiny CPU model.
+
+    This section is also the model's config. :func:`trainer.factory.model_config` joins the ``parallel`` section in.
+    """
+
+    hf_path: str = _s(
+        "",
+        "a Hugging Face checkpoint folder (config.json + safetensors; dense Llama, Qwen2 or Qwen3): the "
+        "architecture comes from its config.json (a shape setting below that disagrees is refused) and the "
+        "weights of the policy and its KL reference from its tensors; empty = the shape settings, random init",
+    )
+
+    @field_validator("hf_path")
+    @classmethod
+    def _absolute_hf_path(cls, v: str) -> str:
+        """Absolute, so every part of the loop (started in the repository's folder) finds the same checkpoint."""
+        return os.path.abspath(os.path.expanduser(v)) if v else v
+
+    num_layers: int = _s(2, "transformer layers", gt=0)
+    hidden_size: int = _s(64, "model width", gt=0)
+    num_attention_heads: int = _s(4, "attention heads", gt=0)
+    num_query_groups: int = _s(0, "key/value heads for grouped-query attention; 0 = one per attention head", ge=0)
+    head_dim: int = _s(
+        0, "width of one attention head (megatron's kv_channels); 0 = hidden_size / num_attention_heads", ge=0
+    )
+    ffn_hidden_size: int = _s(0, "MLP width; 0 = 4 x hidden_size", ge=0)
+    vocab_size: int = _s(256, "vocabulary size", gt=0)
+    vocab_multiple: int = _s(
+        0,
+        "pad the vocabulary (embedding and output rows) up to a multiple of lcm(vocab_multiple, parallel.tp), so "
+        "checkpoints reshard over tp; the padded rows' logits are masked out; 0 = none (vocab_size must then divide "
+        "by parallel.tp), or 128 with model.hf_path (Megatron-LM's default)",
+        ge=0,
+    )
+    seq_length: int = _s(64, "longest sequence (packed micro-batch row) the model is built for", gt=0)
+    normalization: Literal["LayerNorm", "RMSNorm"] = _s("LayerNorm", "LayerNorm or RMSNorm")
+    norm_eps: float = _s(1e-5, "epsilon of every LayerNorm or RMSNorm (megatron's layernorm_epsilon)", gt=0)
+    activation: Literal["gelu", "swiglu"] = _s("gelu", "MLP activation: gelu, or swiglu (gated SiLU)")
+    position_embedding_type: Literal["rope", "learned_absolute"] = _s("rope", "rope or learned_absolute")
+    rope_base: float = _s(10000.0, "RoPE base frequency (theta)", gt=0)
+    rope_scaling: Literal["", "llama3", "linear"] = _s(
+        "",
+        "RoPE frequency scaling: llama3 (Llama 3.1's low and high frequency factors 1 and 4 over 8192 original "
+        "positions) or linear (positions divided by rope_scaling_factor); empty = none",
+    )
+    rope_scaling_factor: float = _s(1.0, "the factor of rope_scaling; read only when rope_scaling is set", gt=0)
+    tie_embeddings: bool = _s(False, "share the input embedding and output layer weights")
+    qkv_bias: bool = _s(False, "bias on the query/key/value projections (Qwen2 style)")
+    linear_bias: bool = _s(True, "biases on the other linear layers (GPT-2 style; Llama and Qwen: false)")
+    qk_layernorm: bool = _s(
+        False, "normalise queries and keys per head before RoPE, with the model's normalization (Qwen3's QK-norm)"
+    )
+    hidden_dropout: float = _s(0.0, "dropout after attention and MLP (RL compares log-probs: keep 0)", ge=0, lt=1)
+    attention_dropout: float = _s(0.0, "dropout of attention probabilities", ge=0, lt=1)
+    init_method_std: float = _s(0.02, "standard deviation of the weight init", gt=0)
+    seed: int = _s(1234, "seed of the weight init and megatron's RNG tracker (the same model on any tp)")
+
+    _parallel: ParallelSettings = PrivateAttr(default_factory=ParallelSettings)
+    _hf_config: dict[str, Any] | None = PrivateAttr(default=None)
+
+    def __init__(
+        self,
+        /,
+        *,
+        parallel: ParallelSettings | None = None,
+        hf_config: Mapping[str, Any] | None = None,
+        **settings: Any,
+    ) -> None:
+        """The model of ``settings`` (the section's fields), split over ``parallel``.
+
+        ``parallel`` and ``hf_config`` (the config.json the model was read from) are not settings.
+        A size of 0 means derived: read it through :attr:`ffn_width`, :attr:`kv_heads` and :attr:`kv_channels`.
+        Shape errors are pydantic's ValidationError. A shape that does not fit ``parallel`` is a ConfigError
+        naming both settings."""
+        super().__init__(**settings)
+        if parallel is not None:
+            self._parallel = parallel
+        if hf_config is not None:
+            self._hf_config = dict(hf_config)
+        why = (self._shape_error() if self.hf_path else None) or self._layout_error()
+        if why:
+            raise ConfigError(why)
+
+    @property
+    def parallel(self) -> ParallelSettings:
+        """How the model is split over ranks: the settings' ``parallel`` section. Not a model setting."""
+        return self._parallel
+
+    @property
+    def hf_config(self) -> dict[str, Any] | None:
+        """The Hugging Face ``config.json`` the model was read from, kept so an export writes it back unchanged.
+        None for a model of the shape settings. Not a setting."""
+        return self._hf_config
+
+    @property
+    def ffn_width(self) -> int:
+        """The MLP width: ``ffn_hidden_size``, or 4 x ``hidden_size`` when it is 0."""
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def kv_heads(self) -> int:
+        """The key/value heads: ``num_query_groups``, or one per attention head when it is 0."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def kv_channels(self) -> int:
+        """The width of one attention head: ``head_dim``, or ``hidden_size / num_attention_heads`` when it is 0."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding and output layers: ``vocab_size`` rounded up to a multiple of
+        lcm(vocab_multiple, parallel.tp) (``vocab_size`` itself when ``vocab_multiple`` is 0). For
+        power-of-two tp up to ``vocab_multiple`` the result does not depend on tp, so checkpoints reshard.
+        The padded rows are zeros after an import, their logits are masked out (:func:`trainer.model.build_model`)
+        and an export cuts them off."""
+        if not self.vocab_multiple:
+            return self.vocab_size
+        m = math.lcm(self.vocab_multiple, self.parallel.tp)
+        return -(-self.vocab_size // m) * m
+
+    def _shape_error(self) -> str | None:
+        """What is wrong with the shape settings together, naming them; None if nothing."""
+        if not self.head_dim and self.hidden_size % self.num_attention_heads:
+            return (
+                f"model.hidden_size = {self.hidden_size} must be divisible by model.num_attention_heads = "
+                f"{self.num_attention_heads}"
+            )
+        if self.num_query_groups and self.num_attention_heads % self.num_query_groups:
+            return (
+                f"model.num_query_groups = {self.num_query_groups} must divide model.num_attention_heads = "
+                f"{self.num_attention_heads}"
+            )
+        if self.rope_scaling and self.position_embedding_type != "rope":
+            return f"model.rope_scaling = {self.rope_scaling!r} needs model.position_embedding_type = 'rope'"
+        return None
+
+    @model_validator(mode="after")
+    def _shape(self) -> ModelSettings:
+        """The shape settings fit together. With ``hf_path`` the checkpoint decides: it is checked when read."""
+        why = None if self.hf_path else self._shape_error()
+        if why:
+            raise ValueError(why)
+        return self
+
+    def _layout_error(self) -> str | None:
+        """What does not divide over ``parallel``'s tensor and pipeline ranks, naming both settings; None if nothing."""
+        tp, pp = self.parallel.tp, self.parallel.pp
+        for name, v in (
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_query_groups", self.kv_heads),
+            ("ffn_hidden_size", self.ffn_width),
+            ("vocab_size", self.padded_vocab_size),
+        ):
+            if v % tp:
+                return f"model.{name} = {v!r} must be divisible by parallel.tp = {tp}"
+        if self.num_layers % pp:
+            return f"model.num_layers = {self.num_layers!r} must be divisible by parallel.pp = {pp}"
+        return None
+
+    def check_precision(self, precision: PrecisionSettings) -> None:
+        """Shape constraints that only apply under a given precision (FP8 GEMMs want multiples of 16)."""
+        if not precision.fp8:
+            return
+        for name, v in (("hidden_size", self.hidden_size), ("ffn_hidden_size", self.ffn_width)):
+            if v % 16:
+                _fail(f"model.{name}", v, f"must be a multiple of 16 for precision.fp8 = {precision.fp8!r}")
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> ModelSettings:
+        """2 layers, hidden 64, 4 heads, vocab 256, seq 64: trains in well under a second per step on 2 CPU cores.
+        These are the defaults. ``overrides`` are fields, ``parallel`` or ``hf_config``."""
+        base: dict[str, Any] = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256, seq_length=64)
+        return cls(**(base | overrides))
+
+    def replace(self, **changes: Any) -> ModelSettings:
+        """A validated copy with ``changes`` (fields, ``parallel`` or ``hf_config``), like dataclasses.replace.
+        What was set stays marked as set."""
+        new = type(self)(**(dict(self) | {"parallel": self.parallel, "hf_config": self.hf_config} | changes))
+        object.__setattr__(new, "__pydantic_fields_set__", self.model_fields_set | (changes.keys() & set(dict(self))))
+        return new
+
+    def with_parallel(self, tp: int = 1, pp: int = 1, dp: int = 0, sequence_parallel: bool = False) -> ModelSettings:
+        """A copy of this model with another parallel layout (checkpoints reshard between them)."""
+        return self.replace(parallel=ParallelSettings(tp=tp, pp=pp, dp=dp, sequence_parallel=sequence_parallel))
 
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
@@ -385,165 +536,6 @@ def _fail(name: str, value, why: str) -> None:
     raise ConfigError(f"{name} = {value!r} {why}")
 
 
-def _positive_int(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        _fail(name, value, "must be a positive integer")
-
-
-@dataclass
-class ModelConfig:
-    """A GPT (decoder-only) model for megatron-core's ``GPTModel``."""
-
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    ffn_hidden_size: int | None = None
-    """MLP width; ``None`` = 4 * hidden_size."""
-    vocab_size: int = 256
-    seq_length: int = 64
-    """Longest sequence (packed micro-batch length) the model is built for."""
-    num_query_groups: int | None = None
-    """Grouped-query attention: number of KV heads; ``None`` = one per attention head."""
-    position_embedding_type: Literal["rope", "learned_absolute"] = "rope"
-    rope_base: float = 10000.0
-    """RoPE base frequency (theta)."""
-    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
-    activation: Literal["gelu", "swiglu"] = "gelu"
-    """MLP activation: gelu, or swiglu (a gated SiLU MLP: Llama, Qwen)."""
-    qkv_bias: bool = False
-    """Bias on the query/key/value projections (Qwen2)."""
-    linear_bias: bool = True
-    """Biases on the other linear layers (Llama and Qwen have none)."""
-    tie_embeddings: bool = False
-    """Share the input embedding and the output layer weights."""
-    hidden_dropout: float = 0.0
-    """RL recomputes log-probs and compares them with behaviour log-probs: dropout defaults off."""
-    attention_dropout: float = 0.0
-    init_method_std: float = 0.02
-    seed: int = 1234
-    """Seed for weight init and megatron's RNG tracker (same model on any tp for a given seed on CPU)."""
-    parallel: ParallelSettings = field(default_factory=ParallelSettings)
-    head_dim: int | None = None
-    """Width of one attention head (megatron's ``kv_channels``); ``None`` = hidden_size / num_attention_heads
-    (Qwen3 sets it independently of the width)."""
-    norm_eps: float = 1e-5
-    """Epsilon of every LayerNorm/RMSNorm (megatron's ``layernorm_epsilon``; Llama and Qwen: 1e-6 or 1e-5)."""
-    qk_layernorm: bool = False
-    """Normalise queries and keys per head before RoPE, with the model's normalization (Qwen3's QK-norm)."""
-    rope_scaling: Literal["", "llama3", "linear"] = ""
-    """RoPE frequency scaling: ``llama3`` (Llama 3.1: low/high frequency factors 1/4 over 8192 original
-    positions, megatron's ``rope_scaling``) or ``linear`` (positions divided by the factor, megatron's
-    ``seq_len_interpolation_factor``); empty = none."""
-    rope_scaling_factor: float = 1.0
-    """The factor of ``rope_scaling`` (only read when it is set)."""
-    vocab_multiple: int = 0
-    """Pad the vocabulary (embedding and output rows) up to a multiple of lcm(vocab_multiple, parallel.tp):
-    see :attr:`padded_vocab_size`. 0 = no padding (``vocab_size`` must then divide by parallel.tp)."""
-    hf_path: str = ""
-    """The Hugging Face checkpoint folder the architecture came from (:mod:`trainer.hf`); empty = none."""
-    hf_config: dict[str, Any] | None = field(default=None, repr=False)
-    """That checkpoint's ``config.json`` as read, kept so an export writes it back unchanged."""
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
-            _positive_int(f"model.{name}", getattr(self, name))
-        if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
-        _positive_int("model.ffn_hidden_size", self.ffn_hidden_size)
-        if self.head_dim is not None:
-            _positive_int("model.head_dim", self.head_dim)
-        elif self.hidden_size % self.num_attention_heads:
-            _fail(
-                "model.hidden_size",
-                self.hidden_size,
-                f"must be divisible by model.num_attention_heads = {self.num_attention_heads}",
-            )
-        if self.num_query_groups is not None:
-            _positive_int("model.num_query_groups", self.num_query_groups)
-            if self.num_attention_heads % self.num_query_groups:
-                _fail(
-                    "model.num_query_groups",
-                    self.num_query_groups,
-                    f"must divide model.num_attention_heads = {self.num_attention_heads}",
-                )
-        if self.normalization not in ("LayerNorm", "RMSNorm"):
-            _fail("model.normalization", self.normalization, "must be LayerNorm or RMSNorm")
-        if self.activation not in ("gelu", "swiglu"):
-            _fail("model.activation", self.activation, "must be gelu or swiglu")
-        if not self.rope_base > 0:
-            _fail("model.rope_base", self.rope_base, "must be > 0")
-        if self.position_embedding_type not in POSITION_EMBEDDINGS:
-            _fail(
-                "model.position_embedding_type", self.position_embedding_type, f"must be one of {POSITION_EMBEDDINGS}"
-            )
-        for name in ("hidden_dropout", "attention_dropout"):
-            v = getattr(self, name)
-            if not 0.0 <= v < 1.0:
-                _fail(f"model.{name}", v, "must be in [0, 1)")
-        if not self.init_method_std > 0:
-            _fail("model.init_method_std", self.init_method_std, "must be > 0")
-        if not self.norm_eps > 0:
-            _fail("model.norm_eps", self.norm_eps, "must be > 0")
-        if self.rope_scaling not in ROPE_SCALINGS:
-            _fail("model.rope_scaling", self.rope_scaling, "must be empty, llama3 or linear")
-        if self.rope_scaling and not self.rope_scaling_factor > 0:
-            _fail("model.rope_scaling_factor", self.rope_scaling_factor, "must be > 0")
-        if self.rope_scaling and self.position_embedding_type != "rope":
-            _fail("model.rope_scaling", self.rope_scaling, "needs model.position_embedding_type = 'rope'")
-        if not isinstance(self.vocab_multiple, int) or isinstance(self.vocab_multiple, bool) or self.vocab_multiple < 0:
-            _fail("model.vocab_multiple", self.vocab_multiple, "must be an integer >= 0")
-        if not isinstance(self.parallel, ParallelSettings):
-            _fail("model.parallel", self.parallel, "must be a ParallelSettings")
-        tp = self.parallel.tp
-        kv_heads = self.num_query_groups or self.num_attention_heads
-        for name, v in (
-            ("num_attention_heads", self.num_attention_heads),
-            ("num_query_groups", kv_heads),
-            ("ffn_hidden_size", self.ffn_hidden_size),
-            ("vocab_size", self.padded_vocab_size),
-        ):
-            if v % tp:
-                _fail(f"model.{name}", v, f"must be divisible by parallel.tp = {tp}")
-        if self.num_layers % self.parallel.pp:
-            _fail("model.num_layers", self.num_layers, f"must be divisible by parallel.pp = {self.parallel.pp}")
-
-    @property
-    def padded_vocab_size(self) -> int:
-        """Rows of the embedding and output layers: ``vocab_size`` rounded up to a multiple of
-        lcm(vocab_multiple, parallel.tp) (``vocab_size`` itself when ``vocab_multiple`` is 0). For
-        power-of-two tp up to ``vocab_multiple`` the result does not depend on tp, so checkpoints reshard.
-        The padded rows are zeros after an import, their logits are masked out (:func:`trainer.model.build_model`)
-        and an export cuts them off."""
-        if not self.vocab_multiple:
-            return self.vocab_size
-        m = math.lcm(self.vocab_multiple, self.parallel.tp)
-        return -(-self.vocab_size // m) * m
-
-    def check_precision(self, precision: PrecisionSettings) -> None:
-        """Shape constraints that only apply under a given precision (FP8 GEMMs want multiples of 16)."""
-        if not precision.fp8:
-            return
-        for name in ("hidden_size", "ffn_hidden_size"):
-            v = getattr(self, name)
-            if v % 16:
-                _fail(f"model.{name}", v, f"must be a multiple of 16 for precision.fp8 = {precision.fp8!r}")
-
-    @classmethod
-    def tiny(cls, **overrides) -> ModelConfig:
-        """2 layers, hidden 64, 4 heads, vocab 256, seq 64: trains in well under a second per step on 2 CPU cores."""
-        base: dict[str, Any] = dict(
-            num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=256, seq_length=64
-        )
-        base.update(overrides)
-        return cls(**base)
-
-    def with_parallel(self, tp: int = 1, pp: int = 1, dp: int = 0, sequence_parallel: bool = False) -> ModelConfig:
-        """A copy of this config with another parallel layout (checkpoints reshard between them)."""
-        from dataclasses import replace
-
-        return replace(self, parallel=ParallelSettings(tp=tp, pp=pp, dp=dp, sequence_parallel=sequence_parallel))
-
-
 def check_input_shapes(settings: Settings) -> None:
     """What the packed micro-batches (``batching.rows`` x ``batching.seq_len``; the model sees
     ``seq_len - 1`` positions: each predicts the next token) must satisfy for the configured model:
@@ -585,7 +577,7 @@ def world_from_env() -> tuple[int, int, int]:
 
 class TrainConfig(TrainSettings):
     """One training run: the ``train`` section, the loss, and what the caller owns (the model's shape is
-    :class:`ModelConfig`). A new ``train`` setting reaches the run with no other change."""
+    :class:`ModelSettings`). A new ``train`` setting reaches the run with no other change."""
 
     loss: LossSettings = Field(default_factory=LossSettings)
     """The loss, its guards and its normaliser: the settings' ``loss`` section."""

@@ -21,57 +21,29 @@ from typing import Any
 import torch
 
 from rtrl.settings import Settings
-from trainer.config import ModelConfig, ParallelSettings, PrecisionSettings, TrainConfig
+from trainer.config import ModelSettings, PrecisionSettings, TrainConfig
 from trainer.dedup import TrainedSet
 from trainer.hf.config import config_from_settings
 from trainer.hf.load import load_hf
 from trainer.model import ParallelInfo, build_model, init_parallel
 
 
-def model_config(settings: Settings) -> tuple[ModelConfig, PrecisionSettings]:
+def model_config(settings: Settings) -> tuple[ModelSettings, PrecisionSettings]:
     """The trainer's model and precision from the settings' ``model``, ``parallel`` and ``precision``
     sections: the one place those sections become a model (the trainer job, the loop and the
-    policy server all call it). Shape errors name the setting (``model.hidden_size`` ...).
+    policy server all call it). The model is the ``model`` section split over the ``parallel`` one.
+    A shape that does not fit the layout or the precision is a ConfigError naming the settings.
 
     With ``model.hf_path`` set the architecture comes from that checkpoint's config.json
     (:func:`trainer.hf.config.config_from_settings`). A shape setting the user also set that disagrees is
     refused."""
     m, p, pr = settings.model, settings.parallel, settings.precision
-    parallel = p
-    if m.hf_path:
-        cfg = config_from_settings(m, parallel)
-    else:
-        cfg = _shape_config(settings, parallel)
+    cfg = config_from_settings(m, p) if m.hf_path else m.replace(parallel=p)
     cfg.check_precision(pr)
     return cfg, pr
 
 
-def _shape_config(settings: Settings, parallel: ParallelSettings) -> ModelConfig:
-    m = settings.model
-    return ModelConfig(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        num_attention_heads=m.num_attention_heads,
-        ffn_hidden_size=m.ffn_hidden_size or None,
-        vocab_size=m.vocab_size,
-        seq_length=m.seq_length,
-        num_query_groups=m.num_query_groups or None,
-        position_embedding_type=m.position_embedding_type,
-        rope_base=m.rope_base,
-        normalization=m.normalization,
-        activation=m.activation,
-        qkv_bias=m.qkv_bias,
-        linear_bias=m.linear_bias,
-        tie_embeddings=m.tie_embeddings,
-        hidden_dropout=m.hidden_dropout,
-        attention_dropout=m.attention_dropout,
-        init_method_std=m.init_method_std,
-        seed=m.seed,
-        parallel=parallel,
-    )
-
-
-def build(cfg: ModelConfig, precision: PrecisionSettings | None = None) -> Any:
+def build(cfg: ModelSettings, precision: PrecisionSettings | None = None) -> Any:
     """A megatron-core ``GPTModel`` with ``cfg``'s initial weights, for this rank's stage and shard.
 
     The weights are megatron's init seeded with ``cfg.seed`` (:func:`trainer.model.build_model`). With
@@ -106,7 +78,7 @@ class Policy:
     """This process's place in the parallel layout, where :func:`build_policy` started it."""
 
 
-def build_policy(cfg: ModelConfig, precision: PrecisionSettings) -> Policy:
+def build_policy(cfg: ModelSettings, precision: PrecisionSettings) -> Policy:
     """Start the parallel groups for ``cfg`` and build the policy, then its reference from the same weights."""
     info = init_parallel(cfg)
     model = build(cfg, precision)

@@ -27,7 +27,7 @@ import torch
 
 from rtrl.errors import ConfigError
 from trainer import cpu_compat
-from trainer.config import ModelConfig, PrecisionSettings, TransformerEngineMissing, world_from_env
+from trainer.config import ModelSettings, PrecisionSettings, TransformerEngineMissing, world_from_env
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def require_transformer_engine(precision: PrecisionSettings) -> None:
         )
 
 
-def init_parallel(cfg: ModelConfig) -> ParallelInfo:
+def init_parallel(cfg: ModelSettings) -> ParallelInfo:
     """Initialise torch.distributed, megatron's parallel groups and the seeds for ``cfg``.
 
     Rank and world size come from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
@@ -164,7 +164,7 @@ def seed_everything(seed: int, torch_only: bool = False) -> None:
         pass
 
 
-def transformer_config(cfg: ModelConfig, precision: PrecisionSettings):
+def transformer_config(cfg: ModelSettings, precision: PrecisionSettings):
     """The megatron ``TransformerConfig`` for ``cfg`` under ``precision`` (FP8 fields only set when asked)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -175,7 +175,7 @@ def transformer_config(cfg: ModelConfig, precision: PrecisionSettings):
         kwargs.update(fp8=precision.fp8, fp8_recipe=precision.fp8_recipe)
     if cfg.activation == "swiglu":  # Llama/Qwen MLP: silu(x W_gate) * (x W_up)
         kwargs.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=False)
-    if cfg.head_dim is not None:
+    if cfg.head_dim:
         kwargs.update(kv_channels=cfg.head_dim)
     if cfg.qk_layernorm:
         kwargs.update(qk_layernorm=True)
@@ -183,8 +183,8 @@ def transformer_config(cfg: ModelConfig, precision: PrecisionSettings):
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_query_groups,
-        ffn_hidden_size=cfg.ffn_hidden_size,
+        num_query_groups=cfg.num_query_groups or None,
+        ffn_hidden_size=cfg.ffn_width,
         hidden_dropout=cfg.hidden_dropout,
         attention_dropout=cfg.attention_dropout,
         init_method_std=cfg.init_method_std,
@@ -223,7 +223,7 @@ def layer_spec(precision: PrecisionSettings, normalization: str = "LayerNorm", q
     return get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
 
 
-def build_model(cfg: ModelConfig, precision: PrecisionSettings | None = None):
+def build_model(cfg: ModelSettings, precision: PrecisionSettings | None = None):
     """A megatron-core ``GPTModel`` for this rank's pipeline stage and tensor-parallel shard.
 
     Deterministic: the weights depend only on ``cfg`` (``cfg.seed`` reseeds every RNG first, see

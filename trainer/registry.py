@@ -56,7 +56,7 @@ from rtrl.errors import ConfigError
 from rtrl.files import private_dir
 from schemas.records import Checkpoint
 from trainer.checkpoint import fsync_path
-from trainer.config import ModelConfig
+from trainer.config import ModelSettings
 from trainer.hf.config import config_from_hf
 from trainer.hf.export import export_hf
 from trainer.hf.load import load_hf
@@ -68,7 +68,7 @@ HASH_DEFINITION = (
     "sha256 of the lines '<hex sha256 of the file>  <name>\\n' (sha256sum's output) of every regular file of the "
     "folder except rtrl.json, sorted by the bytes of the names"
 )
-#: the fields of a ModelConfig that make two models the same architecture (what a reload may not change)
+#: the fields of a ModelSettings that make two models the same architecture (what a reload may not change)
 ARCHITECTURE = (
     "num_layers",
     "hidden_size",
@@ -106,7 +106,7 @@ def registry_dir(settings) -> Path:
     return Path(d).expanduser().resolve() if d else settings.data_path / "registry"
 
 
-def exportable(cfg: ModelConfig) -> bool:
+def exportable(cfg: ModelSettings) -> bool:
     """Whether ``cfg`` is a Hugging Face family (built from ``model.hf_path``), which :func:`export_hf` can write."""
     return cfg.hf_config is not None
 
@@ -122,7 +122,9 @@ def _from_rank0(obj: Any) -> Any:
     return box[0]
 
 
-def export_version(model, cfg: ModelConfig, root: str | os.PathLike, version: int, metadata: dict[str, Any]) -> Export:
+def export_version(
+    model, cfg: ModelSettings, root: str | os.PathLike, version: int, metadata: dict[str, Any]
+) -> Export:
     """Export ``model`` as version ``version`` to ``root/v<version>`` atomically and idempotently (the module
     docstring says how), with ``metadata`` in ``rtrl.json``. Collective like :func:`export_hf`: every rank calls
     it; rank 0 hashes, writes the metadata and renames. ``root`` must be storage every writing rank sees."""
@@ -200,7 +202,7 @@ def _finish(tmp: Path, root: Path, version: int, metadata: dict[str, Any]) -> Ex
     return Export(str(final), sha)
 
 
-def export_checkpoint(settings, model, cfg: ModelConfig, ck: Checkpoint) -> Checkpoint:
+def export_checkpoint(settings, model, cfg: ModelSettings, ck: Checkpoint) -> Checkpoint:
     """What a promotion does (:class:`app.loop.Loop` calls it before announcing one): export ``model`` (the
     promoted weights) as version ``ck.version`` to the registry (:func:`registry_dir`) and return ``ck`` naming
     the export (``export_path``, ``export_sha256``). A model that is not a Hugging Face family is not exported:
@@ -238,7 +240,7 @@ def export_checkpoint(settings, model, cfg: ModelConfig, ck: Checkpoint) -> Chec
     return msgspec.structs.replace(ck, export_path=ex.path, export_sha256=ex.sha256)
 
 
-def load_export(model, cfg: ModelConfig, path: str | os.PathLike) -> None:
+def load_export(model, cfg: ModelSettings, path: str | os.PathLike) -> None:
     """Load the weights of the export (any Hugging Face folder of the same architecture) ``path`` into ``model``
     in place, for a server that keeps serving the same model object. Refused (ConfigError, ``model`` unchanged):
     a model that is not a Hugging Face family, an export of another architecture (the fields that differ are
@@ -275,7 +277,7 @@ def adapters_dir(settings) -> Path:
     return registry_dir(settings) / "adapters"
 
 
-def export_adapter(settings, model, cfg: ModelConfig, name: str, ck: Checkpoint) -> Checkpoint:
+def export_adapter(settings, model, cfg: ModelSettings, name: str, ck: Checkpoint) -> Checkpoint:
     """What an adapter's promotion does: export adapter ``name`` of ``model`` in PEFT format
     (:func:`trainer.lora.export_peft`: what vLLM's multi-LoRA serving loads) to ``<registry>/adapters/<org>/a<N>``,
     written to a hidden folder and renamed into place, and return ``ck`` naming it with its content hash (the same

@@ -68,7 +68,7 @@ def run(settings: Settings, bootstrap: str, console: Console | None = None) -> l
         p = cfg.parallel
         console.print(
             f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads "
-            f"({cfg.num_query_groups or cfg.num_attention_heads} kv), {cfg.normalization}, {cfg.activation}; "
+            f"({cfg.kv_heads} kv), {cfg.normalization}, {cfg.activation}; "
             f"tp {p.tp} pp {p.pp} dp {info.dp}{' sp' if p.sequence_parallel else ''}; "
             f"{'bf16' if precision.bf16 else 'fp32'}{' fp8 ' + precision.fp8 if precision.fp8 else ''}; "
             f"{sum(x.numel() for x in model.parameters()):,} parameters on this rank"

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from trainer import lora  # noqa: E402
-from trainer.config import ModelConfig, ParallelSettings  # noqa: E402
+from trainer.config import ModelSettings, ParallelSettings  # noqa: E402
 from trainer.model import (  # noqa: E402
     build_model,
     causal_mask,
@@ -36,8 +36,8 @@ NAME = "org-a"
 BASE = "tiny-swiglu@test"
 
 
-def model_config(tp: int) -> ModelConfig:
-    return ModelConfig.tiny(
+def model_config(tp: int) -> ModelSettings:
+    return ModelSettings.tiny(
         normalization="RMSNorm",
         activation="swiglu",
         num_query_groups=2,

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from safetensors.torch import save_file  # noqa: E402
 
 from trainer import checkpoint, lora  # noqa: E402
-from trainer.config import ModelConfig  # noqa: E402
+from trainer.config import ModelSettings  # noqa: E402
 from trainer.model import build_model, forward_logprobs, init_parallel  # noqa: E402
 
 NAME = "org-a"
@@ -47,7 +47,7 @@ def hang_before_marker(step: int) -> None:
 def main(root: Path, out: Path, steps: int, sleep_s: float, hang_at: int) -> None:
     if hang_at:
         hang_before_marker(hang_at)
-    cfg = ModelConfig.tiny(normalization="RMSNorm", activation="swiglu", num_query_groups=2)
+    cfg = ModelSettings.tiny(normalization="RMSNorm", activation="swiglu", num_query_groups=2)
     init_parallel(cfg)
     model = build_model(cfg)
     lora.add_adapter(model, NAME, lora.LoraConfig(rank=4), seed=3)

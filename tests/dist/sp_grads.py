@@ -9,13 +9,13 @@ from pathlib import Path
 
 import torch
 
-from trainer.config import ModelConfig
+from trainer.config import ModelSettings
 from trainer.model import build_model, init_parallel
 from trainer.train import reduce_sequence_parallel_grads
 
 
 def main() -> None:
-    cfg = ModelConfig.tiny().with_parallel(tp=2)
+    cfg = ModelSettings.tiny().with_parallel(tp=2)
     info = init_parallel(cfg)
     model = build_model(cfg)
     marked, other = [], []

@@ -112,14 +112,14 @@ def run(args: argparse.Namespace, name: str | None = None) -> None:
     from pathlib import Path
 
     from trainer import checkpoint
-    from trainer.config import ModelConfig
+    from trainer.config import ModelSettings
     from trainer.data import BatchStream
     from trainer.model import build_model, init_parallel
     from trainer.config import TrainConfig
     from trainer.factory import Policy
     from trainer.train import Hooks, MemorySource, train
 
-    cfg = ModelConfig(seq_length=64, tie_embeddings=args.tie).with_parallel(tp=args.tp, pp=args.pp)
+    cfg = ModelSettings(seq_length=64, tie_embeddings=args.tie).with_parallel(tp=args.tp, pp=args.pp)
     info = init_parallel(cfg)
     model, reference = build_model(cfg), build_model(cfg)
     if args.init and checkpoint.is_complete(args.init):

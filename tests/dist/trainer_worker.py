@@ -19,13 +19,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from trainer import checkpoint  # noqa: E402
-from trainer.config import ModelConfig  # noqa: E402
+from trainer.config import ModelSettings  # noqa: E402
 from trainer.model import build_model, forward_logprobs, init_parallel  # noqa: E402
 
 B, S = 4, 32
 
 
-def fixed_batch(cfg: ModelConfig):
+def fixed_batch(cfg: ModelSettings):
     g = torch.Generator().manual_seed(7)
     seq = torch.randint(0, cfg.vocab_size, (B, S + 1), generator=g)
     return seq[:, :-1], torch.arange(S).expand(B, S).contiguous(), seq[:, 1:]
@@ -57,7 +57,7 @@ def write(out: Path, name: str, data: dict) -> None:
 
 
 def roundtrip(out: Path) -> None:
-    cfg = ModelConfig.tiny()
+    cfg = ModelSettings.tiny()
     init_parallel(cfg)
     batch = fixed_batch(cfg)
     model = build_model(cfg)
@@ -76,7 +76,7 @@ def roundtrip(out: Path) -> None:
     except FileExistsError:
         refused = True
 
-    model2 = build_model(replace(cfg, seed=99))  # differs from the saved model before loading
+    model2 = build_model(cfg.replace(seed=99))  # differs from the saved model before loading
     opt2 = make_opt(model2, lr=0.5)
     differs_before = any(
         not torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters())
@@ -114,7 +114,7 @@ def roundtrip(out: Path) -> None:
 
 
 def tp_run(out: Path, tp: int, load: bool) -> None:
-    cfg = ModelConfig.tiny().with_parallel(tp=tp)
+    cfg = ModelSettings.tiny().with_parallel(tp=tp)
     info = init_parallel(cfg)
     batch = fixed_batch(cfg)
     model = build_model(cfg)

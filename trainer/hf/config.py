@@ -1,4 +1,4 @@
-"""A Hugging Face checkpoint's ``config.json`` <-> :class:`~trainer.config.ModelConfig`.
+"""A Hugging Face checkpoint's ``config.json`` <-> :class:`~trainer.config.ModelSettings`, the model section.
 
 :func:`config_from_hf` reads one and refuses what megatron-core's ``GPTModel`` cannot represent.
 :func:`config_from_settings` is what ``model.hf_path`` does. :func:`new_hf_config` writes one for a new model.
@@ -13,8 +13,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from rtrl.errors import ConfigError
-from trainer.config import ModelConfig, ParallelSettings
+from trainer.config import ModelSettings, ParallelSettings
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 #: the vocabulary is padded to a multiple of lcm(VOCAB_MULTIPLE, tp) (Megatron-LM's default make_vocab_size_divisible_by)
@@ -98,8 +100,8 @@ def _rope(d: Mapping[str, Any], where: str) -> tuple[float, str, float]:
     return float(theta), "linear", float(factor)
 
 
-def config_from_hf(src: str | os.PathLike | Mapping[str, Any], **overrides: Any) -> ModelConfig:
-    """The :class:`ModelConfig` of a dense Llama, Qwen2 or Qwen3 checkpoint (folder, config.json or dict).
+def config_from_hf(src: str | os.PathLike | Mapping[str, Any], **overrides: Any) -> ModelSettings:
+    """The :class:`ModelSettings` of a dense Llama, Qwen2 or Qwen3 checkpoint (folder, config.json or dict).
 
     ``overrides`` set what a checkpoint does not decide: ``parallel``, ``seq_length`` (default:
     ``max_position_embeddings``), ``hidden_dropout``, ``attention_dropout``, ``init_method_std``, ``seed``,
@@ -178,54 +180,71 @@ def config_from_hf(src: str | os.PathLike | Mapping[str, Any], **overrides: Any)
             f"lower model.seq_length to at most {max_pos}"
         )
     overrides.setdefault("vocab_multiple", VOCAB_MULTIPLE)
-    return ModelConfig(
-        num_layers=need("num_hidden_layers"),
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        num_query_groups=kv,
-        head_dim=None if head_dim * heads == hidden else head_dim,
-        ffn_hidden_size=need("intermediate_size"),
-        vocab_size=need("vocab_size"),
-        seq_length=seq_length,
-        position_embedding_type="rope",
-        rope_base=theta,
-        rope_scaling=scaling,  # type: ignore[arg-type]
-        rope_scaling_factor=factor,
-        normalization="RMSNorm",
-        norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        activation="swiglu",
-        qkv_bias=qkv_bias,
-        linear_bias=linear_bias,
-        qk_layernorm=family == "qwen3",
-        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-        hf_path=_folder(src),
-        hf_config=d,
-        **overrides,
-    )
+    try:
+        return ModelSettings(
+            num_layers=need("num_hidden_layers"),
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_query_groups=kv,
+            head_dim=0 if head_dim * heads == hidden else head_dim,
+            ffn_hidden_size=need("intermediate_size"),
+            vocab_size=need("vocab_size"),
+            seq_length=seq_length,
+            position_embedding_type="rope",
+            rope_base=theta,
+            rope_scaling=scaling,
+            rope_scaling_factor=factor,
+            normalization="RMSNorm",
+            norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            activation="swiglu",
+            qkv_bias=qkv_bias,
+            linear_bias=linear_bias,
+            qk_layernorm=family == "qwen3",
+            tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+            hf_path=_folder(src),
+            hf_config=d,
+            **overrides,
+        )
+    except ValidationError as e:  # a value megatron cannot take (rms_norm_eps 0 ...): named as a setting
+        err = e.errors(include_url=False)[0]
+        text = f"model.{'.'.join(map(str, err['loc']))} = {err.get('input')!r}: {err['msg']}"
+        raise ConfigError(f"{where}: {err['ctx']['error'] if err['type'] == 'value_error' else text}") from None
 
 
-#: model.* shape settings that model.hf_path decides: (setting, config.json field, value of a ModelConfig)
+#: model.* shape settings that model.hf_path decides: (setting, config.json field, value of a ModelSettings)
 _SHAPE_SETTINGS: tuple[tuple[str, str, Any], ...] = (
     ("num_layers", "num_hidden_layers", lambda c: c.num_layers),
     ("hidden_size", "hidden_size", lambda c: c.hidden_size),
     ("num_attention_heads", "num_attention_heads", lambda c: c.num_attention_heads),
-    ("num_query_groups", "num_key_value_heads", lambda c: c.num_query_groups or c.num_attention_heads),
-    ("ffn_hidden_size", "intermediate_size", lambda c: c.ffn_hidden_size),
+    ("num_query_groups", "num_key_value_heads", lambda c: c.kv_heads),
+    ("head_dim", "head_dim", lambda c: c.kv_channels),
+    ("ffn_hidden_size", "intermediate_size", lambda c: c.ffn_width),
     ("vocab_size", "vocab_size", lambda c: c.vocab_size),
     ("normalization", "(RMSNorm)", lambda c: c.normalization),
+    ("norm_eps", "rms_norm_eps", lambda c: c.norm_eps),
     ("activation", "hidden_act (silu: swiglu)", lambda c: c.activation),
     ("position_embedding_type", "(rope)", lambda c: c.position_embedding_type),
     ("rope_base", "rope_theta", lambda c: c.rope_base),
+    ("rope_scaling", "rope_scaling.rope_type", lambda c: c.rope_scaling),
+    ("rope_scaling_factor", "rope_scaling.factor", lambda c: c.rope_scaling_factor),
     ("tie_embeddings", "tie_word_embeddings", lambda c: c.tie_embeddings),
     ("qkv_bias", "attention_bias / model_type", lambda c: c.qkv_bias),
     ("linear_bias", "attention_bias, mlp_bias", lambda c: c.linear_bias),
+    ("qk_layernorm", "model_type (qwen3: QK-norm)", lambda c: c.qk_layernorm),
 )
+#: what a shape setting of 0 means, from the checkpoint's model
+_DERIVED: dict[str, Any] = {
+    "num_query_groups": lambda c: c.num_attention_heads,
+    "head_dim": lambda c: c.hidden_size // c.num_attention_heads,
+    "ffn_hidden_size": lambda c: 4 * c.hidden_size,
+}
 
 
-def config_from_settings(m: Any, parallel: ParallelSettings) -> ModelConfig:
+def config_from_settings(m: ModelSettings, parallel: ParallelSettings) -> ModelSettings:
     """The model of ``model.hf_path`` (``m`` is the settings' ``model`` section): the architecture from the
-    checkpoint; ``seq_length`` (when set), dropouts, init std and seed from the settings. A shape setting the
-    user set (config file or environment) that disagrees with the checkpoint is refused, naming both."""
+    checkpoint; ``seq_length`` (when set), ``vocab_multiple``, dropouts, init std and seed from the settings.
+    A shape setting the user set (config file or environment) that disagrees with the checkpoint is refused,
+    naming both."""
     explicit = m.model_fields_set
     cfg = config_from_hf(
         m.hf_path,
@@ -235,16 +254,15 @@ def config_from_settings(m: Any, parallel: ParallelSettings) -> ModelConfig:
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
         seed=m.seed,
+        vocab_multiple=m.vocab_multiple or VOCAB_MULTIPLE,
     )
     for name, hf_name, of in _SHAPE_SETTINGS:
         if name not in explicit:
             continue
         have = of(cfg)
         want = getattr(m, name)
-        if name == "num_query_groups":
-            want = want or cfg.num_attention_heads
-        elif name == "ffn_hidden_size":
-            want = want or 4 * cfg.hidden_size
+        if name in _DERIVED:
+            want = want or _DERIVED[name](cfg)
         if want != have:
             raise ConfigError(
                 f"model.{name} = {getattr(m, name)!r} disagrees with model.hf_path = {m.hf_path!r}, whose "

@@ -17,7 +17,7 @@ import torch
 
 from rtrl.errors import ConfigError
 from trainer.checkpoint import unwrap
-from trainer.config import ModelConfig
+from trainer.config import ModelSettings
 from trainer.hf.config import CONFIG, INDEX, WEIGHTS, config_from_hf
 from trainer.hf.layout import Rule, _global_names, _table_for, _tp, split_qkv
 from trainer.model import build_model
@@ -34,7 +34,7 @@ def _export_dtype(hf_config: Mapping[str, Any], fallback: torch.dtype) -> torch.
     return _DTYPES.get(str(name), fallback)
 
 
-def _split(rule: Rule, shards: list[torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def _split(rule: Rule, shards: list[torch.Tensor], cfg: ModelSettings) -> dict[str, torch.Tensor]:
     """The HF tensors of one megatron tensor from its tensor-parallel shards (rank order)."""
     if rule.kind == "copy":
         return {rule.hf[0]: shards[0]}
@@ -63,7 +63,7 @@ def _gather_tp(t: torch.Tensor) -> list[torch.Tensor] | None:
     return out
 
 
-def export_hf(model, cfg: ModelConfig, out: str | os.PathLike) -> Path:
+def export_hf(model, cfg: ModelSettings, out: str | os.PathLike) -> Path:
     """Write ``model`` as a Hugging Face checkpoint folder ``out`` (collective: every rank calls it).
 
     ``config.json`` is ``cfg.hf_config`` as imported; the tensors are gathered from the tensor-parallel ranks

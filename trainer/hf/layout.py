@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 
 from rtrl.errors import ConfigError
-from trainer.config import ModelConfig
+from trainer.config import ModelSettings
 
 Kind = Literal["copy", "vocab", "qkv", "gate_up", "row"]
 
@@ -28,7 +28,7 @@ class Rule:
     hf: tuple[str, ...]
 
 
-def name_table(cfg: ModelConfig, spec: Literal["local", "te"] = "local") -> dict[str, Rule]:
+def name_table(cfg: ModelSettings, spec: Literal["local", "te"] = "local") -> dict[str, Rule]:
     """Every tensor of a whole (pp = 1) megatron GPTModel of ``cfg`` -> the HF tensors it is made of.
 
     ``local``: megatron-core's local spec (``get_gpt_layer_local_spec``, CPU): separate ``input_layernorm`` and
@@ -72,11 +72,10 @@ def name_table(cfg: ModelConfig, spec: Literal["local", "te"] = "local") -> dict
     return t
 
 
-def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def hf_shapes(cfg: ModelSettings) -> dict[str, tuple[int, ...]]:
     """The shape of every Hugging Face tensor of a model of ``cfg`` (what a checkpoint must hold)."""
     h, heads = cfg.hidden_size, cfg.num_attention_heads
-    kv, d = cfg.num_query_groups or heads, cfg.head_dim or cfg.hidden_size // heads
-    f = cfg.ffn_hidden_size or 4 * h
+    kv, d, f = cfg.kv_heads, cfg.kv_channels, cfg.ffn_width
     by_suffix = {
         "q_proj.weight": (heads * d, h),
         "k_proj.weight": (kv * d, h),
@@ -122,7 +121,7 @@ def _global_names(model) -> dict[str, str]:
     return out
 
 
-def _table_for(cfg: ModelConfig, names: dict[str, str]) -> dict[str, Rule]:
+def _table_for(cfg: ModelSettings, names: dict[str, str]) -> dict[str, Rule]:
     """The table (local or TE spec) that holds every tensor of ``model``; a tied model's last pipeline stage
     has its own copy of the embedding as ``output_layer.weight``."""
     for spec in ("local", "te"):
@@ -135,10 +134,10 @@ def _table_for(cfg: ModelConfig, names: dict[str, str]) -> dict[str, Rule]:
     raise ConfigError(f"model tensors with no Hugging Face counterpart: {', '.join(unknown[:6])}")
 
 
-def qkv_geometry(cfg: ModelConfig) -> tuple[int, int, int]:
+def qkv_geometry(cfg: ModelSettings) -> tuple[int, int, int]:
     """(query groups = KV heads, query heads per group, head width) of ``linear_qkv``'s per-group layout."""
-    groups = cfg.num_query_groups or cfg.num_attention_heads
-    return groups, cfg.num_attention_heads // groups, cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+    groups = cfg.kv_heads
+    return groups, cfg.num_attention_heads // groups, cfg.kv_channels
 
 
 def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
@@ -150,7 +149,7 @@ def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: in
     return torch.cat(parts, 1).reshape(-1, *tail)
 
 
-def split_qkv(full: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_qkv(full: torch.Tensor, cfg: ModelSettings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inverse of :func:`interleave_qkv` for a whole (tp = 1 layout) ``linear_qkv`` tensor: (q, k, v) rows."""
     groups, qpg, d = qkv_geometry(cfg)
     tail = full.shape[1:]

@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from rtrl.errors import ConfigError
 from trainer.checkpoint import unwrap
-from trainer.config import ModelConfig
+from trainer.config import ModelSettings
 from trainer.hf.config import INDEX, WEIGHTS
 from trainer.hf.layout import (
     Rule,
@@ -98,7 +98,7 @@ class _Checkpoint:
         return t
 
 
-def _shard(ck: _Checkpoint, rule: Rule, cfg: ModelConfig, tp: int, r: int) -> torch.Tensor:
+def _shard(ck: _Checkpoint, rule: Rule, cfg: ModelSettings, tp: int, r: int) -> torch.Tensor:
     """This tensor-parallel rank's shard of one megatron tensor, read slice by slice."""
     if rule.kind == "copy":
         return ck.read(rule.hf[0])
@@ -128,7 +128,7 @@ def _shard(ck: _Checkpoint, rule: Rule, cfg: ModelConfig, tp: int, r: int) -> to
     return interleave_qkv(q, k, v, groups)
 
 
-def _check_tensors(ck: _Checkpoint, cfg: ModelConfig, path: Path) -> None:
+def _check_tensors(ck: _Checkpoint, cfg: ModelSettings, path: Path) -> None:
     """Every tensor of ``cfg`` is in the checkpoint with its shape, and nothing else is: ConfigError otherwise.
     Reads only the files' headers."""
     known = {h for rule in name_table(cfg).values() for h in rule.hf}
@@ -154,7 +154,7 @@ def _check_tensors(ck: _Checkpoint, cfg: ModelConfig, path: Path) -> None:
         )
 
 
-def check_hf(cfg: ModelConfig, path: str | os.PathLike | None = None) -> None:
+def check_hf(cfg: ModelSettings, path: str | os.PathLike | None = None) -> None:
     """Refuse (ConfigError) a Hugging Face checkpoint folder ``path`` (default ``cfg.hf_path``) that :func:`load_hf`
     would refuse for ``cfg``: no safetensors, a missing or extra tensor, a shape its config does not give. Reads
     only the files' headers, so a job can check its model before it deletes or starts anything."""
@@ -165,7 +165,7 @@ def check_hf(cfg: ModelConfig, path: str | os.PathLike | None = None) -> None:
         _check_tensors(_Checkpoint(path, stack, LoadReport()), cfg, path)
 
 
-def load_hf(model, cfg: ModelConfig, path: str | os.PathLike | None = None) -> LoadReport:
+def load_hf(model, cfg: ModelSettings, path: str | os.PathLike | None = None) -> LoadReport:
     """Fill ``model`` (this rank's megatron GPTModel, any tp/pp, local or TE spec) with the weights of the
     Hugging Face checkpoint folder ``path`` (default ``cfg.hf_path``). Each rank reads only its own shards
     (``get_slice``), converts them to the parameters' dtype and copies them in; nothing is communicated.

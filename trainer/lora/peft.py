@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from rtrl.errors import ConfigError
-from trainer.config import LoraConfig, ModelConfig
+from trainer.config import LoraConfig, ModelSettings
 from trainer.hf.layout import interleave_qkv, name_table, qkv_geometry, split_qkv
 from trainer.lora.adapters import (
     _pairs,
@@ -52,12 +52,12 @@ def _hf_modules(target: str, layer: int) -> tuple[str, ...]:
     return tuple(f"model.layers.{layer}.{m}" for m in HF_MODULES[target])
 
 
-def _check_hf(model_cfg: ModelConfig) -> None:
+def _check_hf(model_cfg: ModelSettings) -> None:
     name_table(model_cfg)  # RMSNorm + SwiGLU + RoPE (Llama, Qwen2, Qwen3) or ConfigError
 
 
 def export_peft(
-    model: nn.Module, model_cfg: ModelConfig, name: str, out_dir: str | os.PathLike, base_model_name_or_path: str = ""
+    model: nn.Module, model_cfg: ModelSettings, name: str, out_dir: str | os.PathLike, base_model_name_or_path: str = ""
 ) -> Path:
     """Write adapter ``name`` as a Hugging Face PEFT LoRA folder ``out_dir`` (collective over tp; rank 0 writes).
 
@@ -135,7 +135,7 @@ def _peft_refuse(folder: Path, what: str) -> ConfigError:
     return ConfigError(f"PEFT adapter {folder}: {what}")
 
 
-def load_peft(model: nn.Module, model_cfg: ModelConfig, name: str, folder: str | os.PathLike) -> LoraConfig:
+def load_peft(model: nn.Module, model_cfg: ModelSettings, name: str, folder: str | os.PathLike) -> LoraConfig:
     """Add adapter ``name`` to ``model`` from a PEFT LoRA folder (as :func:`export_peft` writes), re-fusing
     q/k/v into ``linear_qkv`` (with :func:`trainer.hf.layout.interleave_qkv`) and gate/up into ``linear_fc1``; each
     rank takes its slices. Fused modules share one ``A`` here, so their HF ``lora_A`` must be equal, and all of
