@@ -9,17 +9,18 @@ from typing import Annotated, Any
 from pydantic import PrivateAttr, ValidationError, field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from rtrl.section import Section
-from rtrl.section import setting as _s
+from rtrl.section import Section, setting
 
 
 class RewardDefinition(Section):
     """A reward version defined as data: a parent version and the weights it changes (rewards.versions)."""
 
-    parent: str = _s("v2", "version whose weights this one starts from (built in, or defined before it)", min_length=1)
-    reason: str = _s(..., "why this version exists, e.g. 'broken tool calls are negative'", min_length=1)
-    author: str = _s(..., "who defined it (a name or an address)", min_length=1)
-    weights: dict[str, float | bool | None] = _s(
+    parent: str = setting(
+        "v2", "version whose weights this one starts from (built in, or defined before it)", min_length=1
+    )
+    reason: str = setting(..., "why this version exists, e.g. 'broken tool calls are negative'", min_length=1)
+    author: str = setting(..., "who defined it (a name or an address)", min_length=1)
+    weights: dict[str, float | bool | None] = setting(
         {}, "weights that differ from the parent's (names: rewards.RewardConfig's fields, e.g. w_broken = 0.5)"
     )
 
@@ -56,24 +57,24 @@ class RewardSettings(Section):
     """Which reward versions exist in the stream, and which one trains: the built-in ones (v2, v1-discard-broken),
     those of ``rewards.file`` and those of ``rewards.define`` (rewards.versions)."""
 
-    versions: Annotated[list[str], NoDecode] = _s(
+    versions: Annotated[list[str], NoDecode] = setting(
         ["v2"], "reward versions the reward flow computes (comma-separated in the environment)", min_length=1
     )
-    train_version: str = _s("v2", "reward version the batch flow trains on; the reward flow must compute it")
-    file: str = _s(
+    train_version: str = setting("v2", "reward version the batch flow trains on; the reward flow must compute it")
+    file: str = setting(
         "",
         "TOML file of reward versions, one [versions.NAME] table each (parent, reason, author, weights); empty = none",
     )
-    define: dict[str, RewardDefinition] = _s(
+    define: dict[str, RewardDefinition] = setting(
         {}, "reward versions defined in the settings tree: [rewards.define.NAME] with parent, reason, author, weights"
     )
-    train_schedule: dict[int, str] = _s(
+    train_schedule: dict[int, str] = setting(
         {},
         "switch the trained reward version at cycle boundaries: {cycle = version}, e.g. {3 = 'v2'} trains cycles "
         "3 and later on v2 (before the first entry: train_version); `rtrl rewards train V` switches at the next "
         "cycle instead and overrides this schedule until another request",
     )
-    batch_versions: Annotated[list[str], NoDecode] = _s(
+    batch_versions: Annotated[list[str], NoDecode] = setting(
         [],
         "reward versions the batch flow makes micro-batches for besides train_version and the train_schedule's "
         "(each batch names its version; a trainer trains only its cycle's): the versions `rtrl rewards train` "

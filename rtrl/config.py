@@ -9,8 +9,7 @@ from urllib.parse import unquote, urlsplit
 from pydantic import field_validator, model_validator
 
 from rtrl.errors import ConfigError
-from rtrl.section import Section, redact_dsn
-from rtrl.section import setting as _s
+from rtrl.section import Section, redact_dsn, setting
 
 #: Kafka settings used only with SASL, only with OAUTHBEARER (required then), only with TLS
 _SASL_FIELDS = (
@@ -27,65 +26,65 @@ _SSL_FIELDS = ("ssl_ca_location", "ssl_certificate_location", "ssl_key_location"
 
 
 class KafkaSettings(Section):
-    bootstrap: str = _s("", "host:port list of the Kafka brokers; empty = start a local noida-db broker")
-    topic_prefix: str = _s("rtrl.", "prefix of every topic name (rtrl.events, ...)", pattern=r"^[A-Za-z0-9._-]+$")
-    partitions: int = _s(4, "partitions of the keyed data topics when rtrl creates them", gt=0)
-    replication_factor: int = _s(
+    bootstrap: str = setting("", "host:port list of the Kafka brokers; empty = start a local noida-db broker")
+    topic_prefix: str = setting("rtrl.", "prefix of every topic name (rtrl.events, ...)", pattern=r"^[A-Za-z0-9._-]+$")
+    partitions: int = setting(4, "partitions of the keyed data topics when rtrl creates them", gt=0)
+    replication_factor: int = setting(
         1, "replicas of every topic rtrl creates (production: 3); existing topics are checked against it", gt=0
     )
-    min_insync_replicas: int = _s(
+    min_insync_replicas: int = setting(
         1,
         "min.insync.replicas of every topic rtrl creates (production: 2): with "
         "acks=all a write needs this many replicas",
         gt=0,
     )
-    timeout_s: float = _s(10.0, "seconds to wait for the broker before reporting it unreachable", gt=0)
-    idle_backoff_s: float = _s(
+    timeout_s: float = setting(10.0, "seconds to wait for the broker before reporting it unreachable", gt=0)
+    idle_backoff_s: float = setting(
         0.1,
         "how long a flow's reader of an empty partition pauses before fetching again "
         "(extra latency after a quiet spell)",
         gt=0,
     )
-    compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = _s(
+    compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = setting(
         "zstd", "codec of every rtrl producer (none, gzip, snappy, lz4, zstd); JSON batches shrink several-fold"
     )
-    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = _s(
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = setting(
         "PLAINTEXT",
         "how every Kafka client reaches the brokers: PLAINTEXT (the local broker), SSL (TLS), SASL_PLAINTEXT "
         "or SASL_SSL (SASL login, over TLS with SASL_SSL); librdkafka's security.protocol",
     )
-    sasl_mechanism: Literal["", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] = _s(
+    sasl_mechanism: Literal["", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] = setting(
         "",
         "SASL mechanism with a SASL_* security_protocol: PLAIN or SCRAM-SHA-256/512 (sasl_username, "
         "sasl_password) or OAUTHBEARER (an OIDC client-credentials token: oauth_* settings)",
     )
-    sasl_username: str = _s("", "SASL user of PLAIN / SCRAM-SHA-*")
-    sasl_password: str = _s(
+    sasl_username: str = setting("", "SASL user of PLAIN / SCRAM-SHA-*")
+    sasl_password: str = setting(
         "", "SASL password of PLAIN / SCRAM-SHA-*: a secret, from RTRL_KAFKA__SASL_PASSWORD(_FILE) only", repr=False
     )
-    oauth_token_endpoint_url: str = _s(
+    oauth_token_endpoint_url: str = setting(
         "", "OAUTHBEARER: the OIDC token endpoint (https://...) the client-credentials token is fetched from"
     )
-    oauth_client_id: str = _s("", "OAUTHBEARER: the OIDC client id")
-    oauth_client_secret: str = _s(
+    oauth_client_id: str = setting("", "OAUTHBEARER: the OIDC client id")
+    oauth_client_secret: str = setting(
         "",
         "OAUTHBEARER: the OIDC client secret: a secret, from RTRL_KAFKA__OAUTH_CLIENT_SECRET(_FILE) only",
         repr=False,
     )
-    oauth_scope: str = _s("", "OAUTHBEARER: the scope asked for (space-separated); empty = the provider's default")
-    ssl_ca_location: str = _s(
+    oauth_scope: str = setting("", "OAUTHBEARER: the scope asked for (space-separated); empty = the provider's default")
+    ssl_ca_location: str = setting(
         "", "SSL / SASL_SSL: PEM file of the CA(s) that signed the brokers' certificates; empty = the system's CAs"
     )
-    ssl_certificate_location: str = _s(
+    ssl_certificate_location: str = setting(
         "", "SSL / SASL_SSL: PEM file of this client's certificate (mutual TLS; with ssl_key_location)"
     )
-    ssl_key_location: str = _s("", "SSL / SASL_SSL: PEM file of this client's private key (mutual TLS)")
-    ssl_key_password: str = _s(
+    ssl_key_location: str = setting("", "SSL / SASL_SSL: PEM file of this client's private key (mutual TLS)")
+    ssl_key_password: str = setting(
         "",
         "password of an encrypted ssl_key_location: a secret, from RTRL_KAFKA__SSL_KEY_PASSWORD(_FILE) only",
         repr=False,
     )
-    ssl_endpoint_identification: Literal["https", "none"] = _s(
+    ssl_endpoint_identification: Literal["https", "none"] = setting(
         "https",
         "SSL / SASL_SSL: https = the broker's certificate must name the host connected to; none = any name "
         "(only for brokers whose certificates do not name them)",
@@ -173,44 +172,44 @@ class KafkaSettings(Section):
 
 
 class ClickHouseSettings(Section):
-    dsn: str = _s("", "ClickHouse DSN; empty = embedded chdb:///<data_dir>/clickhouse")
-    database: str = _s("rtrl", "database holding rtrl's tables", pattern=r"^[A-Za-z0-9_]+$")
-    timeout_s: float = _s(10.0, "seconds to wait for a ClickHouse server before reporting it unreachable", gt=0)
-    password_file: str = _s(
+    dsn: str = setting("", "ClickHouse DSN; empty = embedded chdb:///<data_dir>/clickhouse")
+    database: str = setting("rtrl", "database holding rtrl's tables", pattern=r"^[A-Za-z0-9_]+$")
+    timeout_s: float = setting(10.0, "seconds to wait for a ClickHouse server before reporting it unreachable", gt=0)
+    password_file: str = setting(
         "",
         "file holding the password of the DSN's user, read when connecting (the DSN and environment then carry "
         "no secret; same as a password_file=PATH parameter in the DSN); empty = the DSN's own",
     )
-    user: str = _s("", "user rtrl logs in as on an http(s) server; empty = the DSN's own (else `default`)")
-    password: str = _s(
+    user: str = setting("", "user rtrl logs in as on an http(s) server; empty = the DSN's own (else `default`)")
+    password: str = setting(
         "",
         "that user's password: a secret, from RTRL_CLICKHOUSE__PASSWORD only (or, as a file, "
         "clickhouse.password_file); empty = password_file's, else the DSN's own",
         repr=False,
     )
-    ca_cert: str = _s(
+    ca_cert: str = setting(
         "",
         "https DSN: PEM file of the CA(s) that signed the server's certificate, or 'certifi' (Mozilla's "
         "bundle); empty = the system's CAs",
     )
-    verify: bool = _s(
+    verify: bool = setting(
         True, "https DSN: check the server's certificate and host name (false only for a throwaway test server)"
     )
-    client_cert: str = _s("", "https DSN: PEM file of this client's certificate (mutual TLS)")
-    client_cert_key: str = _s("", "https DSN: PEM file of client_cert's private key, if not in client_cert")
-    cluster: str = _s(
+    client_cert: str = setting("", "https DSN: PEM file of this client's certificate (mutual TLS)")
+    client_cert_key: str = setting("", "https DSN: PEM file of client_cert's private key, if not in client_cert")
+    cluster: str = setting(
         "",
         "name of the ClickHouse cluster (the servers' <remote_servers>) to lay rtrl's tables out on: `rtrl migrate` "
         "then runs every DDL ON CLUSTER, makes each table a Replicated*MergeTree <table>_local on every node and a "
         "Distributed table <table> over it (what rtrl reads and writes); `rtrl migrate --print` shows the DDL; "
         "empty = a single node",
     )
-    replica_path: str = _s(
+    replica_path: str = setting(
         "/clickhouse/tables/{shard}/{database}/{table}",
         "with clickhouse.cluster: Keeper path of each replicated table; {shard} is each server's macro, "
         "{database} and {table} ClickHouse fills in",
     )
-    replica_name: str = _s(
+    replica_name: str = setting(
         "{replica}", "with clickhouse.cluster: replica name of each replicated table ({replica}: each server's macro)"
     )
 
@@ -272,13 +271,13 @@ class ClickHouseSettings(Section):
 
 
 class MetricsSettings(Section):
-    port: int = _s(
+    port: int = setting(
         0,
         "port of each part's Prometheus endpoint (/metrics, /healthz, /readyz; rtrl.metrics); 0 = none. A "
         "torchrun trainer's rank r serves on port + local rank r",
         ge=0,
         le=65535,
     )
-    host: str = _s(
+    host: str = setting(
         "127.0.0.1", "address the metrics endpoint listens on; 0.0.0.0 in a container Prometheus scrapes", min_length=1
     )

@@ -45,7 +45,6 @@ from rewards.config import RewardSettings
 from rtrl.config import ClickHouseSettings, KafkaSettings, MetricsSettings
 from rtrl.errors import ConfigError
 from rtrl.section import redact_dsn
-from rtrl.section import setting as _s
 from simulator.config import ServingSettings, SimulatorSettings
 from trainer.config import (
     AdapterSettings,
@@ -107,7 +106,9 @@ class Settings(BaseSettings):
         hide_input_in_errors=True,
     )
 
-    data_dir: str = _s(".rtrl", "folder for local state: broker data, embedded ClickHouse, reports")
+    data_dir: str = Field(
+        default=".rtrl", description="folder for local state: broker data, embedded ClickHouse, reports"
+    )
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     clickhouse: ClickHouseSettings = Field(default_factory=ClickHouseSettings)
     sdk: SdkSettings = Field(default_factory=SdkSettings)

@@ -7,30 +7,29 @@ from urllib.parse import urlsplit
 
 from pydantic import ValidationInfo, field_validator, model_validator
 
-from rtrl.section import Section, redact_dsn
-from rtrl.section import setting as _s
+from rtrl.section import Section, redact_dsn, setting
 
 
 class SimulatorSettings(Section):
-    seed: int = _s(0, "random seed; the same seed gives the same events")
-    trajectories: int = _s(2000, "trajectories to simulate in one run", gt=0)
-    orgs: int = _s(6, "simulated organisations", gt=0)
-    users_per_org: int = _s(20, "simulated users in each organisation", gt=0)
-    rate: float = _s(0.0, "events per second sent through the SDK; 0 = as fast as possible", ge=0)
-    start_ms: int = _s(0, "event time of the first trajectory (ms since epoch); 0 = now", ge=0)
-    duplicate_rate: float = _s(0.01, "fraction of events the client sends twice", ge=0, le=1)
-    reorder_rate: float = _s(0.02, "fraction of events delivered after their successor", ge=0, le=1)
-    late_check_rate: float = _s(0.05, "fraction of persistence checks that arrive hours late", ge=0, le=1)
-    long_task_share: float = _s(
+    seed: int = setting(0, "random seed; the same seed gives the same events")
+    trajectories: int = setting(2000, "trajectories to simulate in one run", gt=0)
+    orgs: int = setting(6, "simulated organisations", gt=0)
+    users_per_org: int = setting(20, "simulated users in each organisation", gt=0)
+    rate: float = setting(0.0, "events per second sent through the SDK; 0 = as fast as possible", ge=0)
+    start_ms: int = setting(0, "event time of the first trajectory (ms since epoch); 0 = now", ge=0)
+    duplicate_rate: float = setting(0.01, "fraction of events the client sends twice", ge=0, le=1)
+    reorder_rate: float = setting(0.02, "fraction of events delivered after their successor", ge=0, le=1)
+    late_check_rate: float = setting(0.05, "fraction of persistence checks that arrive hours late", ge=0, le=1)
+    long_task_share: float = setting(
         0.0,
         "share of trajectories that are hours-long background tasks (kind 'background') judged by a verdict",
         ge=0,
         le=1,
     )
-    long_task_hours: float = _s(3.0, "median event-time length of a background task, hours", gt=0)
-    verdict_min_h: float = _s(1.0, "least event-time hours between a background task's end and its verdict", ge=0)
-    verdict_max_h: float = _s(48.0, "most event-time hours between a background task's end and its verdict", ge=0)
-    verdict_rate: float = _s(0.9, "share of background tasks whose user ever gives a verdict", ge=0, le=1)
+    long_task_hours: float = setting(3.0, "median event-time length of a background task, hours", gt=0)
+    verdict_min_h: float = setting(1.0, "least event-time hours between a background task's end and its verdict", ge=0)
+    verdict_max_h: float = setting(48.0, "most event-time hours between a background task's end and its verdict", ge=0)
+    verdict_rate: float = setting(0.9, "share of background tasks whose user ever gives a verdict", ge=0, le=1)
 
     @model_validator(mode="after")
     def _verdict_range(self) -> SimulatorSettings:
@@ -43,39 +42,39 @@ class SimulatorSettings(Section):
 
 
 class ServingSettings(Section):
-    url: str = _s(
+    url: str = setting(
         "",
         "base URL of the OpenAI-compatible completions server the policy server samples from (vLLM, SGLang), "
         "e.g. http://127.0.0.1:8000/v1; it must serve the promoted version itself; empty = the project's own "
         "server over the policy, in-process on a free loopback port",
     )
-    model: str = _s("rtrl-policy", "model name sent with each request (vLLM: --served-model-name)")
-    candidate_model: str = _s(
+    model: str = setting("rtrl-policy", "model name sent with each request (vLLM: --served-model-name)")
+    candidate_model: str = setting(
         "rtrl-candidate", "A/B mode (loop.ab_share > 0): the model name under which the server serves the candidate"
     )
-    timeout_s: float = _s(30.0, "seconds a completions request may take to connect, and to answer, per try", gt=0)
-    retries: int = _s(
+    timeout_s: float = setting(30.0, "seconds a completions request may take to connect, and to answer, per try", gt=0)
+    retries: int = setting(
         3, "retries of a failed completions request (connection error, timeout, 429, 5xx), with backoff", ge=0
     )
-    api_key_file: str = _s(
+    api_key_file: str = setting(
         "", "file holding the server's API key, sent as a bearer token (vLLM: --api-key); empty = none"
     )
-    registry_dir: str = _s(
+    registry_dir: str = setting(
         "",
         "model registry: each promotion of a Hugging Face model is exported to <registry_dir>/v<N> (safetensors, "
         "config.json, rtrl.json with its content hash), what a fleet loads; empty = <data_dir>/registry",
     )
-    reload_api: Literal["sglang", "vllm"] = _s(
+    reload_api: Literal["sglang", "vllm"] = setting(
         "sglang",
         "weight-reload API of the inference server `rtrl fleet follow` drives: sglang (POST "
         "/update_weights_from_disk; the project's own server too) or vllm (POST /collective_rpc reload_weights, "
         "needs VLLM_SERVER_DEV_MODE=1)",
     )
-    reload_url: str = _s(
+    reload_url: str = setting(
         "",
         "base URL of that server's reload endpoint, e.g. http://127.0.0.1:30000; empty = serving.url without /v1",
     )
-    reload_timeout_s: float = _s(
+    reload_timeout_s: float = setting(
         600.0, "seconds one weight reload may take, per try (a large model loads for minutes)", gt=0
     )
 

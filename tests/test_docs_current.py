@@ -34,7 +34,7 @@ import app.cli
 from docs import gen_commands, gen_files, gen_markdown, gen_records, gen_settings, gen_tables
 from docs import generate as gen
 from rtrl.config import KafkaSettings
-from rtrl.section import setting as _s
+from rtrl.section import setting
 from rtrl.settings import Settings
 from schemas.fields import Label, doc
 from schemas.records import RECORDS
@@ -117,7 +117,7 @@ def test_make_docs_writes_every_page_and_the_diagram(monkeypatch, tmp_path, caps
 
 def test_a_new_setting_changes_the_settings_page():
     class Kafka2(KafkaSettings):
-        sasl_mechanism: str = _s("", "SASL mechanism of the brokers (test-only setting)")
+        sasl_mechanism: str = setting("", "SASL mechanism of the brokers (test-only setting)")
 
     class Settings2(Settings):
         kafka: Kafka2 = Field(default_factory=Kafka2)

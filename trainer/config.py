@@ -21,8 +21,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_vali
 from pydantic_settings import NoDecode
 
 from rtrl.errors import ConfigError
-from rtrl.section import Section
-from rtrl.section import setting as _s
+from rtrl.section import Section, setting
 
 if TYPE_CHECKING:
     from rtrl.settings import Settings
@@ -34,39 +33,41 @@ class LossSettings(Section):
     # the config trainer.loss.policy_loss takes; frozen, as trainer.loss.GUARDED and PLAIN are shared
     model_config = Section.model_config | ConfigDict(frozen=True)
 
-    eps_low: float = _s(0.2, "clip range below a ratio of 1", gt=0, lt=1)
-    eps_high: float = _s(0.28, "clip range above a ratio of 1 (clip-higher)", gt=0)
-    is_cap: float = _s(2.0, "cap of an off-policy token's importance weight", ge=1)
-    kl_coef: float = _s(0.01, "weight of the k3 KL term to the reference model (0 = off)", ge=0)
-    norm_tokens: int = _s(0, "constant loss normaliser (Dr. GRPO); 0 = micro-batches x rows x seq_len of a step", ge=0)
-    log_ratio_clamp: float = _s(
+    eps_low: float = setting(0.2, "clip range below a ratio of 1", gt=0, lt=1)
+    eps_high: float = setting(0.28, "clip range above a ratio of 1 (clip-higher)", gt=0)
+    is_cap: float = setting(2.0, "cap of an off-policy token's importance weight", ge=1)
+    kl_coef: float = setting(0.01, "weight of the k3 KL term to the reference model (0 = off)", ge=0)
+    norm_tokens: int = setting(
+        0, "constant loss normaliser (Dr. GRPO); 0 = micro-batches x rows x seq_len of a step", ge=0
+    )
+    log_ratio_clamp: float = setting(
         20.0, "clamp log-ratios (trainer vs behaviour, reference vs trainer) to +-this before exp (0 = off)", ge=0
     )
-    dual_clip: float = _s(
+    dual_clip: float = setting(
         3.0, "dual-clip: a negative-advantage token's loss is at most this x |advantage| (> 1; 0 = off)", ge=0
     )
-    k3_clamp: float = _s(10.0, "clamp each token's KL term (k3 or full) to at most this (0 = off)", ge=0)
-    kl_estimator: Literal["k3", "full"] = _s(
+    k3_clamp: float = setting(10.0, "clamp each token's KL term (k3 or full) to at most this (0 = off)", ge=0)
+    kl_estimator: Literal["k3", "full"] = setting(
         "k3",
         "the KL term per trained token: k3 (on the sampled token; cheap, but blind to mass moved onto tokens the "
         "policy rarely samples) or full (the exact KL over the whole vocabulary; costs the reference's [B, S, V] "
         "log-softmax per micro-batch)",
     )
-    seq_ratio_guard: Literal["off", "mask", "truncate"] = _s(
+    seq_ratio_guard: Literal["off", "mask", "truncate"] = setting(
         "off",
         "per-sequence importance-ratio guard on the geometric-mean ratio to the behaviour policy: "
         "mask (drop sequences outside [seq_ratio_low, seq_ratio_high]), truncate (cap a sequence's "
         "weight at seq_ratio_high) or off",
     )
-    seq_ratio_low: float = _s(0.5, "lower end of the sequence guard's band of geometric-mean ratios", gt=0, le=1)
-    seq_ratio_high: float = _s(2.0, "upper end of the sequence guard's band of geometric-mean ratios", ge=1)
-    delayed_correction: Literal["truncated_is", "none"] = _s(
+    seq_ratio_low: float = setting(0.5, "lower end of the sequence guard's band of geometric-mean ratios", gt=0, le=1)
+    seq_ratio_high: float = setting(2.0, "upper end of the sequence guard's band of geometric-mean ratios", ge=1)
+    delayed_correction: Literal["truncated_is", "none"] = setting(
         "truncated_is",
         "how a delayed sample (policy lag over train.max_policy_lag, within train.max_delayed_lag) is corrected: "
         "truncated_is (each token's gradient weighted by min(ratio to its behaviour policy, delayed_is_cap)) or "
         "none (no correction: plain advantage x grad log-prob, an experiment's control arm)",
     )
-    delayed_is_cap: float = _s(
+    delayed_is_cap: float = setting(
         1.0,
         "cap of a delayed token's importance weight (>= 1: a cap below 1 would shrink even a token whose "
         "probability did not change; 1 = delayed tokens are only ever down-weighted)",
@@ -84,10 +85,10 @@ class LossSettings(Section):
 class TrainSettings(Section):
     """The optimizer and the training run."""
 
-    run_id: str = _s("", "training run id kept across resumes; empty = derived from the checkpoint folder")
-    steps: int = _s(20, "optimizer steps to take (a resumed run continues to this total)", gt=0)
-    micro_batches_per_step: int = _s(2, "micro-batches accumulated into one optimizer step", gt=0)
-    updates_per_step: int = _s(
+    run_id: str = setting("", "training run id kept across resumes; empty = derived from the checkpoint folder")
+    steps: int = setting(20, "optimizer steps to take (a resumed run continues to this total)", gt=0)
+    micro_batches_per_step: int = setting(2, "micro-batches accumulated into one optimizer step", gt=0)
+    updates_per_step: int = setting(
         1,
         "optimizer updates on each step's micro-batches (PPO's epochs): the first is what one update does, the "
         "later ones reuse the samples' behaviour log-probs, the clip bounding how far they move; 1 = each "
@@ -95,28 +96,28 @@ class TrainSettings(Section):
         gt=0,
         le=64,
     )
-    lr: float = _s(1e-3, "AdamW peak learning rate", gt=0)
-    beta1: float = _s(0.9, "AdamW beta1", ge=0, lt=1)
-    beta2: float = _s(0.999, "AdamW beta2", ge=0, lt=1)
-    weight_decay: float = _s(0.0, "AdamW decoupled weight decay", ge=0)
-    warmup_steps: int = _s(0, "steps of linear learning-rate warm-up from 0 to lr", ge=0)
-    grad_clip: float = _s(1.0, "clip the global gradient norm to this (0 = off); on by default", ge=0)
-    max_policy_lag: int = _s(
+    lr: float = setting(1e-3, "AdamW peak learning rate", gt=0)
+    beta1: float = setting(0.9, "AdamW beta1", ge=0, lt=1)
+    beta2: float = setting(0.999, "AdamW beta2", ge=0, lt=1)
+    weight_decay: float = setting(0.0, "AdamW decoupled weight decay", ge=0)
+    warmup_steps: int = setting(0, "steps of linear learning-rate warm-up from 0 to lr", ge=0)
+    grad_clip: float = setting(1.0, "clip the global gradient norm to this (0 = off); on by default", ge=0)
+    max_policy_lag: int = setting(
         1,
         "samples older than this many policy versions are dropped (counted) or, within max_delayed_lag, delayed",
         ge=0,
     )
-    max_delayed_lag: int = _s(
+    max_delayed_lag: int = setting(
         4,
         "samples with a policy lag over max_policy_lag but at most this train on the delayed path (their own "
         "baseline, a truncated importance weight: loss.delayed_correction); older ones are dropped (counted); "
         "0 = no delayed path (every sample over max_policy_lag is dropped)",
         ge=0,
     )
-    checkpoint_every: int = _s(10, "steps between checkpoints (one is also written at the end)", gt=0)
-    checkpoint_dir: str = _s("", "where checkpoints go; empty = <data_dir>/checkpoints")
-    idle_timeout_s: float = _s(30.0, "stop when no micro-batch arrives for this long", gt=0)
-    torch_threads: int = _s(
+    checkpoint_every: int = setting(10, "steps between checkpoints (one is also written at the end)", gt=0)
+    checkpoint_dir: str = setting("", "where checkpoints go; empty = <data_dir>/checkpoints")
+    idle_timeout_s: float = setting(30.0, "stop when no micro-batch arrives for this long", gt=0)
+    torch_threads: int = setting(
         0, "CPU threads for torch; 0 = auto: all cores but one on a CPU-only machine (the broker needs one)", ge=0
     )
 
@@ -137,10 +138,10 @@ class ParallelSettings(Section):
     # the model config holds this very object (trainer.factory.model_config): frozen, so no copy is needed
     model_config = Section.model_config | ConfigDict(frozen=True)
 
-    tp: int = _s(1, "tensor-parallel size: each matmul and the vocabulary split over this many ranks", gt=0)
-    pp: int = _s(1, "pipeline-parallel size: the layers split into this many stages", gt=0)
-    dp: int = _s(0, "data-parallel size; 0 = derived as world_size / (tp x pp)", ge=0)
-    sequence_parallel: bool = _s(
+    tp: int = setting(1, "tensor-parallel size: each matmul and the vocabulary split over this many ranks", gt=0)
+    pp: int = setting(1, "pipeline-parallel size: the layers split into this many stages", gt=0)
+    dp: int = setting(0, "data-parallel size; 0 = derived as world_size / (tp x pp)", ge=0)
+    sequence_parallel: bool = setting(
         False,
         "split layer-norm and dropout activations along the sequence over the tensor-parallel ranks (needs tp > 1)",
     )
@@ -174,11 +175,11 @@ class PrecisionSettings(Section):
     # the trainer holds this very object (trainer.factory.model_config): frozen, so no copy is needed
     model_config = Section.model_config | ConfigDict(frozen=True)
 
-    bf16: bool = _s(False, "parameters and activations in bfloat16 (on CPU ~10x slower than fp32)")
-    fp8: Literal["", "hybrid", "e4m3"] = _s(
+    bf16: bool = setting(False, "parameters and activations in bfloat16 (on CPU ~10x slower than fp32)")
+    fp8: Literal["", "hybrid", "e4m3"] = setting(
         "", "FP8 GEMMs through Transformer Engine: hybrid (e4m3 forward, e5m2 backward) or e4m3; empty = off"
     )
-    fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = _s(
+    fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = setting(
         "delayed", "FP8 scaling recipe (mxfp8 needs Blackwell); read only when fp8 is set"
     )
 
@@ -198,7 +199,7 @@ class ModelSettings(Section):
     This section is also the model's config. :func:`trainer.factory.model_config` joins the ``parallel`` section in.
     """
 
-    hf_path: str = _s(
+    hf_path: str = setting(
         "",
         "a Hugging Face checkpoint folder (config.json + safetensors; dense Llama, Qwen2 or Qwen3): the "
         "architecture comes from its config.json (a shape setting below that disagrees is refused) and the "
@@ -211,44 +212,44 @@ class ModelSettings(Section):
         """Absolute, so every part of the loop (started in the repository's folder) finds the same checkpoint."""
         return os.path.abspath(os.path.expanduser(v)) if v else v
 
-    num_layers: int = _s(2, "transformer layers", gt=0)
-    hidden_size: int = _s(64, "model width", gt=0)
-    num_attention_heads: int = _s(4, "attention heads", gt=0)
-    num_query_groups: int = _s(0, "key/value heads for grouped-query attention; 0 = one per attention head", ge=0)
-    head_dim: int = _s(
+    num_layers: int = setting(2, "transformer layers", gt=0)
+    hidden_size: int = setting(64, "model width", gt=0)
+    num_attention_heads: int = setting(4, "attention heads", gt=0)
+    num_query_groups: int = setting(0, "key/value heads for grouped-query attention; 0 = one per attention head", ge=0)
+    head_dim: int = setting(
         0, "width of one attention head (megatron's kv_channels); 0 = hidden_size / num_attention_heads", ge=0
     )
-    ffn_hidden_size: int = _s(0, "MLP width; 0 = 4 x hidden_size", ge=0)
-    vocab_size: int = _s(256, "vocabulary size", gt=0)
-    vocab_multiple: int = _s(
+    ffn_hidden_size: int = setting(0, "MLP width; 0 = 4 x hidden_size", ge=0)
+    vocab_size: int = setting(256, "vocabulary size", gt=0)
+    vocab_multiple: int = setting(
         0,
         "pad the vocabulary (embedding and output rows) up to a multiple of lcm(vocab_multiple, parallel.tp), so "
         "checkpoints reshard over tp; the padded rows' logits are masked out; 0 = none (vocab_size must then divide "
         "by parallel.tp), or 128 with model.hf_path (Megatron-LM's default)",
         ge=0,
     )
-    seq_length: int = _s(64, "longest sequence (packed micro-batch row) the model is built for", gt=0)
-    normalization: Literal["LayerNorm", "RMSNorm"] = _s("LayerNorm", "LayerNorm or RMSNorm")
-    norm_eps: float = _s(1e-5, "epsilon of every LayerNorm or RMSNorm (megatron's layernorm_epsilon)", gt=0)
-    activation: Literal["gelu", "swiglu"] = _s("gelu", "MLP activation: gelu, or swiglu (gated SiLU)")
-    position_embedding_type: Literal["rope", "learned_absolute"] = _s("rope", "rope or learned_absolute")
-    rope_base: float = _s(10000.0, "RoPE base frequency (theta)", gt=0)
-    rope_scaling: Literal["", "llama3", "linear"] = _s(
+    seq_length: int = setting(64, "longest sequence (packed micro-batch row) the model is built for", gt=0)
+    normalization: Literal["LayerNorm", "RMSNorm"] = setting("LayerNorm", "LayerNorm or RMSNorm")
+    norm_eps: float = setting(1e-5, "epsilon of every LayerNorm or RMSNorm (megatron's layernorm_epsilon)", gt=0)
+    activation: Literal["gelu", "swiglu"] = setting("gelu", "MLP activation: gelu, or swiglu (gated SiLU)")
+    position_embedding_type: Literal["rope", "learned_absolute"] = setting("rope", "rope or learned_absolute")
+    rope_base: float = setting(10000.0, "RoPE base frequency (theta)", gt=0)
+    rope_scaling: Literal["", "llama3", "linear"] = setting(
         "",
         "RoPE frequency scaling: llama3 (Llama 3.1's low and high frequency factors 1 and 4 over 8192 original "
         "positions) or linear (positions divided by rope_scaling_factor); empty = none",
     )
-    rope_scaling_factor: float = _s(1.0, "the factor of rope_scaling; read only when rope_scaling is set", gt=0)
-    tie_embeddings: bool = _s(False, "share the input embedding and output layer weights")
-    qkv_bias: bool = _s(False, "bias on the query/key/value projections (Qwen2 style)")
-    linear_bias: bool = _s(True, "biases on the other linear layers (GPT-2 style; Llama and Qwen: false)")
-    qk_layernorm: bool = _s(
+    rope_scaling_factor: float = setting(1.0, "the factor of rope_scaling; read only when rope_scaling is set", gt=0)
+    tie_embeddings: bool = setting(False, "share the input embedding and output layer weights")
+    qkv_bias: bool = setting(False, "bias on the query/key/value projections (Qwen2 style)")
+    linear_bias: bool = setting(True, "biases on the other linear layers (GPT-2 style; Llama and Qwen: false)")
+    qk_layernorm: bool = setting(
         False, "normalise queries and keys per head before RoPE, with the model's normalization (Qwen3's QK-norm)"
     )
-    hidden_dropout: float = _s(0.0, "dropout after attention and MLP (RL compares log-probs: keep 0)", ge=0, lt=1)
-    attention_dropout: float = _s(0.0, "dropout of attention probabilities", ge=0, lt=1)
-    init_method_std: float = _s(0.02, "standard deviation of the weight init", gt=0)
-    seed: int = _s(1234, "seed of the weight init and megatron's RNG tracker (the same model on any tp)")
+    hidden_dropout: float = setting(0.0, "dropout after attention and MLP (RL compares log-probs: keep 0)", ge=0, lt=1)
+    attention_dropout: float = setting(0.0, "dropout of attention probabilities", ge=0, lt=1)
+    init_method_std: float = setting(0.02, "standard deviation of the weight init", gt=0)
+    seed: int = setting(1234, "seed of the weight init and megatron's RNG tracker (the same model on any tp)")
 
     _parallel: ParallelSettings = PrivateAttr(default_factory=ParallelSettings)
     _hf_config: dict[str, Any] | None = PrivateAttr(default=None)
@@ -434,18 +435,18 @@ class AdapterSettings(Section):
     """Per-organisation LoRA adapters on the shared policy (issue 17): which orgs get one, their shape, and what the
     shared policy trains on. An org's adapter trains only on that org's samples; it is gated and promoted on its own."""
 
-    orgs: Annotated[list[str], NoDecode] = _s(
+    orgs: Annotated[list[str], NoDecode] = setting(
         [],
         "organisations that get their own adapter once they pass adapters.min_samples; '*' = every org that does; "
         "empty = no adapters (comma-separated in the environment)",
     )
-    min_samples: int = _s(
+    min_samples: int = setting(
         256,
         "samples an org must have sent through the batch flow before its adapter stream starts (the "
         "minimum-traffic threshold); until then its samples train only the shared policy",
         ge=0,
     )
-    shared_traffic: Literal["all", "unadapted", "served"] = _s(
+    shared_traffic: Literal["all", "unadapted", "served"] = setting(
         "served",
         "what the shared policy trains on: all traffic with each adapted org's samples trained through the "
         "adapter version that served them, frozen (served: the importance ratio compares with the real behaviour "
@@ -453,16 +454,16 @@ class AdapterSettings(Section):
         "on the base alone (all: the global orgs lost about 0.03 of P(solve), bench/RESULTS.md); or only the orgs "
         "without an adapter (unadapted)",
     )
-    revalidate_scales: Annotated[list[float], NoDecode] = _s(
+    revalidate_scales: Annotated[list[float], NoDecode] = setting(
         [0.5],
         "when a serving adapter's re-validation on a new base is refused, the adapter is judged again with its "
         "effect scaled by each of these in turn (its lora_B times the factor: the base may have learnt part of "
         "what the adapter does) and the first that passes serves, as a new version; empty = retire it at once "
         "(comma-separated in the environment)",
     )
-    rank: int = _s(8, "LoRA rank r of every adapter", gt=0, le=1024)
-    alpha: float = _s(16.0, "LoRA alpha: the adapter's update is scaled by alpha / rank", gt=0)
-    targets: Annotated[list[str], NoDecode] = _s(
+    rank: int = setting(8, "LoRA rank r of every adapter", gt=0, le=1024)
+    alpha: float = setting(16.0, "LoRA alpha: the adapter's update is scaled by alpha / rank", gt=0)
+    targets: Annotated[list[str], NoDecode] = setting(
         list(LORA_TARGETS),
         "megatron linears that carry the adapter: linear_qkv, linear_proj, linear_fc1, linear_fc2 of every layer "
         "and the output layer (output_layer, Hugging Face's lm_head: with it an adapter can raise one token without "
@@ -470,27 +471,29 @@ class AdapterSettings(Section):
         "comma-separated in the environment",
         min_length=1,
     )
-    dropout: float = _s(0.0, "dropout on the adapter's input (RL compares log-probs: keep 0)", ge=0, lt=1)
-    lr: float = _s(0.0, "AdamW learning rate of an adapter; 0 = train.lr", ge=0)
-    updates_per_step: int = _s(
+    dropout: float = setting(0.0, "dropout on the adapter's input (RL compares log-probs: keep 0)", ge=0, lt=1)
+    lr: float = setting(0.0, "AdamW learning rate of an adapter; 0 = train.lr", ge=0)
+    updates_per_step: int = setting(
         4,
         "optimizer updates on each step's micro-batches of an adapter run (train.updates_per_step for adapters: an "
         "org's adapter sees a fraction of the traffic, so it reuses each batch); 0 = train.updates_per_step",
         ge=0,
         le=64,
     )
-    kl_coef: float = _s(
+    kl_coef: float = setting(
         0.3,
         "weight of an adapter run's KL term to the base alone (it keeps what the org does not ask for, such as "
         "the broken-call rate, at the base's); 0 = loss.kl_coef",
         ge=0,
     )
-    kl_estimator: Literal["", "k3", "full"] = _s(
+    kl_estimator: Literal["", "k3", "full"] = setting(
         "full",
         "an adapter run's KL estimator (loss.kl_estimator's choices): full by default, as k3 on the sampled token "
         "does not see the broken tool calls an adapter's updates make likelier; '' = loss.kl_estimator",
     )
-    max_loaded: int = _s(64, "adapters the policy server holds in memory at once (least recently used leave)", gt=0)
+    max_loaded: int = setting(
+        64, "adapters the policy server holds in memory at once (least recently used leave)", gt=0
+    )
 
     @field_validator("orgs", "targets", "revalidate_scales", mode="before")
     @classmethod
