@@ -278,6 +278,15 @@ def cmd_model_init(settings: Settings, args: argparse.Namespace, console: Consol
         raise ConfigError(f"{out} exists and is not an empty folder; give a new folder")
     shape = settings.model_copy(update={"model": settings.model.model_copy(update={"hf_path": ""})})
     cfg, _ = loop_model_config(shape)  # the loop's vocabulary and positions, the model section's widths
+    chosen = settings.model.model_fields_set
+    unwritten = sorted({"rope_scaling", "rope_scaling_factor"} & chosen)
+    if "qk_layernorm" in chosen and settings.model.qk_layernorm != (args.family == "qwen3"):
+        unwritten.append("qk_layernorm")  # the family says it: Qwen3 normalises queries and keys, the others do not
+    if unwritten:
+        raise ConfigError(
+            f"rtrl model init writes a plain {args.family} config.json, without model.{', model.'.join(unwritten)}; "
+            "fix: unset them for the init (a checkpoint's own config.json may set them)"
+        )
     hf = new_hf_config(
         args.family,
         vocab_size=cfg.vocab_size,
@@ -289,6 +298,8 @@ def cmd_model_init(settings: Settings, args: argparse.Namespace, console: Consol
         max_position_embeddings=cfg.seq_length,
         rope_theta=cfg.rope_base,
         tie_word_embeddings=args.tie,
+        **({"rms_norm_eps": cfg.norm_eps} if "norm_eps" in chosen else {}),
+        head_dim=cfg.head_dim,
     )
     init_parallel(cfg)
     init_hf(out, hf, seed=cfg.seed)

@@ -121,7 +121,7 @@ def main() -> None:
         loop.model.load_state_dict(loop.reference.state_dict())
         # the loop's own training config (one mapping: TrainConfig.from_settings), every replayed sample kept
         tc = TrainConfig.from_settings(loop.settings, steps=len(r.steps), resume=False)
-        tc = tc.model_copy(update={"max_policy_lag": 10**6})
+        tc = tc.model_copy(update={"max_policy_lag": 10**6, "max_delayed_lag": 0})
         t = time.monotonic()
         train(Policy(loop.model, loop.reference, version=r.parent), lambda _o, m=mem: MemorySource(m), tc)  # type: ignore[misc]
         base = time.monotonic() - t

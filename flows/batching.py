@@ -18,11 +18,11 @@ join, group and baseline without talking to any other. Steps, in order:
      counted ``later_revision_or_duplicate``), so it is trained at most once: never a provisional
      reward and its revision as two samples.
 2. **Staleness**: a joined sample's lag is the serving version (the newest promotion seen)
-   minus its ``policy_version``. Lag <= ``max_policy_lag``: a normal (on- or near-on-policy) sample.
-   ``max_policy_lag`` < lag <= ``max_delayed_lag``: a **delayed** sample (``MicroBatch.delayed``), which the
+   minus its ``policy_version``. Lag <= ``train.max_policy_lag``: a normal (on- or near-on-policy) sample.
+   ``train.max_policy_lag`` < lag <= ``train.max_delayed_lag``: a **delayed** sample (``MicroBatch.delayed``), which the
    trainer corrects with a truncated importance weight (``trainer.loss``). Over both (or over
-   ``max_policy_lag`` with ``max_delayed_lag`` = 0: no delayed path; the setting ``train.max_delayed_lag``
-   defaults to 4): dropped and counted per lag.
+   ``train.max_policy_lag`` with ``train.max_delayed_lag`` = 0: no delayed path; it defaults to 4): dropped and
+   counted per lag.
 3. **Advantages** (Dr. GRPO, no std normalisation), separately for the normal and the delayed samples
    of a group: two or more of one kind use ``reward - mean(their rewards)``; a single one uses
    ``reward - baseline`` with its kind's running mean, which it then updates. The delayed samples have
@@ -39,8 +39,8 @@ join, group and baseline without talking to any other. Steps, in order:
    counted when it arrives, once per trajectory, and does not wait for its other half: the SDK publishes no
    rollout of a ``monitor_only`` trajectory, so its reward would otherwise wait and count as unmatched. A micro-batch holds samples of one class, so an org's router can
    send an ``adapter_only`` batch to the org's adapter alone (:mod:`flows.adapters`).
-5. **Packing**: samples (prompt + completion tokens) are packed first-fit into rows of ``seq_len``
-   tokens; a micro-batch is emitted when ``rows`` rows cannot take the next sample, or when its
+5. **Packing**: samples (prompt + completion tokens) are packed first-fit into rows of ``batching.seq_len``
+   tokens; a micro-batch is emitted when ``batching.rows`` rows cannot take the next sample, or when its
    oldest sample has waited ``flush_ms``. Prompt tokens and padding have loss mask 0.
 
 The clock is the cohort's event time: the largest ``created_at`` of its rollouts and

@@ -527,3 +527,28 @@ def test_the_loop_refuses_a_checkpoint_whose_vocabulary_is_not_the_tasks(checkpo
         loop_model_config(load_settings(env={"RTRL_MODEL__HF_PATH": str(folder)}))
     relative = load_settings(env={"RTRL_MODEL__HF_PATH": "some/relative/folder"}).model.hf_path
     assert relative == os.path.abspath("some/relative/folder")  # every part of the loop finds the same folder
+
+
+@pytest.mark.slow  # writes a checkpoint
+def test_rtrl_model_init_writes_the_model_settings_it_was_given(tmp_path):
+    """`rtrl model init` writes a set `model.norm_eps` and `model.head_dim` into config.json, so training that
+    checkpoint with the same settings is not refused; a setting a plain config.json cannot hold is refused."""
+    import argparse
+
+    from rich.console import Console
+
+    from app.cli_loop import cmd_model_init
+
+    env = {"RTRL_DATA_DIR": str(tmp_path), "RTRL_MODEL__NORM_EPS": "1e-6", "RTRL_MODEL__HEAD_DIM": "32"}
+    settings = load_settings(env=env)
+    out = tmp_path / "qwen3"
+    assert cmd_model_init(settings, argparse.Namespace(dir=str(out), family="qwen3", tie=False), Console()) == 0
+    written = json.loads((out / "config.json").read_text())
+    assert (written["rms_norm_eps"], written["head_dim"]) == (1e-6, 32)
+    trained = load_settings(env=env | {"RTRL_MODEL__HF_PATH": str(out)})
+    cfg, _ = model_config(trained)  # the same settings agree with the checkpoint's config.json
+    assert (cfg.norm_eps, cfg.kv_channels) == (1e-6, 32)
+    scaled = load_settings(env={"RTRL_DATA_DIR": str(tmp_path), "RTRL_MODEL__ROPE_SCALING": "llama3"})
+    args = argparse.Namespace(dir=str(tmp_path / "scaled"), family="llama", tie=False)
+    with pytest.raises(ConfigError, match=r"without model\.rope_scaling; fix: unset"):
+        cmd_model_init(scaled, args, Console())

@@ -15,7 +15,7 @@ import os
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import NoDecode
@@ -376,6 +376,12 @@ class ModelSettings(Section):
         object.__setattr__(new, "__pydantic_fields_set__", self.model_fields_set | (changes.keys() & set(dict(self))))
         return new
 
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """A copy through :meth:`replace`, so it is checked and keeps ``parallel`` and ``hf_config`` (pydantic's
+        own copy would skip the shape checks and drop both from ``update``)."""
+        copy = self.replace(**(update or {}))
+        return super(ModelSettings, copy).model_copy(deep=True) if deep else copy  # type: ignore[return-value]
+
     def with_parallel(self, tp: int = 1, pp: int = 1, dp: int = 0, sequence_parallel: bool = False) -> ModelSettings:
         """A copy of this model with another parallel layout (checkpoints reshard between them)."""
         return self.replace(parallel=ParallelSettings(tp=tp, pp=pp, dp=dp, sequence_parallel=sequence_parallel))
@@ -624,5 +630,7 @@ class TrainConfig(TrainSettings):
             own = {k: v for k, v in (("lr", ad.lr), ("updates_per_step", ad.updates_per_step)) if v}
             kl = {k: v for k, v in (("kl_coef", ad.kl_coef), ("kl_estimator", ad.kl_estimator)) if v}
             loss = loss.model_copy(update=kl)
-        doc = settings.train.model_dump() | own | {"reward_version": settings.rewards.train_version} | run
+        # run_id and checkpoint_dir mean another thing empty here (a fresh id, no checkpoints): the caller gives them
+        doc = settings.train.model_dump(exclude={"run_id", "checkpoint_dir"}) | own
+        doc |= {"reward_version": settings.rewards.train_version} | run
         return cls.model_validate(doc | {"loss": loss})

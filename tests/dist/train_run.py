@@ -140,11 +140,10 @@ def run(args: argparse.Namespace, name: str | None = None) -> None:
         checkpoint_dir=args.out,
         idle_timeout_s=10,
         max_policy_lag=1,
-        updates_per_step=args.updates, max_delayed_lag=0,
+        updates_per_step=args.updates,
+        max_delayed_lag=0,
     )
     if args.kl_estimator == "full":
-        from dataclasses import replace
-
         tc = tc.model_copy(update=dict(loss=tc.loss.model_copy(update=dict(kl_estimator="full", kl_coef=0.5))))
 
     tag = {} if name is None else {"run": name}

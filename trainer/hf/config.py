@@ -285,9 +285,11 @@ def new_hf_config(
     rope_theta: float = 10000.0,
     tie_word_embeddings: bool = False,
     rms_norm_eps: float = 1e-6,
+    head_dim: int = 0,
 ) -> dict[str, Any]:
     """A ``config.json`` for a new model of ``family`` (llama, qwen2, qwen3) with this shape, as transformers
-    writes one (``torch_dtype`` float32); :func:`config_from_hf` reads it back."""
+    writes one (``torch_dtype`` float32); :func:`config_from_hf` reads it back. ``head_dim`` 0 is hidden / heads;
+    Qwen2 has no head width of its own."""
     if family not in FAMILIES:
         raise ConfigError(f"model family {family!r} is not supported; use one of {', '.join(FAMILIES)}")
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
@@ -311,14 +313,17 @@ def new_hf_config(
         "initializer_range": 0.02,
         "use_cache": True,
     }
+    head_dim = head_dim or hidden_size // num_attention_heads
+    if family == "qwen2" and head_dim * num_attention_heads != hidden_size:
+        raise ConfigError(f"model.head_dim = {head_dim}: a Qwen2 model's head width is hidden / heads; fix: unset it")
     if family == "llama":
-        d |= {"attention_bias": False, "mlp_bias": False, "head_dim": hidden_size // num_attention_heads}
+        d |= {"attention_bias": False, "mlp_bias": False, "head_dim": head_dim}
     elif family == "qwen2":
         d |= {"use_sliding_window": False, "sliding_window": None, "max_window_layers": num_layers}
     else:
         d |= {
             "attention_bias": False,
-            "head_dim": hidden_size // num_attention_heads,
+            "head_dim": head_dim,
             "use_sliding_window": False,
             "sliding_window": None,
             "max_window_layers": num_layers,
