@@ -13,7 +13,7 @@ policy, :class:`OrgAdapters` (owned by :class:`app.loop.Loop`):
    None passes: the org is served the base alone until its adapter retrains. Every decision is recorded, in
    ``adapter_checkpoints`` and on ``rtrl.deployments``;
 2. reads the adapter stream from where it left off and groups the batches by org; an org with at least one step's
-   worth of micro-batches trains its adapter (:class:`trainer.config.TrainConfig` ``adapter``: the base frozen, the
+   worth of micro-batches trains its adapter (:class:`rtrl.sections.trainer.TrainConfig` ``adapter``: the base frozen, the
    base alone the KL reference) from what serves it, else from the weights of its retired version (its
    re-validation was refused), else a fresh, zero-effect adapter (:meth:`evalgate.adapters.AdapterLedger.start`),
    on the serving base. A sample another policy served than those starting weights (``Rollout.adapter_version``:
@@ -50,13 +50,13 @@ from evalgate.adapters import AdapterLedger, AdapterVersion, decide_adapter
 from evalgate.gate import Decision, GateRules
 from rtrl import clickhouse
 from rtrl.errors import ConfigError
+from rtrl.sections.trainer import ModelSettings, PrecisionSettings, TrainConfig
 from rtrl.settings import Settings
 from schemas.records import Checkpoint, CheckpointStatus, TrainStep
 from simulator.evalsuite import OrgHeldOutTasks
 from simulator.tasks import Conventions
 from trainer import checkpoint, lora
 from trainer.batch import Batch, BatchLimits
-from trainer.config import ModelSettings, PrecisionSettings, TrainConfig
 from trainer.data import BatchStream
 from trainer.dedup import TrainedSet
 from trainer.factory import Policy, build

@@ -74,10 +74,10 @@ def cmd_retention(settings: Settings, args: argparse.Namespace, console: Console
     deleted."""
     import time
 
-    from app.config import RETAINED_TABLES
     from flows.sinks import prune_archive
     from rtrl import clickhouse
     from rtrl.clickhouse_cluster import cluster_of
+    from rtrl.sections.app import RETAINED_TABLES
 
     r, dry = settings.retention, args.dry_run
     client = clickhouse.setup_from(settings)

@@ -13,7 +13,7 @@ Bytewax, so that its arms see identical, seeded input. Each cycle uses the same 
 * :meth:`InProcessLoop.train` (the shared policy's stream) and :func:`train_steps` (any stream, an adapter's):
   the cycle's micro-batches through the Arrow wire format (:func:`schemas.codec.encode_batch`,
   :func:`trainer.batch.to_batch`) to the trainer (:func:`trainer.train.train`, configured by
-  :meth:`trainer.config.TrainConfig.from_settings`), in whole steps; a remainder waits for the next cycle.
+  :meth:`rtrl.sections.trainer.TrainConfig.from_settings`), in whole steps; a remainder waits for the next cycle.
 
 The flows' handling of the same records against the real broker and engine is tested elsewhere
 (tests/test_delayed_path.py, tests/test_long_loop.py, tests/test_per_org.py).
@@ -35,12 +35,12 @@ from flows.batching import BatchBuilder
 from flows.processor import Message, RewardProcessor
 from flows.reward_flow import verdict_kinds
 from flows.windowing import WindowConfig
+from rtrl.sections.trainer import TrainConfig
 from rtrl.settings import Settings
 from schemas.codec import encode_batch, event_codec
 from schemas.records import EventBase, MicroBatch, Rollout, TaskVerdict, TrainStep, TrajectoryStarted
 from simulator.tasks import COMPLETION_LEN, Outcome, Task, outcome
 from trainer.batch import Batch, to_batch
-from trainer.config import TrainConfig
 from trainer.dedup import TrainedSet
 from trainer.factory import Policy
 from trainer.train import Hooks, MemorySource, train

@@ -18,7 +18,7 @@ the reward flow's processor windows and scores them (:class:`flows.processor.Rew
 the verdict), the batch flow's builders join and pack them (:class:`flows.batching.BatchBuilder`, one per
 cohort, configured by :func:`flows.batch_flow.batch_config`), the micro-batches go through the Arrow wire format
 (:func:`schemas.codec.encode_batch`, :func:`trainer.batch.to_batch`) to the trainer
-(:func:`trainer.train.train`, configured by :meth:`trainer.config.TrainConfig.from_settings`), and the candidate
+(:func:`trainer.train.train`, configured by :meth:`rtrl.sections.trainer.TrainConfig.from_settings`), and the candidate
 is promoted (no gate: the arms must stay comparable). Kafka, ClickHouse and Bytewax are left out so the three
 arms see identical, seeded input; the flows' handling of the same records is tested against the real broker
 and engine elsewhere (tests/test_delayed_path.py, tests/test_long_loop.py).

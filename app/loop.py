@@ -76,6 +76,7 @@ from rtrl import clickhouse, metrics
 from rtrl.errors import ConfigError
 from rtrl.files import private_dir, write_private
 from rtrl.kafka import connection, producer_config
+from rtrl.sections.trainer import TrainConfig
 from rtrl.settings import Settings
 from schemas.codec import JsonCodec
 from schemas.records import Checkpoint, CheckpointStatus, TrainStep
@@ -85,7 +86,6 @@ from simulator.serve import PolicyServer
 from simulator.tasks import conventions_for, sample_task
 from trainer import checkpoint
 from trainer.batch import BatchLimits
-from trainer.config import TrainConfig
 from trainer.data import BatchStream
 from trainer.dedup import TrainedSet
 from trainer.factory import Policy, build_policy

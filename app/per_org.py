@@ -17,7 +17,7 @@ same warm start:
   the main job does (:mod:`app.adapters`), the shared policy trains and is promoted first; every serving adapter
   is judged again on the new base against the new base alone (``AdapterLedger.revalidate``: it keeps serving;
   else at ``adapters.revalidate_scales`` of its effect, "rescaled"; else it is retired); then the org's adapter
-  trains on the cycle's adapter stream (:class:`trainer.config.TrainConfig` ``adapter=org``: the base frozen, the
+  trains on the cycle's adapter stream (:class:`rtrl.sections.trainer.TrainConfig` ``adapter=org``: the base frozen, the
   KL reference the base alone) on that new base, continuing from the weights of its last promoted version (a
   refused candidate is dropped: its noise would otherwise accumulate).
   A retired org keeps those weights too, while the base alone serves it: its samples then come from another
@@ -68,6 +68,7 @@ from app.serving import loop_model_config
 from client.sdk import Trajectory
 from evalgate.adapters import AdapterLedger, decide_adapter
 from flows.adapters import OrgRouter, unrouted
+from rtrl.sections.trainer import TrainConfig
 from rtrl.settings import Settings, as_env, load_settings
 from schemas.records import MicroBatch, TrainStep
 from simulator.evalsuite import OrgHeldOutTasks
@@ -86,7 +87,6 @@ from simulator.tasks import (
 from simulator.world import react
 from trainer import lora
 from trainer.batch import Batch
-from trainer.config import TrainConfig
 from trainer.dedup import TrainedSet
 from trainer.factory import build_policy, optimizer
 

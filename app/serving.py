@@ -16,12 +16,12 @@ from client.screening import screen_for
 from client.sdk import RtrlClient
 from rtrl.errors import ConfigError
 from rtrl.kafka import connection
+from rtrl.sections.trainer import ModelSettings, PrecisionSettings
 from rtrl.settings import Settings
 from simulator.serve import PolicyServer
 from simulator.tasks import VOCAB, conventions_for
 from simulator.tasks import decode as decode_tokens
 from trainer import checkpoint
-from trainer.config import ModelSettings, PrecisionSettings
 from trainer.factory import build, model_config
 
 

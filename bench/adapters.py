@@ -117,7 +117,7 @@ MB = 1e6
 
 
 def model_config(args: argparse.Namespace) -> Any:
-    from trainer.config import ModelSettings
+    from rtrl.sections.trainer import ModelSettings
 
     ffn = args.ffn or max(64, round(args.hidden * 8 / 3 / 64) * 64)  # Llama's 8/3 x hidden, a multiple of 64
     return ModelSettings(
@@ -360,8 +360,8 @@ def stamp(ends: list[tuple[float, float]]) -> Callable[[Any], None]:
 
 
 def run_training(args: argparse.Namespace, cfg: Any, progress: Progress, task: Any) -> Training:
+    from rtrl.sections.trainer import TrainConfig
     from trainer import lora
-    from trainer.config import TrainConfig
     from trainer.factory import Policy
     from trainer.model import build_model
     from trainer.train import Hooks, train

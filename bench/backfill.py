@@ -65,11 +65,11 @@ from flows.windowing import WindowConfig
 from rewards import compute
 from rewards.versions import registry
 from rtrl import clickhouse
+from rtrl.sections.simulator import SimulatorSettings
 from rtrl.settings import load_settings
 from schemas.codec import event_codec
 from schemas.records import EventBase, Reward
 from schemas.types import from_arrow, to_arrow
-from simulator.config import SimulatorSettings
 from simulator.generate import generate
 
 SALT = "bench-salt-123"

@@ -1,6 +1,6 @@
 """FP8 (Transformer Engine) against bf16 training throughput of a ~1B-parameter GPTModel on one GPU.
 
-Builds the trainer's own model (``trainer.config.ModelSettings`` -> ``trainer.model.build_model``; by
+Builds the trainer's own model (``rtrl.sections.trainer.ModelSettings`` -> ``trainer.model.build_model``; by
 default 18 layers, hidden 2048, 16 heads, MLP 8192, seq 2048, vocab 32,768: about 1.04B parameters,
 the exact count is printed) and times forward + backward + optimizer steps (``forward_logprobs``,
 mean negative log-likelihood of random tokens, ``torch.optim.AdamW(fused=True)`` on the bf16
@@ -401,7 +401,7 @@ def main(argv=None) -> int:
 
 def model_runs(args, shape: Shape, peak: float | None, results: dict) -> int:
 
-    from trainer.config import ModelSettings, PrecisionSettings, TransformerEngineMissing
+    from rtrl.sections.trainer import ModelSettings, PrecisionSettings, TransformerEngineMissing
     from trainer.model import init_parallel, transformer_engine_status
 
     te_ok, te_detail = transformer_engine_status()
@@ -523,7 +523,7 @@ def write_qwen(out: str, seq: int) -> str:
 def dry_run_cpu() -> int:
     """Small variant on CPU through the same build + step path; checks the parameter-count formula."""
 
-    from trainer.config import ModelSettings, PrecisionSettings, TransformerEngineMissing
+    from rtrl.sections.trainer import ModelSettings, PrecisionSettings, TransformerEngineMissing
     from trainer.model import init_parallel
 
     small = Shape(layers=2, hidden=128, heads=4, ffn=512, vocab=512, seq=128, kv_heads=4)

@@ -36,10 +36,10 @@ from app.loop import Loop  # noqa: E402
 from app.parts import PART_LIST  # noqa: E402
 from app.services import Services  # noqa: E402
 from rtrl.kafka import read_topic  # noqa: E402
+from rtrl.sections.trainer import TrainConfig  # noqa: E402
 from rtrl.settings import load_settings  # noqa: E402
 from schemas.codec import decode_batch  # noqa: E402
 from trainer.batch import to_batch  # noqa: E402
-from trainer.config import TrainConfig  # noqa: E402
 from trainer.factory import Policy  # noqa: E402
 from trainer.train import MemorySource, train  # noqa: E402
 

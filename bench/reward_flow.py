@@ -66,17 +66,17 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
 from client.sdk import RtrlClient
 from devservices.broker import LocalBroker
-from flows.config import FlowSettings
 from flows.reward_flow import build_flow
 from flows.windowing import PartitionWindows, WindowConfig
 from rtrl import clickhouse
 from rtrl.kafka import base_config, ensure_topics, producer_config
 from rtrl.kafka import produce as produce_one  # bench's own produce() sends a whole list
+from rtrl.sections.flows import FlowSettings
+from rtrl.sections.simulator import SimulatorSettings
 from rtrl.settings import load_settings
 from schemas.codec import Invalid, event_codec
 from schemas.records import EventBase
 from schemas.types import to_arrow
-from simulator.config import SimulatorSettings
 from simulator.generate import generate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, for bench.spill_state

@@ -21,8 +21,8 @@ from confluent_kafka import Producer
 from client.sdk import RtrlClient
 from devservices.broker import LocalBroker
 from rtrl.kafka import ensure_topics, produce, producer_config
+from rtrl.sections.simulator import SimulatorSettings
 from schemas.codec import event_codec
-from simulator.config import SimulatorSettings
 from simulator.generate import generate
 
 SALT = "bench-salt-1234"

@@ -34,9 +34,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flows.config import FlowSettings  # noqa: E402
 from flows.spill import SqliteStore  # noqa: E402
 from flows.windowing import MemoryStore, PartitionWindows, WindowConfig  # noqa: E402
+from rtrl.sections.flows import FlowSettings  # noqa: E402
 from schemas.records import EditProposed, EventBase, ToolCall, TrajectoryStarted  # noqa: E402
 
 BASE = 1_780_000_000_000

@@ -153,7 +153,7 @@ def broker_cpu_s(data_dir: str | None) -> float:
 def train_round(
     source_kind: str, cfg, make_source, steps: int, mbs: int, policy_version: int, broker_dir: str | None = None
 ) -> dict:
-    from trainer.config import TrainConfig
+    from rtrl.sections.trainer import TrainConfig
     from trainer.factory import Policy
     from trainer.model import build_model
     from trainer.train import Hooks, train
@@ -244,9 +244,9 @@ def main() -> None:
 
     from devservices.broker import LocalBroker
     from rtrl.kafka import ensure_topics, producer_config
+    from rtrl.sections.trainer import ModelSettings
     from schemas.codec import encode_batch
     from trainer.batch import to_batch
-    from trainer.config import ModelSettings
     from trainer.data import BatchStream
     from trainer.model import init_parallel
     from trainer.train import MemorySource

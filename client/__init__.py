@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from client.hashing import hash_user
     from client.sdk import ClientStats, InvalidEvent, RtrlClient, Trajectory
 
-#: the module each name lives in: it loads on first use, so importing the package's config loads nothing else
+#: the module each name lives in: it loads on first use, so importing the package loads no Kafka client
 _HOME = {
     "hash_user": "client.hashing",
     "ClientStats": "client.sdk",

@@ -33,11 +33,11 @@ from typing import Any, Literal
 import msgspec
 from confluent_kafka import Producer
 
-from client.config import GovernanceSettings
 from client.hashing import hash_user
 from client.screening import Screen, screen_for
 from rtrl import metrics
 from rtrl.kafka import KafkaConnection, connection, produce, producer_config
+from rtrl.sections.client import GovernanceSettings
 from schemas.codec import DEFAULT_MAX_BYTES, Invalid, JsonCodec, event_codec
 from schemas.data_use import DataUse, keeps_tokens, stricter
 from schemas.records import (

@@ -77,10 +77,10 @@ def settings_page(root: type[BaseModel] | None = None, loop_source: Path | None 
     root = root or rs.Settings
     top = {k: f for k, f in root.model_fields.items() if not _is_section(f.annotation)}
     sections = {k: f.annotation for k, f in root.model_fields.items() if _is_section(f.annotation)}
-    lines = header("Settings", "each package's config.py, rtrl/settings.py and app/loop_config.py")
+    lines = header("Settings", "rtrl/sections/, rtrl/settings.py and app/loop_config.py")
     lines += [
         "One typed tree (`rtrl/settings.py`, pydantic-settings) holds every setting: a section per component, defined "
-        "beside it in its package's `config.py`.",
+        "in `rtrl/sections/`.",
         "Sources, later ones winning: the defaults below, a TOML file (`rtrl --config FILE` or "
         f"`{rs.ENV_CONFIG_FILE}=FILE`), then environment variables `{rs.ENV_PREFIX}<SECTION>__<KEY>` "
         "(list settings: comma-separated). Unknown keys are errors, a bad value is refused naming the setting, "

@@ -1,7 +1,7 @@
 """Per-organisation routing of micro-batches (issue 17), free of Bytewax and I/O: which stream trains on each batch.
 
 The batch flow packs micro-batches per cohort ``(org_id, task_kind)`` as before; every batch holds one org's
-samples. A batch of an org the ``adapters`` settings do not want (:meth:`trainer.config.AdapterSettings.wants`)
+samples. A batch of an org the ``adapters`` settings do not want (:meth:`rtrl.sections.trainer.AdapterSettings.wants`)
 goes to the shared policy's stream, ``<prefix>batches``, unchanged (under ``shared_traffic = "served"`` split
 per serving adapter version when several served it: :func:`unrouted`). The batches of a wanted org pass one
 :class:`OrgRouter` per org (a stateful step keyed by org in the flow) that counts the org's samples:

@@ -56,12 +56,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from client.config import GovernanceSettings
-from flows.config import BatchingSettings, FlowSettings
 from flows.windowing import WindowConfig
+from rtrl.sections.client import GovernanceSettings
+from rtrl.sections.flows import BatchingSettings, FlowSettings
+from rtrl.sections.trainer import AdapterSettings, TrainSettings
 from schemas.data_use import DataUse
 from schemas.records import MicroBatch, Reward, Rollout
-from trainer.config import AdapterSettings, TrainSettings
 
 
 @dataclass(frozen=True)

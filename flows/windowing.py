@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal, NamedTuple, Protocol
 
-from flows.config import FlowSettings
+from rtrl.sections.flows import FlowSettings
 from schemas.records import (
     CloseReason,
     DeadLetterKind,

@@ -5,7 +5,7 @@ derived from, why it exists and who defined it. Three places define versions, me
 
 - the built-in ones in code (:data:`BUILTIN`: ``v2`` and the historical ``v1-discard-broken``);
 - ``rewards.file``: a TOML file with one ``[versions.NAME]`` table per version (read once, when the settings
-  load: :func:`rewards.config.read_reward_file`; this module reads no file, no clock, nothing);
+  load: :func:`rtrl.sections.rewards.read_reward_file`; this module reads no file, no clock, nothing);
 - ``rewards.define``: ``[rewards.define.NAME]`` tables in the settings file (or ``RTRL_REWARDS__DEFINE`` as JSON).
 
 Each table names a ``parent`` (built in or defined in either place), a ``reason``, an ``author`` and the
@@ -37,9 +37,9 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rewards.config import RewardDefinition
 from rewards.functions import V1_DISCARD_BROKEN, V2, RewardConfig
 from rtrl.errors import ConfigError
+from rtrl.sections.rewards import RewardDefinition
 from rtrl.settings import Settings
 from schemas.records import RewardVersionRecord
 

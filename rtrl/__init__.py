@@ -1,6 +1,6 @@
 """rtrl foundation: settings, errors, Kafka and ClickHouse access.
 
-It imports ``schemas`` and the settings sections in each package's ``config`` module, which load no component.
+It imports only ``schemas``. Every component's settings section is in :mod:`rtrl.sections`.
 """
 
 __version__ = "0.1.0"

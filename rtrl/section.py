@@ -1,7 +1,7 @@
 """The base of every settings section, and the redaction of secrets in what settings show.
 
-A section is one component's settings, defined beside the component (``flows/config.py``,
-``trainer/config.py`` ...). :mod:`rtrl.settings` composes the sections into one tree and loads it.
+A section is one component's settings, defined beside the component (``rtrl/sections/flows.py``,
+``rtrl/sections/trainer.py`` ...). :mod:`rtrl.settings` composes the sections into one tree and loads it.
 This module imports no other project module, so every component's config can import it.
 """
 

@@ -2,8 +2,8 @@
 
 Sources, later ones winning: built-in defaults, a TOML file (``--config`` or ``RTRL_CONFIG``), then
 environment variables ``RTRL_<SECTION>__<KEY>`` (e.g. ``RTRL_KAFKA__BOOTSTRAP``). Every section is
-one component's configuration, defined beside it in its package's ``config`` module (``flows.config``,
-``trainer.config`` ...) on :class:`rtrl.section.Section`. This module composes them into the tree and loads it.
+one component's configuration, defined in :mod:`rtrl.sections` (``rtrl.sections.flows``,
+``rtrl.sections.trainer`` ...) on :class:`rtrl.section.Section`. This module composes them into the tree and loads it.
 
 Errors name the setting, where its value came from, and the fix. Unknown keys are errors (a typo
 never silently falls back to a default). Secrets (``sdk.salt``, a DSN's password, its ``?password=`` or
@@ -38,15 +38,15 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
-from app.config import LoopSettings, RetentionSettings
-from client.config import DEFAULT_SALT, GovernanceSettings, SdkSettings
-from flows.config import BackfillSettings, BatchingSettings, FlowSettings
-from rewards.config import RewardSettings
 from rtrl.config import ClickHouseSettings, KafkaSettings, MetricsSettings
 from rtrl.errors import ConfigError
 from rtrl.section import redact_dsn
-from simulator.config import ServingSettings, SimulatorSettings
-from trainer.config import (
+from rtrl.sections.app import LoopSettings, RetentionSettings
+from rtrl.sections.client import DEFAULT_SALT, GovernanceSettings, SdkSettings
+from rtrl.sections.flows import BackfillSettings, BatchingSettings, FlowSettings
+from rtrl.sections.rewards import RewardSettings
+from rtrl.sections.simulator import ServingSettings, SimulatorSettings
+from rtrl.sections.trainer import (
     AdapterSettings,
     LossSettings,
     ModelSettings,

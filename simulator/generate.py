@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from rtrl.sections.simulator import SimulatorSettings
 from schemas.records import (
     ClarifyingQuestion,
     EditAccepted,
@@ -47,7 +48,6 @@ from schemas.records import (
     Verdict,
     event_type,
 )
-from simulator.config import SimulatorSettings
 from simulator.population import (
     EDIT_PROPENSITY,
     TASK_KINDS,

@@ -174,7 +174,7 @@ class CompletionServer:
     ``max_logprobs`` bounds ``logprobs`` and ``prompt_logprobs`` (vLLM's ``--max-logprobs``, default 20);
     ``max_n`` the sequences one request samples (prompts x ``n``); ``max_loras`` the LoRA adapters held at once;
     ``return_tokens_as_token_ids`` is the default of the request field of that name (vLLM's
-    ``--return-tokens-as-token-ids``); ``configs`` (name -> the :class:`~trainer.config.ModelSettings` a model was
+    ``--return-tokens-as-token-ids``); ``configs`` (name -> the :class:`~rtrl.sections.trainer.ModelSettings` a model was
     built from) makes a Hugging Face model reloadable from an export (``POST /update_weights_from_disk``). Use as a
     context manager, or :meth:`start` and :meth:`close`."""
 

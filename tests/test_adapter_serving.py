@@ -19,10 +19,10 @@ import pytest
 import torch
 import urllib3
 
+from rtrl.sections.trainer import ModelSettings
 from simulator.openai_server import CompletionServer
 from simulator.tasks import VOCAB, sample_task
 from trainer import lora
-from trainer.config import ModelSettings
 from trainer.model import build_model, causal_mask, init_parallel
 
 SEQ = 32

@@ -44,9 +44,9 @@ import pytest
 import torch
 
 from rtrl.errors import ConfigError
+from rtrl.sections.trainer import ModelSettings
 from tests.test_hf_convert import BASE, VOCAB  # noqa: E402
 from trainer import lora
-from trainer.config import ModelSettings
 from trainer.factory import build
 from trainer.model import causal_mask, forward_logprobs, init_parallel
 

@@ -6,10 +6,9 @@ Contract pinned here (every module's imports are parsed, including imports insid
   (pure logic first), the application. A package may import only packages ranked at or below it.
 - No cycle exists between top-level packages (a strictly ranked order already forbids one; the
   cycle check reports the path, which is what a reader needs when the order test fails).
-- Each package's ``config`` module holds its components' settings sections; :mod:`rtrl.settings` composes them into
-  the tree. A config ranks with the foundation: any module may import it, and it loads (its packages' ``__init__``
-  included) nothing but :mod:`rtrl.section`, :mod:`rtrl.errors`, records, pure modules and other configs. An import of a config
-  is therefore no edge between packages in the order.
+- ``rtrl.sections`` holds every component's settings section, one module per package that reads it; :mod:`rtrl.settings` composes them into
+  the tree. A section loads nothing but :mod:`rtrl.section`, :mod:`rtrl.errors`, records, pure modules and other
+  sections, and no I/O library.
 - ``devservices`` (the local broker wrapper, the embedded ClickHouse HTTP front) is dev-only: it
   may import the foundation and records, and only ``app.services`` (the embedded defaults), tests
   and benchmarks may import it - no production code path does.
@@ -98,8 +97,15 @@ IO_LIBS = {
 PURE_LIBS = ("urllib.parse",)
 PACKAGES = ORDER + [DEV]
 #: the settings sections beside their components, and their base: the foundation's loader imports them
-CONFIGS = {"rtrl.section", "rtrl.config", "rewards.config", "client.config", "flows.config", "trainer.config"}
-CONFIGS |= {"simulator.config", "app.config"}
+CONFIGS = {
+    "rtrl.section",
+    "rtrl.config",
+    "rtrl.sections.rewards",
+    "rtrl.sections.client",
+    "rtrl.sections.flows",
+    "rtrl.sections.trainer",
+}
+CONFIGS |= {"rtrl.sections.simulator", "rtrl.sections.app"}
 CONFIG_PACKAGES = {m.split(".")[0] for m in CONFIGS}
 #: what a config may load besides other configs, records and pure modules (a package's ``__init__`` may load its
 #: pure core: ``rewards``, ``simulator``)
@@ -168,16 +174,9 @@ def _edges() -> dict[str, dict[str, list[str]]]:
         src = module.split(".")[0]
         for name, line in _imports(module, path):
             dst = name.split(".")[0]
-            if _config(name):
-                continue  # a config ranks with the foundation (test_configs_load_only_configs)
             if dst in PACKAGES and dst != src:
                 edges[src][dst].append(f"{module}:{line}")
     return edges
-
-
-def _config(name: str) -> bool:
-    """Whether an import of ``name`` (a module, or a name in a module) imports a config."""
-    return name in CONFIGS or name.rpartition(".")[0] in CONFIGS
 
 
 def test_configs_load_only_configs():

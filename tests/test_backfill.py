@@ -28,11 +28,11 @@ from flows.processor import Message
 from flows.sinks import with_coords, write_archive
 from rtrl import clickhouse
 from rtrl.errors import ConfigError
+from rtrl.sections.simulator import SimulatorSettings
 from rtrl.settings import load_settings
 from schemas.codec import event_codec
 from schemas.records import EventBase, Reward
 from schemas.types import to_arrow
-from simulator.config import SimulatorSettings
 from simulator.generate import generate
 from tests.test_reward_flow import _produce
 

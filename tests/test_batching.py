@@ -6,7 +6,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from client.config import GovernanceSettings
 from flows.batching import (
     BatchBuilder,
     BatchConfig,
@@ -15,9 +14,10 @@ from flows.batching import (
     pack,
     rows_needed,
 )
-from flows.config import BatchingSettings, FlowSettings
+from rtrl.sections.client import GovernanceSettings
+from rtrl.sections.flows import BatchingSettings, FlowSettings
+from rtrl.sections.trainer import AdapterSettings, TrainSettings
 from schemas.records import Reward, Rollout
-from trainer.config import AdapterSettings, TrainSettings
 
 
 def config(

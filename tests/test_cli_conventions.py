@@ -235,8 +235,8 @@ def test_flow_rewards_ends_with_one_line_of_what_it_read_and_wrote(broker, topic
     and rewards it wrote and the dead letters by kind, equal to the reward logic run over the same messages."""
     from flows.processor import Message, RewardProcessor
     from flows.windowing import WindowConfig
+    from rtrl.sections.simulator import SimulatorSettings
     from schemas.codec import event_codec
-    from simulator.config import SimulatorSettings
     from simulator.generate import generate
     from tests.test_cli import _run
     from tests.test_reward_flow import _hostile, _produce

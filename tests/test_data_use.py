@@ -10,7 +10,6 @@ from bytewax.testing import run_main
 from prometheus_client import REGISTRY
 
 from client import RtrlClient
-from client.config import GovernanceSettings
 from flows.adapters import OrgRouter
 from flows.batch_flow import build_flow
 from flows.batching import BatchBuilder
@@ -18,6 +17,8 @@ from flows.processor import Message, RewardProcessor
 from flows.windowing import WindowConfig
 from rtrl.errors import ConfigError
 from rtrl.kafka import ensure_topics, read_topic
+from rtrl.sections.client import GovernanceSettings
+from rtrl.sections.trainer import AdapterSettings
 from rtrl.settings import load_settings
 from schemas.codec import Invalid, JsonCodec, decode_batch, encode_batch, event_codec
 from schemas.data_use import DATA_USES, stricter
@@ -27,7 +28,6 @@ from tests.test_batching import config, ro, rw
 from tests.test_trainer_data import _batch
 from tests.test_trainer_data import _produce as _produce_batches
 from trainer.batch import BatchLimits, to_batch
-from trainer.config import AdapterSettings
 from trainer.data import BatchStream
 
 SALT = "data-use-salt"

@@ -30,11 +30,11 @@ from hypothesis import strategies as st
 from flows.batch_flow import batch_config, build_flow
 from flows.batching import BatchBuilder, BatchConfig
 from rtrl.kafka import producer_config, read_topic
+from rtrl.sections.trainer import LossSettings, TrainSettings
 from rtrl.settings import load_settings
 from schemas.codec import JsonCodec, decode_batch, encode_batch
 from schemas.records import MicroBatch, Reward, Rollout
 from trainer.batch import Batch
-from trainer.config import LossSettings, TrainSettings
 from trainer.dedup import TrainedSet
 from trainer.loss import GUARDED, PLAIN, policy_loss
 from trainer.train import prepare
@@ -408,7 +408,7 @@ def _batch(name: str, versions: list[int], delayed: list[bool] | None, seed: int
 
 
 def test_settings_make_the_trainers_delayed_path():
-    from trainer.config import TrainConfig
+    from rtrl.sections.trainer import TrainConfig
 
     tc = TrainConfig.from_settings(load_settings(env={}))
     assert (tc.max_policy_lag, tc.max_delayed_lag) == (1, 4)
@@ -454,7 +454,7 @@ def test_dedup_remembers_delayed_samples_within_their_window():
 
 @pytest.fixture(scope="module")
 def tiny():
-    from trainer.config import ModelSettings
+    from rtrl.sections.trainer import ModelSettings
     from trainer.model import build_model, init_parallel
 
     cfg = ModelSettings.tiny()
@@ -470,7 +470,7 @@ def test_one_step_on_delayed_samples_splits_train_metrics(tiny, correction):
     """One optimizer step of the tiny CPU Megatron model on two micro-batches with on-policy, near-on-policy,
     delayed (lags 3 and 2), stale and too-late samples: the step's tokens split into the three kinds as
     prepare() marks them, the delayed lags are recorded, only trained samples are listed, the weights move."""
-    from trainer.config import TrainConfig
+    from rtrl.sections.trainer import TrainConfig
     from trainer.factory import Policy
     from trainer.train import MemorySource, train
 

@@ -213,9 +213,9 @@ def test_a_user_supplied_suite_drives_the_gate():
 def test_held_out_tasks_score_a_real_model_deterministically():
     import torch
 
+    from rtrl.sections.trainer import ModelSettings
     from simulator.evalsuite import HeldOutTasks
     from simulator.tasks import VOCAB, held_out
-    from trainer.config import ModelSettings
     from trainer.model import build_model, init_parallel
 
     cfg = ModelSettings.tiny(vocab_size=VOCAB, seq_length=32)

@@ -25,10 +25,10 @@ from flows.processor import Message, RewardProcessor
 from flows.windowing import WindowConfig
 from rewards import compute
 from rtrl.errors import ConfigError
+from rtrl.sections.simulator import SimulatorSettings
 from rtrl.settings import load_settings
 from schemas.codec import Invalid, JsonCodec, decode_batch, encode_batch, event_codec
 from schemas.records import BatchStats, DeadLetter, MicroBatch, Reward, Rollout
-from simulator.config import SimulatorSettings
 from simulator.generate import generate
 from tests.test_batching import ro, rw
 from tests.test_reward_flow import HOSTILE_KINDS, _hostile

@@ -34,8 +34,8 @@ from safetensors.torch import load_file  # noqa: E402
 
 from devservices.broker import free_port  # noqa: E402
 from rtrl.errors import ConfigError  # noqa: E402
+from rtrl.sections.trainer import ModelSettings, ParallelSettings  # noqa: E402
 from rtrl.settings import load_settings  # noqa: E402
-from trainer.config import ModelSettings, ParallelSettings  # noqa: E402
 from trainer.factory import build, model_config  # noqa: E402
 from trainer.hf.config import config_from_hf  # noqa: E402
 from trainer.hf.export import export_hf  # noqa: E402

@@ -37,9 +37,9 @@ from flows.sinks import read_archive
 from flows.windowing import PartitionWindows, WindowConfig
 from rtrl.errors import SchemaMismatch
 from rtrl.kafka import describe_topic, ensure_topics, producer_config, read_topic
+from rtrl.sections.simulator import SimulatorSettings
 from rtrl.settings import load_settings
 from schemas.codec import event_codec
-from simulator.config import SimulatorSettings
 from simulator.generate import generate
 from tests.test_reward_flow import _env, _flow_cmd, run_to_end
 

@@ -23,6 +23,7 @@ from rewards.functions import RewardConfig
 from rewards.versions import BUILTIN, RewardVersion
 from rtrl.clickhouse import insert
 from rtrl.errors import ConfigError
+from rtrl.sections.simulator import SimulatorSettings
 from rtrl.settings import load_settings
 from schemas.codec import event_codec
 from schemas.records import (
@@ -37,7 +38,6 @@ from schemas.records import (
     TrajectoryEnded,
     TrajectoryStarted,
 )
-from simulator.config import SimulatorSettings
 from simulator.generate import BACKGROUND, generate, stats
 from simulator.population import PolicyProfile
 
@@ -491,10 +491,10 @@ def test_resumed_windows_take_the_current_window_rules_unless_some_are_spilled(t
     naming the settings and the fix."""
     import pickle
 
-    from flows.config import FlowSettings
     from flows.reward_flow import reconfigure
     from flows.spill import SqliteStore
     from flows.windowing import PartitionWindows
+    from rtrl.sections.flows import FlowSettings
 
     env = dict(trajectory_id="bg", org_id="o", user_hash="0" * 32, policy_version=0, arm="control")
     old = PartitionWindows(

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from trainer.config import LossSettings
+from rtrl.sections.trainer import LossSettings
 from trainer.loss import PLAIN, LossOutput, policy_loss, token_logprobs
 
 NO_KL = PLAIN.model_copy(update=dict(kl_coef=0.0))  # eps_low 0.2, eps_high 0.28, is_cap 2.0

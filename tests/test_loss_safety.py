@@ -24,8 +24,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rtrl.errors import ConfigError
+from rtrl.sections.trainer import LossSettings
 from rtrl.settings import load_settings
-from trainer.config import LossSettings
 from trainer.loss import GUARDED, PLAIN, policy_loss
 
 PLAIN = PLAIN  # every guard off: the formula as it was before the guards
@@ -336,7 +336,7 @@ def test_mismatch_metrics_on_on_policy_tokens():
 
 def test_settings_defaults_are_the_trainers_guards():
     """The `loss` section's defaults are GUARDED, and TrainConfig.from_settings passes every guard on."""
-    from trainer.config import TrainConfig
+    from rtrl.sections.trainer import TrainConfig
 
     ls = LossSettings()
     assert (ls.log_ratio_clamp, ls.dual_clip, ls.k3_clamp, ls.seq_ratio_guard) == (20.0, 3.0, 10.0, "off")
@@ -369,8 +369,8 @@ def test_bad_guard_config_names_the_field(field, value):
 @pytest.fixture(scope="module")
 def tiny_trainer():
     """The tiny model on a single-process gloo group in this process, its initial weights and 4 micro-batches."""
+    from rtrl.sections.trainer import ModelSettings
     from tests.dist.train_run import synthetic_batches
-    from trainer.config import ModelSettings
     from trainer.model import build_model, init_parallel
 
     cfg = ModelSettings.tiny()
@@ -382,7 +382,7 @@ def tiny_trainer():
 
 
 def _one_step(tiny_trainer, grad_clip: float):
-    from trainer.config import TrainConfig
+    from rtrl.sections.trainer import TrainConfig
     from trainer.factory import Policy
     from trainer.train import MemorySource, train
 
@@ -447,8 +447,8 @@ def test_a_kept_optimizer_carries_its_moments_across_train_calls(tiny_trainer):
     one kept AdamW end on the same weights as one call of two steps; a new optimizer per call does not (its
     first step is a sign step again). An optimizer over other parameters is refused."""
 
+    from rtrl.sections.trainer import TrainConfig
     from tests.dist.train_run import synthetic_batches
-    from trainer.config import TrainConfig
     from trainer.dedup import TrainedSet
     from trainer.factory import Policy, optimizer
     from trainer.train import MemorySource, train

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 from app.cli import main
-from client.config import DEFAULT_SALT
 from devservices.broker import free_port
 from rtrl.errors import ConfigError
 from rtrl.files import MARKER, check_cleanable, data_folder, private_dir, write_private
+from rtrl.sections.client import DEFAULT_SALT
 from rtrl.settings import load_settings
 
 ROOT = Path(__file__).resolve().parent.parent

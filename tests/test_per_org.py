@@ -352,7 +352,7 @@ def test_an_orgs_samples_only_ever_reach_its_own_adapter(traffic, wanted, min_sa
     one; every sample reaches the shared stream once unless its org is adapted under "unadapted", and an adapted
     org's samples reach its adapter once; ids never repeat within a stream; a snapshot and resume anywhere
     routes exactly as an uninterrupted router."""
-    from trainer.config import AdapterSettings
+    from rtrl.sections.trainer import AdapterSettings
 
     wants = AdapterSettings(orgs=list(wanted)).wants
     seen: dict[str, int] = {}

@@ -173,11 +173,11 @@ def test_the_shared_trainer_loads_each_serving_adapter_version_and_names_the_one
 
     from app.adapters import ServedThrough
     from evalgate.adapters import AdapterLedger
+    from rtrl.sections.trainer import ModelSettings
     from schemas.codec import encode_batch
     from simulator.tasks import VOCAB
     from trainer import lora
     from trainer.batch import to_batch
-    from trainer.config import ModelSettings
     from trainer.model import build_model, init_parallel
 
     cfg = ModelSettings.tiny(vocab_size=VOCAB, seq_length=64)
@@ -271,7 +271,7 @@ def test_an_adapter_runs_learning_rate_and_kl_weight_come_from_the_adapters_sect
     """adapters.lr, adapters.kl_coef and adapters.kl_estimator set an adapter run's learning rate, KL weight and
     KL estimator (to the base alone); 0 (or '') = train.lr, loss.kl_coef and loss.kl_estimator; the shared
     policy's run never takes them."""
-    from trainer.config import TrainConfig
+    from rtrl.sections.trainer import TrainConfig
 
     s = load_settings(env={"RTRL_ADAPTERS__LR": "0.002", "RTRL_ADAPTERS__KL_COEF": "0.2", "RTRL_LOSS__KL_COEF": "0.03"})
     adapter, shared = TrainConfig.from_settings(s, adapter="org-1"), TrainConfig.from_settings(s)
@@ -297,11 +297,11 @@ def test_an_adapter_trains_on_its_orgs_batches_only_and_the_base_stays_frozen(tm
     adapter checkpoints a second run resumes from. The shared run trains the shared batches only."""
     import torch
 
+    from rtrl.sections.trainer import ModelSettings, TrainConfig
     from schemas.codec import encode_batch
     from simulator.tasks import VOCAB
     from trainer import lora
     from trainer.batch import to_batch
-    from trainer.config import ModelSettings, TrainConfig
     from trainer.factory import Policy
     from trainer.model import build_model, init_parallel
     from trainer.train import MemorySource, train
@@ -372,11 +372,11 @@ def test_updates_per_step_reuse_a_step_and_the_base_can_train_through_the_servin
     with that adapter active throughout ends, not where the base alone would, and the adapter is unchanged."""
     import torch
 
+    from rtrl.sections.trainer import ModelSettings, TrainConfig
     from schemas.codec import encode_batch
     from simulator.tasks import VOCAB
     from trainer import lora
     from trainer.batch import to_batch
-    from trainer.config import ModelSettings, TrainConfig
     from trainer.factory import Policy
     from trainer.model import build_model, init_parallel
     from trainer.train import Hooks, MemorySource, train

@@ -14,12 +14,12 @@ from app.deployments import end_running_experiments
 from app.loop_config import SEQ_LEN
 from client.sdk import RtrlClient
 from rtrl.kafka import producer_config, read_topic
+from rtrl.sections.trainer import ModelSettings
 from rtrl.settings import load_settings
 from schemas.codec import JsonCodec, event_codec
 from schemas.records import Checkpoint, Experiment, Rollout
 from simulator.serve import PolicyServer
 from simulator.tasks import VOCAB
-from trainer.config import ModelSettings
 from trainer.model import build_model, init_parallel
 
 

@@ -50,12 +50,12 @@ from client.fleet import (  # noqa: E402
 )
 from devservices.broker import free_port  # noqa: E402
 from rtrl.errors import ServiceUnavailable  # noqa: E402
+from rtrl.sections.trainer import ModelSettings  # noqa: E402
 from rtrl.settings import load_settings  # noqa: E402
 from schemas.codec import JsonCodec  # noqa: E402
 from schemas.records import Checkpoint  # noqa: E402
 from simulator.openai_server import CompletionServer  # noqa: E402
 from tests.test_hf_convert import BASE, VOCAB  # noqa: E402
-from trainer.config import ModelSettings  # noqa: E402
 from trainer.factory import build  # noqa: E402
 from trainer.hf.config import config_from_hf  # noqa: E402
 from trainer.model import causal_mask, init_parallel  # noqa: E402

@@ -23,7 +23,6 @@ import pytest
 from bytewax.recovery import RecoveryConfig, init_db_dir
 from bytewax.testing import TestingSink, TestingSource, run_main
 
-from app.config import RETAINED_TABLES
 from app.retention import hold, prune_at_start, prune_state
 from flows import reward_flow
 from flows.processor import Message
@@ -31,11 +30,12 @@ from flows.sinks import prune_archive, read_archive, with_coords, write_archive
 from flows.spill import SqliteStore, StateError, partition_file
 from rtrl import clickhouse
 from rtrl.errors import ConfigError
+from rtrl.sections.app import RETAINED_TABLES
+from rtrl.sections.simulator import SimulatorSettings
 from rtrl.settings import load_settings
 from schemas.codec import event_codec
 from schemas.records import Checkpoint, TrajectoryStarted
 from schemas.types import to_arrow
-from simulator.config import SimulatorSettings
 from simulator.generate import generate
 from tests.test_monitors import short_reward
 

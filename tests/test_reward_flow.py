@@ -32,10 +32,10 @@ from flows.windowing import WindowConfig
 from rewards import compute
 from rtrl import clickhouse
 from rtrl.kafka import ensure_topics, producer_config, read_topic
+from rtrl.sections.simulator import SimulatorSettings
 from rtrl.settings import load_settings
 from schemas.codec import JsonCodec, event_codec
 from schemas.records import EventBase, Reward
-from simulator.config import SimulatorSettings
 from simulator.generate import generate
 
 SALT = "flow-test-salt"

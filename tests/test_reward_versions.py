@@ -24,9 +24,9 @@ from rewards.functions import V1_DISCARD_BROKEN, V2
 from rewards.versions import BUILTIN, WEIGHTS, registry
 from rtrl import clickhouse
 from rtrl.errors import ConfigError
+from rtrl.sections.simulator import SimulatorSettings
 from rtrl.settings import load_settings
 from schemas.codec import event_codec
-from simulator.config import SimulatorSettings
 from simulator.generate import generate
 
 SALT = "versions-test-salt"

@@ -11,9 +11,9 @@ import pytest
 from client import InvalidEvent, RtrlClient, hash_user
 from devservices.broker import LocalBroker, free_port
 from rtrl.kafka import ensure_topics, read_topic
+from rtrl.sections.simulator import SimulatorSettings
 from schemas.codec import event_codec
 from schemas.records import EditPersisted, event_type
-from simulator.config import SimulatorSettings
 from simulator.drive import drive
 from simulator.generate import generate
 

@@ -36,8 +36,8 @@ SEQ = 32
 
 @pytest.fixture(scope="module")
 def model():
+    from rtrl.sections.trainer import ModelSettings
     from simulator.policy import warm_start
-    from trainer.config import ModelSettings
     from trainer.model import build_model, init_parallel
 
     cfg = ModelSettings.tiny(vocab_size=VOCAB, seq_length=SEQ)
@@ -471,11 +471,11 @@ def test_ab_candidate_is_served_under_its_model_name(broker, topic_prefix, model
 
     from client.sdk import RtrlClient
     from rtrl.kafka import producer_config, read_topic
+    from rtrl.sections.trainer import ModelSettings
     from rtrl.settings import load_settings
     from schemas.codec import JsonCodec
     from schemas.records import Checkpoint, Rollout
     from simulator.serve import PolicyServer
-    from trainer.config import ModelSettings
     from trainer.model import build_model
 
     candidate = build_model(ModelSettings.tiny(vocab_size=VOCAB, seq_length=SEQ))  # other weights than `model`

@@ -9,6 +9,7 @@ from functools import cache
 
 import pytest
 
+from rtrl.sections.simulator import SimulatorSettings
 from schemas.codec import event_codec
 from schemas.records import (
     ClarifyingQuestion,
@@ -21,7 +22,6 @@ from schemas.records import (
     TrajectoryStarted,
 )
 from simulator import DEFAULT_START_MS, Emission, PolicyProfile, default_profile, generate, hash_user, stats
-from simulator.config import SimulatorSettings
 
 SALT = "test-salt-0123"
 N = 3000

@@ -19,10 +19,11 @@ from hypothesis import strategies as st
 
 import flows.windowing as windowing
 from devservices.broker import free_port
-from flows.config import FlowSettings, TaskKindSettings
 from flows.spill import KEEP_GENERATIONS, SqliteStore, StateError, partition_file
 from flows.windowing import MemoryStore, PartitionWindows, WindowConfig
 from rtrl.kafka import ensure_topics
+from rtrl.sections.flows import FlowSettings, TaskKindSettings
+from rtrl.sections.simulator import SimulatorSettings
 from schemas.records import (
     EditAccepted,
     EditPersisted,
@@ -31,7 +32,6 @@ from schemas.records import (
     TrajectoryEnded,
     TrajectoryStarted,
 )
-from simulator.config import SimulatorSettings
 from simulator.generate import generate
 from tests.test_reward_flow import _dump, _env, _flow_cmd, _produce, _run_then_kill, reference  # noqa: F401  # reference: fixture
 

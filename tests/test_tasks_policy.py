@@ -135,12 +135,12 @@ def test_sampled_logprobs_are_the_trainers(tmp_path):
     """The policy server's behaviour log-probs equal what the trainer recomputes on the packed
     sample, so on-policy samples have an importance ratio of exactly one."""
     from flows.batching import Sample, pack
+    from rtrl.sections.trainer import ModelSettings
     from schemas.codec import encode_batch
     from schemas.records import Rollout
     from simulator.policy import sample, warm_start
     from simulator.tasks import VOCAB
     from trainer.batch import to_batch
-    from trainer.config import ModelSettings
     from trainer.model import build_model, forward_logprobs, init_parallel
     from trainer.train import prepare
 

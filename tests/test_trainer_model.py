@@ -20,8 +20,8 @@ import torch
 from pydantic import ValidationError
 
 from rtrl.errors import ConfigError
+from rtrl.sections.trainer import ModelSettings, ParallelSettings, PrecisionSettings, TransformerEngineMissing
 from trainer import checkpoint, cpu_compat
-from trainer.config import ModelSettings, ParallelSettings, PrecisionSettings, TransformerEngineMissing
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist" / "trainer_worker.py"

@@ -4,7 +4,7 @@ precision, optimizer.
 Contract pinned here:
 - ``trainer.factory.model_config(settings)`` is the one mapping from the ``model``/``parallel``/
   ``precision`` sections to the model, and every setting of those sections reaches it;
-  ``trainer.config.TrainConfig.from_settings`` is the one mapping of ``train`` and ``loss``.
+  ``rtrl.sections.trainer.TrainConfig.from_settings`` is the one mapping of ``train`` and ``loss``.
 - The architecture settings build what they say (RMSNorm, SwiGLU, GQA, QKV bias, tied embeddings,
   RoPE base) as a real megatron-core GPTModel.
 - Gradient-norm clipping is on by default and clips like ``torch.nn.utils.clip_grad_norm_``.
@@ -30,11 +30,11 @@ from confluent_kafka import Producer
 from devservices.broker import free_port
 from rtrl.errors import ConfigError
 from rtrl.kafka import producer_config
+from rtrl.sections.trainer import TrainConfig
 from rtrl.settings import load_settings
 from schemas.codec import encode_batch
 from tests.dist.train_run import synthetic_batches
 from tests.test_trainer_train import _to_micro
-from trainer.config import TrainConfig
 from trainer.factory import model_config
 from trainer.train import clip_grad_norm
 
@@ -154,7 +154,7 @@ def test_sequence_parallel_needs_the_transformer_engine_spec():
     ],
 )
 def test_micro_batch_shapes_are_checked_against_the_model(env, expected):
-    from trainer.config import check_input_shapes
+    from rtrl.sections.trainer import check_input_shapes
 
     with pytest.raises(ConfigError, match=re.escape(expected)):
         check_input_shapes(load_settings(env=env))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pickle
 
-from flows.config import FlowSettings
 from flows.windowing import Closed, PartitionWindows, Rejected, WindowConfig
+from rtrl.sections.flows import FlowSettings
 from schemas.records import (
     EditAccepted,
     EditPersisted,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pickle
 
-from flows.config import FlowSettings, TaskKindSettings
 from flows.windowing import KindRules, PartitionWindows, WindowConfig
+from rtrl.sections.flows import FlowSettings, TaskKindSettings
 from rtrl.settings import load_settings
 from schemas.records import TaskVerdict, ToolCall, TrajectoryEnded, TrajectoryStarted
 from tests.test_windowing import closes, ev, feed, rejects

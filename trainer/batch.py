@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from client.config import GovernanceSettings
+from rtrl.sections.client import GovernanceSettings
 from schemas.codec import Invalid, decode_batch
 from schemas.data_use import stricter, trains_adapter, trains_shared
 

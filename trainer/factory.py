@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from rtrl.sections.trainer import ModelSettings, PrecisionSettings, TrainConfig
 from rtrl.settings import Settings
-from trainer.config import ModelSettings, PrecisionSettings, TrainConfig
 from trainer.dedup import TrainedSet
 from trainer.hf.config import config_from_settings
 from trainer.hf.load import load_hf

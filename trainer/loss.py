@@ -131,7 +131,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trainer.config import LossSettings
+from rtrl.sections.trainer import LossSettings
 
 __all__ = [
     "GUARDED",

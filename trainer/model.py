@@ -1,4 +1,4 @@
-"""The policy model: a megatron-core ``GPTModel`` built from :mod:`trainer.config`, on CPU or GPU.
+"""The policy model: a megatron-core ``GPTModel`` built from :mod:`rtrl.sections.trainer`, on CPU or GPU.
 
 - :func:`init_parallel` starts ``torch.distributed`` (gloo on CPU, NCCL on GPU; a single plain
   process works too), megatron's model-parallel groups, and the seeds.
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from rtrl.errors import ConfigError
+from rtrl.sections.trainer import ModelSettings, PrecisionSettings, TransformerEngineMissing, world_from_env
 from trainer import cpu_compat
-from trainer.config import ModelSettings, PrecisionSettings, TransformerEngineMissing, world_from_env
 
 log = logging.getLogger(__name__)
 

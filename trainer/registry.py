@@ -54,9 +54,9 @@ import torch
 from client.fleet import METADATA, content_sha256, file_digests, manifest_sha256, read_metadata
 from rtrl.errors import ConfigError
 from rtrl.files import private_dir
+from rtrl.sections.trainer import ModelSettings
 from schemas.records import Checkpoint
 from trainer.checkpoint import fsync_path
-from trainer.config import ModelSettings
 from trainer.hf.config import config_from_hf
 from trainer.hf.export import export_hf
 from trainer.hf.load import load_hf

@@ -20,11 +20,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from rtrl import clickhouse, metrics
 from rtrl.kafka import connection
+from rtrl.sections.trainer import TrainConfig, check_input_shapes
 from rtrl.settings import Settings
 from schemas.records import TrainStep
 from trainer import checkpoint
 from trainer.batch import BatchLimits
-from trainer.config import TrainConfig, check_input_shapes
 from trainer.data import BatchStream
 from trainer.factory import build_policy, model_config
 from trainer.train import Hooks, train

@@ -29,10 +29,10 @@ import numpy as np
 import torch
 
 from rtrl import metrics
+from rtrl.sections.trainer import LossSettings, TrainConfig
 from schemas.records import TrainStep
 from trainer import checkpoint, lora
 from trainer.batch import Batch
-from trainer.config import LossSettings, TrainConfig
 from trainer.dedup import TrainedSet
 from trainer.factory import Policy, optimizer
 from trainer.loss import LossOutput, policy_loss

@@ -27,7 +27,7 @@ from trainer.hf.config import config_from_hf  # noqa: E402
 from trainer.hf.export import export_hf  # noqa: E402
 import trainer.hf.load as hf_load  # noqa: E402
 from trainer.hf.load import load_hf  # noqa: E402
-from trainer.config import ParallelSettings  # noqa: E402
+from rtrl.sections.trainer import ParallelSettings  # noqa: E402
 from trainer.model import causal_mask, init_parallel  # noqa: E402
 
 B, S = 2, 64

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from trainer import lora  # noqa: E402
-from trainer.config import ModelSettings, ParallelSettings  # noqa: E402
+from rtrl.sections.trainer import ModelSettings, ParallelSettings  # noqa: E402
 from trainer.model import (  # noqa: E402
     build_model,
     causal_mask,

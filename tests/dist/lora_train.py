@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from safetensors.torch import save_file  # noqa: E402
 
 from trainer import checkpoint, lora  # noqa: E402
-from trainer.config import ModelSettings  # noqa: E402
+from rtrl.sections.trainer import ModelSettings  # noqa: E402
 from trainer.model import build_model, forward_logprobs, init_parallel  # noqa: E402
 
 NAME = "org-a"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.config import ModelSettings
+from rtrl.sections.trainer import ModelSettings
 from trainer.model import build_model, init_parallel
 from trainer.train import reduce_sequence_parallel_grads
 

@@ -112,10 +112,10 @@ def run(args: argparse.Namespace, name: str | None = None) -> None:
     from pathlib import Path
 
     from trainer import checkpoint
-    from trainer.config import ModelSettings
+    from rtrl.sections.trainer import ModelSettings
     from trainer.data import BatchStream
     from trainer.model import build_model, init_parallel
-    from trainer.config import TrainConfig
+    from rtrl.sections.trainer import TrainConfig
     from trainer.factory import Policy
     from trainer.train import Hooks, MemorySource, train
 

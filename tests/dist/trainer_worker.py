@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from trainer import checkpoint  # noqa: E402
-from trainer.config import ModelSettings  # noqa: E402
+from rtrl.sections.trainer import ModelSettings  # noqa: E402
 from trainer.model import build_model, forward_logprobs, init_parallel  # noqa: E402
 
 B, S = 4, 32

@@ -1,6 +1,6 @@
 """Hugging Face <-> Megatron-Core conversion for the dense Llama, Qwen2 and Qwen3 families, one module per concern.
 
-- :mod:`trainer.hf.config`: :func:`~trainer.hf.config.config_from_hf` reads a checkpoint's ``config.json`` into a :class:`~trainer.config.ModelSettings`
+- :mod:`trainer.hf.config`: :func:`~trainer.hf.config.config_from_hf` reads a checkpoint's ``config.json`` into a :class:`~rtrl.sections.trainer.ModelSettings`
   (layers, width, heads, GQA groups, head width, FFN width, vocabulary, RMSNorm epsilon, SwiGLU, RoPE base
   and scaling, QKV bias, Qwen3's QK-norm, tied embeddings, positions) and refuses, with a
   :class:`~rtrl.errors.ConfigError` naming the field, what megatron-core's ``GPTModel`` cannot represent

@@ -1,4 +1,4 @@
-"""A Hugging Face checkpoint's ``config.json`` <-> :class:`~trainer.config.ModelSettings`, the model section.
+"""A Hugging Face checkpoint's ``config.json`` <-> :class:`~rtrl.sections.trainer.ModelSettings`, the model section.
 
 :func:`config_from_hf` reads one and refuses what megatron-core's ``GPTModel`` cannot represent.
 :func:`config_from_settings` is what ``model.hf_path`` does. :func:`new_hf_config` writes one for a new model.
@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from rtrl.errors import ConfigError
-from trainer.config import ModelSettings, ParallelSettings
+from rtrl.sections.trainer import ModelSettings, ParallelSettings
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 #: the vocabulary is padded to a multiple of lcm(VOCAB_MULTIPLE, tp) (Megatron-LM's default make_vocab_size_divisible_by)

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from rtrl.errors import ConfigError
+from rtrl.sections.trainer import ModelSettings
 from trainer.checkpoint import unwrap
-from trainer.config import ModelSettings
 from trainer.hf.config import CONFIG, INDEX, WEIGHTS, config_from_hf
 from trainer.hf.layout import Rule, _global_names, _table_for, _tp, split_qkv
 from trainer.model import build_model

@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 
 from rtrl.errors import ConfigError
-from trainer.config import ModelSettings
+from rtrl.sections.trainer import ModelSettings
 
 Kind = Literal["copy", "vocab", "qkv", "gate_up", "row"]
 

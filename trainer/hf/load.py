@@ -19,8 +19,8 @@ import torch
 from safetensors import safe_open
 
 from rtrl.errors import ConfigError
+from rtrl.sections.trainer import ModelSettings
 from trainer.checkpoint import unwrap
-from trainer.config import ModelSettings
 from trainer.hf.config import INDEX, WEIGHTS
 from trainer.hf.layout import (
     Rule,

@@ -16,7 +16,7 @@ adapters attached); they are saved by :func:`save_adapter` and exported by :func
 
 The package re-exports every public name of its modules, one concern each:
 
-- :class:`trainer.config.LoraConfig`: an adapter's shape (beside the ``adapters`` section that makes it).
+- :class:`rtrl.sections.trainer.LoraConfig`: an adapter's shape (beside the ``adapters`` section that makes it).
 - :mod:`trainer.lora.layers`: the modules on a targeted linear (:class:`LoraPair`, :class:`LoraSlot`), the forward
   hook, and the tensor-parallel layout of an adapter's tensors.
 - :mod:`trainer.lora.adapters`: the adapters on a model: :func:`add_adapter`, :func:`remove_adapter`,
@@ -28,7 +28,7 @@ The package re-exports every public name of its modules, one concern each:
 
 from __future__ import annotations
 
-from trainer.config import LoraConfig
+from rtrl.sections.trainer import LoraConfig
 from trainer.lora.adapters import (
     Activation,
     activate,

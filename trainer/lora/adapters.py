@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from rtrl.errors import ConfigError
+from rtrl.sections.trainer import LoraConfig
 from trainer.checkpoint import unwrap
-from trainer.config import LoraConfig
 from trainer.lora.layers import MODEL_TARGETS, TARGETS, LoraPair, LoraSlot, _layers, _slot, _slots, _tp
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

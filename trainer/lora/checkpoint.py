@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from rtrl.errors import ConfigError
+from rtrl.sections.trainer import LoraConfig
 from trainer import checkpoint
 from trainer.checkpoint import unwrap
-from trainer.config import LoraConfig
 from trainer.lora.adapters import (
     _full_tensors,
     _pairs,

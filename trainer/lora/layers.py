@@ -1,6 +1,6 @@
 """The LoRA modules on megatron's linears: an adapter's shape, its tensors, the slot and hook that apply it.
 
-:class:`trainer.config.LoraConfig` is an adapter's shape, :class:`LoraPair` its tensors on one linear,
+:class:`rtrl.sections.trainer.LoraConfig` is an adapter's shape, :class:`LoraPair` its tensors on one linear,
 :class:`LoraSlot` the child module of a targeted linear that holds its adapters by name, and a forward hook adds
 the active adapter's term to the linear's output; :func:`_slot` attaches them.
 
@@ -27,8 +27,8 @@ from typing import Any, Literal, cast
 import torch
 from torch import nn
 
+from rtrl.sections.trainer import LORA_TARGETS, LoraConfig
 from trainer.checkpoint import unwrap
-from trainer.config import LORA_TARGETS, LoraConfig
 
 #: the linears an adapter may target -> (their path in a TransformerLayer, or in the model for
 #: :data:`MODEL_TARGETS`; column or row parallel)
@@ -42,7 +42,7 @@ TARGETS: dict[str, tuple[str, Literal["column", "row"]]] = {
 MODEL_TARGETS = ("output_layer",)
 """Targets the model has once (not in every layer): the output layer (Hugging Face's ``lm_head``), whose
 vocabulary-parallel rows an adapter's ``B`` follows like any column-parallel target's."""
-assert tuple(TARGETS) == LORA_TARGETS, "trainer.config.LORA_TARGETS names the targets, in this order"
+assert tuple(TARGETS) == LORA_TARGETS, "rtrl.sections.trainer.LORA_TARGETS names the targets, in this order"
 SLOT = "lora_adapters"
 """The attribute (child module) of a targeted linear that holds its adapters."""
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from rtrl.errors import ConfigError
-from trainer.config import LoraConfig, ModelSettings
+from rtrl.sections.trainer import LoraConfig, ModelSettings
 from trainer.hf.layout import interleave_qkv, name_table, qkv_geometry, split_qkv
 from trainer.lora.adapters import (
     _pairs,

@@ -592,7 +592,7 @@ class TrainConfig(TrainSettings):
     """The loss, its guards and its normaliser: the settings' ``loss`` section."""
     reward_version: str = ""
     """Train only micro-batches of this reward version (others are skipped: the batch flow may make batches for
-    several, :meth:`rewards.config.RewardSettings.trainable`); empty = any. Recorded in each ``TrainStep``."""
+    several, :meth:`rtrl.sections.rewards.RewardSettings.trainable`); empty = any. Recorded in each ``TrainStep``."""
     adapter: str = ""
     """Train this org's LoRA adapter (:mod:`trainer.lora`; already on the model) on that org's micro-batches only
     (``MicroBatch.adapter``), the base frozen and the KL reference the base alone; empty = the shared policy, on
