@@ -126,11 +126,10 @@ def cmd_flow(settings: Settings, args: argparse.Namespace, console: Console) -> 
     cluster = cluster_from(args.process_id, args.addresses)
     flow = DEFINED[args.name].flow
     assert flow is not None  # the command's choices are the flow parts
-    section, _, key = flow.tail.partition(".")
-    tail = getattr(getattr(settings, section), key)
+    tail = flow.follows(settings)
     console.print(
         f"{args.name} flow, {cluster.describe(args.workers)}: recovery in "
-        f"{process_recovery_path(settings, args.name, cluster)}, snapshot every {settings.flow.snapshot_s:g}s "
+        f"{process_recovery_path(settings, flow, cluster)}, snapshot every {settings.flow.snapshot_s:g}s "
         f"({'following the topics' if tail else 'until the end of the topics'})",
         highlight=False,
         soft_wrap=True,

@@ -109,9 +109,10 @@ def cmd_retention(settings: Settings, args: argparse.Namespace, console: Console
             f"archive {archive}: {verb}delete {len(gone)} day(s){': ' + ', '.join(gone) if gone else ''}"
             f" (keeps {r.archive_days:g} days)"
         )
+    from app.parts import FLOWS
     from app.retention import prune_state  # last: a state it cannot read stops nothing else
 
-    folders, files = prune_state(settings, time.time(), dry_run=dry)
+    folders, files = prune_state(settings, time.time(), FLOWS, dry_run=dry)
     console.print(
         f"flow state: {verb}delete {len(folders)} recovery folder(s) and {len(files)} spill file(s)"
         f"{': ' + ', '.join(str(p) for p in folders + files) if folders or files else ''} "

@@ -36,14 +36,24 @@ class Flow:
     """The line it prints at its end: what it read and wrote, in how many seconds if known."""
     tail: str
     """The setting that keeps it following its topics: false runs it to their end (a drain)."""
+    recovery: str
+    """The setting that names its Bytewax recovery folder: empty is ``<data_dir>/recovery/<name>``."""
     windowed: bool = False
     """It keeps windows: their state spills to ``flow.state_dir``, and a cluster spreads its keys over every worker."""
 
+    def follows(self, settings: Settings) -> bool:
+        """Whether it follows its topics under ``settings`` (its :attr:`tail` setting)."""
+        return bool(_setting(settings, self.tail))
 
-def recovery_path(settings: Settings, name: str) -> Path:
-    """Bytewax recovery folder of flow ``name`` (its setting, else ``<data_dir>/recovery/<name>``)."""
-    setting = settings.flow.recovery_dir if name == "rewards" else settings.batching.recovery_dir
-    return Path(setting or settings.data_path / "recovery" / name)
+
+def _setting(settings: Settings, name: str) -> Any:
+    section, _, key = name.partition(".")
+    return getattr(getattr(settings, section), key)
+
+
+def recovery_path(settings: Settings, flow: Flow) -> Path:
+    """Bytewax recovery folder of ``flow``: its :attr:`Flow.recovery` setting, else ``<data_dir>/recovery/<name>``."""
+    return Path(_setting(settings, flow.recovery) or settings.data_path / "recovery" / flow.name)
 
 
 @dataclass(frozen=True)
@@ -165,15 +175,15 @@ def partitions_in(folder: Path) -> list[tuple[int, int]]:
     return found
 
 
-def process_recovery_path(settings: Settings, name: str, cluster: Cluster) -> Path:
+def process_recovery_path(settings: Settings, flow: Flow, cluster: Cluster) -> Path:
     """The recovery folder of this process: the flow's folder for a lone process, else its ``process-<id>``
     subfolder, which holds this process's recovery partition only (a StatefulSet's pod has its own volume)."""
-    base = recovery_path(settings, name)
+    base = recovery_path(settings, flow)
     return base if cluster.processes == 1 else base / f"process-{cluster.process_id}"
 
 
-def recovery_config(settings: Settings, name: str, cluster: Cluster | None = None) -> Any:
-    """Bytewax's RecoveryConfig for flow ``name``, its folder created (owner-only) and initialised once.
+def recovery_config(settings: Settings, flow: Flow, cluster: Cluster | None = None) -> Any:
+    """Bytewax's RecoveryConfig for ``flow``, its folder created (owner-only) and initialised once.
 
     A lone process keeps one partition in the flow's folder. In a cluster of N processes, process i keeps
     partition i of N in ``process-<i>`` under it: Bytewax finds the partitions across all processes, so each
@@ -183,9 +193,9 @@ def recovery_config(settings: Settings, name: str, cluster: Cluster | None = Non
     from bytewax.recovery import RecoveryConfig, init_db_dir
 
     cluster = cluster or Cluster()
-    base, n, i = recovery_path(settings, name), cluster.processes, cluster.process_id
-    recovery = process_recovery_path(settings, name, cluster)
-    setting = "flow.recovery_dir" if name == "rewards" else "batching.recovery_dir"
+    name, setting = flow.name, flow.recovery
+    base, n, i = recovery_path(settings, flow), cluster.processes, cluster.process_id
+    recovery = process_recovery_path(settings, flow, cluster)
     fresh = f"or start the {name} flow afresh (delete {base} and replay the topics)"
     if n > 1 and base.is_dir() and partitions_in(base):
         raise ConfigError(
@@ -258,16 +268,16 @@ def partition_keys(settings: Settings, bootstrap: str, workers: int, recovery: P
     return keys
 
 
-def check_state_volume(settings: Settings) -> None:
-    """With spilled window state (``flow.state_memory_mb`` > 0), ``flow.state_dir`` must be on the reward flow's
-    recovery folder's volume: the snapshots there refer to the files there, so they are backed up, restored and
+def check_state_volume(settings: Settings, flow: Flow) -> None:
+    """With spilled window state (``flow.state_memory_mb`` > 0), ``flow.state_dir`` must be on the windowed
+    ``flow``'s recovery folder's volume: the snapshots there refer to the files there, so they are backed up, restored and
     moved together (ConfigError naming both otherwise). Creates both folders (owner-only)."""
     if settings.flow.state_memory_mb <= 0:
         return
-    state, recovery = private_dir(Path(settings.state_root)), private_dir(recovery_path(settings, "rewards"))
+    state, recovery = private_dir(Path(settings.state_root)), private_dir(recovery_path(settings, flow))
     if state.stat().st_dev != recovery.stat().st_dev:
         raise ConfigError(
-            f"flow.state_dir {state} is on another volume than the reward flow's recovery folder {recovery}; the "
+            f"flow.state_dir {state} is on another volume than the {flow.name} flow's recovery folder {recovery}; the "
             "recovery snapshots refer to the window state files, so both must be saved and restored together. "
             "Fix: set flow.state_dir to a folder on the recovery folder's volume (empty = <data_dir>/state/rewards)"
         )

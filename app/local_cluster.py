@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.parts import DEFINED, PART_LIST
+from app.parts import PART_LIST
 from rtrl.errors import RtrlError, ServiceUnavailable
 from rtrl.quiet import quiet_known_warnings
 
@@ -288,10 +288,14 @@ def run(config: str | None, steps: int, timeout_s: float, out=print) -> int:
         # the policy server first: it flushes its rollouts and the users' events
         first = [n for p in PART_LIST if p.stops_first for n in p.local.names()]
         cluster.stop(first)
-        # the report is the reward flow's: each of its processes' Kafka partitions and windowed events, from its
+        # the report is the windowed flow's: each of its processes' Kafka partitions and windowed events, from its
         # metrics (metrics.port + its offset + its id)
-        reward_flow = DEFINED["rewards"].local
-        shares = [flow_share(port + offsets["rewards"] + i) for i in range(reward_flow.processes)] if port else []
+        windowed = next(p for p in PART_LIST if p.flow is not None and p.flow.windowed)
+        shares = (
+            [flow_share(port + offsets[windowed.name] + i, windowed.name) for i in range(windowed.local.processes)]
+            if port
+            else []
+        )
         cluster.stop([n for n in cluster.procs if n not in first])  # the flows: a final snapshot each
         # then to the end of their topics, closing the windows still open: every event served gets its reward
         try:
@@ -303,20 +307,20 @@ def run(config: str | None, steps: int, timeout_s: float, out=print) -> int:
         rewards = _count(sup.ch, f"SELECT count() FROM {db}.rewards FINAL")
         steps_done = _rows(sup.ch, f"SELECT count(), max(length(batch_ids)) FROM {db}.train_metrics")
         n_steps, per_step = steps_done[0] if steps_done else (0, 0)
-        windowed = [_windowed(cluster.procs[n].log) for n in reward_flow.names()]
+        counted = [_windowed(cluster.procs[n].log) for n in windowed.local.names()]
         left = [n for n, p in cluster.procs.items() if p.popen.poll() is None]
         if shares:  # e.g. "process 0 read partitions 0,2 and windowed 0 events; process 1 read 1,3 and ..."
             out(
-                "reward flow: "
+                f"{windowed.title}: "
                 + "; ".join(
                     f"process {i} read partitions {','.join(sorted(parts, key=int)) or 'none'} and windowed "
-                    f"{windowed[i]:,} events"
+                    f"{counted[i]:,} events"
                     for i, parts in enumerate(shares)
                 )
             )
         out(
-            f"local cluster: {rewards:,} rewards in ClickHouse (reward flow: {reward_flow.processes} processes, "
-            f"{' + '.join(f'{w:,}' for w in windowed)} events windowed), {n_steps} step{'s' if n_steps != 1 else ''} "
+            f"local cluster: {rewards:,} rewards in ClickHouse ({windowed.title}: {windowed.local.processes} processes, "
+            f"{' + '.join(f'{w:,}' for w in counted)} events windowed), {n_steps} step{'s' if n_steps != 1 else ''} "
             f"trained by {ends.local.ranks} ranks ({per_step} micro-batches a step), "
             + ("every process stopped" if not left else f"still running: {', '.join(left)}")
             + f" in {time.monotonic() - t0:.0f}s"
@@ -332,8 +336,8 @@ def _count(ch: Any, sql: str) -> int:
     return int(rows[0][0]) if rows else 0
 
 
-def flow_share(port: int) -> set[str]:
-    """The Kafka partitions a flow process reads: the partitions of its ``rtrl_consumer_lag`` gauges."""
+def flow_share(port: int, flow: str) -> set[str]:
+    """The Kafka partitions flow ``flow``'s process reads: the partitions of its ``rtrl_consumer_lag`` gauges."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -347,7 +351,7 @@ def flow_share(port: int) -> set[str]:
         s.labels["partition"]
         for family in text_string_to_metric_families(text)
         for s in family.samples
-        if s.name == "rtrl_consumer_lag" and s.labels.get("flow") == "rewards"
+        if s.name == "rtrl_consumer_lag" and s.labels.get("flow") == flow
     }
 
 

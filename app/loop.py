@@ -313,7 +313,7 @@ class Loop:
             # the main job's cycles grow from ~15 s to ~100 s by cycle 9 (bench/RESULTS.md); a crash
             # replays at most 10 s of events from Kafka, exactly once either way
             kwargs = {
-                "recovery_config": recovery_config(settings, f.name),
+                "recovery_config": recovery_config(settings, f),
                 "epoch_interval": timedelta(seconds=max(10.0, settings.flow.snapshot_s)),
             }
             out.append((f.name, flow, kwargs))

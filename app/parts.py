@@ -86,15 +86,15 @@ def run_flow(
     cluster = cluster or Cluster()
     counts, t0 = FlowCounts(), time.monotonic()
     if spec.windowed:
-        check_state_volume(settings)
-    folder = process_recovery_path(settings, name, cluster)
+        check_state_volume(settings, spec)
+    folder = process_recovery_path(settings, spec, cluster)
     from app.retention import hold, prune_at_start
 
     with hold(folder):  # from before its first look: `rtrl retention apply` keeps a folder a flow holds
         fresh = not partitions_in(folder)
-        recovery = recovery_config(settings, name, cluster)  # refused before anything starts when it does not fit
+        recovery = recovery_config(settings, spec, cluster)  # refused before anything starts when it does not fit
         if spec.windowed:  # spill files nothing uses go after retention.state_days, before Bytewax starts
-            prune_at_start(settings)
+            prune_at_start(settings, spec)
         endpoint = metrics.serve_part(settings, f"flow-{name}", cluster.local_index)
         try:
             stop = stop if stop is not None else stop_on_signals()
@@ -325,7 +325,7 @@ class Part:
     """How Kubernetes runs it. None: it is not deployed, as the policy server (the inference fleet serves)."""
     finishes: bool = False
     """Its clean exit ends the run: the trainer's, once its steps or decisions are done. The others run until
-    they are stopped."""
+    they are stopped. It is the part that trains, so the loop's training settings are its own to refuse."""
 
     def __post_init__(self) -> None:
         if self.flow is not None and self.flow.name != self.name:
@@ -341,7 +341,9 @@ PART_LIST = (
         "reward flow",
         _flow("rewards"),
         needs_clickhouse=True,
-        flow=Flow("rewards", _reward_flow, _reward_summary, tail="flow.tail", windowed=True),
+        flow=Flow(
+            "rewards", _reward_flow, _reward_summary, tail="flow.tail", recovery="flow.recovery_dir", windowed=True
+        ),
         stops_first=False,
         local=Local("rewards", ("-m", "app.cli", "flow", "rewards", "-w", "1"), processes=2),
         workload=Workload("20-reward-flow.yaml", "StatefulSet", "rtrl-reward-flow", "reward_processes", True),
@@ -351,7 +353,7 @@ PART_LIST = (
         "batch flow",
         _flow("batches"),
         needs_clickhouse=True,
-        flow=Flow("batches", _batch_flow, _batch_summary, tail="batching.tail"),
+        flow=Flow("batches", _batch_flow, _batch_summary, tail="batching.tail", recovery="batching.recovery_dir"),
         stops_first=False,
         local=Local("batches", ("-m", "app.cli", "flow", "batches")),
         workload=Workload("30-batch-flow.yaml", "StatefulSet", "rtrl-batch-flow", "batch_processes", True),
@@ -379,6 +381,9 @@ PART_LIST = (
 )
 DEFINED = {p.name: p for p in PART_LIST}
 PARTS = tuple(DEFINED)
+#: each flow part's flow by its name, in start order
+FLOW = {p.name: p.flow for p in PART_LIST if p.flow is not None}
+FLOWS = tuple(FLOW.values())
 
 
 #: set by the supervisor for its parts: the part stops (cleanly, as on SIGTERM) when that process is gone
@@ -412,7 +417,7 @@ def main(argv: list[str] | None = None, settings: Settings | None = None) -> int
     from app.services import preflight
 
     try:  # settings and services checked before the long work (a warm start, a flow's recovery)
-        settings = loop_settings(settings or load_settings(), trains=part.name == "train")
+        settings = loop_settings(settings or load_settings(), trains=part.finishes)
         if to_end and part.flow is not None:
             settings = settings.updated({part.flow.tail: False})
         bootstrap = preflight(settings, clickhouse_too=part.needs_clickhouse)

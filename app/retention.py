@@ -24,16 +24,19 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flows import spill
 from rtrl import clickhouse
 from rtrl.settings import Settings
 from schemas.records import Checkpoint
 from trainer.registry import registry_dir
+
+if TYPE_CHECKING:
+    from app.flow_state import Flow
 
 
 def serving(latest: dict[int, Checkpoint]) -> int | None:
@@ -116,18 +119,21 @@ def _written(folder: Path) -> float:
     return max((f.stat().st_mtime for f in folder.iterdir() if f.is_file()), default=0.0)
 
 
-def prune_state(settings: Settings, now_s: float, dry_run: bool = False) -> tuple[list[Path], list[Path]]:
-    """Delete the recovery folders and spill files retention does not keep (the module docstring says which);
-    return them. A cluster's ``process-*`` folders go together or not at all: each is locked while they go."""
+def prune_state(
+    settings: Settings, now_s: float, flows: Sequence[Flow], dry_run: bool = False
+) -> tuple[list[Path], list[Path]]:
+    """Delete the ``flows``' recovery folders and spill files retention does not keep (the module docstring says
+    which); return them. A cluster's ``process-*`` folders go together or not at all: each is locked while they
+    go. The windowed flows' snapshots refer to the spill files."""
     from app.flow_state import recovery_path
 
     days = settings.retention.state_days
     if days <= 0:
         return [], []
     gone: list[Path] = []
-    rewards = recovery_path(settings, "rewards")
-    references = [rewards]
-    for root in (rewards, recovery_path(settings, "batches")):
+    windowed = {recovery_path(settings, f) for f in flows if f.windowed}
+    references = sorted(windowed)
+    for root in (recovery_path(settings, f) for f in flows):
         folders = recovery_folders([root])
         if not folders or any(now_s - _written(f) < days * 86_400 for f in folders):
             continue
@@ -140,8 +146,8 @@ def prune_state(settings: Settings, now_s: float, dry_run: bool = False) -> tupl
                 locks.append(fd)
             else:
                 gone += folders
-                if root == rewards:
-                    references = []  # its snapshots go: they refer to nothing any more
+                if root in windowed:
+                    references.remove(root)  # its snapshots go: they refer to nothing any more
                 if not dry_run:
                     for f in folders:
                         shutil.rmtree(f)
@@ -151,8 +157,8 @@ def prune_state(settings: Settings, now_s: float, dry_run: bool = False) -> tupl
     return gone, spill.prune(settings.state_root, references, days, now_s, dry_run)
 
 
-def prune_at_start(settings: Settings) -> list[Path]:
-    """The reward flow's unused spill files, pruned as it starts, before Bytewax opens its recovery store. A
+def prune_at_start(settings: Settings, flow: Flow) -> list[Path]:
+    """The windowed ``flow``'s unused spill files, pruned as it starts, before Bytewax opens its recovery store. A
     failure is logged, never raised: retention must not stop the flow."""
     import logging
     import time
@@ -160,8 +166,8 @@ def prune_at_start(settings: Settings) -> list[Path]:
     from app.flow_state import recovery_path
 
     try:
-        r = [recovery_path(settings, "rewards")]
+        r = [recovery_path(settings, flow)]
         return spill.prune(settings.state_root, r, settings.retention.state_days, time.time())
     except Exception as e:  # noqa: BLE001
-        logging.getLogger(__name__).warning("retention of the reward flow's spill files skipped: %s", e)
+        logging.getLogger(__name__).warning("retention of the %s flow's spill files skipped: %s", flow.name, e)
         return []

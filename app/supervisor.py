@@ -279,7 +279,7 @@ class Supervisor:
                     continue
                 end_group(proc.pid)  # whatever the dead part forked goes with it
                 self.exits.append((name, rc))
-                if name == "train" and rc == 0 and self.decided_all():
+                if DEFINED[name].finishes and rc == 0 and self.decided_all():
                     # every decision made: the other parts run on (the final A/B) and are still supervised
                     with self.lock:
                         self.procs.pop(name, None)

@@ -24,6 +24,7 @@ import msgspec
 import pytest
 
 from app.flow_state import Cluster, cluster_from, process_recovery_path, recovery_config
+from app.parts import FLOW
 from devservices.broker import free_port, free_ports
 from rtrl.errors import ConfigError
 from rtrl.kafka import ensure_topics, read_topic
@@ -139,21 +140,21 @@ def test_each_cluster_process_keeps_its_own_recovery_partition(tmp_path):
     settings = load_settings(env={"RTRL_DATA_DIR": str(tmp_path)})
     two = [Cluster(i, ("127.0.0.1:1", "127.0.0.1:2")) for i in range(2)]
     for c in two:
-        recovery_config(settings, "rewards", c)
-        recovery_config(settings, "rewards", c)  # a restart: initialised once, found again
+        recovery_config(settings, FLOW["rewards"], c)
+        recovery_config(settings, FLOW["rewards"], c)  # a restart: initialised once, found again
     base = tmp_path / "recovery" / "rewards"
-    assert process_recovery_path(settings, "rewards", two[1]) == base / "process-1"
+    assert process_recovery_path(settings, FLOW["rewards"], two[1]) == base / "process-1"
     assert _parts(base / "process-0") == [(0, 2)] and _parts(base / "process-1") == [(1, 2)]
     assert sorted(p.name for p in base.iterdir()) == ["process-0", "process-1"]  # nothing else left there
     with pytest.raises(ConfigError, match=r"holds partition 1 of 2, not 1 of 3 .*fix: run the cluster with"):
-        recovery_config(settings, "rewards", Cluster(1, ("a:1", "b:1", "c:1")))
+        recovery_config(settings, FLOW["rewards"], Cluster(1, ("a:1", "b:1", "c:1")))
     with pytest.raises(ConfigError, match=r"holds a cluster's state .*this is a lone process; fix"):
-        recovery_config(settings, "rewards")
+        recovery_config(settings, FLOW["rewards"])
     lone = load_settings(env={"RTRL_DATA_DIR": str(tmp_path / "lone")})
-    recovery_config(lone, "batches")
+    recovery_config(lone, FLOW["batches"])
     assert _parts(tmp_path / "lone" / "recovery" / "batches") == [(0, 1)]
     with pytest.raises(ConfigError, match=r"holds a lone process's state, and this is process 0 of a cluster of 2"):
-        recovery_config(lone, "batches", two[0])
+        recovery_config(lone, FLOW["batches"], two[0])
 
 
 def test_the_cluster_options_reach_rtrl_flow(tmp_path):

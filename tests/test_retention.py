@@ -23,6 +23,7 @@ import pytest
 from bytewax.recovery import RecoveryConfig, init_db_dir
 from bytewax.testing import TestingSink, TestingSource, run_main
 
+from app.parts import FLOW, FLOWS
 from app.retention import hold, prune_at_start, prune_state
 from flows import reward_flow
 from flows.processor import Message
@@ -252,27 +253,27 @@ def test_flow_state_is_kept_while_used_and_deleted_after_its_retention(tmp_path)
         before = sorted(p.name for p in state.iterdir())
         now = time.time()
         with hold(recovery):  # the reward flow runs on its recovery folder
-            assert prune_state(settings, now, dry_run=True) == ([batches], [old])
+            assert prune_state(settings, now, FLOWS, dry_run=True) == ([batches], [old])
             assert sorted(p.name for p in state.iterdir()) == before and batches.exists()
-            assert prune_state(settings, now) == ([batches], [old])
+            assert prune_state(settings, now, FLOWS) == ([batches], [old])
         assert not batches.exists() and not old.exists() and not old.with_name(old.name + "-wal").exists()
         assert all(p.exists() for p in (*live, young, held, other, recovery))
     finally:
         holder.communicate("", timeout=30)
     _age(held, 30)  # its holder wrote it as it closed
     with hold(recovery):
-        assert prune_state(settings, time.time()) == ([], [held])  # nothing holds it any more
+        assert prune_state(settings, time.time(), FLOWS) == ([], [held])  # nothing holds it any more
 
     _reward_flow_run(settings, recovery)  # resumes from the kept snapshot and its spill files
     assert sorted(state.glob("partition-*.sqlite")) == sorted([*live, young])  # no fresh file: it resumed
     again = dead("d" * 12, 8)
-    assert prune_at_start(settings) == [again]  # as a reward flow does at its start
+    assert prune_at_start(settings, FLOW["rewards"]) == [again]  # as a reward flow does at its start
     assert not again.exists() and all(p.exists() for p in (*live, young))
 
     gc.collect()  # the in-process run's stores, as a stopped flow's process lets go of its files
     for path in (*live, recovery):  # the flow stopped a month ago: its folder and files go
         _age(path, 30)
-    assert prune_state(settings, time.time()) == ([recovery], live)
+    assert prune_state(settings, time.time(), FLOWS) == ([recovery], live)
     assert not recovery.exists() and sorted(p.name for p in state.iterdir()) == sorted(
         p.name
         for p in (young, young.with_name(young.name + "-wal"), young.with_name(young.name + "-shm"), other)
@@ -294,5 +295,5 @@ def test_spill_files_are_kept_when_part_of_a_clusters_recovery_store_is_elsewher
     _age(old, 30)
     with hold(recovery):
         with pytest.raises(StateError, match=r"partitions \[1\] of a store of 2"):
-            prune_state(settings, time.time())
-    assert prune_at_start(settings) == [] and old.exists()
+            prune_state(settings, time.time(), FLOWS)
+    assert prune_at_start(settings, FLOW["rewards"]) == [] and old.exists()

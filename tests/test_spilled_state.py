@@ -289,8 +289,11 @@ def test_corrupt_or_foreign_state_file_is_a_clear_error(tmp_path):
 def test_state_dir_on_another_volume_is_refused(tmp_path):
     """`rtrl flow rewards` and the loop's part refuse a flow.state_dir on another volume than the recovery folder."""
     from app.flow_state import check_state_volume
+    from app.parts import FLOW
     from rtrl.errors import ConfigError
     from rtrl.settings import load_settings
+
+    rewards = FLOW["rewards"]
 
     shm = Path("/dev/shm")
     if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
@@ -298,5 +301,5 @@ def test_state_dir_on_another_volume_is_refused(tmp_path):
     with tempfile.TemporaryDirectory(dir=shm) as other:
         env = {"RTRL_DATA_DIR": str(tmp_path), "RTRL_FLOW__STATE_MEMORY_MB": "64", "RTRL_FLOW__STATE_DIR": other}
         with pytest.raises(ConfigError, match="another volume.*flow.state_dir|flow.state_dir.*another volume"):
-            check_state_volume(load_settings(env=env))
-    check_state_volume(load_settings(env={"RTRL_DATA_DIR": str(tmp_path), "RTRL_FLOW__STATE_MEMORY_MB": "64"}))
+            check_state_volume(load_settings(env=env), rewards)
+    check_state_volume(load_settings(env={"RTRL_DATA_DIR": str(tmp_path), "RTRL_FLOW__STATE_MEMORY_MB": "64"}), rewards)
