@@ -43,17 +43,12 @@ class Flow:
 
     def follows(self, settings: Settings) -> bool:
         """Whether it follows its topics under ``settings`` (its :attr:`tail` setting)."""
-        return bool(_setting(settings, self.tail))
-
-
-def _setting(settings: Settings, name: str) -> Any:
-    section, _, key = name.partition(".")
-    return getattr(getattr(settings, section), key)
+        return bool(settings.value(self.tail))
 
 
 def recovery_path(settings: Settings, flow: Flow) -> Path:
     """Bytewax recovery folder of ``flow``: its :attr:`Flow.recovery` setting, else ``<data_dir>/recovery/<name>``."""
-    return Path(_setting(settings, flow.recovery) or settings.data_path / "recovery" / flow.name)
+    return Path(settings.value(flow.recovery) or settings.data_path / "recovery" / flow.name)
 
 
 @dataclass(frozen=True)

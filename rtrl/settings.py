@@ -229,6 +229,11 @@ class Settings(BaseSettings):
         """Full topic name for a logical name such as ``events``."""
         return f"{self.kafka.topic_prefix}{name}"
 
+    def value(self, name: str) -> Any:
+        """The value of setting ``section.key``, e.g. ``flow.tail``."""
+        sec, _, key = name.partition(".")
+        return getattr(getattr(self, sec), key)
+
     def updated(self, changes: Mapping[str, Any]) -> Settings:
         """A validated copy with ``{"section.key": value}`` changed (how a job derives a child's settings)."""
         doc = self.model_dump()
@@ -546,7 +551,7 @@ def refuse_overrides(settings: Settings, fixed: Mapping[str, tuple[Any, str]], w
     something else, which is refused with a ConfigError saying why (never silently changed)."""
     for name, (value, why) in fixed.items():
         sec, _, key = name.partition(".")
-        current = getattr(getattr(settings, sec), key)
+        current = settings.value(name)
         if key in getattr(settings, sec).model_fields_set and current != value:
             raise ConfigError(
                 f"setting {name} = {current!r} cannot be used by {who}: it needs {name} = {value!r} "
